@@ -1,0 +1,108 @@
+"""Attention contexts: the seam between the model and where its keys and values live.
+
+The model computes q, k, v for a flat batch of tokens and hands them to `ctx.attend(layer, q, k, v)`.
+A context decides what each query attends to:
+  - `PackedCausal`: several sequences packed end to end, causal within each, no cache (the trainer,
+    and reference checks).
+  - `PagedAttention`: the engine's paged KV cache; each sequence's new tokens attend to its cached
+    prefix plus themselves. This file holds the PyTorch reference; the GPU fast path provides another
+    implementation with the same `attend` contract.
+
+Shapes: T tokens in the flat batch, H query heads, K key/value heads, D head dim, S KV-cache slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class AttentionContext:
+    """Contract: `attend(layer, q_THD, k_TKD, v_TKD) -> o_THD`. May write k and v into a cache (the only
+    mutation); must not keep references to q, k, v after returning."""
+
+    def attend(self, layer: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _sdpa(q_BHQD, k_BKLD, v_BKLD, mask_BQL):
+    num_groups = q_BHQD.shape[1] // k_BKLD.shape[1]
+    if num_groups > 1:
+        k_BKLD = k_BKLD.repeat_interleave(num_groups, dim=1)
+        v_BKLD = v_BKLD.repeat_interleave(num_groups, dim=1)
+    return F.scaled_dot_product_attention(q_BHQD, k_BKLD, v_BKLD, attn_mask=mask_BQL[:, None])
+
+
+@dataclass
+class PackedCausal(AttentionContext):
+    """Sequences of lengths `seq_lens` packed into one flat batch, causal within each."""
+
+    seq_lens: list[int]
+
+    def attend(self, layer, q_THD, k_TKD, v_TKD):
+        outs, start = [], 0
+        for n in self.seq_lens:
+            q, k, v = (x[start:start + n].transpose(0, 1)[None] for x in (q_THD, k_TKD, v_TKD))
+            mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()[None]
+            outs.append(_sdpa(q, k, v, mask)[0].transpose(0, 1))
+            start += n
+        return torch.cat(outs)
+
+
+@dataclass
+class PagedAttention(AttentionContext):
+    """The engine's batch against its paged KV cache (PyTorch reference).
+
+    k_cache / v_cache: [num_layers, S, K, D] slot-major views of the page pool (slot = page * page_size +
+    offset). Each sequence b contributes `q_lens[b]` new tokens (contiguous in the flat batch, in order)
+    whose keys and values go to `new_slots` [T]; sequence b then attends causally over its first
+    `kv_lens[b]` positions, whose slots are `kv_slots[b]` (a [kv_lens[b]] int tensor)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    new_slots: torch.Tensor
+    q_lens: list[int]
+    kv_lens: list[int]
+    kv_slots: list[torch.Tensor]
+
+    def attend(self, layer, q_THD, k_TKD, v_TKD):
+        self.k_cache[layer, self.new_slots] = k_TKD.to(self.k_cache.dtype)
+        self.v_cache[layer, self.new_slots] = v_TKD.to(self.v_cache.dtype)
+        out_THD = torch.empty_like(q_THD)
+        starts = [0]
+        for n in self.q_lens:
+            starts.append(starts[-1] + n)
+        # Decode rows (one query each) are batched into one padded call; prefill chunks go one by one
+        # so a long chunk does not pad every decode row to its length.
+        decode = [b for b, n in enumerate(self.q_lens) if n == 1]
+        if decode:
+            self._attend_batch(layer, decode, starts, q_THD, out_THD)
+        for b, n in enumerate(self.q_lens):
+            if n > 1:
+                self._attend_batch(layer, [b], starts, q_THD, out_THD)
+        return out_THD
+
+    def _attend_batch(self, layer, rows, starts, q_THD, out_THD):
+        device = q_THD.device
+        q_max = max(self.q_lens[b] for b in rows)
+        kv_max = max(self.kv_lens[b] for b in rows)
+        num_rows = len(rows)
+        slots = torch.zeros(num_rows, kv_max, dtype=torch.long, device=device)
+        q_BQHD = q_THD.new_zeros(num_rows, q_max, *q_THD.shape[1:])
+        mask = torch.zeros(num_rows, q_max, kv_max, dtype=torch.bool, device=device)
+        for i, b in enumerate(rows):
+            n, kv = self.q_lens[b], self.kv_lens[b]
+            slots[i, :kv] = self.kv_slots[b]
+            q_BQHD[i, :n] = q_THD[starts[b]:starts[b] + n]
+            # query j sits at position kv - n + j and sees keys 0 .. kv - n + j
+            pos = torch.arange(kv - n, kv, device=device)
+            mask[i, :n, :kv] = torch.arange(kv, device=device)[None] <= pos[:, None]
+            mask[i, n:, 0] = True  # padded queries: attend to something, result discarded
+        k_BLKD = self.k_cache[layer][slots].to(q_THD.dtype)
+        v_BLKD = self.v_cache[layer][slots].to(q_THD.dtype)
+        o_BHQD = _sdpa(q_BQHD.transpose(1, 2), k_BLKD.transpose(1, 2), v_BLKD.transpose(1, 2), mask)
+        o_BQHD = o_BHQD.transpose(1, 2)
+        for i, b in enumerate(rows):
+            out_THD[starts[b]:starts[b] + self.q_lens[b]] = o_BQHD[i, :self.q_lens[b]]

@@ -1,0 +1,89 @@
+"""Building a model: from a preset or `config.json`, with random weights or from `*.safetensors`
+(single file, or sharded with `model.safetensors.index.json`). `load_weights` is also the path of
+in-place weight updates, so it validates names and shapes before touching any parameter."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from tandem.config import ModelConfig, resolve_model
+from tandem.model.qwen3 import Qwen3ForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from a checkpoint directory, one shard open at a time."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors files in {path}")
+    for file in files:
+        if not (path / file).is_file():
+            raise ValueError(f"model: {path / file} is named by the index but missing")
+        with safe_open(path / file, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError naming the first tensor that does not fit; mutates nothing."""
+    params = dict(model.named_parameters())
+    for name, tensor in named.items():
+        if name == "lm_head.weight" and model.config.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        if name not in params:
+            raise ValueError(f"weights: unknown parameter {name!r}")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"weights: {name} has shape {tuple(tensor.shape)}, the model expects "
+                             f"{tuple(params[name].shape)}")
+        if not (tensor.is_floating_point()):
+            raise ValueError(f"weights: {name} has dtype {tensor.dtype}, expected a floating-point tensor")
+
+
+@torch.no_grad()
+def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False):
+    """Copy full (unsharded) tensors into the model by Hugging Face name. All are checked before any is
+    copied, so a bad update leaves the model untouched. `strict`: every parameter must be given."""
+    named = dict(named)
+    check_weights(model, named)
+    params = dict(model.named_parameters())
+    if strict:
+        missing = sorted(set(params) - set(named))
+        if missing:
+            raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, tensor in named.items():
+        if name in params:
+            params[name].copy_(tensor)
+    return sorted(named)
+
+
+def build_model(model: str | ModelConfig, device: str | torch.device = "cpu", dtype: str | None = None,
+                seed: int = 0) -> Qwen3ForCausalLM:
+    """A model from a preset name, a checkpoint directory or a config. Random weights (seeded) unless the
+    directory holds safetensors. `dtype` overrides the config's (the CPU default is float32)."""
+    if isinstance(model, ModelConfig):
+        config, weights_dir = model, None
+    else:
+        config, weights_dir = resolve_model(model)
+    torch_dtype = DTYPES[dtype or config.dtype]
+    with torch.device("meta"):
+        net = Qwen3ForCausalLM(config)
+    net = net.to_empty(device="cpu")
+    if config.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight  # to_empty unties; tie again
+    if weights_dir is None:
+        net.init_random(seed)
+    else:
+        load_weights(net, iter_safetensors(weights_dir), strict=True)
+    return net.to(device=device, dtype=torch_dtype).eval()

@@ -1,0 +1,129 @@
+"""Qwen3 dense decoder. Parameter names equal Hugging Face's `Qwen3ForCausalLM`, so a trainer's state dict
+maps 1:1 onto the engine's.
+
+The model works on a flat batch: `input_ids` [T] and `positions` [T] of all sequences' new tokens back to
+back; where each token's keys and values come from and go to is the `AttentionContext`'s business.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tandem.config import ModelConfig
+from tandem.model.attention import AttentionContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions_T: torch.Tensor, head_dim: int, theta: float):
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions_T.device)
+                               .float() / head_dim)
+    freqs_TF = positions_T.float()[:, None] * inv_freq[None]
+    emb = torch.cat([freqs_TF, freqs_TF], dim=-1)
+    return emb.cos()[:, None], emb.sin()[:, None]  # [T, 1, D], broadcast over heads
+
+
+def apply_rope(x_THD, cos, sin):
+    half = x_THD.shape[-1] // 2
+    rotated = torch.cat([-x_THD[..., half:], x_THD[..., :half]], dim=-1)
+    return (x_THD * cos + rotated * sin).to(x_THD.dtype)
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x_TE, cos, sin, ctx: AttentionContext):
+        T = x_TE.shape[0]
+        q = self.q_norm(self.q_proj(x_TE).view(T, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x_TE).view(T, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x_TE).view(T, self.num_kv_heads, self.head_dim)
+        o_THD = ctx.attend(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        return self.o_proj(o_THD.reshape(T, -1))
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.self_attn = Qwen3Attention(config, layer)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: AttentionContext):
+        """Final hidden states [T, E] (after the last norm); `compute_logits` turns rows into logits."""
+        cos, sin = rope_cos_sin(positions_T, self.config.head_dim, self.config.rope_theta)
+        x = self.model.embed_tokens(input_ids_T)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_NE).float()
+
+    def init_random(self, seed: int, std: float = 0.02):
+        """Hugging Face's initialisation (normal(0, std) for matrices, ones for norms), reproducible."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+        return self

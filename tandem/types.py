@@ -1,0 +1,154 @@
+"""The one vocabulary that crosses every boundary: sampling parameters, a generate request's output,
+finish reasons. Plain dataclasses, importable without torch. Field names follow SGLang's native API."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling. `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those
+    filters. `seed` makes sampling reproducible: the same seed, prompt and weights give the same tokens
+    whatever else is batched alongside (the noise is a function of seed and position only)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"sampling_params.{name}: {why}, got {getattr(self, name)!r}")
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
+            bad("max_new_tokens", "must be an integer")
+        if self.max_new_tokens < 0:
+            bad("max_new_tokens", "must be >= 0")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a number >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            bad("top_k", "must be an integer (<= 0 disables it)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
+            bad("min_p", "must be in [0, 1)")
+        if not isinstance(self.ignore_eos, bool):
+            bad("ignore_eos", "must be a boolean")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or self.seed < 0):
+            bad("seed", "must be a non-negative integer")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple | list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                        for t in ids):
+            bad("stop_token_ids", "must be a list of integers")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        """From SGLang's `sampling_params` JSON object. Unknown keys are an error (a typo must not be
+        silently ignored); `null` values mean the default."""
+        d = dict(d or {})
+        if not isinstance(d, dict):
+            raise ValueError("sampling_params: must be an object")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x rejects NaN
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    type: Literal["length", "stop", "abort"]
+    length: int | None = None  # for "length": the number of tokens generated
+    matched: int | None = None  # for "stop": the stop/EOS token id that ended the request
+    message: str | None = None  # for "abort": why
+
+    def to_dict(self) -> dict:
+        """SGLang's `meta_info.finish_reason` object."""
+        d: dict = {"type": self.type}
+        if self.type == "length":
+            d["length"] = self.length
+        elif self.type == "stop":
+            d["matched"] = self.matched
+        elif self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    """What a finished request returns. `output_logprobs[i]` is the log-probability of `output_ids[i]`
+    under the distribution it was sampled from (see `tandem.engine.sampler`); `weight_versions[i]` is
+    the weight version the engine held when it sampled `output_ids[i]`."""
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens served from the prefix cache on the request's last admission
+    prefill_tokens: int = 0  # tokens this request actually computed in prefill, over all its admissions
+    num_retractions: int = 0
+    weight_version: int = 0  # the engine's weight version when the request finished
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def meta_info(self, return_logprob: bool = False) -> dict:
+        """SGLang's `meta_info` object."""
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason.to_dict(),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "weight_version": self.weight_version,
+            "output_token_weight_versions": self.weight_versions,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs,
+                                                                           self.output_ids, strict=True)]
+        return meta
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters the engine exposes (and `/metrics` exports)."""
+
+    num_running: int = 0
+    num_queued: int = 0
+    num_paused: int = 0
+    generated_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    prefill_tokens_cached: int = 0
+    num_retractions: int = 0
+    num_finished: int = 0
+    num_aborted: int = 0
+    num_steps: int = 0
+    weight_version: int = 0
+    pages_total: int = 0
+    pages_free: int = 0
+    pages_cached: int = 0  # pages held only by the prefix cache (evictable)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        total = self.prefill_tokens_computed + self.prefill_tokens_cached
+        return self.prefill_tokens_cached / total if total else 0.0
