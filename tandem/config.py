@@ -86,7 +86,7 @@ _QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_thet
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                        max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=True,
+                        max_position_embeddings=4096, rope_theta=10_000.0, tie_word_embeddings=False,
                         eos_token_id=1),
     "small": ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=32,

@@ -42,8 +42,8 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or self.seed < 0):
-            bad("seed", "must be a non-negative integer")
+                                      or not 0 <= self.seed < 2**63):
+            bad("seed", "must be an integer in [0, 2**63)")
         ids = self.stop_token_ids
         if not isinstance(ids, tuple | list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                         for t in ids):

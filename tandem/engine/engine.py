@@ -1,0 +1,299 @@
+"""The engine: an async, token-in token-out generation API over a loop that runs in its own thread.
+
+Every call from the caller's side only validates and enqueues a command; all engine state is touched by
+the engine thread alone, so the caller's event loop never blocks on the engine and commands (pause,
+weight updates, aborts) are ordered with steps. Many concurrent `generate` calls batch together.
+
+Weight updates and the prefix cache: `update_weights` is allowed only while paused. It always empties
+the prefix cache, so no request ever reuses KV computed with older weights. Requests frozen by
+`pause("in_place")` keep their own old KV (the documented trade-off: their next tokens attend to KV of
+the previous weights) and never share it with anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import Literal
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.radix_cache import RadixCache
+from tandem.engine.request import Request
+from tandem.engine.scheduler import Scheduler
+from tandem.model.loader import build_model, check_weights, load_weights
+from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses in its current state (not a malformed input: that is ValueError)."""
+
+
+class Engine:
+    def __init__(self, model: str | ModelConfig | Qwen3ForCausalLM = "tiny", config: EngineConfig | None = None,
+                 dtype: str | None = None, seed: int = 0):
+        self.config = config or EngineConfig()
+        if isinstance(model, Qwen3ForCausalLM):
+            self.model = model.eval()
+        else:
+            self.model = build_model(model, device=self.config.device, dtype=dtype or "float32", seed=seed)
+        self.model_config = self.model.config
+        self.max_context_len = self.config.max_context_len or self.model_config.max_position_embeddings
+        param = next(self.model.parameters())
+        self.pool = KVPool(self.model_config, self.config.num_pages, self.config.page_size, param.dtype,
+                           param.device)
+        self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
+        self.scheduler = Scheduler(self.pool, self.cache, self.config)
+        self.runner = ModelRunner(self.model, self.pool)
+        self.weight_version = 0
+        self.paused: PauseMode | None = None
+        self.stats = EngineStats(pages_total=self.pool.num_pages)
+        self._requests: dict[str, Request] = {}
+        self._rng = random.Random(self.config.seed)
+        self._arrival = itertools.count()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side: validation, then a command for the engine thread -----------------------------------
+    async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
+                       rid: str | None = None) -> GenerateOutput:
+        """Generate from `input_ids`. Raises ValueError for a malformed request (nothing is enqueued). If the
+        awaiting task is cancelled (a client went away) the request is aborted and its pages freed."""
+        sampling = sampling or SamplingParams()
+        rid = rid if rid is not None else uuid.uuid4().hex
+        self.validate(input_ids, sampling, rid)
+        fut: Future = Future()
+        self._commands.put((self._add_request, (list(input_ids), sampling, rid, fut), None))
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+
+    def validate(self, input_ids, sampling: SamplingParams, rid: str) -> None:
+        if not isinstance(rid, str) or not rid:
+            raise ValueError("rid: must be a non-empty string")
+        if not isinstance(input_ids, list | tuple) or not input_ids:
+            raise ValueError("input_ids: must be a non-empty list of token ids")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(input_ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"input_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
+        for t in sampling.stop_token_ids:
+            if not 0 <= t < vocab:
+                raise ValueError(f"sampling_params.stop_token_ids: {t} is not a token id in [0, {vocab})")
+        total = len(input_ids) + sampling.max_new_tokens
+        if total > self.max_context_len:
+            raise ValueError(f"input_ids: prompt ({len(input_ids)} tokens) plus max_new_tokens "
+                             f"({sampling.max_new_tokens}) exceeds the context length {self.max_context_len}")
+        capacity = self.pool.num_pages * self.pool.page_size
+        if total - 1 > capacity:
+            raise ValueError(f"input_ids: prompt plus max_new_tokens ({total}) exceeds the KV pool "
+                             f"({capacity} tokens)")
+
+    def abort(self, rid: str) -> None:
+        """Abort a request if it is still running or queued (it returns with finish reason abort)."""
+        self._commands.put((self._abort, (rid, "aborted by request"), None))
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Stop generating. `abort`: in-flight and queued requests return at once (finish reason abort)
+        with what they generated so far. `retract`: running requests drop their KV and go back to the
+        queue, to be recomputed after `resume`. `in_place`: running requests freeze, keeping their KV.
+        Requests arriving while paused queue until `resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
+        await self._call(self._pause, mode)
+
+    async def resume(self) -> None:
+        await self._call(self._resume)
+
+    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                             version: int | None = None) -> int:
+        """Load full (unsharded) tensors by Hugging Face name while paused; returns the new weight version
+        (`version`, or the current one plus 1). All tensors are checked before any is loaded. Empties
+        the prefix cache (see the module docstring)."""
+        return await self._call(self._update_weights, dict(named_tensors), version)
+
+    async def flush_cache(self) -> None:
+        """Empty the prefix cache. Refused (EngineError) while requests hold KV pages."""
+        await self._call(self._flush_cache)
+
+    async def get_stats(self) -> EngineStats:
+        return await self._call(self._snapshot)
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._commands.put((lambda: None, (), None))
+        self._thread.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    async def _call(self, fn: Callable, *args):
+        fut: Future = Future()
+        self._commands.put((fn, args, fut))
+        return await asyncio.wrap_future(fut)
+
+    # ---- engine thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            busy = self.paused is None and (self.scheduler.running or self.scheduler.waiting)
+            try:  # idle: sleep until a command arrives; busy: take one if there is one, else step
+                cmd = self._commands.get_nowait() if busy else self._commands.get()
+            except queue.Empty:
+                cmd = None
+            if cmd is not None:
+                self._run_command(*cmd)
+                continue
+            try:
+                self._step()
+            except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
+                log.exception("engine step failed")
+                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                    self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
+
+    def _run_command(self, fn, args, fut: Future | None) -> None:
+        try:
+            result = fn(*args)
+        except Exception as e:
+            if fut is None:
+                log.exception("engine command %s failed", getattr(fn, "__name__", fn))
+            else:
+                fut.set_exception(e)
+            return
+        if fut is not None:
+            fut.set_result(result)
+
+    def _step(self) -> None:
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return
+        tokens, logprobs = self.runner.run(chunks)
+        self.stats.num_steps += 1
+        sampled = iter(zip(tokens, logprobs, strict=True))
+        for c in chunks:
+            req = c.req
+            req.num_computed += c.num_tokens
+            if c.num_tokens > 1 or req.num_generated == 0:
+                req.prefill_tokens += c.num_tokens
+                self.stats.prefill_tokens_computed += c.num_tokens
+            if c.sample:
+                token, logprob = next(sampled)
+                self._append_token(req, token, logprob)
+        self.scheduler.after_step(chunks)
+        self.stats.pages_free = self.pool.num_free
+
+    def _append_token(self, req: Request, token: int, logprob: float) -> None:
+        req.tokens.append(token)
+        req.output_logprobs.append(logprob)
+        req.weight_versions.append(self.weight_version)
+        self.stats.generated_tokens += 1
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token == self.model_config.eos_token_id):
+            self._finish(req, FinishReason("stop", matched=token))
+        elif req.num_generated >= sp.max_new_tokens:
+            self._finish(req, FinishReason("length", length=req.num_generated))
+
+    def _add_request(self, input_ids, sampling: SamplingParams, rid: str, fut: Future) -> None:
+        try:
+            self._enqueue(input_ids, sampling, rid, fut)
+        except Exception as e:  # never leave a caller waiting on a request the engine lost
+            fut.set_exception(e)
+            raise
+
+    def _enqueue(self, input_ids, sampling: SamplingParams, rid: str, fut: Future) -> None:
+        if rid in self._requests:
+            fut.set_exception(ValueError(f"rid: {rid!r} is already in flight"))
+            return
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        req = Request(rid, input_ids, len(input_ids), sampling, seed, next(self._arrival), fut)
+        self._requests[rid] = req
+        self.scheduler.waiting.append(req)
+        if sampling.max_new_tokens == 0:
+            self._finish(req, FinishReason("length", length=0))
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.remove(req)
+        req.finish_reason = reason
+        self._requests.pop(req.rid, None)
+        self.stats.num_finished += 1
+        if reason.type == "abort":
+            self.stats.num_aborted += 1
+        if req.future is not None and not req.future.done():
+            req.future.set_result(req.output(self.weight_version))
+
+    def _abort(self, rid: str, message: str) -> None:
+        req = self._requests.get(rid)
+        if req is not None:
+            self._finish(req, FinishReason("abort", message=message))
+
+    def _pause(self, mode: PauseMode) -> None:
+        if mode == "abort":
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(req, FinishReason("abort", message="engine paused (mode abort)"))
+        elif mode == "retract":
+            for req in reversed(list(self.scheduler.running)):
+                self.scheduler.retract(req)
+        self.paused = mode
+        log.info("paused (%s)", mode)
+
+    def _resume(self) -> None:
+        self.paused = None
+
+    def _update_weights(self, named: dict[str, torch.Tensor], version: int | None) -> int:
+        if self.paused is None:
+            raise EngineError("update_weights: the engine must be paused first (pause_generation)")
+        if version is not None and (not isinstance(version, int) or version < 0):
+            raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
+        check_weights(self.model, named)
+        t0 = time.perf_counter()
+        load_weights(self.model, named.items())
+        for req in self.scheduler.running:  # frozen in place: their KV is from the old weights
+            req.kv_stale = True
+        if self.cache is not None:
+            self.cache.reset()
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.stats.weight_version = self.weight_version
+        log.info("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
+                 1e3 * (time.perf_counter() - t0))
+        return self.weight_version
+
+    def _flush_cache(self) -> None:
+        holders = len(self.scheduler.running)
+        if holders:
+            raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
+                              "or pause with mode abort/retract first")
+        if self.cache is not None:
+            self.cache.reset()
+
+    def _snapshot(self) -> EngineStats:
+        s = self.stats
+        s.num_running, s.num_queued = len(self.scheduler.running), len(self.scheduler.waiting)
+        s.num_paused = s.num_running + s.num_queued if self.paused else 0
+        s.num_retractions = self.scheduler.num_retractions
+        s.prefill_tokens_cached = self.scheduler.num_cached_tokens
+        s.pages_free = self.pool.num_free
+        s.pages_cached = self.cache.num_pages if self.cache else 0
+        return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})

@@ -1,0 +1,63 @@
+"""The paged KV pool: key/value tensors for a fixed number of pages, and a reference-counted page allocator.
+
+A page holds `page_size` consecutive token positions of one sequence for every layer. Slot
+`page * page_size + offset` indexes the slot-major views `k_cache` / `v_cache` [L, S, K, D].
+Whoever uses a page holds a reference (a request's page table, the prefix cache); a page returns to the
+free list when its last reference is dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandem.config import ModelConfig
+
+
+class KVPool:
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device):
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (config.num_hidden_layers, num_pages * page_size, config.num_key_value_heads, config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.refcount = [0] * num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n fresh pages with one reference each, or None (and nothing allocated) if fewer are free."""
+        if n > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"incref of free page {p}"
+            self.refcount[p] += 1
+
+    def decref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refcount[p] > 0, f"decref of free page {p}"
+            self.refcount[p] -= 1
+            if self.refcount[p] == 0:
+                self._free.append(p)
+
+    def copy_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
+        """Copy the first `num_tokens` positions of one page into another (all layers): how a request
+        takes a partially matched cached page without writing into a page others read."""
+        P = self.page_size
+        src, dst = slice(src_page * P, src_page * P + num_tokens), slice(dst_page * P, dst_page * P + num_tokens)
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
+
+    def slots(self, pages: list[int], start: int, end: int, device=None) -> torch.Tensor:
+        """Slot indices of token positions [start, end) of a sequence with page table `pages`."""
+        pos = torch.arange(start, end)
+        table = torch.tensor(pages, dtype=torch.long)
+        slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
+        return slots.to(device or self.k_cache.device)

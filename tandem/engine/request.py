@@ -1,0 +1,51 @@
+"""A request's state inside the engine (host side only)."""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from tandem.types import FinishReason, GenerateOutput, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued, holds no pages
+    RUNNING = "running"  # holds pages; prefilling while num_computed < len(tokens) - 1, then decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    tokens: list[int]  # prompt, then every generated token appended
+    prompt_len: int
+    sampling: SamplingParams
+    seed: int
+    arrival: int  # admission order key: retraction picks the newest
+    future: Future | None = None
+    status: Status = Status.WAITING
+    output_logprobs: list[float] = field(default_factory=list)
+    weight_versions: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # page table; position i lives in pages[i // page_size]
+    num_computed: int = 0  # leading tokens whose KV is in `pages`
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    num_retractions: int = 0
+    kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it
+    finish_reason: FinishReason | None = None
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def output(self, weight_version: int) -> GenerateOutput:
+        return GenerateOutput(
+            rid=self.rid, output_ids=self.output_ids, output_logprobs=list(self.output_logprobs),
+            weight_versions=list(self.weight_versions), finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len, cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
+            num_retractions=self.num_retractions, weight_version=weight_version)

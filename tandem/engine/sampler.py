@@ -1,0 +1,85 @@
+"""Batched sampling with exact log-probabilities and per-request reproducible noise.
+
+Log-probabilities: `output_logprobs[i]` is log softmax(logits / temperature) of the sampled token, i.e.
+under the temperature-scaled distribution *before* top-k / top-p / min-p truncation (the same convention
+as SGLang and vLLM's default; a trainer recomputing logprobs with the same temperature reproduces it).
+For greedy requests (temperature 0) it is the log-probability under temperature 1.
+
+Noise: sampling is Gumbel-max over the filtered logits with uniforms from an integer hash of
+(request seed, output position, vocabulary index). A request's tokens therefore depend only on its seed,
+its context and the weights, not on what else is batched with it, on retraction, or on the device: the
+hash is exact integer arithmetic, identical on CPU and GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (xor-shift-multiply) on int64 tensors holding values < 2**32. int64
+    products wrap modulo 2**64, which keeps the low 32 bits exact."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _M32
+    return x ^ (x >> 16)
+
+
+def hash_uniform(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1), [B, V] float32, a pure function of (seed, position, vocab index)."""
+    s = _mix32((seeds_B & _M32) ^ _mix32((seeds_B >> 32) & _M32))
+    s = _mix32(s ^ ((positions_B * 0x9E3779B1) & _M32))
+    v = torch.arange(vocab_size, device=seeds_B.device, dtype=torch.int64)
+    x = _mix32((s[:, None] + v[None] * 0x632BE5AB) & _M32)
+    return ((x >> 8).float() + 0.5) / float(1 << 24)
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters as tensors on the logits' device."""
+
+    temperatures: torch.Tensor  # [B] float, 0 = greedy
+    top_ps: torch.Tensor  # [B] float
+    top_ks: torch.Tensor  # [B] int, <= 0 disables
+    min_ps: torch.Tensor  # [B] float
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64: index of the token being sampled among the request's outputs
+
+
+def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (token ids [B] int64, logprobs [B] float32)."""
+    logits_BV = logits_BV.float()
+    greedy = batch.temperatures == 0
+    temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)
+    scaled_BV = logits_BV / temps[:, None]
+    logprobs_BV = torch.log_softmax(scaled_BV, dim=-1)
+    filtered_BV = _filter(scaled_BV, batch)
+    gumbel_BV = -torch.log(-torch.log(hash_uniform(batch.seeds, batch.positions, logits_BV.shape[-1])))
+    sampled = torch.argmax(filtered_BV + gumbel_BV, dim=-1)
+    tokens = torch.where(greedy, torch.argmax(logits_BV, dim=-1), sampled)
+    return tokens, logprobs_BV.gather(1, tokens[:, None])[:, 0]
+
+
+def _filter(scaled_BV, batch: SamplingBatch):
+    """Mask (to -inf) tokens outside each row's top-k, top-p nucleus and min-p floor."""
+    V = scaled_BV.shape[-1]
+    needs = (batch.top_ks > 0) & (batch.top_ks < V) | (batch.top_ps < 1) | (batch.min_ps > 0)
+    if not bool(needs.any()):
+        return scaled_BV
+    sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
+    rank = torch.arange(V, device=scaled_BV.device)[None]
+    top_k = torch.where(batch.top_ks > 0, batch.top_ks, V)[:, None]
+    drop = rank >= top_k
+    # top-p and min-p act on the distribution renormalised after top-k (as SGLang and vLLM do)
+    probs_BV = torch.softmax(sorted_BV.masked_fill(drop, float("-inf")), dim=-1)
+    # nucleus: keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
+    drop |= (probs_BV.cumsum(-1) - probs_BV) >= batch.top_ps[:, None]
+    drop |= probs_BV < batch.min_ps[:, None] * probs_BV[:, :1]
+    drop[:, 0] = False
+    mask_BV = torch.zeros_like(drop).scatter(1, order_BV, drop)
+    return scaled_BV.masked_fill(mask_BV, float("-inf"))

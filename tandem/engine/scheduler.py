@@ -1,0 +1,162 @@
+"""Continuous batching: which tokens of which requests the next step computes, and who owns which pages.
+
+Every step is a list of chunks, one per scheduled request: `num_tokens` of its known-but-uncomputed
+tokens starting at `num_computed`. A decode is a chunk of one token; a prefill chunk is longer and draws
+on a per-step token budget (chunked prefill). A chunk that reaches the end of a request's known tokens
+is sampled from. Running requests go first, oldest first; then waiting ones are admitted in order, each
+skipping the prefix the radix cache already holds.
+
+When pages run out: evict unreferenced cached pages; then, for a decode or for the oldest running
+request, retract the newest running request (drop its pages, requeue it at the front; it is recomputed
+later). So the oldest request always progresses, and admission-time validation guarantees that any one
+request fits in the pool: no deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tandem.config import EngineConfig
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.radix_cache import Match, RadixCache, lcp
+from tandem.engine.request import Request, Status
+
+
+@dataclass(slots=True)
+class Chunk:
+    req: Request
+    start: int
+    num_tokens: int
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_tokens == len(self.req.tokens)
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig):
+        self.pool, self.cache, self.config = pool, cache, config
+        self.P = pool.page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the last is the newest
+        self.num_retractions = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+
+    def schedule(self) -> list[Chunk]:
+        chunks: list[Chunk] = []
+        budget = self.config.max_prefill_tokens
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            remaining = len(req.tokens) - req.num_computed
+            n = 1 if remaining == 1 else min(remaining, budget)
+            if n == 0:
+                i += 1
+                continue
+            may_retract = remaining == 1 or i == 0
+            while not self._grow(req, req.num_computed + n) and may_retract and self.running[-1] is not req:
+                self.retract(self.running[-1])
+            n = min(n, len(req.pages) * self.P - req.num_computed)
+            if n == 0 and remaining == 1:  # it is the newest and no page is left: step aside itself
+                self.retract(req)
+                continue
+            if n > 0:
+                chunks.append(Chunk(req, req.num_computed, n))
+                if remaining > 1:
+                    budget -= n
+            i += 1
+        self._admit(chunks, budget)
+        return chunks
+
+    def _admit(self, chunks: list[Chunk], budget: int) -> None:
+        prefilling = [c.req for c in chunks if c.num_tokens > 1]
+        # one free page per running request, so admission does not force next step's decodes to retract
+        reserve = len(self.running)
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running_requests:
+                return
+            match = self.cache.match(req.tokens[:-1]) if self.cache else Match([])
+            if self._better_to_wait(req, match.num_tokens, prefilling):
+                continue
+            n = min(len(req.tokens) - match.num_tokens, budget)
+            need = -(-(match.num_tokens + n) // self.P) - len(match.pages)
+            held = match.pages + ([match.partial_page] if match.partial_page is not None else [])
+            self.pool.incref(held)  # eviction below must not take the pages just matched
+            fresh = self._alloc(need, reserve)
+            if fresh is None:
+                self.pool.decref(held)
+                return  # admit in order: nobody overtakes a request that does not fit
+            if match.partial_page is not None:
+                self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
+                self.pool.decref([match.partial_page])
+            req.pages = match.pages + fresh
+            req.num_computed = req.cached_tokens = match.num_tokens
+            self.num_cached_tokens += match.num_tokens
+            req.status = Status.RUNNING
+            self.waiting.remove(req)
+            self.running.append(req)
+            chunks.append(Chunk(req, req.num_computed, n))
+            prefilling.append(req)
+            budget -= n
+            reserve += 1
+
+    def _better_to_wait(self, req: Request, num_cached: int, prefilling: list[Request]) -> bool:
+        """A request sharing a longer prefix with one being prefilled right now (a GRPO sibling, the next
+        turn of a running agent) waits for that prefill to land in the cache instead of recomputing it."""
+        limit = len(req.tokens) - 1
+        return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.P for other in prefilling)
+
+    def _alloc(self, n: int, reserve: int = 0) -> list[int] | None:
+        short = n + reserve - self.pool.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        if self.pool.num_free - reserve < n:
+            return None
+        return self.pool.alloc(n)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give `req` pages for its first `num_tokens` positions, page by page as far as possible."""
+        need = -(-num_tokens // self.P) - len(req.pages)
+        while need > 0:
+            page = self._alloc(1)
+            if page is None:
+                return False
+            req.pages += page
+            need -= 1
+        return True
+
+    def after_step(self, chunks: list[Chunk]) -> None:
+        """Publish freshly prefilled prefixes to the cache so that waiting siblings can share them."""
+        if self.cache is None:
+            return
+        for c in chunks:
+            req = c.req
+            if c.num_tokens > 1 and req.status is Status.RUNNING and not req.kv_stale:
+                self.cache.insert(req.tokens[:req.num_computed], req.pages)
+
+    def release(self, req: Request) -> None:
+        """Drop the request's pages; its computed KV stays in the cache unless it is stale."""
+        if req.pages:
+            if self.cache is not None and not req.kv_stale and req.num_computed:
+                self.cache.insert(req.tokens[:req.num_computed], req.pages)
+            self.pool.decref(req.pages)
+        req.pages, req.num_computed = [], 0
+
+    def retract(self, req: Request) -> None:
+        self.release(req)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        req.kv_stale = False
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out for good (finished or aborted)."""
+        self.release(req)
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req.status is Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
