@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,3 +144,188 @@ class EngineConfig:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
         if self.max_context_len is not None and self.max_context_len <= 0:
             raise ValueError(f"engine config: max_context_len must be positive, got {self.max_context_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class LossConfig:
+    """Knobs of every loss. `eps_low` / `eps_high`: PPO clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher
+    when eps_high > eps_low). `behav_cap` / `behav_mode`: decoupled PPO's cap on the behaviour weight, and whether a
+    token above it is clamped to the cap ("truncate") or dropped from the numerator ("mask", AReaL's choice; the
+    token still counts in the denominator). `tis_cap`: truncated importance sampling's cap. A cap of `math.inf`
+    disables it. `kl_coef`: weight of the k3 KL penalty to the reference policy (needs `ref_logprobs`)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    behav_cap: float = 5.0
+    behav_mode: Literal["truncate", "mask"] = "truncate"
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+
+    def __post_init__(self):
+        def bad(name, why):
+            raise ValueError(f"loss config: {name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("eps_low", "eps_high", "behav_cap", "tis_cap", "kl_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+                bad(name, "must be a number")
+        if not 0 <= self.eps_low < 1:
+            bad("eps_low", "must be in [0, 1)")
+        if not 0 <= self.eps_high < math.inf:
+            bad("eps_high", "must be finite and >= 0")
+        # A cap below 1 would down-weight tokens that are exactly on-policy (w = 1).
+        for name in ("behav_cap", "tis_cap"):
+            if getattr(self, name) < 1:
+                bad(name, "must be >= 1 (math.inf disables it)")
+        if not 0 <= self.kl_coef < math.inf:
+            bad("kl_coef", "must be finite and >= 0")
+        if self.behav_mode not in ("truncate", "mask"):
+            bad("behav_mode", "must be 'truncate' or 'mask'")
+        if self.aggregation not in ("token_mean", "seq_mean"):
+            bad("aggregation", "must be 'token_mean' or 'seq_mean'")
+
+
+def _check_positive(section: str, obj, names) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise ValueError(f"{section}.{name}: must be positive, got {value!r}")
+
+
+@dataclass(slots=True)
+class RandomAgentConfig:
+    """The random agent: random prompts, a random number of turns, long-tailed response lengths (log-normal,
+    clipped: most short, a few very long), random tool output of `obs_ratio` x the response length, optional
+    simulated tool latency, and a reward uniform in [-1, 1]. Token ids are drawn from [0, vocab_size)."""
+
+    prompt_len_min: int = 16
+    prompt_len_max: int = 128
+    turns_min: int = 1
+    turns_max: int = 4
+    response_len_median: float = 12.0
+    response_len_sigma: float = 1.0  # log-normal sigma: 1.0 puts ~5% of turns above 5x the median
+    response_len_max: int = 256
+    obs_ratio: float = 3.0
+    obs_len_max: int = 256
+    tool_latency_s: float = 0.0  # mean of an exponential delay before each observation
+    max_context: int = 2048
+
+    def __post_init__(self):
+        _check_positive("random_agent", self, ("prompt_len_min", "prompt_len_max", "turns_min", "turns_max",
+                                               "response_len_median", "response_len_max", "max_context"))
+        if self.prompt_len_max < self.prompt_len_min or self.turns_max < self.turns_min:
+            raise ValueError("random_agent: *_max must be >= *_min")
+        if self.response_len_sigma < 0 or self.obs_ratio < 0 or self.tool_latency_s < 0 or self.obs_len_max < 0:
+            raise ValueError("random_agent: response_len_sigma, obs_ratio, obs_len_max and tool_latency_s "
+                             "must be >= 0")
+        if self.prompt_len_max >= self.max_context:
+            raise ValueError(f"random_agent.max_context: must exceed prompt_len_max ({self.prompt_len_max}), "
+                             f"got {self.max_context}")
+
+
+@dataclass(slots=True)
+class RolloutConfig:
+    """The rollout manager. `max_staleness`: a token is trained at most this many versions after the one
+    its episode started under (0 = on-policy; that is synchronous RL). `batch_groups` groups of
+    `group_size` episodes make one train batch."""
+
+    group_size: int = 4
+    batch_groups: int = 4
+    max_staleness: int = 2
+    num_in_flight: int = 48  # episodes generating at once (slots); admission also obeys max_staleness
+    temperature: float = 1.0
+    top_p: float = 1.0
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+
+    def __post_init__(self):
+        _check_positive("rollout", self, ("group_size", "batch_groups", "num_in_flight", "temperature", "top_p"))
+        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"rollout.max_staleness: must be an integer >= 0, got {self.max_staleness!r}")
+        if self.num_in_flight < self.group_size:
+            raise ValueError(f"rollout.num_in_flight: must hold at least one group ({self.group_size}), "
+                             f"got {self.num_in_flight}")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"rollout.pause_mode: must be abort, retract or in_place, got {self.pause_mode!r}")
+
+
+@dataclass(slots=True)
+class TrainerConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096  # micro-batches are packed up to this many tokens; gradients accumulate
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    loss: str = "decoupled_ppo"  # a name in tandem.trainer.losses.LOSSES
+
+    def __post_init__(self):
+        _check_positive("trainer", self, ("lr", "grad_clip", "micro_batch_tokens"))
+        if self.advantage not in ("grpo", "rloo"):
+            raise ValueError(f"trainer.advantage: must be grpo or rloo, got {self.advantage!r}")
+
+
+@dataclass(slots=True)
+class RunConfig:
+    """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU."""
+
+    model: str = "tiny"
+    task: str = "random"  # random | target_tokens | guess_number
+    steps: int = 20
+    seed: int = 0
+    out_dir: str = "runs/latest"
+    checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
+    resume: bool = False
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    loss: LossConfig = dataclasses.field(default_factory=lambda: LossConfig())
+    random_agent: RandomAgentConfig = dataclasses.field(default_factory=RandomAgentConfig)
+
+    def __post_init__(self):
+        _check_positive("run", self, ("steps",))
+        if self.task not in ("random", "target_tokens", "guess_number"):
+            raise ValueError(f"run.task: must be random, target_tokens or guess_number, got {self.task!r}")
+
+    @classmethod
+    def load(cls, path: str | None = None, overrides: list[str] = ()) -> RunConfig:
+        """From a TOML file (sections named like the fields) and `section.key=value` overrides (values parsed
+        as TOML: numbers, booleans, quoted or bare strings)."""
+        import tomllib
+
+        data: dict = {}
+        if path:
+            data = tomllib.loads(Path(path).read_text())
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r}: expected section.key=value")
+            try:
+                value = tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                value = raw
+            *sections, leaf = key.split(".")
+            node = data
+            for section in sections:
+                node = node.setdefault(section, {})
+            node[leaf] = value
+        return _build(cls, data, "run")
+
+
+def _build(cls, data: dict, where: str):
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            raise ValueError(f"{where}: unknown field {key!r}; known: {sorted(fields)}")
+        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        sub_cls = type(sub()) if sub else None
+        if sub_cls is not None and dataclasses.is_dataclass(sub_cls):
+            if not isinstance(value, dict):
+                raise ValueError(f"{where}.{key}: must be a section")
+            kwargs[key] = _build(sub_cls, value, key)
+        else:
+            kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -4,7 +4,7 @@ finish reasons. Plain dataclasses, importable without torch. Field names follow 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 
@@ -70,6 +70,10 @@ class SamplingParams:
 
 def _is_number(x) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and x == x  # x == x rejects NaN
+
+
+# The message of an abort caused by `pause("abort")`: such a request may be resubmitted to continue.
+PAUSED_ABORT = "engine paused (mode abort)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,7 @@ class EngineStats:
     num_finished: int = 0
     num_aborted: int = 0
     num_steps: int = 0
+    busy_seconds: float = 0.0  # time spent in steps (the rest is idle: nothing to run, or paused)
     weight_version: int = 0
     pages_total: int = 0
     pages_free: int = 0
@@ -152,3 +157,47 @@ class EngineStats:
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens_computed + self.prefill_tokens_cached
         return self.prefill_tokens_cached / total if total else 0.0
+
+
+@dataclass(slots=True)
+class Episode:
+    """One multi-turn episode, token by token. Parallel lists, one entry per token of `tokens`:
+    `loss_mask` 1 for policy tokens the trainer learns from, 0 for environment tokens (prompt, tool output);
+    `behav_logprobs` the engine's logprob for policy tokens (0.0 for environment tokens); `versions` the
+    weight version a policy token was sampled under, -1 for environment tokens (so `versions[i] >= 0` says
+    who produced token i)."""
+
+    episode_id: str
+    group_id: int
+    tokens: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    behav_logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    start_version: int = 0  # the engine's weight version when the episode was admitted
+    num_turns: int = 0
+    num_resubmits: int = 0  # turns continued after an abort-mode pause (partial rollout stitched back)
+    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache, over all turns
+    ideal_cached_tokens: int = 0  # prompt tokens it could have served (everything it had computed before)
+    truncated: bool = False  # stopped by the context limit rather than by the environment
+
+    def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None,
+            versions: list[int] | None = None) -> None:
+        self.tokens += tokens
+        self.loss_mask += [int(policy)] * len(tokens)
+        self.behav_logprobs += logprobs if policy else [0.0] * len(tokens)
+        self.versions += versions if policy else [-1] * len(tokens)
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(slots=True)
+class Group:
+    """`n` episodes that share one prompt (GRPO's group). `index` is its admission number: the trainer's
+    batch s is exactly groups s * B .. (s + 1) * B - 1, which is what bounds staleness."""
+
+    index: int
+    episodes: list[Episode]
+    start_version: int

@@ -34,7 +34,7 @@ from tandem.engine.request import Request
 from tandem.engine.scheduler import Scheduler
 from tandem.model.loader import build_model, check_weights, load_weights
 from tandem.model.qwen3 import Qwen3ForCausalLM
-from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
+from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -187,11 +187,13 @@ class Engine:
             fut.set_result(result)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return
         tokens, logprobs = self.runner.run(chunks)
         self.stats.num_steps += 1
+        self.stats.busy_seconds += time.perf_counter() - t0
         sampled = iter(zip(tokens, logprobs, strict=True))
         for c in chunks:
             req = c.req
@@ -252,12 +254,12 @@ class Engine:
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(req, FinishReason("abort", message="engine paused (mode abort)"))
+                self._finish(req, FinishReason("abort", message=PAUSED_ABORT))
         elif mode == "retract":
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.retract(req)
         self.paused = mode
-        log.info("paused (%s)", mode)
+        log.debug("paused (%s)", mode)
 
     def _resume(self) -> None:
         self.paused = None
@@ -276,7 +278,7 @@ class Engine:
             self.cache.reset()
         self.weight_version = self.weight_version + 1 if version is None else version
         self.stats.weight_version = self.weight_version
-        log.info("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
+        log.debug("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
                  1e3 * (time.perf_counter() - t0))
         return self.weight_version
 

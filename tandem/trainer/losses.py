@@ -35,51 +35,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
+from tandem.config import LossConfig
+
 _FLOAT_FIELDS = ("logprobs", "old_logprobs", "behav_logprobs", "advantages", "ref_logprobs")
-
-
-@dataclass(frozen=True, slots=True)
-class LossConfig:
-    """Knobs of every loss. `eps_low` / `eps_high`: PPO clip range [1 - eps_low, 1 + eps_high] (DAPO's clip-higher
-    when eps_high > eps_low). `behav_cap` / `behav_mode`: decoupled PPO's cap on the behaviour weight, and whether a
-    token above it is clamped to the cap ("truncate") or dropped from the numerator ("mask", AReaL's choice; the
-    token still counts in the denominator). `tis_cap`: truncated importance sampling's cap. A cap of `math.inf`
-    disables it. `kl_coef`: weight of the k3 KL penalty to the reference policy (needs `ref_logprobs`)."""
-
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    behav_cap: float = 5.0
-    behav_mode: Literal["truncate", "mask"] = "truncate"
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
-
-    def __post_init__(self):
-        def bad(name, why):
-            raise ValueError(f"loss config: {name} {why}, got {getattr(self, name)!r}")
-
-        for name in ("eps_low", "eps_high", "behav_cap", "tis_cap", "kl_coef"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
-                bad(name, "must be a number")
-        if not 0 <= self.eps_low < 1:
-            bad("eps_low", "must be in [0, 1)")
-        if not 0 <= self.eps_high < math.inf:
-            bad("eps_high", "must be finite and >= 0")
-        # A cap below 1 would down-weight tokens that are exactly on-policy (w = 1).
-        for name in ("behav_cap", "tis_cap"):
-            if getattr(self, name) < 1:
-                bad(name, "must be >= 1 (math.inf disables it)")
-        if not 0 <= self.kl_coef < math.inf:
-            bad("kl_coef", "must be finite and >= 0")
-        if self.behav_mode not in ("truncate", "mask"):
-            bad("behav_mode", "must be 'truncate' or 'mask'")
-        if self.aggregation not in ("token_mean", "seq_mean"):
-            bad("aggregation", "must be 'token_mean' or 'seq_mean'")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,68 @@
+"""`tandem serve` (the engine behind SGLang's HTTP API) and `tandem run` (the RL loop on the random agent)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _serve(args) -> None:
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.server.http import serve
+
+    config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
+                          max_running_requests=args.max_running_requests,
+                          max_prefill_tokens=args.max_prefill_tokens, device=args.device,
+                          enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed)
+    engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed)
+    mc = engine.model_config
+    params = sum(p.numel() for p in engine.model.parameters())
+    logging.info("model %s: %d layers, hidden %d, vocab %d, %.1fM parameters, %s on %s", args.model,
+                 mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, params / 1e6, args.dtype, args.device)
+    logging.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB", config.num_pages, config.page_size,
+                 config.num_pages * config.page_size,
+                 2 * engine.pool.k_cache.numel() * engine.pool.k_cache.element_size() / 2**20)
+    try:
+        serve(engine, host=args.host, port=args.port)
+    finally:
+        engine.shutdown()
+
+
+def _run(args) -> None:
+    from tandem.run.main import main as run_main
+
+    run_main(args.config, args.overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model over SGLang's native HTTP API")
+    serve.add_argument("--model", default="tiny", help="preset name or a directory with config.json")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--device", default="cpu")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--page-size", type=int, default=16)
+    serve.add_argument("--num-pages", type=int, default=2048)
+    serve.add_argument("--max-running-requests", type=int, default=64)
+    serve.add_argument("--max-prefill-tokens", type=int, default=512)
+    serve.add_argument("--disable-prefix-cache", action="store_true")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(fn=_serve)
+
+    run = sub.add_parser("run", help="run fully-async RL on the random agent (or another task)")
+    run.add_argument("--config", default=None, help="a TOML run config; the embedded default if absent")
+    run.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.max_staleness=2")
+    run.set_defaults(fn=_run)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        args.fn(args)
+    except ValueError as e:
+        print(f"tandem {args.command}: {e}", file=sys.stderr)
+        sys.exit(2)

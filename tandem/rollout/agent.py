@@ -1,0 +1,69 @@
+"""The multi-turn agent loop: one episode, driven through any engine client token-in, token-out."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from tandem.rollout.env import Environment
+from tandem.types import PAUSED_ABORT, Episode, GenerateOutput, SamplingParams
+
+
+class GenerateClient(Protocol):
+    """What the rollout side needs of an engine: the in-process `Engine`, or an HTTP client of one."""
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
+                       rid: str | None = None) -> GenerateOutput: ...
+
+
+class EpisodeFailed(RuntimeError):
+    """An episode that cannot be completed (the engine aborted it for a reason other than a pause)."""
+
+
+async def run_episode(client: GenerateClient, env: Environment, episode: Episode, max_context: int,
+                      temperature: float = 1.0, top_p: float = 1.0) -> Episode:
+    """Play one episode into `episode` (mutated in place and returned). The policy samples with the RL run's
+    `temperature` and `top_p` (the trainer must score tokens with the same temperature), the environment
+    sets the rest of each turn's sampling parameters. Each turn resubmits the whole
+    history, so the engine's prefix cache serves everything computed before. A turn cut short by an
+    abort-mode pause is resubmitted with its partial output and stitched together; every token keeps the
+    weight version it was sampled under."""
+    episode.add(await env.reset(), policy=False)
+    computed = 0  # tokens of this episode the engine has already run through the model
+    for turn in range(max_context):
+        room = max_context - len(episode.tokens)
+        if room <= 0:
+            episode.truncated, episode.reward = True, env.truncated_reward()
+            return episode
+        sampling = env.sampling(turn)
+        sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room),
+                                       temperature=temperature, top_p=top_p)
+        response = await _generate(client, episode, sampling, computed)
+        computed = len(episode.tokens) - 1  # the last sampled token has not been through the model yet
+        episode.num_turns += 1
+        result = await env.step(response)
+        if result.done:
+            episode.reward = float(result.reward)
+            return episode
+        obs = result.observation[:max_context - len(episode.tokens)]
+        episode.add(obs, policy=False)
+    raise AssertionError("unreachable: every turn adds at least one token")
+
+
+async def _generate(client: GenerateClient, episode: Episode, sampling: SamplingParams, computed: int) -> list[int]:
+    response: list[int] = []
+    while True:
+        remaining = sampling.max_new_tokens - len(response)
+        out = await client.generate(episode.tokens, dataclasses.replace(sampling, max_new_tokens=remaining))
+        episode.cached_tokens += out.cached_tokens
+        episode.ideal_cached_tokens += min(computed, len(episode.tokens) - 1)
+        episode.add(out.output_ids, policy=True, logprobs=out.output_logprobs, versions=out.weight_versions)
+        response += out.output_ids
+        computed = len(episode.tokens) - 1
+        if out.finish_reason.type != "abort":
+            return response
+        if out.finish_reason.message != PAUSED_ABORT:
+            raise EpisodeFailed(f"engine aborted the request: {out.finish_reason.message}")
+        episode.num_resubmits += 1
+        if len(response) >= sampling.max_new_tokens:
+            return response
