@@ -54,9 +54,10 @@ class SamplingParams:
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """From SGLang's `sampling_params` JSON object. Unknown keys are an error (a typo must not be
         silently ignored); `null` values mean the default."""
-        d = dict(d or {})
+        if d is None:
+            d = {}
         if not isinstance(d, dict):
-            raise ValueError("sampling_params: must be an object")
+            raise ValueError(f"sampling_params: must be an object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:

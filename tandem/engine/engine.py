@@ -114,6 +114,13 @@ class Engine:
         """Abort a request if it is still running or queued (it returns with finish reason abort)."""
         self._commands.put((self._abort, (rid, "aborted by request"), None))
 
+    def abort_all(self) -> None:
+        """Abort every running and queued request."""
+        self._commands.put((self._abort_all, (), None))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     async def pause(self, mode: PauseMode = "abort") -> None:
         """Stop generating. `abort`: in-flight and queued requests return at once (finish reason abort)
         with what they generated so far. `retract`: running requests drop their KV and go back to the
@@ -175,6 +182,8 @@ class Engine:
                     self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
 
     def _run_command(self, fn, args, fut: Future | None) -> None:
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return  # the caller cancelled before the command ran: do not run it
         try:
             result = fn(*args)
         except Exception as e:
@@ -222,7 +231,8 @@ class Engine:
         try:
             self._enqueue(input_ids, sampling, rid, fut)
         except Exception as e:  # never leave a caller waiting on a request the engine lost
-            fut.set_exception(e)
+            if not fut.done():
+                fut.set_exception(e)
             raise
 
     def _enqueue(self, input_ids, sampling: SamplingParams, rid: str, fut: Future) -> None:
@@ -250,6 +260,10 @@ class Engine:
         req = self._requests.get(rid)
         if req is not None:
             self._finish(req, FinishReason("abort", message=message))
+
+    def _abort_all(self) -> None:
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(req, FinishReason("abort", message="aborted by request"))
 
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":

@@ -1,0 +1,389 @@
+"""The engine's HTTP server: the subset of SGLang's native API that RL frameworks use, with SGLang's field names.
+
+Endpoints: `POST /generate`, `/pause_generation`, `/continue_generation`, `/abort_request`, `/flush_cache`,
+`/update_weights_from_disk`; `GET /health`, `/get_model_info`, `/get_server_info`, `/metrics`.
+
+Contract: a malformed request or one the engine refuses in its state gets a 400 whose body is
+`{"error": {"message": ..., "type": "BadRequest"}}` and whose message names the field; nothing of it reaches
+the engine. An unexpected exception is a 500 with its message, and the server keeps serving. A client that
+disconnects while its `/generate` runs has its requests aborted in the engine, freeing their KV pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.engine.engine import Engine, EngineError
+from tandem.model.loader import iter_safetensors
+from tandem.types import EngineStats, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+GENERATE_FIELDS = {"input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
+                   "return_text_in_logprobs"}
+DISCONNECT_POLL_S = 0.05
+HEALTH_TIMEOUT_S = 5.0
+
+Job = tuple[list[int], SamplingParams, str]  # the arguments of one `engine.generate`
+
+
+def build_app(engine: Engine) -> FastAPI:
+    """A FastAPI app serving `engine`. The app owns a Prometheus registry of its own and the set of rids it
+    has in flight (a rid may not be reused while in flight); the engine is shared, not owned (the caller shuts
+    it down)."""
+    app = FastAPI(title="tandem engine")
+    inflight: set[str] = set()
+    stats_collector = _StatsCollector()
+    registry = CollectorRegistry()
+    registry.register(stats_collector)
+
+    app.add_exception_handler(ValueError, _bad_request)
+    app.add_exception_handler(EngineError, _bad_request)
+    app.add_middleware(_InternalErrors)
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        jobs, is_batch, return_logprob = _parse_generate(await _json_body(request), engine)
+        rids = [rid for _, _, rid in jobs]
+        clash = inflight.intersection(rids)
+        if clash:
+            raise ValueError(f"rid: {sorted(clash)[0]!r} is already in flight")
+        inflight.update(rids)
+        try:
+            outs = await _unless_disconnected(request, _generate_all(engine, jobs))
+        finally:
+            inflight.difference_update(rids)
+        if outs is None:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody is listening anyway
+        results = [_output(o, return_logprob) for o in outs]
+        return JSONResponse(results if is_batch else results[0])
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request):
+        body = _only(await _json_body(request), {"mode"})
+        await engine.pause(body.get("mode") or "abort")
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request):
+        _only(await _json_body(request), set())
+        await engine.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request):
+        """`{"rid": ...}` aborts one request; `{"abort_all": true}` every running and queued request.
+        Unknown rids are ignored (the request may just have finished)."""
+        body = _only(await _json_body(request), {"rid", "abort_all"})
+        if body.get("abort_all") is True:
+            engine.abort_all()
+            return {"success": True, "message": "abort sent for all requests"}
+        if not isinstance(body.get("rid"), str) or not body["rid"]:
+            raise ValueError("rid: must be a non-empty string (or send abort_all: true)")
+        engine.abort(body["rid"])
+        return {"success": True, "message": f"abort sent for {body['rid']}"}
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request):
+        _only(await _json_body(request), set())
+        await engine.flush_cache()
+        return {"success": True, "message": "Cache flushed."}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+        """Load every `*.safetensors` tensor in `model_path` into the (paused) engine. A bad checkpoint is a
+        400 that leaves the weights and their version unchanged."""
+        try:
+            body = _only(await _json_body(request), {"model_path", "weight_version"})
+            path, version = body.get("model_path"), body.get("weight_version")
+            if not isinstance(path, str) or not path:
+                raise ValueError("model_path: required, a directory holding *.safetensors files")
+            if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+                raise ValueError(f"weight_version: must be an integer, got {version!r}")
+            named = await asyncio.to_thread(_read_checkpoint, path)
+            version = await engine.update_weights(named, version)
+        except (ValueError, EngineError) as e:  # SGLang clients read `success` and `message`
+            return _error(400, str(e), extra={"success": False, "message": str(e)})
+        return {"success": True, "message": f"Loaded {len(named)} tensors from {path}.", "weight_version": version}
+
+    @app.get("/health")
+    async def health():
+        if not engine.is_alive():
+            return _error(503, "engine thread is not running", "ServiceUnavailable")
+        try:  # a step is short: an engine that cannot answer within the timeout is stuck
+            await asyncio.wait_for(engine.get_stats(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return _error(503, f"engine thread did not answer within {HEALTH_TIMEOUT_S} s", "ServiceUnavailable")
+        return Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        stats = await engine.get_stats()
+        return {**dataclasses.asdict(engine.model_config), "context_length": engine.max_context_len,
+                "weight_version": stats.weight_version, "is_generation": True}
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return {**dataclasses.asdict(engine.config), "context_length": engine.max_context_len}
+
+    @app.get("/metrics")
+    async def metrics():
+        stats_collector.stats = await engine.get_stats()
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# ---- /generate ------------------------------------------------------------------------------------------
+def _parse_generate(body: dict, engine: Engine) -> tuple[list[Job], bool, bool]:
+    """Validate a /generate body completely; returns (jobs, is_batch, return_logprob). Raises ValueError
+    naming the field (with the batch index, e.g. `input_ids[2][5]`); submits nothing."""
+    if "text" in body:
+        raise ValueError("text: tandem is token-in token-out; send input_ids instead")
+    _only(body, GENERATE_FIELDS)
+    if body.get("stream") not in (None, False):
+        raise ValueError("stream: streaming is not supported yet; send stream: false")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise ValueError("logprob_start_len: only -1 (logprobs of the output tokens) is supported")
+    return_logprob = body.get("return_logprob")
+    return_logprob = False if return_logprob is None else return_logprob
+    if not isinstance(return_logprob, bool):
+        raise ValueError(f"return_logprob: must be a boolean, got {return_logprob!r}")
+    if body.get("input_ids") is None:
+        raise ValueError("input_ids: required (a list of token ids, or a list of such lists for a batch)")
+
+    ids = body["input_ids"]
+    is_batch = isinstance(ids, list) and len(ids) > 0 and isinstance(ids[0], list)
+    prompts = ids if is_batch else [ids]
+    n, limit = len(prompts), engine.config.max_batch_requests
+    if n > limit:
+        raise ValueError(f"input_ids: a batch of {n} requests exceeds max_batch_requests ({limit})")
+    rids = body.get("rid")
+    if rids is None:
+        rids = [uuid.uuid4().hex for _ in range(n)]
+    elif not is_batch:
+        rids = [rids]
+    elif not isinstance(rids, list) or len(rids) != n:
+        raise ValueError(f"rid: a batch of {n} requests needs a list of {n} rids")
+    sampling = body.get("sampling_params")
+    if is_batch and isinstance(sampling, list):
+        if len(sampling) != n:
+            raise ValueError(f"sampling_params: a batch of {n} requests needs one object or a list of {n}")
+        params = [_sampling_params(d, f"sampling_params[{i}]") for i, d in enumerate(sampling)]
+    else:
+        params = [_sampling_params(sampling, "sampling_params")] * n
+
+    for i, job in enumerate(zip(prompts, params, rids, strict=True)):
+        try:
+            engine.validate(*job)
+        except ValueError as e:
+            raise ValueError(_at_index(str(e), i) if is_batch else str(e)) from None
+    if len(set(rids)) != n:
+        dup = next(r for r in rids if rids.count(r) > 1)
+        raise ValueError(f"rid: {dup!r} appears more than once in the batch")
+    return list(zip(prompts, params, rids, strict=True)), is_batch, return_logprob
+
+
+def _sampling_params(d, name: str) -> SamplingParams:
+    if d is not None and not isinstance(d, dict):
+        raise ValueError(f"{name}: must be an object, got {type(d).__name__}")
+    try:
+        return SamplingParams.from_dict(d)
+    except ValueError as e:
+        raise ValueError(str(e).replace("sampling_params", name, 1)) from None
+
+
+def _at_index(message: str, i: int) -> str:
+    """`input_ids[5]: ...` -> `input_ids[2][5]: ...` for element 2 of a batch (likewise rid, sampling_params)."""
+    for field in ("input_ids", "rid", "sampling_params"):
+        if message.startswith(field):
+            return f"{field}[{i}]{message[len(field):]}"
+    return f"input_ids[{i}]: {message}"
+
+
+async def _generate_all(engine: Engine, jobs: list[Job]) -> list[GenerateOutput]:
+    """Run the jobs concurrently, outputs in order. If one fails, the others are cancelled (which aborts
+    them in the engine) and its error is raised. Cancelling this coroutine aborts them all."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(engine.generate(*job)) for job in jobs]
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    return [t.result() for t in tasks]
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await `coro`, polling the connection; if the client goes away first, cancel it and return None."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                log.info("client disconnected; aborting its request(s)")
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait([task])  # let `engine.generate` send its abort before we move on
+
+
+def _output(out: GenerateOutput, return_logprob: bool) -> dict:
+    return {"output_ids": out.output_ids, "meta_info": out.meta_info(return_logprob)}
+
+
+# ---- shared helpers --------------------------------------------------------------------------------------
+async def _json_body(request: Request) -> dict:
+    """The request's JSON object; an empty body is `{}`."""
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError both
+        raise ValueError(f"request body: malformed JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"request body: must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _only(body: dict, allowed: set[str]) -> dict:
+    """Reject unknown fields: a typo must not be silently ignored."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ValueError(f"{unknown[0]}: unknown field; this endpoint accepts {sorted(allowed)}")
+    return body
+
+
+def _read_checkpoint(path: str) -> list:
+    try:
+        return list(iter_safetensors(Path(path)))
+    except Exception as e:  # a missing, unreadable or corrupt checkpoint is the client's input, not our bug
+        raise ValueError(f"model_path: cannot load {path!r}: {e}") from None
+
+
+def _error(status: int, message: str, kind: str = "BadRequest", extra: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind}, **(extra or {})}, status_code=status)
+
+
+async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
+    return _error(400, str(exc))
+
+
+class _InternalErrors:
+    """An unexpected exception becomes a 500 JSON reply here, inside the app: let through to the server, it
+    would also close the connection, and a keep-alive client's next request on it would fail."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        started = False
+
+        async def send_tracking(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracking)
+        except Exception as exc:
+            if scope["type"] != "http" or started:
+                raise
+            log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
+            await _error(500, f"{type(exc).__name__}: {exc}", "InternalServerError")(scope, receive, send)
+
+
+# ---- /metrics ----------------------------------------------------------------------------------------------
+_GAUGES = [
+    ("num_running_reqs", "Requests running (holding KV pages)", lambda s: s.num_running),
+    ("num_queue_reqs", "Requests waiting to be scheduled", lambda s: s.num_queued),
+    ("num_paused_reqs", "Requests held by a pause", lambda s: s.num_paused),
+    ("cache_hit_rate", "Prefill tokens served from the prefix cache / all prefill tokens", lambda s: s.cache_hit_rate),
+    ("kv_pages_total", "KV pages in the pool", lambda s: s.pages_total),
+    ("kv_pages_free", "KV pages free", lambda s: s.pages_free),
+    ("kv_pages_cached", "KV pages held only by the prefix cache (evictable)", lambda s: s.pages_cached),
+    ("weight_version", "Weight version the engine holds", lambda s: s.weight_version),
+]
+_COUNTERS = [
+    ("generation_tokens", "Tokens generated", lambda s: s.generated_tokens),
+    ("prefill_tokens_computed", "Prompt tokens computed in prefill", lambda s: s.prefill_tokens_computed),
+    ("prefill_tokens_cached", "Prompt tokens served from the prefix cache", lambda s: s.prefill_tokens_cached),
+    ("num_retractions", "Requests retracted (KV dropped, to be recomputed)", lambda s: s.num_retractions),
+    ("num_finished_reqs", "Requests finished (any reason)", lambda s: s.num_finished),
+    ("num_aborted_reqs", "Requests aborted", lambda s: s.num_aborted),
+    ("num_steps", "Engine steps run", lambda s: s.num_steps),
+]
+
+
+class _StatsCollector:
+    """Exports the `EngineStats` snapshot in `self.stats` (the /metrics handler refreshes it per scrape)."""
+
+    def __init__(self):
+        self.stats = EngineStats()
+
+    def collect(self):
+        for name, doc, get in _GAUGES:
+            yield GaugeMetricFamily(f"tandem:{name}", doc, value=get(self.stats))
+        for name, doc, get in _COUNTERS:
+            yield CounterMetricFamily(f"tandem:{name}", doc, value=get(self.stats))
+
+
+# ---- running it ------------------------------------------------------------------------------------------
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000) -> None:
+    """Serve `engine` until interrupted (blocking)."""
+    uvicorn.run(build_app(engine), host=host, port=port, log_level="info")
+
+
+class ServerThread:
+    """The server in a background thread on a free port, for tests and in-process use:
+
+        with ServerThread(engine) as server:
+            httpx.post(f"{server.url}/generate", json=...)
+
+    Exiting stops the server (in-flight requests get a few seconds, then are cancelled and aborted)."""
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))  # bound here, so the port is known and free before uvicorn starts
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.url = f"http://{self.host}:{self.port}"
+        config = uvicorn.Config(build_app(engine), log_level=log_level, timeout_graceful_shutdown=3)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="tandem-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server on {self.url} failed to start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

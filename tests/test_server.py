@@ -1,0 +1,300 @@
+"""The HTTP server: a real uvicorn on a free port in a background thread, a real tiny engine, httpx as client."""
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
+
+from tandem.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.server.http import ServerThread
+from tandem.types import SamplingParams
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+LONG = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}  # seconds on CPU: "in flight" for a while
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine("tiny", EngineConfig(page_size=16, max_batch_requests=4)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with ServerThread(engine) as s:
+        yield s
+
+
+@pytest.fixture
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        yield c
+        # leave the engine serving whatever a failed test did
+        c.post("/continue_generation")
+
+
+def stats(engine):
+    return asyncio.run(engine.get_stats())
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def post_in_background(pool, server, body):
+    """POST /generate from another thread (its own connection); returns a future of the JSON reply."""
+    return pool.submit(lambda: httpx.post(f"{server.url}/generate", json=body, timeout=30).json())
+
+
+def wait_running(engine, n=1):
+    wait_until(lambda: (s := stats(engine)).num_running >= n and s.generated_tokens > 0)
+
+
+def ok(client, prompt=(5, 6, 7)):
+    r = client.post("/generate", json={"input_ids": list(prompt), "sampling_params": {**GREEDY, "max_new_tokens": 2}})
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
+def test_binds_localhost_and_reports_health_and_info(server, client):
+    assert server.host == "127.0.0.1"
+    assert client.get("/health").status_code == 200
+    info = client.get("/get_model_info").json()
+    assert info["vocab_size"] == 512 and info["is_generation"] is True and isinstance(info["weight_version"], int)
+    assert info["context_length"] == 4096
+    server_info = client.get("/get_server_info").json()
+    assert server_info["max_batch_requests"] == 4 and server_info["page_size"] == 16
+
+
+def test_single_and_batch_generate_equal_the_engine(engine, client):
+    prompts = [[3, 4, 5, 6], [7, 8], [9, 10, 11, 12, 13]]
+    direct = [asyncio.run(engine.generate(p, SamplingParams(**GREEDY))) for p in prompts]
+    version = stats(engine).weight_version
+
+    r = client.post("/generate", json={"input_ids": prompts[0], "sampling_params": GREEDY, "return_logprob": True,
+                                       "rid": "single-1", "stream": False, "logprob_start_len": -1,
+                                       "return_text_in_logprobs": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["output_ids"] == direct[0].output_ids
+    meta = body["meta_info"]
+    assert meta["id"] == "single-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 8}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (4, 8) and "cached_tokens" in meta
+    assert meta["weight_version"] == version and meta["output_token_weight_versions"] == [version] * 8
+    logprobs, ids, texts = zip(*meta["output_token_logprobs"], strict=True)
+    assert list(ids) == direct[0].output_ids and set(texts) == {None}
+    assert list(logprobs) == pytest.approx(direct[0].output_logprobs, abs=1e-5)
+
+    r = client.post("/generate", json={"input_ids": prompts, "sampling_params": GREEDY, "rid": ["b0", "b1", "b2"]})
+    assert r.status_code == 200, r.text
+    batch = r.json()
+    assert [o["output_ids"] for o in batch] == [d.output_ids for d in direct]
+    assert [o["meta_info"]["id"] for o in batch] == ["b0", "b1", "b2"]
+    assert "output_token_logprobs" not in batch[0]["meta_info"]
+
+    per_element = [GREEDY, {**GREEDY, "max_new_tokens": 3}]
+    r = client.post("/generate", json={"input_ids": prompts[:2], "sampling_params": per_element})
+    assert [o["output_ids"] for o in r.json()] == [direct[0].output_ids, direct[1].output_ids[:3]]
+
+
+BAD_GENERATE = [
+    (b"{not json", "request body: malformed JSON"),
+    ([1, 2], "request body: must be a JSON object"),
+    ({}, "input_ids: required"),
+    ({"input_ids": "abc"}, "input_ids: must be a non-empty list"),
+    ({"input_ids": []}, "input_ids: must be a non-empty list"),
+    ({"input_ids": [1, "a"]}, "input_ids[1]"),
+    ({"input_ids": [1, 512]}, "input_ids[1]: 512 is not a token id"),
+    ({"input_ids": [[1, 2], [3], [4, 5, 6, 7, 8, -1]]}, "input_ids[2][5]"),
+    ({"input_ids": [[1, 2], []]}, "input_ids[1]: must be a non-empty list"),
+    ({"input_ids": [[1]] * 5}, "max_batch_requests"),
+    ({"input_ids": [1], "sampling_params": [1]}, "sampling_params: must be an object"),
+    ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, "max_tokens"),
+    ({"input_ids": [1], "sampling_params": {"stop_token_ids": [9999]}}, "sampling_params.stop_token_ids"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}, {"top_p": 0}]}, "sampling_params[1].top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 5000}}, "max_new_tokens (5000) exceeds the context"),
+    ({"input_ids": [1], "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [1], "rid": 5}, "rid: must be a non-empty string"),
+    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid: 'a' appears more than once"),
+    ({"input_ids": [[1], [2]], "rid": "a"}, "rid: a batch of 2 requests needs a list"),
+    ({"input_ids": [1], "stream": True}, "stream: streaming is not supported yet"),
+    ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
+    ({"text": "hello"}, "text: tandem is token-in token-out"),
+    ({"input_ids": [1], "temperature": 0}, "temperature: unknown field"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD_GENERATE, ids=[m for _, m in BAD_GENERATE])
+def test_bad_generate_is_a_400_naming_the_field_and_submits_nothing(engine, client, body, message):
+    before = stats(engine).num_finished
+    if isinstance(body, bytes):
+        r = client.post("/generate", content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post("/generate", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "BadRequest" and message in error["message"], error
+    assert stats(engine).num_finished == before  # no element of a bad batch reached the engine
+    ok(client)
+
+
+BAD_CONTROL = [
+    ("/pause_generation", {"mode": "nap"}, "mode: must be one of"),
+    ("/pause_generation", {"mode": "abort", "timeout": 3}, "timeout: unknown field"),
+    ("/abort_request", {}, "rid: must be a non-empty string"),
+    ("/flush_cache", {"all": True}, "all: unknown field"),
+    ("/update_weights_from_disk", {}, "model_path: required"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "v2"}, "weight_version"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path: cannot load"),
+]
+
+
+@pytest.mark.parametrize("path, body, message", BAD_CONTROL, ids=[m for _, _, m in BAD_CONTROL])
+def test_bad_control_request_is_a_400_naming_the_field(client, path, body, message):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert message in r.json()["error"]["message"]
+    ok(client)
+
+
+def test_unexpected_exception_is_a_500_and_the_server_keeps_serving(engine, client, monkeypatch):
+    async def broken():
+        raise RuntimeError("stats exploded")
+
+    monkeypatch.setattr(engine, "get_stats", broken)
+    r = client.get("/metrics")
+    assert r.status_code == 500 and "stats exploded" in r.json()["error"]["message"]
+    monkeypatch.undo()
+    assert client.get("/metrics").status_code == 200
+    ok(client)
+
+
+def test_pause_abort_then_continue(engine, server, client):
+    with ThreadPoolExecutor(2) as pool:
+        long = post_in_background(pool, server, {"input_ids": [3, 4, 5], "sampling_params": LONG})
+        wait_running(engine)
+        assert client.post("/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"
+        out = long.result(timeout=10)
+        assert out["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < out["meta_info"]["completion_tokens"] < 2000
+
+        late = post_in_background(pool, server, {"input_ids": [6, 7], "sampling_params": GREEDY})
+        time.sleep(0.2)
+        assert not late.done()  # queued while paused
+        assert client.post("/continue_generation").status_code == 200
+        assert late.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_request_by_rid_and_abort_all(engine, server, client):
+    with ThreadPoolExecutor(2) as pool:
+        a = post_in_background(pool, server, {"input_ids": [3, 4], "sampling_params": LONG, "rid": "abort-me"})
+        b = post_in_background(pool, server, {"input_ids": [5, 6], "sampling_params": LONG, "rid": "abort-all"})
+        wait_running(engine, 2)
+        assert client.post("/abort_request", json={"rid": "abort-me"}).status_code == 200
+        assert a.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
+        assert not b.done()
+        assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
+        assert b.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_flush_cache_refused_while_a_request_holds_pages_allowed_when_idle(engine, server, client):
+    with ThreadPoolExecutor(1) as pool:
+        long = post_in_background(pool, server, {"input_ids": [3, 4, 5], "sampling_params": LONG})
+        wait_running(engine)
+        client.post("/pause_generation", json={"mode": "in_place"})
+        r = client.post("/flush_cache")
+        assert r.status_code == 400 and "flush_cache: refused" in r.json()["error"]["message"]
+        client.post("/pause_generation", json={"mode": "abort"})  # releases the frozen request
+        assert long.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert client.post("/flush_cache").json()["success"] is True
+    s = stats(engine)
+    assert s.pages_cached == 0 and s.pages_free == s.pages_total
+    client.post("/continue_generation")
+
+
+def test_update_weights_from_disk(engine, client, tmp_path):
+    prompt = {"input_ids": [3, 4, 5, 6, 7], "sampling_params": GREEDY}
+    before = client.post("/generate", json=prompt).json()
+    gen = torch.Generator().manual_seed(0)
+    perturbed = {name: (p.detach() + 0.05 * torch.randn(p.shape, generator=gen)).contiguous()
+                 for name, p in engine.model.named_parameters()}
+    (tmp_path / "good").mkdir()
+    save_file(perturbed, tmp_path / "good" / "model.safetensors")
+    (tmp_path / "bad").mkdir()
+    save_file({"model.norm.weight": torch.ones(3)}, tmp_path / "bad" / "model.safetensors")
+    good = {"model_path": str(tmp_path / "good"), "weight_version": 7}
+
+    r = client.post("/update_weights_from_disk", json=good)
+    assert r.status_code == 400 and "must be paused" in r.json()["message"]
+    client.post("/pause_generation", json={"mode": "abort"})
+    r = client.post("/update_weights_from_disk", json=good)
+    assert r.status_code == 200, r.text
+    assert r.json()["success"] is True and r.json()["weight_version"] == 7
+
+    r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "bad"), "weight_version": 8})
+    assert r.status_code == 400 and r.json()["success"] is False
+    assert "model.norm.weight has shape (3,)" in r.json()["error"]["message"]
+    assert client.get("/get_model_info").json()["weight_version"] == 7
+    client.post("/continue_generation")
+
+    after = client.post("/generate", json=prompt).json()
+    assert after["meta_info"]["weight_version"] == 7
+    assert after["meta_info"]["output_token_weight_versions"] == [7] * 8
+    assert after["output_ids"] != before["output_ids"]
+
+
+def scrape(client):
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    return {s.name: s.value for family in text_string_to_metric_families(r.text) for s in family.samples}
+
+
+def test_metrics_names_and_counts_move(engine, client):
+    m0 = scrape(client)
+    expected = {"tandem:num_running_reqs", "tandem:num_queue_reqs", "tandem:generation_tokens_total",
+                "tandem:prefill_tokens_computed_total", "tandem:prefill_tokens_cached_total", "tandem:cache_hit_rate",
+                "tandem:num_retractions_total", "tandem:kv_pages_free", "tandem:kv_pages_cached",
+                "tandem:weight_version"}
+    assert expected <= set(m0)
+    prompt = list(range(100, 140))  # 40 tokens: two full pages to reuse
+    for _ in range(2):
+        client.post("/generate", json={"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 5}})
+    m1 = scrape(client)
+    assert m1["tandem:generation_tokens_total"] - m0["tandem:generation_tokens_total"] == 10
+    assert m1["tandem:prefill_tokens_cached_total"] - m0["tandem:prefill_tokens_cached_total"] >= 32
+    assert m1["tandem:prefill_tokens_computed_total"] > m0["tandem:prefill_tokens_computed_total"]
+    assert m1["tandem:cache_hit_rate"] > 0 and m1["tandem:num_running_reqs"] == 0
+    assert m1["tandem:kv_pages_free"] + m1["tandem:kv_pages_cached"] == m1["tandem:kv_pages_total"]
+    assert m1["tandem:kv_pages_cached"] >= 2
+    assert m1["tandem:weight_version"] == client.get("/get_model_info").json()["weight_version"]
+
+
+@pytest.mark.parametrize("input_ids", [[3, 4, 5], [[3, 4, 5], [6, 7]]], ids=["single", "batch"])
+def test_client_disconnect_aborts_and_frees_pages(engine, server, input_ids):
+    before = stats(engine)
+    n = len(input_ids) if isinstance(input_ids[0], list) else 1
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30, read=0.5)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/generate", json={"input_ids": input_ids, "sampling_params": LONG})
+
+    # without the abort, the requests would run to 2000 tokens and finish with "length"
+    s = wait_until(lambda: (s := stats(engine)).num_aborted >= before.num_aborted + n and s)
+    s = wait_until(lambda: (s := stats(engine)).num_running == 0 and s.num_queued == 0 and s)
+    assert s.num_aborted == before.num_aborted + n
+    assert s.generated_tokens - before.generated_tokens < n * 2000
+    assert s.pages_free + s.pages_cached == s.pages_total
