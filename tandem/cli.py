@@ -66,3 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         print(f"tandem {args.command}: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -275,6 +275,8 @@ class RunConfig:
     out_dir: str = "runs/latest"
     checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
     resume: bool = False
+    tensorboard: bool = False  # also write scalars for TensorBoard to out_dir (needs the tensorboard package)
+    compare_sync: bool = False  # afterwards, run synchronous RL (max_staleness 0) on the same seed and compare
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)

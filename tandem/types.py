@@ -178,8 +178,10 @@ class Episode:
     start_version: int = 0  # the engine's weight version when the episode was admitted
     num_turns: int = 0
     num_resubmits: int = 0  # turns continued after an abort-mode pause (partial rollout stitched back)
-    cached_tokens: int = 0  # prompt tokens the engine served from its prefix cache, over all turns
-    ideal_cached_tokens: int = 0  # prompt tokens it could have served (everything it had computed before)
+    # over continuation calls (every turn after the first, and resubmits): prompt tokens the engine served
+    # from its prefix cache, and those it could ideally have served (everything it had computed before)
+    cached_tokens: int = 0
+    ideal_cached_tokens: int = 0
     truncated: bool = False  # stopped by the context limit rather than by the environment
 
     def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None,

@@ -84,32 +84,46 @@ class RadixCache:
         return Match(full, num_tokens=len(full) * P)
 
     # -- inserts -------------------------------------------------------------------------------------
-    def insert(self, tokens: list[int], pages: list[int]) -> None:
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
         """Record that `pages` (a sequence's page table) hold the KV of `tokens`. The tree takes its own
-        references on pages it adopts; where it already holds the same content it keeps its page."""
+        references on pages it adopts; where it already holds the same content it keeps its page. Returns the
+        tree's pages for the leading full pages it already held: a caller still running should switch to
+        them (`RadixCache.adopt`), or its duplicates would sit under the tree's copies and pin them."""
         P, now = self.P, next(self._clock)
         n = len(tokens)
         pages = pages[:-(-n // P)]
-        node, i = self.root, 0
+        node, i, held = self.root, 0, []
         while i < n:
             child, c = self._best_child(node, tokens[i:i + P])
             if child is None:
-                return self._add_child(node, tokens[i:], pages[i // P:], now)
+                self._add_child(node, tokens[i:], pages[i // P:], now)
+                return held
             child.last_access = now
             for j in range(len(child.pages)):
                 seg, q = child.tokens[j * P:(j + 1) * P], tokens[i:i + P]
                 c = lcp(seg, q)
                 if c == len(seg) == len(q):
+                    if len(q) == P:
+                        held.append(child.pages[j])
                     i += len(q)
                     continue
                 if c == len(seg) < len(q):  # a partial last page, extended: the longer copy replaces it
-                    return self._extend_leaf(child, j, tokens[i:], pages[i // P:])
-                if c == len(q) < len(seg):  # already covered
-                    return None
-                parent = node if j == 0 else self._split(child, j)
-                return self._add_child(parent, tokens[i:], pages[i // P:], now)
+                    self._extend_leaf(child, j, tokens[i:], pages[i // P:])
+                elif c < len(q):  # diverges inside this page (else q is a prefix of it: already covered)
+                    parent = node if j == 0 else self._split(child, j)
+                    self._add_child(parent, tokens[i:], pages[i // P:], now)
+                return held
             node = child
-        return None
+        return held
+
+    def adopt(self, pages: list[int], held: list[int]) -> None:
+        """Switch a running sequence's page table to the tree's copies of its leading full pages (same
+        content), dropping its own duplicates. Full pages only: a partial page is still being written."""
+        for j, page in enumerate(held):
+            if pages[j] != page:
+                self.pool.incref([page])
+                self.pool.decref([pages[j]])
+                pages[j] = page
 
     def _add_child(self, parent: Node, tokens, pages, now):
         self.pool.incref(pages)

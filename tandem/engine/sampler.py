@@ -36,7 +36,9 @@ def hash_uniform(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: i
     s = _mix32(s ^ ((positions_B * 0x9E3779B1) & _M32))
     v = torch.arange(vocab_size, device=seeds_B.device, dtype=torch.int64)
     x = _mix32((s[:, None] + v[None] * 0x632BE5AB) & _M32)
-    return ((x >> 8).float() + 0.5) / float(1 << 24)
+    # 23 bits, centred: (k + 0.5) / 2**23 is exact in float32 and lies in [2**-24, 1 - 2**-24], never 0 or 1
+    # (a uniform of exactly 1 would be infinite Gumbel noise, sampling that token whatever its probability)
+    return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass
@@ -78,7 +80,9 @@ def _filter(scaled_BV, batch: SamplingBatch):
     # top-p and min-p act on the distribution renormalised after top-k (as SGLang and vLLM do)
     probs_BV = torch.softmax(sorted_BV.masked_fill(drop, float("-inf")), dim=-1)
     # nucleus: keep the smallest prefix whose mass reaches top_p (the token crossing it stays)
-    drop |= (probs_BV.cumsum(-1) - probs_BV) >= batch.top_ps[:, None]
+    # only rows that asked for it: a float32 cumsum can reach 1 before the tail and would drop tail tokens
+    # of a top_p = 1 row batched with rows that filter
+    drop |= ((probs_BV.cumsum(-1) - probs_BV) >= batch.top_ps[:, None]) & (batch.top_ps < 1)[:, None]
     drop |= probs_BV < batch.min_ps[:, None] * probs_BV[:, :1]
     drop[:, 0] = False
     mask_BV = torch.zeros_like(drop).scatter(1, order_BV, drop)

@@ -84,6 +84,14 @@ class Scheduler:
             held = match.pages + ([match.partial_page] if match.partial_page is not None else [])
             self.pool.incref(held)  # eviction below must not take the pages just matched
             fresh = self._alloc(need, reserve)
+            if fresh is None and match.partial_page is not None:
+                # holding the partial page costs one page; a request that needs the whole pool recomputes
+                # those few tokens instead
+                self.pool.decref([match.partial_page])
+                held, match = match.pages, Match(match.pages, num_tokens=len(match.pages) * self.P)
+                n = min(len(req.tokens) - match.num_tokens, budget)
+                need = -(-(match.num_tokens + n) // self.P) - len(match.pages)
+                fresh = self._alloc(need, reserve)
             if fresh is None:
                 self.pool.decref(held)
                 return  # admit in order: nobody overtakes a request that does not fit
@@ -104,6 +112,8 @@ class Scheduler:
     def _better_to_wait(self, req: Request, num_cached: int, prefilling: list[Request]) -> bool:
         """A request sharing a longer prefix with one being prefilled right now (a GRPO sibling, the next
         turn of a running agent) waits for that prefill to land in the cache instead of recomputing it."""
+        if self.cache is None:
+            return False
         limit = len(req.tokens) - 1
         return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.P for other in prefilling)
 
@@ -133,7 +143,7 @@ class Scheduler:
         for c in chunks:
             req = c.req
             if c.num_tokens > 1 and req.status is Status.RUNNING and not req.kv_stale:
-                self.cache.insert(req.tokens[:req.num_computed], req.pages)
+                self.cache.adopt(req.pages, self.cache.insert(req.tokens[:req.num_computed], req.pages))
 
     def release(self, req: Request) -> None:
         """Drop the request's pages; its computed KV stays in the cache unless it is stale."""

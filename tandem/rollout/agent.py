@@ -55,8 +55,9 @@ async def _generate(client: GenerateClient, episode: Episode, sampling: Sampling
     while True:
         remaining = sampling.max_new_tokens - len(response)
         out = await client.generate(episode.tokens, dataclasses.replace(sampling, max_new_tokens=remaining))
-        episode.cached_tokens += out.cached_tokens
-        episode.ideal_cached_tokens += min(computed, len(episode.tokens) - 1)
+        if computed:  # a continuation: everything computed before could ideally be reused
+            episode.cached_tokens += out.cached_tokens
+            episode.ideal_cached_tokens += min(computed, len(episode.tokens) - 1)
         episode.add(out.output_ids, policy=True, logprobs=out.output_logprobs, versions=out.weight_versions)
         response += out.output_ids
         computed = len(episode.tokens) - 1

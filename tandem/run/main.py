@@ -35,14 +35,24 @@ def _table(records: list[dict], last: int = 12) -> Table:
     return table
 
 
-def main(config_path: str | None, overrides: list[str]) -> list[dict]:
-    cfg = RunConfig.load(config_path, overrides)
-    console = Console()
+def _tensorboard(cfg: RunConfig):
+    if not cfg.tensorboard:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ValueError("run.tensorboard: needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter(cfg.out_dir)
+
+
+def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
+    """One run with the live table; Ctrl-C stops it cleanly (the loop saves a checkpoint)."""
     console.print(f"[bold]tandem run[/]: task={cfg.task} model={cfg.model} steps={cfg.steps} "
                   f"max_staleness={cfg.rollout.max_staleness} pause_mode={cfg.rollout.pause_mode} "
                   f"out_dir={cfg.out_dir}")
+    writer = _tensorboard(cfg)
     run = Run(cfg)
-    (run.out_dir).mkdir(parents=True, exist_ok=True)
+    run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     records: list[dict] = []
     try:
@@ -50,16 +60,38 @@ def main(config_path: str | None, overrides: list[str]) -> list[dict]:
             def on_step(record):
                 records.append(record)
                 live.update(_table(records))
+                for key, value in record.items():
+                    if writer is not None and isinstance(value, int | float):
+                        writer.add_scalar(key, value, record["step"])
 
             asyncio.run(run.train(on_step))
     except KeyboardInterrupt:
         console.print(f"interrupted: checkpoint saved in {run.out_dir}")
     finally:
         run.shutdown()
+        if writer is not None:
+            writer.close()
     if records:
         first, last = records[0], records[-1]
-        console.print(f"done: {last['step']} steps in {last['wall_s']:.1f} s; reward {first['reward_mean']:+.3f} -> "
+        console.print(f"\ndone: {last['step']} steps in {last['wall_s']:.1f} s; reward {first['reward_mean']:+.3f} -> "
                       f"{last['reward_mean']:+.3f}; {last['trained_tokens_per_s']:.0f} trained tok/s; trainer idle "
                       f"{last['trainer_idle_frac']:.0%}, engine idle {last['engine_idle_frac']:.0%}; dropped groups "
                       f"{last['dropped_groups']}; metrics in {run.out_dir / 'metrics.jsonl'}")
+    return records
+
+
+def main(config_path: str | None, overrides: list[str]) -> list[dict]:
+    cfg = RunConfig.load(config_path, overrides)
+    console = Console()
+    records = run_with_display(cfg, console)
+    if cfg.compare_sync and records and records[-1]["step"] == cfg.steps:
+        sync_cfg = dataclasses.replace(cfg, out_dir=f"{cfg.out_dir}/sync", resume=False, compare_sync=False,
+                                       rollout=dataclasses.replace(cfg.rollout, max_staleness=0))
+        sync = run_with_display(sync_cfg, console)
+        if sync:
+            a, s = records[-1], sync[-1]
+            console.print(f"async (max_staleness={cfg.rollout.max_staleness}) vs sync, same seed: "
+                          f"{a['trained_tokens_per_s']:.0f} vs {s['trained_tokens_per_s']:.0f} trained tok/s = "
+                          f"{a['trained_tokens_per_s'] / s['trained_tokens_per_s']:.2f}x; wall {a['wall_s']:.1f} s vs "
+                          f"{s['wall_s']:.1f} s")
     return records

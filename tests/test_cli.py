@@ -1,0 +1,64 @@
+"""The two entry points as a user starts them: real subprocesses, real signals, a real port."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import torch
+
+TANDEM = [sys.executable, "-m", "tandem.cli"]
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([*TANDEM, "run", "steps=100000", f"out_dir={tmp_path}"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 120, "two steps")
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out.decode()[-2000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    state = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    assert state["trainer"]["version"] == steps[-1] >= 2
+    assert b"interrupted: checkpoint saved" in out
+
+
+def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([*TANDEM, "serve", "--model", "tiny", "--port", str(port), "--num-pages", "64"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 60, "the server")
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [1, 2, 3],
+                                                                  "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bad = subprocess.run([*TANDEM, "serve", "--model", "no-such-model"], capture_output=True, timeout=60)
+    assert bad.returncode == 2 and b"neither a preset" in bad.stderr
