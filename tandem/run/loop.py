@@ -30,6 +30,7 @@ from tandem.rollout.manager import RolloutManager
 from tandem.rollout.random_agent import RandomAgentEnv
 from tandem.rollout.tasks import GuessNumberEnv, TargetTokensEnv
 from tandem.trainer.trainer import Trainer
+from tandem.transport.weights import InProcessReceiver, InProcessSender
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +58,25 @@ class Run:
         max_context = min(cfg.random_agent.max_context, self.engine.max_context_len)
         self.manager = RolloutManager(self.engine, make_env_factory(cfg, self.engine.model_config.vocab_size),
                                       cfg.rollout, max_context, cfg.seed, version=lambda: self.engine.weight_version)
+        self.receiver = InProcessReceiver()
+        self.sender = InProcessSender(self.receiver)
         self.out_dir = Path(cfg.out_dir)
         self.history: list[dict] = []
 
-    async def _push_weights(self) -> float:
-        """Pause the engine (the configured mode), load the trainer's weights, resume. Returns the pause."""
+    async def _push_weights(self) -> tuple[float, float]:
+        """Send the trainer's weights through the transport; the engine side receives them while generating,
+        then pauses (the configured mode) only to load them. Returns (transfer seconds, pause seconds)."""
+        received = asyncio.create_task(asyncio.to_thread(self.receiver.receive))
+        transfer = await asyncio.to_thread(self.sender.send, self.trainer.model.named_parameters(),
+                                           self.trainer.version)
+        version, named = await received
         t0 = time.perf_counter()
         await self.engine.pause(self.cfg.rollout.pause_mode)
-        await self.engine.update_weights(self.trainer.model.named_parameters(), self.trainer.version)
-        await self.engine.resume()
-        return time.perf_counter() - t0
+        try:
+            await self.engine.update_weights(named.items(), version)
+        finally:
+            await self.engine.resume()
+        return transfer.seconds, time.perf_counter() - t0
 
     async def train(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Run until `cfg.steps` optimizer steps are done. Saves a checkpoint at the end and when cancelled
@@ -86,7 +96,7 @@ class Run:
                 t1 = time.perf_counter()
                 metrics = await asyncio.to_thread(self.trainer.step, batch)
                 t2 = time.perf_counter()
-                pause_s = await self._push_weights()
+                transfer_s, pause_s = await self._push_weights()
                 self.manager.notify_version()
                 waited, trained = waited + t1 - t0, trained + t2 - t1
                 stats = await self.engine.get_stats()
@@ -94,7 +104,7 @@ class Run:
                 record = dict(
                     step=self.trainer.version, version=self.engine.weight_version, wall_s=wall,
                     **metrics, **self.manager.summary(),
-                    wait_s=t1 - t0, train_s=t2 - t1, pause_s=pause_s,
+                    wait_s=t1 - t0, train_s=t2 - t1, transfer_s=transfer_s, pause_s=pause_s,
                     trainer_idle_frac=waited / wall, engine_idle_frac=1 - (stats.busy_seconds - busy0) / wall,
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
                                           + metrics["tokens_trained"]) / wall,

@@ -306,7 +306,11 @@ class _DistEnd:
         try:
             self.store.wait(keys, self.timeout)
         except RuntimeError as e:
-            missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            try:
+                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            except RuntimeError:
+                raise TransportError(f"weights (rank {self.rank}): rank 0's rendezvous store closed before every "
+                                     f"rank joined {self.init_method}", ranks=[0]) from e
             raise TransportError(f"weights (rank {self.rank}): {self._who(missing)} did not join {self.init_method} "
                                  f"within timeout_s={self.timeout_s:g}", ranks=missing) from e
         return {r: self.store.get(key).decode() for r, key in enumerate(keys)}

@@ -1,0 +1,318 @@
+"""Weight transport: bit-identical delivery in buckets of mixed dtypes, collectives per bucket (not per tensor),
+an abort that reaches the engine at once, and timeouts that name the peer, over two real gloo processes; and the
+in-process hand-off."""
+
+import hashlib
+import queue
+import socket
+import threading
+import time
+from collections import Counter
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tandem.model.loader import build_model, load_weights
+from tandem.transport.weights import (
+    BucketMeta,
+    DistReceiver,
+    DistSender,
+    InProcessReceiver,
+    InProcessSender,
+    TransportError,
+)
+
+TIMEOUT_S = 2.0
+BUCKET_BYTES = 64 << 10  # the tiny model is ~1 MB: several buckets per dtype, the embeddings alone in theirs
+ENGINE_LABEL = "engine-0 at 127.0.0.1:30001"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mixed_model(seed: int):
+    """The tiny model with its last layer in bf16, so a transfer mixes float32 and bfloat16."""
+    model = build_model("tiny", seed=seed)
+    model.model.layers[-1].to(torch.bfloat16)
+    return model
+
+
+def digest(named) -> dict[str, str]:
+    """name -> dtype, shape and a hash of the raw bytes: equal digests mean bit-identical tensors."""
+    return {name: f"{t.dtype} {tuple(t.shape)} "
+                  + hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for name, t in named}
+
+
+def count_broadcasts(end) -> Counter:
+    """Count every broadcast the transport makes, by what it carries."""
+    calls, inner = Counter(), end._broadcast
+
+    def counted(tensor, group, what, bucket):
+        calls[what] += 1
+        return inner(tensor, group, what, bucket)
+
+    end._broadcast = counted
+    return calls
+
+
+def failure(e: BaseException, t0: float) -> dict:
+    return {"error": f"{type(e).__name__}: {e}", "ranks": getattr(e, "ranks", None),
+            "bucket": getattr(e, "bucket", None), "elapsed": time.monotonic() - t0}
+
+
+def run_pair(target, *args, timeout_s: float = 60.0) -> dict[int, dict]:
+    """Run target(rank, results, *args) in two spawned processes; return {rank: result}. The children are always
+    joined, then terminated, then killed, so a failing test cannot hang the suite."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(rank, results, *args), daemon=True) for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        out, deadline = {}, time.monotonic() + timeout_s
+        while len(out) < 2:
+            try:
+                rank, result = results.get(timeout=0.5)
+                out[rank] = result
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    pytest.fail(f"no result from rank(s) {dead or [r for r in range(2) if r not in out]}")
+        return out
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+def roundtrip_worker(rank: int, results, port: int):
+    torch.set_num_threads(1)
+    init, model = f"tcp://127.0.0.1:{port}", mixed_model(seed=rank)
+    try:
+        if rank == 0:
+            with DistSender(init, 2, timeout_s=30, bucket_bytes=BUCKET_BYTES, label="trainer") as sender:
+                def bad():  # a duplicate name after two buckets' worth of tensors: caught mid-transfer
+                    yield from list(model.named_parameters())[:6]
+                    yield "lm_head.weight", model.lm_head.weight
+                    yield "lm_head.weight", model.lm_head.weight
+                with pytest.raises(ValueError, match="given twice"):
+                    sender.send(bad(), version=6)
+                calls = count_broadcasts(sender)
+                stats = sender.send(model.named_parameters(), version=7)
+                results.put((0, {"stats": stats, "calls": calls, "digest": digest(model.named_parameters())}))
+        else:
+            with DistReceiver(init, 2, rank, timeout_s=30, label=ENGINE_LABEL) as receiver:
+                t0 = time.monotonic()
+                try:
+                    receiver.receive()
+                    aborted = None
+                except TransportError as e:
+                    aborted = failure(e, t0)
+                before = digest(model.named_parameters())
+                calls = count_broadcasts(receiver)
+                version, tensors = receiver.receive()
+                load_weights(model, tensors.items(), strict=True)
+                results.put((1, {"aborted": aborted, "version": version, "received": digest(tensors.items()),
+                                 "before": before, "after": digest(model.named_parameters()),
+                                 "stats": receiver.last_stats, "calls": calls}))
+    except BaseException as e:
+        results.put((rank, failure(e, 0.0)))
+
+
+def test_dist_roundtrip_is_bit_identical_and_bucketed():
+    out = run_pair(roundtrip_worker, free_port())
+    assert "error" not in out[0] and "error" not in out[1], out
+    sent, got = out[0], out[1]
+
+    # the bad transfer reached the engine as an abort naming the trainer and the reason, and the group survived
+    assert got["aborted"] is not None and got["aborted"]["ranks"] == (0,)
+    assert "rank 0 (trainer) aborted" in got["aborted"]["error"] and "given twice" in got["aborted"]["error"]
+
+    # bit-identical: what arrived, and the engine's model after load_weights (it started from another seed)
+    assert got["version"] == 7
+    assert got["received"] == sent["digest"]
+    assert got["before"] != sent["digest"]
+    assert got["after"] == sent["digest"]
+    assert {d.split()[0] for d in sent["digest"].values()} == {"torch.float32", "torch.bfloat16"}
+
+    stats = sent["stats"]
+    assert stats.version == 7 and stats.num_tensors == len(sent["digest"]) and stats.seconds > 0
+    assert stats.num_bytes == got["stats"].num_bytes > 0
+    assert got["stats"].num_buckets == stats.num_buckets and got["stats"].num_tensors == stats.num_tensors
+    print(f"\ngloo weight transfer: {stats.num_bytes / 1e6:.2f} MB, {stats.num_tensors} tensors in "
+          f"{stats.num_buckets} buckets, {1e3 * stats.seconds:.1f} ms, {stats.gb_per_s:.3f} GB/s")
+
+    # per bucket, not per tensor: three broadcasts per bucket on each side, and far fewer buckets than tensors
+    assert 3 <= stats.num_buckets <= stats.num_tensors // 2
+    expected = {"metadata length": stats.num_buckets, "metadata": stats.num_buckets, "data": stats.num_buckets}
+    assert dict(sent["calls"]) == expected and dict(got["calls"]) == expected
+
+
+def timeout_worker(rank: int, results, ports: list[int], events: list):
+    """Phase 1: the engine joins but never receives. Phase 2: the trainer joins but never sends. Phase 3: the
+    trainer stalls after bucket 0. Each phase ends when the side that waited has its error (events[phase])."""
+    torch.set_num_threads(1)
+    out = {}
+
+    def join(phase: int, **kwargs):
+        init = f"tcp://127.0.0.1:{ports[phase]}"
+        if rank == 0:
+            return DistSender(init, 2, timeout_s=TIMEOUT_S, label="trainer", **kwargs)
+        return DistReceiver(init, 2, rank, timeout_s=TIMEOUT_S, label=ENGINE_LABEL)
+
+    def attempt(key: str, fn):
+        t0 = time.monotonic()
+        try:
+            fn()
+        except TransportError as e:
+            out[key] = failure(e, t0)
+
+    def stalled():  # 16-byte buckets: bucket 0 = a goes out once c is produced, then the trainer stalls
+        yield from [("a", torch.ones(4)), ("b", torch.ones(4)), ("c", torch.ones(4))]
+        events[2].wait(30)
+
+    try:
+        if rank == 0:
+            with join(0) as sender:
+                attempt("no receiver", lambda: sender.send([("w", torch.ones(4))], version=1))
+                events[0].set()
+            with join(1):
+                events[1].wait(30)
+            with join(2, bucket_bytes=16) as sender:
+                attempt("after the stall", lambda: sender.send(stalled(), version=1))
+        else:
+            with join(0):
+                events[0].wait(30)
+            with join(1) as receiver:
+                attempt("no sender", receiver.receive)
+                with pytest.raises(TransportError, match="failed earlier"):
+                    receiver.receive()
+                events[1].set()
+            with join(2) as receiver:
+                attempt("stalled sender", receiver.receive)
+                events[2].set()
+        results.put((rank, out))
+    except BaseException as e:
+        results.put((rank, failure(e, 0.0)))
+
+
+def test_dist_timeouts_name_the_peer():
+    ctx = mp.get_context("spawn")
+    out = run_pair(timeout_worker, [free_port() for _ in range(3)], [ctx.Event() for _ in range(3)])
+    assert "error" not in out[0] and "error" not in out[1], out
+    no_receiver, after_stall = out[0]["no receiver"], out[0]["after the stall"]
+    no_sender, stalled = out[1]["no sender"], out[1]["stalled sender"]
+    for failed in (no_receiver, no_sender, stalled):
+        assert f"timeout_s={TIMEOUT_S:g}" in failed["error"]
+        assert TIMEOUT_S * 0.9 <= failed["elapsed"] < TIMEOUT_S + 1.5, failed
+
+    assert no_receiver["ranks"] == (1,)
+    assert f"rank 1 ({ENGINE_LABEL}) did not start receiving" in no_receiver["error"]
+    assert no_sender["ranks"] == (0,)
+    assert "handshake with rank 0 (trainer) failed or timed out" in no_sender["error"]
+    assert stalled["ranks"] == (0,) and stalled["bucket"] == 1
+    assert "metadata length of bucket 1 with rank 0 (trainer)" in stalled["error"]
+    assert after_stall["ranks"] == (1,) and after_stall["bucket"] == 1, after_stall
+
+
+def test_in_process_roundtrip_copies_and_times_out():
+    model = mixed_model(seed=0)
+    receiver = InProcessReceiver(timeout_s=10)
+    sender = InProcessSender(receiver, timeout_s=10)
+    got = {}
+    thread = threading.Thread(target=lambda: got.update(transfer=receiver.receive()))
+    thread.start()
+    stats = sender.send(model.named_parameters(), version=3)
+    thread.join(timeout=10)
+    version, tensors = got["transfer"]
+    assert version == 3 and digest(tensors.items()) == digest(model.named_parameters())
+    assert stats.num_tensors == len(tensors) and stats.num_buckets == 1
+    assert all(t.data_ptr() != p.data_ptr() for t, p in zip(tensors.values(), model.parameters(), strict=True))
+
+    with pytest.raises(TransportError, match="took nothing"):
+        InProcessSender(InProcessReceiver(), timeout_s=0.1).send([("w", torch.ones(2))], version=1)
+    with pytest.raises(TransportError, match="sent nothing"):
+        InProcessReceiver(timeout_s=0.1).receive()
+
+
+def test_rank_that_never_joins_is_named():
+    """World of 3, only ranks 0 and 1 come (threads of this process): both name rank 2 within their timeout.
+    Rank 1 gives up first, while rank 0 still hosts the store it asks who is missing."""
+    init, errors = f"tcp://127.0.0.1:{free_port()}", {}
+
+    def join(rank):
+        t0 = time.monotonic()
+        try:
+            if rank == 0:
+                DistSender(init, 3, timeout_s=1.5)
+            else:
+                DistReceiver(init, 3, rank, timeout_s=0.5, label=ENGINE_LABEL)
+        except TransportError as e:
+            errors[rank] = failure(e, t0)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert sorted(errors) == [0, 1], errors
+    for error in errors.values():
+        assert error["ranks"] == (2,) and "rank 2 did not join" in error["error"] and error["elapsed"] < 2.5, error
+
+
+def test_bad_arguments_are_value_errors():
+    with pytest.raises(ValueError, match="init_method"):
+        DistSender("env://", 2)
+    with pytest.raises(ValueError, match="world_size"):
+        DistSender("tcp://127.0.0.1:1", 1)
+    with pytest.raises(ValueError, match="rank"):
+        DistReceiver("tcp://127.0.0.1:1", 2, 0)
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        DistSender("tcp://127.0.0.1:1", 2, bucket_bytes=0)
+
+
+def test_bucket_meta_speaks_sglang_field_names():
+    meta = BucketMeta(0, 5, names=["w"], dtypes=["bfloat16"], shapes=[[2, 3]], offsets=[0], numel=6, is_last=True)
+    assert BucketMeta.from_bytes(meta.to_bytes()) == meta
+    assert meta.sglang_request("weights") == {"names": ["w"], "dtypes": ["bfloat16"], "shapes": [[2, 3]],
+                                              "group_name": "weights", "flush_cache": True, "weight_version": "5"}
+
+
+def nccl_worker(rank: int, results, port: int):
+    torch.cuda.set_device(rank)
+    init, model = f"tcp://127.0.0.1:{port}", mixed_model(seed=rank).cuda()
+    try:
+        if rank == 0:
+            with DistSender(init, 2, backend="nccl", timeout_s=60, bucket_bytes=BUCKET_BYTES) as sender:
+                stats = sender.send(model.named_parameters(), version=3)
+                results.put((0, {"stats": stats, "digest": digest((n, p.cpu()) for n, p in model.named_parameters())}))
+        else:
+            with DistReceiver(init, 2, rank, backend="nccl", timeout_s=60) as receiver:
+                version, tensors = receiver.receive()
+                devices = {str(t.device) for t in tensors.values()}
+                load_weights(model, tensors.items(), strict=True)
+                results.put((1, {"version": version, "devices": devices,
+                                 "after": digest((n, p.cpu()) for n, p in model.named_parameters())}))
+    except BaseException as e:
+        results.put((rank, failure(e, 0.0)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_roundtrip_is_bit_identical():
+    out = run_pair(nccl_worker, free_port(), timeout_s=120)
+    assert "error" not in out[0] and "error" not in out[1], out
+    assert out[1]["version"] == 3 and out[1]["devices"] == {"cuda:1"}
+    assert out[1]["after"] == out[0]["digest"]
+    stats = out[0]["stats"]
+    print(f"\nnccl weight transfer: {stats.num_bytes / 1e6:.2f} MB in {stats.num_buckets} buckets, "
+          f"{stats.gb_per_s:.3f} GB/s")
