@@ -135,6 +135,7 @@ class EngineConfig:
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     device: str = "cpu"
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):

@@ -42,9 +42,10 @@ def test_target_tokens_reward_rises(tmp_path, staleness):
     assert first < 0.25 and last > first + 0.3, (first, last)
 
 
-def test_guess_number_reward_rises_in_async_mode(tmp_path):
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_guess_number_reward_rises(tmp_path, staleness):
     _, history, _ = run_recording(["task=guess_number", "steps=60", "trainer.lr=1e-2", "rollout.group_size=8",
-                                   "rollout.max_staleness=2", f"out_dir={tmp_path}"])
+                                   f"rollout.max_staleness={staleness}", f"out_dir={tmp_path}"])
     first, last = quarter_means(history)
     assert first < 0.05 and last > first + 0.1, (first, last)
 

@@ -61,7 +61,8 @@ class Engine:
                            param.device)
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, self.config)
-        self.runner = ModelRunner(self.model, self.pool)
+        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config.max_running_requests,
+                                  self.config.cuda_graphs)
         self.weight_version = 0
         self.paused: PauseMode | None = None
         self.stats = EngineStats(pages_total=self.pool.num_pages)

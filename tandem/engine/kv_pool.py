@@ -16,7 +16,9 @@ from tandem.config import ModelConfig
 class KVPool:
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device):
         self.num_pages, self.page_size = num_pages, page_size
-        shape = (config.num_hidden_layers, num_pages * page_size, config.num_key_value_heads, config.head_dim)
+        # one extra page, never handed out: padding rows of fixed-shape decode batches write there
+        self.scratch_slot = num_pages * page_size
+        shape = (config.num_hidden_layers, (num_pages + 1) * page_size, config.num_key_value_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages

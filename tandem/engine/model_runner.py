@@ -1,30 +1,128 @@
 """Turns a step's chunks into tensors, runs the model over the paged KV cache and samples.
 
-The seam for the GPU fast path: another runner may build a different `AttentionContext` (Triton paged
-kernels), capture graphs and overlap, as long as `run` keeps its contract.
+Two paths behind one `run`:
+  - decode steps (every chunk one token, the common case) go through fixed-shape buffers padded to a
+    ladder of batch sizes; on CUDA each size is captured once as a CUDA graph and replayed, with the
+    Triton paged-decode kernel; elsewhere the same code runs eagerly with the PyTorch reference kernel;
+  - steps with prefill chunks run eagerly with the reference `PagedAttention`.
 """
 
 from __future__ import annotations
+
+import bisect
+import logging
 
 import torch
 
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.sampler import SamplingBatch, sample
 from tandem.engine.scheduler import Chunk
-from tandem.model.attention import PagedAttention
+from tandem.model.attention import BlockTableDecode, PagedAttention, paged_decode_reference
 from tandem.model.qwen3 import Qwen3ForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+def _decode_kernel(device: torch.device):
+    if device.type != "cuda":
+        return paged_decode_reference
+    try:
+        from tandem.kernels.decode_attention import paged_decode_attention
+    except ImportError:  # no Triton: the reference works on CUDA too, without graphs
+        log.warning("Triton is not available: decode runs the PyTorch reference kernel, without CUDA graphs")
+        return paged_decode_reference
+    return paged_decode_attention
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool):
+    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, max_decode_batch: int = 256,
+                 cuda_graphs: bool = True):
         self.model, self.pool = model, pool
         self.device = next(model.parameters()).device
+        self.kernel = _decode_kernel(self.device)
+        self.batch_sizes = [b for b in [1, 2, 4, 8, *range(16, max_decode_batch + 1, 16)] if b <= max_decode_batch]
+        B, P = self.batch_sizes[-1], -(-max_context_len // pool.page_size)
+        self.ids_B = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.positions_B = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.slots_B = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
+        self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if cuda_graphs and self.device.type == "cuda" and self.kernel is not paged_decode_reference:
+            self._capture()
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
         """Compute KV for every chunk; sample one token for each chunk that reaches its request's end.
         Returns (token ids, logprobs) for those chunks, in chunk order. Writes only the chunks' new slots
-        of the KV pool."""
+        of the KV pool (and, for padding rows of a decode batch, the pool's scratch page)."""
+        if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
+            logits = self._decode(chunks)
+        else:
+            logits = self._mixed(chunks)
+        if logits is None:
+            return [], []
+        tokens, logprobs = sample(logits, self._sampling_batch([c.req for c in chunks if c.sample]))
+        return tokens.tolist(), logprobs.tolist()
+
+    # ---- decode: fixed shapes, graphs on CUDA -------------------------------------------------------------
+    def _decode(self, chunks: list[Chunk]) -> torch.Tensor:
+        n = len(chunks)
+        bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        P = self.pool.page_size
+        width = max(-(-(c.start + 1) // P) for c in chunks)
+        table = torch.zeros(bs, self.block_table_BP.shape[1], dtype=torch.int32)
+        rows = [c.req.pages[:width] for c in chunks]
+        table[:n, :width] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+        starts = [c.start for c in chunks]
+        pad = bs - n
+        host = {
+            "ids": torch.tensor([c.req.tokens[c.start] for c in chunks] + [0] * pad),
+            "positions": torch.tensor(starts + [0] * pad),
+            "slots": torch.tensor([c.req.pages[s // P] * P + s % P for c, s in zip(chunks, starts, strict=True)]
+                                  + [self.pool.scratch_slot] * pad),
+            "seq_lens": torch.tensor([s + 1 for s in starts] + [0] * pad, dtype=torch.int32),
+        }
+        self.ids_B[:bs].copy_(host["ids"], non_blocking=True)
+        self.positions_B[:bs].copy_(host["positions"], non_blocking=True)
+        self.slots_B[:bs].copy_(host["slots"], non_blocking=True)
+        self.seq_lens_B[:bs].copy_(host["seq_lens"], non_blocking=True)
+        self.block_table_BP[:bs].copy_(table, non_blocking=True)
+        if bs in self.graphs:
+            graph, logits = self.graphs[bs]
+            graph.replay()
+            return logits[:n]
+        return self._forward_decode(bs, width)[:n]
+
+    def _forward_decode(self, bs: int, width: int | None = None) -> torch.Tensor:
+        """Logits [bs, V] of the decode batch in the static buffers. `width` (eager only) limits the block
+        table to the pages in use, so the reference kernel does not gather the whole context length."""
+        ctx = BlockTableDecode(self.pool.k_cache, self.pool.v_cache, self.slots_B[:bs],
+                               self.block_table_BP[:bs, :width], self.seq_lens_B[:bs], self.pool.page_size,
+                               self.kernel)
+        hidden = self.model(self.ids_B[:bs], self.positions_B[:bs], ctx)
+        return self.model.compute_logits(hidden)
+
+    def _capture(self) -> None:
+        """One graph per batch size, largest first, sharing one memory pool. Padding rows (seq_len 0) write
+        only to the scratch slot, so capturing with zeroed buffers touches no request's KV."""
+        self.slots_B.fill_(self.pool.scratch_slot)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.inference_mode(), torch.cuda.stream(stream):
+            for bs in reversed(self.batch_sizes):
+                self._forward_decode(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    logits = self._forward_decode(bs)
+                self.graphs[bs] = (graph, logits)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+
+    # ---- prefill and mixed steps: eager reference --------------------------------------------------------
+    def _mixed(self, chunks: list[Chunk]) -> torch.Tensor | None:
         ids, positions, new_slots, kv_slots, sample_rows = [], [], [], [], []
         row = 0
         for c in chunks:
@@ -42,14 +140,12 @@ class ModelRunner:
                              kv_slots=kv_slots)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
-            return [], []
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        tokens, logprobs = sample(logits, self._sampling_batch([c.req for c in chunks if c.sample]))
-        return tokens.tolist(), logprobs.tolist()
+            return None
+        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
 
     def _sampling_batch(self, reqs) -> SamplingBatch:
         def col(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=self.device)
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         return SamplingBatch(
             temperatures=col([r.sampling.temperature for r in reqs], torch.float32),

@@ -106,3 +106,44 @@ class PagedAttention(AttentionContext):
         o_BQHD = o_BHQD.transpose(1, 2)
         for i, b in enumerate(rows):
             out_THD[starts[b]:starts[b] + self.q_lens[b]] = o_BQHD[i, :self.q_lens[b]]
+
+
+def paged_decode_reference(q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, page_size: int,
+                           scale: float) -> torch.Tensor:
+    """One query per request against its first `seq_lens[b]` cached positions, found through its block
+    table (page ids). The PyTorch reference of the GPU decode kernel: same arguments, same result."""
+    B, P = block_table_BP.shape
+    pos_L = torch.arange(P * page_size, device=q_BHD.device)
+    slots_BL = block_table_BP.long()[:, pos_L // page_size] * page_size + pos_L % page_size
+    k_BLKD = k_cache_SKD[slots_BL].float()
+    v_BLKD = v_cache_SKD[slots_BL].float()
+    mask_BL = pos_L[None] < seq_lens_B[:, None]
+    groups = q_BHD.shape[1] // k_BLKD.shape[2]
+    k_BLHD = k_BLKD.repeat_interleave(groups, dim=2)
+    v_BLHD = v_BLKD.repeat_interleave(groups, dim=2)
+    scores_BHL = torch.einsum("bhd,blhd->bhl", q_BHD.float(), k_BLHD) * scale
+    scores_BHL = scores_BHL.masked_fill(~mask_BL[:, None], float("-inf"))
+    probs_BHL = torch.softmax(scores_BHL, dim=-1).nan_to_num(0.0)  # rows with seq_len 0 (padding) give zeros
+    return torch.einsum("bhl,blhd->bhd", probs_BHL, v_BLHD).to(q_BHD.dtype)
+
+
+@dataclass
+class BlockTableDecode(AttentionContext):
+    """A decode batch in fixed-shape tensors only (no Python lists), so the whole forward can be captured in
+    a CUDA graph: request b's new key/value goes to `slots_B[b]`, then its query attends over its first
+    `seq_lens_B[b]` positions through `block_table_BP[b]`. `kernel` has `paged_decode_reference`'s
+    signature (the Triton kernel on GPU). Padding rows have seq_len 0 and write to a scratch slot."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slots_B: torch.Tensor
+    block_table_BP: torch.Tensor
+    seq_lens_B: torch.Tensor
+    page_size: int
+    kernel: object = paged_decode_reference
+
+    def attend(self, layer, q_THD, k_TKD, v_TKD):
+        self.k_cache[layer].index_copy_(0, self.slots_B, k_TKD.to(self.k_cache.dtype))
+        self.v_cache[layer].index_copy_(0, self.slots_B, v_TKD.to(self.v_cache.dtype))
+        return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.seq_lens_B,
+                           self.page_size, q_THD.shape[-1] ** -0.5)

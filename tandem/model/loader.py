@@ -79,11 +79,11 @@ def build_model(model: str | ModelConfig, device: str | torch.device = "cpu", dt
     torch_dtype = DTYPES[dtype or config.dtype]
     with torch.device("meta"):
         net = Qwen3ForCausalLM(config)
-    net = net.to_empty(device="cpu")
+    net = net.to_empty(device=device).to(torch_dtype)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight  # to_empty unties; tie again
     if weights_dir is None:
         net.init_random(seed)
     else:
         load_weights(net, iter_safetensors(weights_dir), strict=True)
-    return net.to(device=device, dtype=torch_dtype).eval()
+    return net.eval()
