@@ -128,7 +128,8 @@ class EngineConfig:
     """Engine knobs. Sizes are in tokens unless named otherwise."""
 
     page_size: int = 16
-    num_pages: int = 512  # KV pool size; the GPU path sizes it from free memory instead
+    num_pages: int = 512  # KV pool size; 0: size it from free GPU memory (kv_memory_fraction of it)
+    kv_memory_fraction: float = 0.8
     max_running_requests: int = 64
     max_prefill_tokens: int = 512  # per-step token budget for prefill chunks (chunked prefill)
     max_batch_requests: int = 256  # largest batch a single /generate may carry
@@ -139,8 +140,11 @@ class EngineConfig:
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):
-        for name in ("page_size", "num_pages", "max_running_requests", "max_prefill_tokens",
-                     "max_batch_requests"):
+        if self.num_pages < 0:
+            raise ValueError(f"engine config: num_pages must be >= 0 (0 = size from GPU memory), got {self.num_pages}")
+        if not 0 < self.kv_memory_fraction < 1:
+            raise ValueError(f"engine config: kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
+        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "max_batch_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
         if self.max_context_len is not None and self.max_context_len <= 0:

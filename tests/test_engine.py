@@ -10,7 +10,7 @@ from hf_ref import SHAPES, hf_model, tandem_twin
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine, EngineError
 from tandem.engine.kv_pool import KVPool
-from tandem.model.attention import PagedAttention
+from tandem.model.attention import PagedAttention, paged_decode_reference
 from tandem.model.loader import build_model
 from tandem.types import SamplingParams
 
@@ -303,3 +303,30 @@ def test_request_larger_than_kv_pool_is_refused():
     with Engine("tiny", EngineConfig(num_pages=8, page_size=4)) as engine:
         with pytest.raises(ValueError, match="exceeds the KV pool"):
             asyncio.run(engine.generate([1] * 30, SamplingParams(max_new_tokens=10)))
+
+
+def test_mixed_step_decode_rows_through_a_kernel_equal_the_gather_path():
+    """The GPU's mixed steps send decode rows to the paged-decode kernel over block tables; with the reference
+    kernel in its place the result must equal the gather path bit for bit (up to float rounding)."""
+    config = SHAPES["gqa4_wide_head"]
+    model = tandem_twin(hf_model(config), config)
+    P = 4
+    pool = KVPool(config, num_pages=32, page_size=P, dtype=torch.float32, device="cpu")
+    tables = [[3, 7, 1], [0, 2], [9, 4, 5, 6]]
+    lens = [10, 6, 13]  # two decodes (q_len 1) around a prefill chunk of 4
+    q_lens = [1, 4, 1]
+    for table, n in zip(tables, lens, strict=True):
+        pool.k_cache[:, pool.slots(table, 0, n)] = torch.randn(config.num_hidden_layers, n, 2, 24)
+        pool.v_cache[:, pool.slots(table, 0, n)] = torch.randn(config.num_hidden_layers, n, 2, 24)
+    slots = [pool.slots(t, 0, n) for t, n in zip(tables, lens, strict=True)]
+    new_slots = torch.cat([s[-q:] for s, q in zip(slots, q_lens, strict=True)])
+    ids, positions = torch.randint(0, 300, (6,)), torch.tensor([9, 2, 3, 4, 5, 12])
+    outs = []
+    for kernel in (None, paged_decode_reference):
+        ctx = PagedAttention(pool.k_cache.clone(), pool.v_cache.clone(), new_slots, q_lens, lens, slots)
+        if kernel is not None:
+            ctx.decode_kernel, ctx.page_size = kernel, P
+            ctx.decode_block_table = torch.tensor([[3, 7, 1, 0], [9, 4, 5, 6]], dtype=torch.int32)
+        with torch.no_grad():
+            outs.append(model(ids, positions, ctx))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

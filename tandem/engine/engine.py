@@ -42,6 +42,20 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def plan_kv_pages(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
+    """Pages that fit in `kv_memory_fraction` of the GPU memory free after the weights (the rest is left for
+    activations, CUDA graphs and the sampler)."""
+    if not engine_config.device.startswith("cuda"):
+        raise ValueError("engine config: num_pages 0 (size from free memory) needs a CUDA device")
+    free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
+    per_page = (2 * config.num_hidden_layers * engine_config.page_size * config.num_key_value_heads
+                * config.head_dim * dtype.itemsize)
+    num_pages = int(free * engine_config.kv_memory_fraction) // per_page - 1  # minus the scratch page
+    log.info("KV pool: %d pages of %d tokens (%.1f GiB of %.1f GiB free)", num_pages, engine_config.page_size,
+             num_pages * per_page / 2**30, free / 2**30)
+    return num_pages
+
+
 class EngineError(RuntimeError):
     """A request the engine refuses in its current state (not a malformed input: that is ValueError)."""
 
@@ -57,8 +71,8 @@ class Engine:
         self.model_config = self.model.config
         self.max_context_len = self.config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())
-        self.pool = KVPool(self.model_config, self.config.num_pages, self.config.page_size, param.dtype,
-                           param.device)
+        num_pages = self.config.num_pages or plan_kv_pages(self.model_config, self.config, param.dtype)
+        self.pool = KVPool(self.model_config, num_pages, self.config.page_size, param.dtype, param.device)
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, self.config)
         self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config.max_running_requests,

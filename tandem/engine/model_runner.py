@@ -138,6 +138,12 @@ class ModelRunner:
         ctx = PagedAttention(self.pool.k_cache, self.pool.v_cache, torch.cat(new_slots),
                              q_lens=[c.num_tokens for c in chunks], kv_lens=[c.start + c.num_tokens for c in chunks],
                              kv_slots=kv_slots)
+        decodes = [c for c in chunks if c.num_tokens == 1]
+        if decodes and self.kernel is not paged_decode_reference:  # GPU: no gather of every decode's context
+            width = max(-(-(c.start + 1) // self.pool.page_size) for c in decodes)
+            table = [c.req.pages[:width] + [0] * (width - len(c.req.pages[:width])) for c in decodes]
+            ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
+            ctx.decode_block_table = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
             return None

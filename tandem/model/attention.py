@@ -66,6 +66,11 @@ class PagedAttention(AttentionContext):
     q_lens: list[int]
     kv_lens: list[int]
     kv_slots: list[torch.Tensor]
+    # Optional: decode rows through a paged-decode kernel (`paged_decode_reference`'s signature) over these
+    # block tables, one row per decode sequence in order, instead of gathering their whole context.
+    decode_kernel: object = None
+    decode_block_table: torch.Tensor | None = None
+    page_size: int = 0
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         self.k_cache[layer, self.new_slots] = k_TKD.to(self.k_cache.dtype)
@@ -74,10 +79,16 @@ class PagedAttention(AttentionContext):
         starts = [0]
         for n in self.q_lens:
             starts.append(starts[-1] + n)
-        # Decode rows (one query each) are batched into one padded call; prefill chunks go one by one
-        # so a long chunk does not pad every decode row to its length.
+        # Decode rows (one query each) are batched into one call; prefill chunks go one by one so a long
+        # chunk does not pad every decode row to its length.
         decode = [b for b, n in enumerate(self.q_lens) if n == 1]
-        if decode:
+        if decode and self.decode_kernel is not None:
+            rows = torch.tensor([starts[b] for b in decode], device=q_THD.device)
+            seq_lens = torch.tensor([self.kv_lens[b] for b in decode], dtype=torch.int32, device=q_THD.device)
+            out_THD[rows] = self.decode_kernel(q_THD[rows], self.k_cache[layer], self.v_cache[layer],
+                                               self.decode_block_table, seq_lens, self.page_size,
+                                               q_THD.shape[-1] ** -0.5)
+        elif decode:
             self._attend_batch(layer, decode, starts, q_THD, out_THD)
         for b, n in enumerate(self.q_lens):
             if n > 1:

@@ -1,0 +1,148 @@
+"""Engine throughput on a GPU, with its references measured in the same run.
+
+    python benchmarks/engine_throughput.py [--models qwen3-0.6b qwen3-8b] [--hf] [--num-seqs 256]
+
+(a) nano-vllm's workload: `--num-seqs` sequences, prompt and output lengths uniform in [100, 1024],
+    ignore_eos, random bf16 weights: output tokens per second through `Engine.generate`.
+(b) decode sweep at context 1024, batch 1 / 64 / 256: one decode step (the captured graph) timed with CUDA
+    events; achieved bandwidth = (weight bytes + KV bytes read) / step time, against a device-to-device copy
+    measured in the same run.
+(c) with `--hf`: workload (a) through Hugging Face `generate` (all sequences in one left-padded batch, greedy,
+    max_new_tokens = the longest output; only each sequence's requested tokens count), and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import random
+import sys
+import time
+
+import torch
+
+from tandem.config import PRESETS, EngineConfig
+from tandem.engine.engine import Engine
+from tandem.types import SamplingParams
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * num_bytes * 10 / (start.elapsed_time(end) / 1e3)  # read + write
+
+
+def workload(num_seqs: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_seqs)]
+    outputs = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    return prompts, outputs
+
+
+async def run_workload(engine: Engine, prompts, outputs) -> float:
+    params = [SamplingParams(max_new_tokens=n, temperature=0.6, ignore_eos=True) for n in outputs]
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)])
+    elapsed = time.perf_counter() - t0
+    assert [len(o.output_ids) for o in outs] == outputs
+    return sum(outputs) / elapsed
+
+
+def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: int = 20) -> float:
+    """Time one graph replay of a decode batch whose every row attends over `context` positions."""
+    runner, pool = engine.runner, engine.pool
+    P = pool.page_size
+    pages_per_row = -(-context // P)
+    assert batch * pages_per_row <= pool.num_pages, "KV pool too small for the sweep"
+    table = torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
+    runner.block_table_BP[:batch, :pages_per_row].copy_(table)
+    runner.seq_lens_B[:batch].fill_(context)
+    runner.positions_B[:batch].fill_(context - 1)
+    runner.slots_B[:batch].copy_(table[:, -1].long() * P + (context - 1) % P)
+    graph, _ = runner.graphs[batch]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
+    import transformers
+
+    cfg = PRESETS[model_name]
+    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.to_hf_dict().items()
+                                         if k not in ("architectures", "torch_dtype")})
+    with torch.device("cuda"):
+        model = transformers.Qwen3ForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(outputs), min_new_tokens=max(outputs),
+                       do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return sum(outputs) / elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--hf", action="store_true")
+    args = parser.parse_args()
+    bw = copy_bandwidth()
+    print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s\n")
+    prompts, outputs = workload(args.num_seqs)
+    for name in args.models:
+        cfg = PRESETS[name]
+        t0 = time.perf_counter()
+        engine = Engine(name, EngineConfig(device="cuda", num_pages=0, page_size=16, max_running_requests=256,
+                                           max_prefill_tokens=8192), dtype="bfloat16")
+        startup = time.perf_counter() - t0
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+        print(f"### {name}: {weight_bytes / 1e9:.2f} GB of weights, {kv_per_token // 1024} KiB KV per token, "
+              f"{engine.pool.num_pages} pages, start-up (weights, pool, graphs) {startup:.1f} s\n")
+        asyncio.run(run_workload(engine, prompts[:8], [16] * 8))  # warm-up
+        tok_s = asyncio.run(run_workload(engine, prompts, outputs))
+        print(f"(a) {args.num_seqs} sequences, in/out uniform [100, 1024]: {tok_s:,.0f} output tok/s")
+        print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW |\n|---|---|---|---|---|---|")
+        for batch in args.batches:
+            sec = decode_step_seconds(engine, batch)
+            read = weight_bytes + batch * 1024 * kv_per_token
+            print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
+                  f"{read / sec / bw:.0%} |")
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
+        if args.hf:
+            hf = hf_tokens_per_s(name, prompts, outputs)
+            print(f"\n(c) Hugging Face generate, same workload: {hf:,.0f} output tok/s; "
+                  f"tandem / HF = {tok_s / hf:.1f}x")
+        print()
+
+
+if __name__ == "__main__":
+    main()

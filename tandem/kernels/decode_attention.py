@@ -1,0 +1,170 @@
+"""Paged-attention decode in Triton: one new query token per request against its paged KV cache.
+
+Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
+  - stage 1, one program per (request, kv head, split): the split's slice of the context, for all query heads
+    of that kv head's group at once (the group is packed into the dot's M dimension, so each KV block is read
+    once per group, not once per query head); writes the split's normalised partial output and its
+    log-sum-exp.
+  - stage 2, one program per (request, query head): merges the splits by their log-sum-exps.
+Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`.
+
+CUDA-graph safe: everything the launch depends on (grid, compile-time constants, scratch shapes) comes from
+tensor shapes and arguments, never from tensor values; the per-request work follows `seq_lens_B` on the device,
+and splits that fall past a request's end (or a whole request with seq_len 0) do no reads.
+
+Shapes: B requests, H query heads, K kv heads, G = H // K heads per group, D head dim, S cache slots,
+P pages per request (block table width), N splits.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
+MAX_KV_SPLITS = 64
+PROGRAMS_PER_SM = 4  # decode is bandwidth-bound: several small programs per SM keep enough loads in flight
+
+
+def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
+    """How many splits to cut each request's context into, from host-known values only (so the choice is fixed
+    for a captured CUDA graph): enough (request, kv head, split) programs to give every SM `PROGRAMS_PER_SM`,
+    but no split shorter than `MIN_TOKENS_PER_SPLIT` of the longest possible context, at most `MAX_KV_SPLITS`,
+    rounded down to a power of two so few distinct values (and stage-2 compilations) occur."""
+    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch_size * num_kv_heads))
+    splits = max(1, min(wanted, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), MAX_KV_SPLITS))
+    return 1 << (splits.bit_length() - 1)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: fewer programs run faster
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_h = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    # split lengths are whole blocks so no block straddles two splits
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for block_start in range(start, end, BLOCK_N):
+        offs_n = block_start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        pages = tl.load(block_table_ptr + b * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+        slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot * stride overflows int32
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :],
+                    mask=mask_n[:, None], other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block holds at least one valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in stage 2
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None])
+    tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+
+
+@triton.jit
+def _merge_kernel(
+    mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):
+    b, head = tl.program_id(0), tl.program_id(1)
+    offs_n = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_n = offs_n < num_splits
+    row = (b * tl.num_programs(1) + head) * num_splits + offs_n
+    lse = tl.load(mid_lse_ptr + row, mask=mask_n, other=float("-inf"))
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    o = tl.sum(o_split * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+
+
+def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
+                           block_table_BP: torch.Tensor, seq_lens_B: torch.Tensor, page_size: int, scale: float,
+                           num_kv_splits: int | None = None, block_n: int | None = None) -> torch.Tensor:
+    """Attention of one query token per request over its first `seq_lens_B[b]` cached positions.
+
+    q_BHD: the new tokens' queries (any float dtype; the output has the same dtype).
+    k_cache_SKD, v_cache_SKD: one layer's slot-major cache (e.g. `pool.k_cache[layer]`), bf16 or fp32, last dim
+      contiguous; slot = page * page_size + offset. The new token's K/V must already be written.
+    block_table_BP: int32 page ids per request, padded with any valid page id (e.g. 0) past the request's end.
+    seq_lens_B: int32 positions each request attends to (new token included); 0 marks a padding row, whose
+      output is zeros. Requires seq_lens_B[b] <= P * page_size.
+    num_kv_splits: splits of each context; default `choose_num_kv_splits` from B, K and P * page_size.
+    block_n: tokens per inner iteration (a tuning knob; default by head dim).
+    Accumulates in fp32; reads only the KV of positions < seq_lens_B[b]; launches a fixed grid (graph safe).
+    """
+    B, H, D = q_BHD.shape
+    _, K, _ = k_cache_SKD.shape
+    assert D in (16, 32, 64, 128, 256), f"head_dim {D}: must be a power of two in [16, 256]"
+    assert H % K == 0 and 1 <= H // K <= 16, f"{H} query heads over {K} kv heads"
+    assert page_size > 0 and page_size & (page_size - 1) == 0, f"page_size {page_size}: must be a power of two"
+    assert k_cache_SKD.shape == v_cache_SKD.shape and k_cache_SKD.dtype == v_cache_SKD.dtype
+    assert k_cache_SKD.dtype in (torch.bfloat16, torch.float32), k_cache_SKD.dtype
+    assert k_cache_SKD.stride(2) == 1 and v_cache_SKD.stride(2) == 1 and q_BHD.stride(2) == 1
+    assert block_table_BP.dtype == torch.int32 and seq_lens_B.dtype == torch.int32
+    assert block_table_BP.shape[0] == B and seq_lens_B.shape == (B,) and block_table_BP.stride(1) == 1
+    o_BHD = torch.empty_like(q_BHD, memory_format=torch.contiguous_format)
+    if B == 0:
+        return o_BHD
+    if num_kv_splits is None:
+        max_len = block_table_BP.shape[1] * page_size
+        num_kv_splits = choose_num_kv_splits(B, K, max_len, _num_sms(q_BHD.device))
+    block_n = block_n or (64 if D <= 64 else 32)
+    group = H // K
+
+    mid_o_BHND = torch.empty(B, H, num_kv_splits, D, dtype=torch.float32, device=q_BHD.device)
+    mid_lse_BHN = torch.empty(B, H, num_kv_splits, dtype=torch.float32, device=q_BHD.device)
+    dot_precision = "ieee" if k_cache_SKD.dtype == torch.float32 else "tf32"  # no tf32 rounding of fp32 caches
+    _split_kernel[(B, K, num_kv_splits)](
+        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
+        q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
+        v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
+        scale * math.log2(math.e),
+        GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=4, num_stages=2,
+    )
+    _merge_kernel[(B, H)](
+        mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
+        HEAD_DIM=D, BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
+    )
+    return o_BHD
