@@ -1,0 +1,174 @@
+"""The Triton paged decode kernel against a plain PyTorch reference (gather by block table, fp32 softmax).
+
+Without CUDA the kernel runs under Triton's CPU interpreter, so those cases stay tiny; the `gpu` cases run
+the larger shapes (long contexts with many splits, batch 17, every page size) and a CUDA-graph replay.
+Every slot no request may read (page 0, which padded block-table entries point to, and the tail of each
+request's last page) holds NaN, so a read past a request's end shows up as NaN in the output.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
+pytest.importorskip("triton")
+
+from tandem.kernels.decode_attention import choose_num_kv_splits, paged_decode_attention  # noqa: E402
+from tandem.model.attention import PagedAttention, paged_decode_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NUM_LAYERS, LAYER = 2, 1  # the kernel gets a layer's view of a [L, S, K, D] cache, as the engine passes it
+TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_case(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, seed=0, device=DEVICE):
+    """Random q and caches; each request's pages are scattered over the pool, page 0 is never used."""
+    gen = torch.Generator().manual_seed(seed)
+    pages_per_req = [-(-n // page_size) for n in seq_lens]
+    width = max(pages_per_req) + 1  # one extra column of padding for every row
+    num_pages = 1 + sum(pages_per_req) + 3
+    shape = (NUM_LAYERS, num_pages * page_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"))
+    v_cache = torch.full(shape, float("nan"))
+    order = (1 + torch.randperm(num_pages - 1, generator=gen)).tolist()
+    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    for b, (n, num_req_pages) in enumerate(zip(seq_lens, pages_per_req, strict=True)):
+        pages = torch.tensor([order.pop() for _ in range(num_req_pages)], dtype=torch.long)
+        block_table[b, :num_req_pages] = pages.int()
+        pos = torch.arange(n)
+        slots = pages[pos // page_size] * page_size + pos % page_size
+        k_cache[:, slots] = torch.randn(NUM_LAYERS, n, num_kv_heads, head_dim, generator=gen)
+        v_cache[:, slots] = torch.randn(NUM_LAYERS, n, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
+    seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return [t.to(device) for t in (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), block_table, seq_lens)]
+
+
+def reference(q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, page_size, scale):
+    B, H, D = q_BHD.shape
+    group = H // k_cache_SKD.shape[1]
+    out = torch.zeros(B, H, D, dtype=torch.float32)
+    for b in range(B):
+        n = int(seq_lens_B[b])
+        if n == 0:
+            continue
+        pos = torch.arange(n, device=q_BHD.device)
+        slots = block_table_BP[b, pos // page_size].long() * page_size + pos % page_size
+        k_LHD = k_cache_SKD[slots].float().repeat_interleave(group, dim=1)
+        v_LHD = v_cache_SKD[slots].float().repeat_interleave(group, dim=1)
+        probs_HL = torch.einsum("hd,lhd->hl", q_BHD[b].float(), k_LHD).mul(scale).softmax(-1)
+        out[b] = torch.einsum("hl,lhd->hd", probs_HL, v_LHD).cpu()
+    return out
+
+
+def check(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_splits=None, seed=0):
+    q, k_cache, v_cache, block_table, lens = make_case(seq_lens, num_kv_heads, group, head_dim, page_size, dtype,
+                                                       seed)
+    scale = head_dim ** -0.5
+    out = paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale,
+                                 num_kv_splits=num_kv_splits)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert torch.isfinite(out).all()
+    want = reference(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale)
+    torch.testing.assert_close(out.float().cpu(), want, **TOLERANCE[dtype])
+
+
+# (seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_splits): small enough for the interpreter
+SMALL_CASES = [
+    ([1], 2, 1, 64, 16, torch.float32, None),
+    ([15, 16, 37], 2, 4, 128, 16, torch.float32, 3),  # tail of a page, a full page, several splits
+    ([3], 1, 4, 64, 16, torch.float32, 8),  # most splits empty
+    ([0, 31, 70], 1, 4, 64, 32, torch.bfloat16, 2),  # a padding row, bf16
+    ([40, 0, 63], 2, 1, 128, 64, torch.bfloat16, None),
+    ([1, 5, 0, 9, 16, 2, 33, 7, 12, 0, 4, 20, 17, 3, 8, 30, 11], 1, 4, 64, 16, torch.float32, 2),  # batch 17
+]
+
+
+@pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"lens{len(c[0])}-K{c[1]}-G{c[2]}-D{c[3]}-P{c[4]}")
+def test_matches_reference_small(case):
+    check(*case)
+
+
+def test_matches_engine_paged_attention():
+    """The engine's PyTorch context writes each request's new K/V, then attends; the kernel, given the cache it
+    wrote, agrees (the contract of a GPU `attend`: write the new slots, then call the kernel)."""
+    lens, num_kv_heads, head_dim, page_size = [1, 17, 40], 2, 64, 16
+    q, k_cache, v_cache, block_table, seq_lens = make_case(lens, num_kv_heads, 2, head_dim, page_size, torch.float32)
+    k_cache.nan_to_num_(0.0), v_cache.nan_to_num_(0.0)  # the PyTorch context's padded gather reads slot 0
+    kv_slots = [block_table[b, torch.arange(n, device=DEVICE) // page_size].long() * page_size
+                + torch.arange(n, device=DEVICE) % page_size for b, n in enumerate(lens)]
+    ctx = PagedAttention(k_cache, v_cache, torch.stack([s[-1] for s in kv_slots]), q_lens=[1] * len(lens),
+                         kv_lens=lens, kv_slots=kv_slots)
+    new_k, new_v = (torch.randn(len(lens), num_kv_heads, head_dim, device=DEVICE) for _ in range(2))
+    want = ctx.attend(LAYER, q, new_k, new_v)
+    out = paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, seq_lens, page_size,
+                                 head_dim ** -0.5)
+    torch.testing.assert_close(out, want, **TOLERANCE[torch.float32])
+
+
+def test_matches_paged_decode_reference():
+    """The PyTorch kernel behind the same seam gives the same numbers, padding rows included."""
+    page_size = 16
+    case = make_case([0, 9, 33], 2, 4, 64, page_size, torch.float32)
+    q, k_cache, v_cache, block_table, seq_lens = case
+    k_cache.nan_to_num_(0.0), v_cache.nan_to_num_(0.0)  # the reference gathers whole block-table rows
+    args = (q, k_cache[LAYER], v_cache[LAYER], block_table, seq_lens, page_size, 0.1)
+    torch.testing.assert_close(paged_decode_attention(*args), paged_decode_reference(*args),
+                               **TOLERANCE[torch.float32])
+
+
+def test_num_kv_splits_heuristic():
+    for batch_size in (1, 3, 17, 64, 256):
+        for max_len in (16, 1024, 32768):
+            splits = choose_num_kv_splits(batch_size, 8, max_len, num_sms=132)
+            assert splits & (splits - 1) == 0 and 1 <= splits <= 64
+            assert splits == 1 or max_len / splits >= 64
+    assert choose_num_kv_splits(1, 8, 32768, 132) == 64  # one long request fills the GPU through splits
+    assert choose_num_kv_splits(256, 8, 32768, 132) == 1  # a large batch fills it by itself
+
+
+GPU_CASES = [
+    ([1000], 8, 2, 128, 16, torch.bfloat16),
+    ([1, 15, 1000], 2, 4, 128, 16, torch.float32),
+    ([16, 999, 0], 4, 1, 64, 32, torch.bfloat16),
+    ([31, 1, 1024], 2, 4, 64, 32, torch.float32),
+    ([int(n) for n in torch.randint(0, 1100, (17,), generator=torch.Generator().manual_seed(1))], 8, 2, 128, 16,
+     torch.bfloat16),
+    ([63, 64, 1000], 1, 8, 128, 64, torch.bfloat16),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_splits", [None, 1, 7, 64])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{len(c[0])}-K{c[1]}-G{c[2]}-D{c[3]}-P{c[4]}-{c[5]}")
+def test_matches_reference_gpu(case, num_kv_splits):
+    check(*case, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_follows_new_lengths_and_pages():
+    """Captured once, replayed for two different batches written into the same q, block-table and length buffers
+    (rows 0-3 of one pool, then rows 4-7): the graph must follow the lengths and pages, not what it saw."""
+    page_size, scale = 16, 128 ** -0.5
+    all_q, k_cache, v_cache, all_table, all_lens = make_case([5, 1000, 0, 300, 700, 0, 1, 64], 8, 2, 128, page_size,
+                                                             torch.bfloat16)
+    q, block_table, lens = all_q[:4].clone(), all_table[:4].clone(), all_lens[:4].clone()
+
+    def run():
+        return paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale)
+
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for rows in (slice(0, 4), slice(4, 8)):
+        q.copy_(all_q[rows])
+        block_table.copy_(all_table[rows])
+        lens.copy_(all_lens[rows])
+        graph.replay()
+        want = reference(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale)
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float().cpu(), want, **TOLERANCE[torch.bfloat16])
