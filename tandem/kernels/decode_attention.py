@@ -28,6 +28,7 @@ import triton.language as tl
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
 MAX_KV_SPLITS = 64
 PROGRAMS_PER_SM = 4  # decode is bandwidth-bound: several small programs per SM keep enough loads in flight
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
@@ -52,7 +53,7 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
@@ -67,7 +68,7 @@ def _split_kernel(
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty)
+    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
@@ -77,16 +78,17 @@ def _split_kernel(
         pages = tl.load(block_table_ptr + b * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot * stride overflows int32
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0)
+                    mask=mask_n[:, None], other=0.0).to(DOT_DTYPE)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0)
+                    mask=mask_n[:, None], other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block holds at least one valid token
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        p = p.to(v_ptr.dtype.element_ty).to(DOT_DTYPE)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in stage 2
@@ -155,13 +157,16 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     mid_o_BHND = torch.empty(B, H, num_kv_splits, D, dtype=torch.float32, device=q_BHD.device)
     mid_lse_BHN = torch.empty(B, H, num_kv_splits, dtype=torch.float32, device=q_BHD.device)
     dot_precision = "ieee" if k_cache_SKD.dtype == torch.float32 else "tf32"  # no tf32 rounding of fp32 caches
+    # The CPU interpreter multiplies bf16 dot operands as raw integers: it gets them upcast (exactly, after the
+    # same rounding to the cache dtype), so it computes what the GPU computes.
+    dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
     _split_kernel[(B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
         v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
         scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=4, num_stages=2,
     )
     _merge_kernel[(B, H)](
         mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
