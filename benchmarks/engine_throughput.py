@@ -126,8 +126,14 @@ def main() -> None:
         print(f"### {name}: {weight_bytes / 1e9:.2f} GB of weights, {kv_per_token // 1024} KiB KV per token, "
               f"{engine.pool.num_pages} pages, start-up (weights, pool, graphs) {startup:.1f} s\n")
         asyncio.run(run_workload(engine, prompts[:8], [16] * 8))  # warm-up
+        before = asyncio.run(engine.get_stats())
         tok_s = asyncio.run(run_workload(engine, prompts, outputs))
-        print(f"(a) {args.num_seqs} sequences, in/out uniform [100, 1024]: {tok_s:,.0f} output tok/s")
+        after = asyncio.run(engine.get_stats())
+        spent = {k: getattr(after, f"{k}_seconds") - getattr(before, f"{k}_seconds")
+                 for k in ("busy", "schedule", "prepare", "forward", "postprocess")}
+        steps = after.num_steps - before.num_steps
+        print(f"(a) {args.num_seqs} sequences, in/out uniform [100, 1024]: {tok_s:,.0f} output tok/s; {steps} steps, "
+              + ", ".join(f"{k} {1e3 * v / steps:.2f} ms" for k, v in spent.items()) + " per step")
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW |\n|---|---|---|---|---|---|")
         for batch in args.batches:
             sec = decode_step_seconds(engine, batch)

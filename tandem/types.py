@@ -149,6 +149,12 @@ class EngineStats:
     num_aborted: int = 0
     num_steps: int = 0
     busy_seconds: float = 0.0  # time spent in steps (the rest is idle: nothing to run, or paused)
+    # where the busy time goes: scheduling, building the step's inputs on the host, the forward pass and
+    # sampling (until the sampled ids reach the host), and bookkeeping after the step
+    schedule_seconds: float = 0.0
+    prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    postprocess_seconds: float = 0.0
     weight_version: int = 0
     pages_total: int = 0
     pages_free: int = 0

@@ -215,9 +215,13 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return
+        t1 = time.perf_counter()
         tokens, logprobs = self.runner.run(chunks)
+        t2 = time.perf_counter()
         self.stats.num_steps += 1
-        self.stats.busy_seconds += time.perf_counter() - t0
+        self.stats.schedule_seconds += t1 - t0
+        self.stats.prepare_seconds += self.runner.last_prepare_seconds
+        self.stats.forward_seconds += t2 - t1 - self.runner.last_prepare_seconds
         sampled = iter(zip(tokens, logprobs, strict=True))
         for c in chunks:
             req = c.req
@@ -230,6 +234,9 @@ class Engine:
                 self._append_token(req, token, logprob)
         self.scheduler.after_step(chunks)
         self.stats.pages_free = self.pool.num_free
+        t3 = time.perf_counter()
+        self.stats.postprocess_seconds += t3 - t2
+        self.stats.busy_seconds += t3 - t0
 
     def _append_token(self, req: Request, token: int, logprob: float) -> None:
         req.tokens.append(token)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import time
 
 import torch
 
@@ -48,6 +49,7 @@ class ModelRunner:
         self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
         self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.last_prepare_seconds = 0.0
         if cuda_graphs and self.device.type == "cuda" and self.kernel is not paged_decode_reference:
             self._capture()
 
@@ -55,7 +57,9 @@ class ModelRunner:
     def run(self, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
         """Compute KV for every chunk; sample one token for each chunk that reaches its request's end.
         Returns (token ids, logprobs) for those chunks, in chunk order. Writes only the chunks' new slots
-        of the KV pool (and, for padding rows of a decode batch, the pool's scratch page)."""
+        of the KV pool (and, for padding rows of a decode batch, the pool's scratch page). Sets
+        `last_prepare_seconds`: host time spent building inputs before the forward pass was launched."""
+        self._t0 = time.perf_counter()
         if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
             logits = self._decode(chunks)
         else:
@@ -71,9 +75,10 @@ class ModelRunner:
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         P = self.pool.page_size
         width = max(-(-(c.start + 1) // P) for c in chunks)
-        table = torch.zeros(bs, self.block_table_BP.shape[1], dtype=torch.int32)
         rows = [c.req.pages[:width] for c in chunks]
-        table[:n, :width] = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
+        # only the columns in use: entries past a row's length are never read (its seq_len bounds the kernel)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (bs - n),
+                             dtype=torch.int32)
         starts = [c.start for c in chunks]
         pad = bs - n
         host = {
@@ -87,7 +92,8 @@ class ModelRunner:
         self.positions_B[:bs].copy_(host["positions"], non_blocking=True)
         self.slots_B[:bs].copy_(host["slots"], non_blocking=True)
         self.seq_lens_B[:bs].copy_(host["seq_lens"], non_blocking=True)
-        self.block_table_BP[:bs].copy_(table, non_blocking=True)
+        self.block_table_BP[:bs, :width].copy_(table, non_blocking=True)
+        self.last_prepare_seconds = time.perf_counter() - self._t0
         if bs in self.graphs:
             graph, logits = self.graphs[bs]
             graph.replay()
@@ -144,6 +150,7 @@ class ModelRunner:
             table = [c.req.pages[:width] + [0] * (width - len(c.req.pages[:width])) for c in decodes]
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
             ctx.decode_block_table = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+        self.last_prepare_seconds = time.perf_counter() - self._t0
         hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
             return None
