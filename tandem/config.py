@@ -137,6 +137,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
+    overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):

@@ -30,8 +30,8 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.radix_cache import RadixCache
-from tandem.engine.request import Request
-from tandem.engine.scheduler import Scheduler
+from tandem.engine.request import Request, Status
+from tandem.engine.scheduler import PENDING, Scheduler
 from tandem.model.loader import build_model, check_weights, load_weights
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, SamplingParams
@@ -85,6 +85,7 @@ class Engine:
         self._arrival = itertools.count()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
+        self._inflight = None  # the launched step whose sampled tokens are not applied yet
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self._thread.start()
 
@@ -186,13 +187,15 @@ class Engine:
                 cmd = self._commands.get_nowait() if busy else self._commands.get()
             except queue.Empty:
                 cmd = None
-            if cmd is not None:
-                self._run_command(*cmd)
-                continue
             try:
-                self._step()
+                if cmd is not None:
+                    self._drain()  # commands see every sampled token
+                    self._run_command(*cmd)
+                else:
+                    self._step()
             except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
                 log.exception("engine step failed")
+                self._inflight = None
                 for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                     self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
 
@@ -211,43 +214,68 @@ class Engine:
             fut.set_result(result)
 
     def _step(self) -> None:
+        """Schedule and launch step n+1, then finish the bookkeeping of step n while the device runs n+1."""
         t0 = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
+            self._drain()
             return
         t1 = time.perf_counter()
-        tokens, logprobs = self.runner.run(chunks)
+        launched = self.runner.launch(chunks, self._inflight)
         t2 = time.perf_counter()
-        self.stats.num_steps += 1
-        self.stats.schedule_seconds += t1 - t0
-        self.stats.prepare_seconds += self.runner.last_prepare_seconds
-        self.stats.forward_seconds += t2 - t1 - self.runner.last_prepare_seconds
-        sampled = iter(zip(tokens, logprobs, strict=True))
         for c in chunks:
             req = c.req
             req.num_computed += c.num_tokens
             if c.num_tokens > 1 or req.num_generated == 0:
                 req.prefill_tokens += c.num_tokens
                 self.stats.prefill_tokens_computed += c.num_tokens
+        rows = iter(range(len(chunks)))
+        for c in chunks:
+            if c.sample:
+                c.req.tokens.append(PENDING)
+                c.req.pending_row = next(rows)
+        self.scheduler.after_step(chunks)
+        self.stats.num_steps += 1
+        self.stats.schedule_seconds += t1 - t0
+        self.stats.prepare_seconds += self.runner.last_prepare_seconds
+        self.stats.forward_seconds += t2 - t1 - self.runner.last_prepare_seconds
+        self.stats.busy_seconds += time.perf_counter() - t0
+        self._drain()
+        self._inflight = launched
+        if not self.config.overlap:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Wait for the step in flight and apply its sampled tokens."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return
+        t0 = time.perf_counter()
+        tokens, logprobs = launched.result()
+        t1 = time.perf_counter()
+        sampled = iter(zip(tokens, logprobs, strict=True))
+        for c in launched.chunks:
             if c.sample:
                 token, logprob = next(sampled)
-                self._append_token(req, token, logprob)
-        self.scheduler.after_step(chunks)
+                if c.req.status is not Status.FINISHED:
+                    self._append_token(c.req, c.start + c.num_tokens, token, logprob)
         self.stats.pages_free = self.pool.num_free
-        t3 = time.perf_counter()
-        self.stats.postprocess_seconds += t3 - t2
-        self.stats.busy_seconds += t3 - t0
+        self.stats.forward_seconds += t1 - t0
+        self.stats.postprocess_seconds += time.perf_counter() - t1
+        self.stats.busy_seconds += time.perf_counter() - t0
 
-    def _append_token(self, req: Request, token: int, logprob: float) -> None:
-        req.tokens.append(token)
+    def _append_token(self, req: Request, index: int, token: int, logprob: float) -> None:
+        assert req.tokens[index] == PENDING, "sampled tokens resolve in order"
+        req.tokens[index] = token
         req.output_logprobs.append(logprob)
         req.weight_versions.append(self.weight_version)
         self.stats.generated_tokens += 1
         sp = req.sampling
+        generated = index + 1 - req.prompt_len  # resolved so far (the next one may already be in flight)
         if token in sp.stop_token_ids or (not sp.ignore_eos and token == self.model_config.eos_token_id):
             self._finish(req, FinishReason("stop", matched=token))
-        elif req.num_generated >= sp.max_new_tokens:
-            self._finish(req, FinishReason("length", length=req.num_generated))
+        elif generated >= sp.max_new_tokens:
+            self._finish(req, FinishReason("length", length=generated))
 
     def _add_request(self, input_ids, sampling: SamplingParams, rid: str, fut: Future) -> None:
         try:
@@ -269,6 +297,10 @@ class Engine:
             self._finish(req, FinishReason("length", length=0))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        # a stop token ends the request, and the token the in-flight step sampled after it is dropped
+        if PENDING in req.tokens:
+            del req.tokens[req.tokens.index(PENDING):]
+            req.num_computed = min(req.num_computed, len(req.tokens))
         self.scheduler.remove(req)
         req.finish_reason = reason
         self._requests.pop(req.rid, None)

@@ -5,6 +5,11 @@ Two paths behind one `run`:
     ladder of batch sizes; on CUDA each size is captured once as a CUDA graph and replayed, with the
     Triton paged-decode kernel; elsewhere the same code runs eagerly with the PyTorch reference kernel;
   - steps with prefill chunks run eagerly with the reference `PagedAttention`.
+
+Overlap: `launch` returns before the device finishes. A decode row whose input token was sampled by the step
+still in flight (a placeholder on the host, `PENDING`) reads it from that step's device tensor, and the
+sampled ids travel to pinned host memory behind an event, so the host can schedule and launch step n+1
+while step n runs and read step n's tokens without waiting for step n+1.
 """
 
 from __future__ import annotations
@@ -12,16 +17,38 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.sampler import SamplingBatch, sample
-from tandem.engine.scheduler import Chunk
+from tandem.engine.scheduler import PENDING, Chunk
 from tandem.model.attention import BlockTableDecode, PagedAttention, paged_decode_reference
 from tandem.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Launched:
+    """A step on its way: the sampled ids and logprobs of its sampling chunks, in chunk order, on the device
+    (`tokens`, read by the next step's pending rows) and on their way to the host (`result`)."""
+
+    chunks: list[Chunk]
+    tokens: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+    host_tokens: torch.Tensor | None = None
+    host_logprobs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self.tokens is None:
+            return [], []
+        if self.ready is not None:
+            self.ready.synchronize()
+            return self.host_tokens.tolist(), self.host_logprobs.tolist()
+        return self.tokens.tolist(), self.logprobs.tolist()
 
 
 def _decode_kernel(device: torch.device):
@@ -55,19 +82,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, chunks: list[Chunk]) -> tuple[list[int], list[float]]:
-        """Compute KV for every chunk; sample one token for each chunk that reaches its request's end.
-        Returns (token ids, logprobs) for those chunks, in chunk order. Writes only the chunks' new slots
-        of the KV pool (and, for padding rows of a decode batch, the pool's scratch page). Sets
-        `last_prepare_seconds`: host time spent building inputs before the forward pass was launched."""
+        """`launch` and wait for the result (no step in flight before it)."""
+        return self.launch(chunks, None).result()
+
+    @torch.inference_mode()
+    def launch(self, chunks: list[Chunk], prev: Launched | None) -> Launched:
+        """Compute KV for every chunk; sample one token for each chunk that reaches its request's end. Input
+        tokens that are `PENDING` must be ones `prev` sampled (`req.pending_row` is their index there). Writes
+        only the chunks' new slots of the KV pool (and, for padding rows of a decode batch, the pool's scratch
+        page). Sets `last_prepare_seconds`: host time spent building inputs before the forward pass."""
         self._t0 = time.perf_counter()
+        self._prev = prev
         if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
             logits = self._decode(chunks)
         else:
             logits = self._mixed(chunks)
+        self._prev = None
+        launched = Launched(chunks)
         if logits is None:
-            return [], []
-        tokens, logprobs = sample(logits, self._sampling_batch([c.req for c in chunks if c.sample]))
-        return tokens.tolist(), logprobs.tolist()
+            return launched
+        launched.tokens, launched.logprobs = sample(logits, self._sampling_batch([c.req for c in chunks if c.sample]))
+        if self.device.type == "cuda":
+            launched.host_tokens = torch.empty(launched.tokens.shape, dtype=torch.long, pin_memory=True)
+            launched.host_logprobs = torch.empty(launched.logprobs.shape, dtype=torch.float32, pin_memory=True)
+            launched.host_tokens.copy_(launched.tokens, non_blocking=True)
+            launched.host_logprobs.copy_(launched.logprobs, non_blocking=True)
+            launched.ready = torch.cuda.Event()
+            launched.ready.record()
+        return launched
+
+    def _input_ids(self, ids: list[int], pending: list[tuple[int, int]], out: torch.Tensor | None = None):
+        """`ids` on the device, with the rows listed in `pending` ((row, index in prev's samples)) taken from
+        the step in flight. Writes into `out` if given."""
+        host = torch.tensor(ids)
+        out = host.to(self.device, non_blocking=True) if out is None else out.copy_(host, non_blocking=True)
+        if pending:
+            rows, src = zip(*pending, strict=True)
+            out[torch.tensor(rows, device=self.device)] = self._prev.tokens[torch.tensor(src, device=self.device)]
+        return out
+
+    @staticmethod
+    def _pending(row: int, req, token: int, pending: list) -> int:
+        if token == PENDING:
+            pending.append((row, req.pending_row))
+            return 0
+        return token
 
     # ---- decode: fixed shapes, graphs on CUDA -------------------------------------------------------------
     def _decode(self, chunks: list[Chunk]) -> torch.Tensor:
@@ -81,14 +140,15 @@ class ModelRunner:
                              dtype=torch.int32)
         starts = [c.start for c in chunks]
         pad = bs - n
+        pending: list[tuple[int, int]] = []
+        ids = [self._pending(i, c.req, c.req.tokens[c.start], pending) for i, c in enumerate(chunks)]
+        self._input_ids(ids + [0] * pad, pending, out=self.ids_B[:bs])
         host = {
-            "ids": torch.tensor([c.req.tokens[c.start] for c in chunks] + [0] * pad),
             "positions": torch.tensor(starts + [0] * pad),
             "slots": torch.tensor([c.req.pages[s // P] * P + s % P for c, s in zip(chunks, starts, strict=True)]
                                   + [self.pool.scratch_slot] * pad),
             "seq_lens": torch.tensor([s + 1 for s in starts] + [0] * pad, dtype=torch.int32),
         }
-        self.ids_B[:bs].copy_(host["ids"], non_blocking=True)
         self.positions_B[:bs].copy_(host["positions"], non_blocking=True)
         self.slots_B[:bs].copy_(host["slots"], non_blocking=True)
         self.seq_lens_B[:bs].copy_(host["seq_lens"], non_blocking=True)
@@ -129,11 +189,11 @@ class ModelRunner:
 
     # ---- prefill and mixed steps: eager reference --------------------------------------------------------
     def _mixed(self, chunks: list[Chunk]) -> torch.Tensor | None:
-        ids, positions, new_slots, kv_slots, sample_rows = [], [], [], [], []
+        ids, positions, new_slots, kv_slots, sample_rows, pending = [], [], [], [], [], []
         row = 0
         for c in chunks:
             end = c.start + c.num_tokens
-            ids.extend(c.req.tokens[c.start:end])
+            ids.extend(self._pending(row + i, c.req, t, pending) for i, t in enumerate(c.req.tokens[c.start:end]))
             positions.append(torch.arange(c.start, end))
             slots = self.pool.slots(c.req.pages, 0, end, device=self.device)
             new_slots.append(slots[c.start:])
@@ -151,7 +211,7 @@ class ModelRunner:
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
             ctx.decode_block_table = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
         self.last_prepare_seconds = time.perf_counter() - self._t0
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.cat(positions).to(self.device), ctx)
+        hidden = self.model(self._input_ids(ids, pending), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])

@@ -33,6 +33,7 @@ class Request:
     prefill_tokens: int = 0
     num_retractions: int = 0
     kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it
+    pending_row: int = -1  # while its last token is PENDING: that token's index among the in-flight step's samples
     finish_reason: FinishReason | None = None
 
     @property

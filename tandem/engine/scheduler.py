@@ -22,16 +22,18 @@ from tandem.engine.kv_pool import KVPool
 from tandem.engine.radix_cache import Match, RadixCache, lcp
 from tandem.engine.request import Request, Status
 
+PENDING = -1  # a sampled token whose value is still on the device (see model_runner)
+
 
 @dataclass(slots=True)
 class Chunk:
     req: Request
     start: int
     num_tokens: int
+    sample: bool = False  # it reaches the end of the request's known tokens: sample the next one
 
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_tokens == len(self.req.tokens)
+    def __post_init__(self):
+        self.sample = self.start + self.num_tokens == len(self.req.tokens)
 
 
 class Scheduler:
@@ -51,7 +53,7 @@ class Scheduler:
             req = self.running[i]
             remaining = len(req.tokens) - req.num_computed
             n = 1 if remaining == 1 else min(remaining, budget)
-            if n == 0:
+            if n == 0 or req.num_generated >= req.sampling.max_new_tokens:  # (its last token is still in flight)
                 i += 1
                 continue
             may_retract = remaining == 1 or i == 0
@@ -76,6 +78,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.config.max_running_requests:
                 return
+            if req.tokens[-1] == PENDING:  # retracted while its last token is in flight: next step
+                continue
             match = self.cache.match(req.tokens[:-1]) if self.cache else Match([])
             if self._better_to_wait(req, match.num_tokens, prefilling):
                 continue
