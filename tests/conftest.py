@@ -1,7 +1,13 @@
+import os
+
 import pytest
 import torch
 
 torch.set_num_threads(2)
+if not torch.cuda.is_available():
+    # Triton kernels run under its CPU interpreter here. Triton reads this once, when it is first imported,
+    # and other modules (torch among them) may import it before the kernel tests do.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

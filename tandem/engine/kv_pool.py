@@ -62,4 +62,4 @@ class KVPool:
         pos = torch.arange(start, end)
         table = torch.tensor(pages, dtype=torch.long)
         slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
-        return slots.to(device or self.k_cache.device)
+        return slots.to(device or self.k_cache.device, non_blocking=True)

@@ -118,8 +118,13 @@ class ModelRunner:
         out = host.to(self.device, non_blocking=True) if out is None else out.copy_(host, non_blocking=True)
         if pending:
             rows, src = zip(*pending, strict=True)
-            out[torch.tensor(rows, device=self.device)] = self._prev.tokens[torch.tensor(src, device=self.device)]
+            out[self._to_device(rows)] = self._prev.tokens[self._to_device(src)]
         return out
+
+    def _to_device(self, values) -> torch.Tensor:
+        """A host list on the device without waiting for the device (a blocking copy would wait for the step in
+        flight and undo the overlap)."""
+        return torch.tensor(values).to(self.device, non_blocking=True)
 
     @staticmethod
     def _pending(row: int, req, token: int, pending: list) -> int:
@@ -214,7 +219,7 @@ class ModelRunner:
         hidden = self.model(self._input_ids(ids, pending), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
             return None
-        return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
 
     def _sampling_batch(self, reqs) -> SamplingBatch:
         def col(values, dtype):
@@ -227,4 +232,6 @@ class ModelRunner:
             min_ps=col([r.sampling.min_p for r in reqs], torch.float32),
             seeds=col([r.seed for r in reqs], torch.int64),
             positions=col([r.num_generated for r in reqs], torch.int64),
+            needs_filter=any(0 < r.sampling.top_k < self.model.config.vocab_size or r.sampling.top_p < 1
+                             or r.sampling.min_p > 0 for r in reqs),
         )

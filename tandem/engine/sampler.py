@@ -51,6 +51,8 @@ class SamplingBatch:
     min_ps: torch.Tensor  # [B] float
     seeds: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64: index of the token being sampled among the request's outputs
+    # whether any row asks for top-k / top-p / min-p: known on the host, so sampling never syncs the device
+    needs_filter: bool = True
 
 
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,10 +71,9 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
 
 def _filter(scaled_BV, batch: SamplingBatch):
     """Mask (to -inf) tokens outside each row's top-k, top-p nucleus and min-p floor."""
-    V = scaled_BV.shape[-1]
-    needs = (batch.top_ks > 0) & (batch.top_ks < V) | (batch.top_ps < 1) | (batch.min_ps > 0)
-    if not bool(needs.any()):
+    if not batch.needs_filter:
         return scaled_BV
+    V = scaled_BV.shape[-1]
     sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
     rank = torch.arange(V, device=scaled_BV.device)[None]
     top_k = torch.where(batch.top_ks > 0, batch.top_ks, V)[:, None]

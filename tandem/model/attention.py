@@ -83,8 +83,10 @@ class PagedAttention(AttentionContext):
         # chunk does not pad every decode row to its length.
         decode = [b for b, n in enumerate(self.q_lens) if n == 1]
         if decode and self.decode_kernel is not None:
-            rows = torch.tensor([starts[b] for b in decode], device=q_THD.device)
-            seq_lens = torch.tensor([self.kv_lens[b] for b in decode], dtype=torch.int32, device=q_THD.device)
+            # built on the host and copied without a sync, so an overlapped step does not wait for the last one
+            rows = torch.tensor([starts[b] for b in decode]).to(q_THD.device, non_blocking=True)
+            seq_lens = torch.tensor([self.kv_lens[b] for b in decode], dtype=torch.int32).to(q_THD.device,
+                                                                                              non_blocking=True)
             out_THD[rows] = self.decode_kernel(q_THD[rows], self.k_cache[layer], self.v_cache[layer],
                                                self.decode_block_table, seq_lens, self.page_size,
                                                q_THD.shape[-1] ** -0.5)
