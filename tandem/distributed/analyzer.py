@@ -1,8 +1,9 @@
 """Analyzer: reads every rank's flight recorder journal and dumps in a directory and says, first, why the ranks stopped.
 
 `analyze(dump_dir)` returns a `Verdict`; `main(argv)` (`tandem analyze DUMP_DIR [--boot ID]`) prints its text: the
-verdict on the first line, then the evidence. Per rank it reads the newest boot (or `--boot`), merging the journal
-(both rotation files) with the dumps: the journal survives a killed process, a dump carries the state providers.
+verdict on the first line, then the evidence; `export_torch` rewrites the records for PyTorch's own `fr_trace`.
+Per rank it reads the newest boot (or `--boot`), merging the journal (both rotation files) with the dumps: the
+journal survives a killed process, a dump carries the state providers.
 
 The verdict, in order of precedence:
 1. mismatch: at the same sequence number of one process group, ranks issued different ops, shapes or dtypes.
@@ -20,12 +21,13 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import pickle
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem.distributed.flight_recorder import DUMP, JOURNAL, sanitize_id
+from tandem.distributed.flight_recorder import DUMP, JOURNAL, TORCH_FR_VERSION, sanitize_id
 
 NAME_RE = re.compile(rf"^({JOURNAL}|{DUMP})\.([A-Za-z0-9_-]+)\.rank(\d+)(?:\.(\d+))?\.(jsonl|json)(\.1)?$")
 _DONE_STATES = ("completed", "failed")
@@ -77,13 +79,24 @@ def _read_json_lines(path: Path):
             continue
 
 
+def _enter_boot(records: RankRecords, time_boot_ns: int) -> bool:
+    """Only the newest boot counts when a boot id was reused by mistake; False for records of an older boot."""
+    if time_boot_ns < records.time_boot_ns:
+        return False
+    if time_boot_ns > records.time_boot_ns:
+        records.entries.clear()
+        records.dumps.clear()
+        records.time_boot_ns = time_boot_ns
+    return True
+
+
 def _load_file(records: RankRecords, path: Path, is_journal: bool) -> None:
     records.files.append(path.name)
     if is_journal:
         for obj in _read_json_lines(path):
             kind = obj.get("type")
             if kind == "header":
-                records.time_boot_ns = obj.get("time_boot_ns", 0)
+                _enter_boot(records, obj.get("time_boot_ns", 0))
             elif kind == "pg":
                 records.groups.setdefault(obj["name"], obj)
             elif kind == "entry":
@@ -95,7 +108,8 @@ def _load_file(records: RankRecords, path: Path, is_journal: bool) -> None:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return
-    records.time_boot_ns = records.time_boot_ns or doc.get("time_boot_ns", 0)
+    if not _enter_boot(records, doc.get("time_boot_ns", 0)):
+        return
     for name, pg in doc.get("pg_config", {}).items():
         records.groups.setdefault(name, pg)
     for entry in doc.get("entries", []):
@@ -109,7 +123,7 @@ def load(dump_dir: str | Path, boot: str | None = None) -> dict[int, RankRecords
     """rank -> its records, from the newest boot of each rank (or boot `boot`)."""
     found: dict[tuple[int, str], list[tuple[Path, bool]]] = defaultdict(list)
     boot = None if boot is None else sanitize_id(boot)
-    for path in sorted(Path(dump_dir).iterdir()):
+    for path in sorted(Path(dump_dir).iterdir()) if Path(dump_dir).is_dir() else ():
         match = NAME_RE.match(path.name)
         if match and (boot is None or match[2] == boot):
             found[(int(match[3]), match[2])].append((path, match[1] == JOURNAL))
@@ -155,9 +169,11 @@ def _rank_evidence(records: RankRecords) -> str:
     if last is None:
         line += " no collective recorded"
     else:
-        age = (records.latest_ns - last["time_created_ns"]) / 1e9
         line += f" last collective {_describe(last)}, {last['state']}"
-        line += f" ({last.get('error')})" if last.get("error") else f" {age:.2f}s before its last record"
+        if last["state"] == "scheduled":
+            line += f" (waiting {(records.latest_ns - last['time_created_ns']) / 1e9:.2f}s by its last record)"
+        elif last.get("error"):
+            line += f" ({last['error']})"
     step = records.last("step")
     if step is not None:
         line += f"; last engine step {step.get('info', {}).get('step')} {step['state']}"
@@ -245,6 +261,25 @@ def _missing(ranks: dict[int, RankRecords], by_pg) -> Verdict | None:
     headline = f"rank(s) {missing} never issued {what}; rank(s) {waiters} are waiting in it."
     return Verdict("missing", headline, tuple(missing), _pg_label(entry), seq, entry["profiling_name"],
                    tuple(waiters), evidence)
+
+
+def export_torch(dump_dir: str | Path, out_dir: str | Path, boot: str | None = None) -> list[Path]:
+    """Write each rank's merged records as PyTorch flight recorder dumps (`<out_dir>/tandem_fr_torch_<rank>`, pickled
+    as torch writes them), so `python -m torch.distributed.flight_recorder.fr_trace OUT_DIR -p tandem_fr_torch_`
+    gives its own analysis (of gloo entries from PyTorch 2.13 on). Engine steps and the "engine" pseudo group are
+    left out."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rank, records in sorted(load(dump_dir, boot).items()):
+        entries = sorted((e for e in records.entries.values() if e.get("kind", "collective") == "collective"),
+                         key=lambda e: e["record_id"])
+        pg_config = {name: {k: pg[k] for k in ("name", "desc", "ranks")}
+                     for name, pg in records.groups.items() if pg.get("ranks") not in (None, "None")}
+        paths.append(out_dir / f"tandem_fr_torch_{rank}")
+        paths[-1].write_bytes(pickle.dumps({"version": TORCH_FR_VERSION, "pg_config": pg_config, "pg_status": {},
+                                            "entries": entries}))
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 One `FaultPlan` per process, set with `configure(plan)` or read from the environment variable `TANDEM_FAULTS`,
 a comma-separated list of `field=value`, e.g. `TANDEM_FAULTS="rank=1,action=skip,seq=5,group=tp"`.
 
-Collective faults act once, in the recorded collective wrappers of `flight_recorder`, when this rank is about to issue
+Collective faults act once, in the recorded collectives of `collectives`, when this rank is about to issue
 the collective with `collective_seq_id == seq` on `group` (a process group's name or description; empty: any):
 - `skip`: the call is not issued and not recorded, as if this rank's code had taken another branch. On one group of
   identical calls gloo then pairs the rank's next call with the skipped one and nothing hangs; the hang comes where

@@ -1,9 +1,8 @@
 """Flight recorder: per rank, an always-on ring of the last `capacity` collectives and engine steps, journaled to disk.
 
-Each record goes into an in-memory ring (dumped on demand) AND, as JSON lines, into a per-rank journal flushed on
-every line (no fsync): the journal survives the process being killed (SIGKILL, os._exit, a gloo abort), not the
-machine losing power. Recording reads only host-side metadata (shapes, dtypes, times), never tensor values, so
-neither recording nor dumping touches the device: a dump works while a GPU is hung.
+Each record goes into an in-memory ring (dumped on demand) AND into a per-rank journal of JSON lines, flushed per line
+(no fsync): it survives the process being killed (SIGKILL, os._exit, a gloo abort), not the machine losing power.
+Only host-side metadata is read (shapes, dtypes, times), never tensor values: a dump works while a GPU is hung.
 
 Files in `dump_dir`, named `<kind>.<boot_id>.rank<R>[.<n>].<ext>`. The boot id (argument, else $TANDEM_BOOT_ID, else
 a fresh time-pid-random id) makes a restart write new files beside the old boot's instead of over them; give every
@@ -18,8 +17,7 @@ rank of one boot the same id so the analyzer can pair their files. Ids are sanit
 - `tandem_dump.<boot>.rank<R>.<n>.json`, dump number n: `{"format", "version", "rank", "world_size", "boot_id", "pid",
   "host", "time_boot_ns", "reason", "time_dump_ns", "pg_config": {name: {"name", "desc", "ranks"}}, "entries": [the
   ring, oldest first], "state": {provider: value}, "stacks_file"}`; written to a temporary file, then renamed.
-- `tandem_stacks.<boot>.rank<R>.<n>.txt` (every Python thread's stack) and `tandem_fatal.<boot>.rank<R>.txt` (stacks on
-  a fatal signal) come from `watchdog`.
+- `tandem_stacks.<boot>.rank<R>.<n>.txt` and `tandem_fatal.<boot>.rank<R>.txt`: thread stacks, from `watchdog`.
 
 Entry fields use PyTorch's flight recorder names: `record_id`, `pg_id`, `process_group` [name, desc],
 `collective_seq_id` (per process group, from 0), `p2p_seq_id` (-1), `op_id`, `profiling_name` ("gloo:all_reduce"),
@@ -43,13 +41,11 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from tandem.distributed import faults
 
 FORMAT = "tandem-fr-1"
 TORCH_FR_VERSION = "2.10"  # the PyTorch flight recorder dump version whose field names the entries follow
@@ -124,7 +120,8 @@ class FlightRecorder:
         self.dump_dir = None if dump_dir is None else Path(dump_dir)
         self._ring: deque[dict] = deque(maxlen=capacity)
         self._lock = threading.Lock()
-        self._next_record_id, self._num_dumps = 0, 0
+        self._next_record_id = 0
+        self._next_index: dict[str, int] = {}  # file kind -> its next dump number
         self._next_seq: dict[str, int] = {}  # process group name -> its next collective_seq_id
         self._groups: dict[str, dict] = {}  # process group name -> its "pg" line
         self.header = {"type": "header", "format": FORMAT, "rank": self.rank, "world_size": world_size,
@@ -141,6 +138,15 @@ class FlightRecorder:
     def path(self, kind: str, index: int | None = None, ext: str = "json") -> Path:
         assert self.dump_dir is not None, "a memory-only recorder has no files"
         return self.dump_dir / evidence_name(kind, self.boot_id, self.rank, index, ext)
+
+    def reserve_path(self, kind: str, ext: str = "json") -> Path:
+        """The next numbered path of `kind` in this boot; never an existing file, even if a boot id was reused."""
+        with self._lock:
+            index = self._next_index.get(kind, 0)
+            while (path := self.path(kind, index, ext)).exists():
+                index += 1
+            self._next_index[kind] = index + 1
+        return path
 
     # --- recording -------------------------------------------------------------------------------------------------
     def group_info(self, group: dist.ProcessGroup | str | None) -> dict:
@@ -228,8 +234,11 @@ class FlightRecorder:
 
     def _rotate(self) -> None:
         self._journal.close()
-        os.replace(self.journal_path, f"{self.journal_path}.1")
-        self._open_journal()
+        try:
+            os.replace(self.journal_path, f"{self.journal_path}.1")
+            self._open_journal()
+        except OSError as e:
+            self._disable_journal(e)
 
     def _write(self, obj: dict) -> None:
         if self._journal is None:
@@ -237,9 +246,13 @@ class FlightRecorder:
         try:
             self._journal.write(_dumps(obj) + "\n")
             self._journal.flush()
-        except OSError as e:  # a full disk must not stop the engine: lose the journal, keep the ring
-            print(f"flight recorder: journal {self.journal_path} disabled: {e}", file=sys.stderr)
-            self._journal = None
+        except OSError as e:
+            self._disable_journal(e)
+
+    def _disable_journal(self, error: OSError) -> None:
+        # a full disk must not stop the engine: lose the journal, keep the ring and the dumps
+        print(f"flight recorder: journal {self.journal_path} disabled: {error}", file=sys.stderr)
+        self._journal = None
 
     # --- dumps -----------------------------------------------------------------------------------------------------
     def entries(self) -> list[dict]:
@@ -250,7 +263,7 @@ class FlightRecorder:
         with self._lock:
             entries = [dict(entry) for entry in self._ring]
             pg_config = {name: {"name": pg["name"], "desc": pg["desc"], "ranks": pg["ranks"]}
-                         for name, pg in self._groups.items()}
+                         for name, pg in self._groups.items() if pg["ranks"] != "None"}  # not the "engine" pseudo group
         return {**{k: v for k, v in self.header.items() if k != "type"}, "version": TORCH_FR_VERSION,
                 "reason": reason, "time_dump_ns": time.time_ns(), "pg_config": pg_config, "entries": entries,
                 "state": state or {}, "stacks_file": stacks_file}
@@ -260,9 +273,7 @@ class FlightRecorder:
         doc = self.snapshot(reason, state, stacks_file)
         if self.dump_dir is None:
             return None
-        with self._lock:
-            index, self._num_dumps = self._num_dumps, self._num_dumps + 1
-        path = self.path(DUMP, index)
+        path = self.reserve_path(DUMP)
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=to_jsonable), encoding="utf-8")
         os.replace(tmp, path)
@@ -273,48 +284,3 @@ class FlightRecorder:
             if self._journal is not None:
                 self._journal.close()
                 self._journal = None
-
-
-# --- the process's recorder and the recorded collectives ------------------------------------------------------------
-_recorder: FlightRecorder | None = None
-
-
-def set_recorder(recorder: FlightRecorder | None) -> FlightRecorder | None:
-    """Make `recorder` the one the wrappers below use; returns the previous one."""
-    global _recorder
-    previous, _recorder = _recorder, recorder
-    return previous
-
-
-def get_recorder() -> FlightRecorder:
-    """The process's recorder; a memory-only one until `set_recorder` is called."""
-    global _recorder
-    if _recorder is None:
-        _recorder = FlightRecorder(dist.get_rank() if dist.is_initialized() else 0)
-    return _recorder
-
-
-def _issue(op: str, group, inputs, outputs, call: Callable[[], object]):
-    recorder = get_recorder()
-    pg = recorder.group_info(group)
-    if faults.before_collective(recorder.rank, (pg["name"], pg["desc"]), recorder.next_seq(group)):
-        return None
-    with recorder.recorded(group, op, inputs, outputs):
-        return call()
-
-
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None):
-    return _issue("all_reduce", group, [tensor], [tensor], lambda: dist.all_reduce(tensor, op=op, group=group))
-
-
-def broadcast(tensor: torch.Tensor, src: int, group=None):
-    return _issue("broadcast", group, [tensor], [tensor], lambda: dist.broadcast(tensor, src=src, group=group))
-
-
-def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None):
-    return _issue("all_gather", group, [tensor], tensor_list,
-                  lambda: dist.all_gather(tensor_list, tensor, group=group))
-
-
-def barrier(group=None):
-    return _issue("barrier", group, [], [], lambda: dist.barrier(group=group))

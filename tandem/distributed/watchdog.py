@@ -55,7 +55,7 @@ class Watchdog:
         self._num_paused, self._pause_lock = 0, threading.Lock()
         self._providers: dict[str, Callable[[], object]] = {"watchdog": self.status}
         self._requests: list[str] = []
-        self._dump_lock, self._num_stacks = threading.Lock(), 0
+        self._dump_lock = threading.Lock()
         self._stop, self._thread = threading.Event(), None
         self._wake_r, self._wake_w = socket.socketpair()
         for end in (self._wake_r, self._wake_w):
@@ -107,8 +107,7 @@ class Watchdog:
         with self._dump_lock:
             stacks_file = None
             if self.recorder.dump_dir is not None:
-                path = self.recorder.path(STACKS, self._num_stacks, "txt")
-                self._num_stacks += 1
+                path = self.recorder.reserve_path(STACKS, "txt")
                 with open(path, "w", encoding="utf-8") as f:
                     f.write(f"# {reason}\n")
                     f.flush()
@@ -167,16 +166,24 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._wait_for_signals()
-            while self._requests:
-                self.dump(self._requests.pop(0))
-            last = self._last_progress
-            if not self.enabled or self._num_paused or self._fired_for == last:
-                continue
-            stalled_s = time.monotonic() - last
-            if stalled_s > self.timeout_s:
-                self._fired_for, self.num_fired = last, self.num_fired + 1
+            try:
+                self._check()
+            except Exception as e:  # a failed dump (full disk) must not end the watch
+                print(f"tandem watchdog: rank {self.recorder.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def _check(self) -> None:
+        self._wait_for_signals()
+        while self._requests:
+            self.dump(self._requests.pop(0))
+        last = self._last_progress
+        if not self.enabled or self._num_paused or self._fired_for == last:
+            return
+        stalled_s = time.monotonic() - last
+        if stalled_s > self.timeout_s:
+            self._fired_for, self.num_fired = last, self.num_fired + 1
+            try:
                 self.dump(f"watchdog: no progress for {stalled_s:.2f}s (timeout {self.timeout_s}s)")
+            finally:
                 if self.action == "abort":
                     self._abort()
 
