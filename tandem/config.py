@@ -138,6 +138,7 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
+    fused_kernels: bool = True  # on CUDA: fused Triton RMSNorm/RoPE/SiLU kernels in the model
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):

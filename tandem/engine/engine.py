@@ -69,6 +69,8 @@ class Engine:
         else:
             self.model = build_model(model, device=self.config.device, dtype=dtype or "float32", seed=seed)
         self.model_config = self.model.config
+        if self.config.fused_kernels and next(self.model.parameters()).is_cuda:
+            self.model.use_fused_kernels()
         self.max_context_len = self.config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())
         num_pages = self.config.num_pages or plan_kv_pages(self.model_config, self.config, param.dtype)

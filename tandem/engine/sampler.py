@@ -13,6 +13,7 @@ hash is exact integer arithmetic, identical on CPU and GPU.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,15 @@ def hash_uniform(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: i
     return ((x >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
+@functools.cache
+def _fused_sampler():
+    try:
+        from tandem.kernels.sampling import sample_gumbel
+    except ImportError:  # no Triton
+        return None
+    return sample_gumbel
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling parameters as tensors on the logits' device."""
@@ -56,7 +66,10 @@ class SamplingBatch:
 
 
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (token ids [B] int64, logprobs [B] float32)."""
+    """Returns (token ids [B] int64, logprobs [B] float32). On CUDA, batches without truncation go through one
+    fused Triton pass over the logits (`tandem.kernels.sampling`, the same tokens)."""
+    if logits_BV.is_cuda and not batch.needs_filter and _fused_sampler() is not None:
+        return _fused_sampler()(logits_BV, batch.temperatures, batch.seeds, batch.positions)
     logits_BV = logits_BV.float()
     greedy = batch.temperatures == 0
     temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)

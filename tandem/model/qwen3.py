@@ -106,13 +106,48 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    fused = None  # tandem.kernels.fused when `use_fused_kernels()` was called (GPU inference)
+
+    def use_fused_kernels(self) -> Qwen3ForCausalLM:
+        """Run inference through fused Triton kernels (RMSNorm with the residual add, q/k norm with RoPE,
+        SiLU-and-multiply): the same maths in a few kernels per layer instead of dozens. No autograd."""
+        from tandem.kernels import fused
+
+        if self.config.head_dim in (64, 128, 256):  # what the q/k-norm + RoPE kernel handles
+            self.fused = fused
+        return self
+
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: AttentionContext):
         """Final hidden states [T, E] (after the last norm); `compute_logits` turns rows into logits."""
+        if self.fused is not None:
+            return self._forward_fused(input_ids_T, positions_T, ctx)
         cos, sin = rope_cos_sin(positions_T, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids_T)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
         return self.model.norm(x)
+
+    def _forward_fused(self, input_ids_T, positions_T, ctx):
+        """`forward` with the residual stream carried beside the hidden state, as fused kernels want it:
+        each norm also adds the sublayer's output into the residual."""
+        f, cfg, eps = self.fused, self.config, self.config.rms_norm_eps
+        residual = self.model.embed_tokens(input_ids_T)
+        layers = self.model.layers
+        h = f.rmsnorm(residual, layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            T = h.shape[0]
+            q = attn.q_proj(h).view(T, attn.num_heads, attn.head_dim)
+            k = attn.k_proj(h).view(T, attn.num_kv_heads, attn.head_dim)
+            v = attn.v_proj(h).view(T, attn.num_kv_heads, attn.head_dim)
+            q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps)
+            o = attn.o_proj(ctx.attend(attn.layer, q, k, v).reshape(T, -1))
+            h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
+            mlp = layer.mlp
+            out = mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h, residual = f.fused_add_rmsnorm(out, residual, norm.weight, eps)
+        return h
 
     def compute_logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_NE).float()
