@@ -114,17 +114,21 @@ class ModelRunner:
     def _input_ids(self, ids: list[int], pending: list[tuple[int, int]], out: torch.Tensor | None = None):
         """`ids` on the device, with the rows listed in `pending` ((row, index in prev's samples)) taken from
         the step in flight. Writes into `out` if given."""
-        host = torch.tensor(ids)
+        host = self._pinned(torch.tensor(ids))
         out = host.to(self.device, non_blocking=True) if out is None else out.copy_(host, non_blocking=True)
         if pending:
             rows, src = zip(*pending, strict=True)
             out[self._to_device(rows)] = self._prev.tokens[self._to_device(src)]
         return out
 
-    def _to_device(self, values) -> torch.Tensor:
-        """A host list on the device without waiting for the device (a blocking copy would wait for the step in
-        flight and undo the overlap)."""
-        return torch.tensor(values).to(self.device, non_blocking=True)
+    def _pinned(self, host: torch.Tensor) -> torch.Tensor:
+        """A copy from pageable memory makes CUDA wait for the stream (the step in flight) first; from pinned
+        memory it does not, which is what lets the host run ahead."""
+        return host.pin_memory() if self.device.type == "cuda" else host
+
+    def _to_device(self, values, dtype=None) -> torch.Tensor:
+        """A host list on the device without waiting for the device."""
+        return self._pinned(torch.tensor(values, dtype=dtype)).to(self.device, non_blocking=True)
 
     @staticmethod
     def _pending(row: int, req, token: int, pending: list) -> int:
@@ -154,10 +158,10 @@ class ModelRunner:
                                   + [self.pool.scratch_slot] * pad),
             "seq_lens": torch.tensor([s + 1 for s in starts] + [0] * pad, dtype=torch.int32),
         }
-        self.positions_B[:bs].copy_(host["positions"], non_blocking=True)
-        self.slots_B[:bs].copy_(host["slots"], non_blocking=True)
-        self.seq_lens_B[:bs].copy_(host["seq_lens"], non_blocking=True)
-        self.block_table_BP[:bs, :width].copy_(table, non_blocking=True)
+        self.positions_B[:bs].copy_(self._pinned(host["positions"]), non_blocking=True)
+        self.slots_B[:bs].copy_(self._pinned(host["slots"]), non_blocking=True)
+        self.seq_lens_B[:bs].copy_(self._pinned(host["seq_lens"]), non_blocking=True)
+        self.block_table_BP[:bs, :width].copy_(self._pinned(table), non_blocking=True)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         if bs in self.graphs:
             graph, logits = self.graphs[bs]
@@ -214,7 +218,7 @@ class ModelRunner:
             width = max(-(-(c.start + 1) // self.pool.page_size) for c in decodes)
             table = [c.req.pages[:width] + [0] * (width - len(c.req.pages[:width])) for c in decodes]
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
-            ctx.decode_block_table = torch.tensor(table, dtype=torch.int32).to(self.device, non_blocking=True)
+            ctx.decode_block_table = self._to_device(table, torch.int32)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         hidden = self.model(self._input_ids(ids, pending), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
@@ -223,7 +227,7 @@ class ModelRunner:
 
     def _sampling_batch(self, reqs) -> SamplingBatch:
         def col(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return self._to_device(values, dtype)
 
         return SamplingBatch(
             temperatures=col([r.sampling.temperature for r in reqs], torch.float32),
