@@ -97,22 +97,30 @@ class PagedAttention(AttentionContext):
                 self._attend_batch(layer, [b], starts, q_THD, out_THD)
         return out_THD
 
+    def _plan(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [R, L] and mask [R, Q, L] of a group of rows: the same in every layer, so built once a step."""
+        plans = self.__dict__.setdefault("_plans", {})
+        key = tuple(rows)
+        if key not in plans:
+            q_max = max(self.q_lens[b] for b in rows)
+            kv_max = max(self.kv_lens[b] for b in rows)
+            slots = torch.zeros(len(rows), kv_max, dtype=torch.long, device=device)
+            mask = torch.zeros(len(rows), q_max, kv_max, dtype=torch.bool, device=device)
+            for i, b in enumerate(rows):
+                n, kv = self.q_lens[b], self.kv_lens[b]
+                slots[i, :kv] = self.kv_slots[b]
+                # query j sits at position kv - n + j and sees keys 0 .. kv - n + j
+                pos = torch.arange(kv - n, kv, device=device)
+                mask[i, :n, :kv] = torch.arange(kv, device=device)[None] <= pos[:, None]
+                mask[i, n:, 0] = True  # padded queries: attend to something, result discarded
+            plans[key] = slots, mask
+        return plans[key]
+
     def _attend_batch(self, layer, rows, starts, q_THD, out_THD):
-        device = q_THD.device
-        q_max = max(self.q_lens[b] for b in rows)
-        kv_max = max(self.kv_lens[b] for b in rows)
-        num_rows = len(rows)
-        slots = torch.zeros(num_rows, kv_max, dtype=torch.long, device=device)
-        q_BQHD = q_THD.new_zeros(num_rows, q_max, *q_THD.shape[1:])
-        mask = torch.zeros(num_rows, q_max, kv_max, dtype=torch.bool, device=device)
+        slots, mask = self._plan(rows, q_THD.device)
+        q_BQHD = q_THD.new_zeros(len(rows), mask.shape[1], *q_THD.shape[1:])
         for i, b in enumerate(rows):
-            n, kv = self.q_lens[b], self.kv_lens[b]
-            slots[i, :kv] = self.kv_slots[b]
-            q_BQHD[i, :n] = q_THD[starts[b]:starts[b] + n]
-            # query j sits at position kv - n + j and sees keys 0 .. kv - n + j
-            pos = torch.arange(kv - n, kv, device=device)
-            mask[i, :n, :kv] = torch.arange(kv, device=device)[None] <= pos[:, None]
-            mask[i, n:, 0] = True  # padded queries: attend to something, result discarded
+            q_BQHD[i, :self.q_lens[b]] = q_THD[starts[b]:starts[b] + self.q_lens[b]]
         k_BLKD = self.k_cache[layer][slots].to(q_THD.dtype)
         v_BLKD = self.v_cache[layer][slots].to(q_THD.dtype)
         o_BHQD = _sdpa(q_BQHD.transpose(1, 2), k_BLKD.transpose(1, 2), v_BLKD.transpose(1, 2), mask)
