@@ -1,4 +1,5 @@
-"""`tandem serve` (the engine behind SGLang's HTTP API) and `tandem run` (the RL loop on the random agent)."""
+"""`tandem serve` (the engine behind SGLang's HTTP API), `tandem run` (the RL loop on the random agent) and
+`tandem analyze DUMP_DIR` (which rank hung where, from the flight recorders' files)."""
 
 from __future__ import annotations
 
@@ -37,8 +38,14 @@ def _run(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["analyze"]:  # the analyzer parses its own arguments
+        from tandem.distributed.analyzer import main as analyze
+
+        sys.exit(analyze(argv[1:]))
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("analyze", help="read the ranks' flight-recorder files and name the rank that hung")
 
     serve = sub.add_parser("serve", help="serve a model over SGLang's native HTTP API")
     serve.add_argument("--model", default="tiny", help="preset name or a directory with config.json")
