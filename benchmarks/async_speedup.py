@@ -10,7 +10,6 @@ idle fractions, engine pause per update, staleness, and prefix-cache reuse again
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import os
 import platform
@@ -21,23 +20,12 @@ import tempfile
 import torch
 
 from tandem.config import RunConfig
-from tandem.run.loop import Run
+from tandem.run.loop import run_recording
 
 
 def measure(overrides: list[str]) -> dict:
-    run = Run(RunConfig.load(None, overrides))
-    episodes = []
-    step = run.trainer.step
-
-    def recording_step(groups):
-        episodes.extend(e for g in groups for e in g.episodes)
-        return step(groups)
-
-    run.trainer.step = recording_step
-    try:
-        history = asyncio.run(run.train())
-    finally:
-        run.shutdown()
+    _, history, trained = run_recording(RunConfig.load(None, overrides))
+    episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     last = history[-1]
     tokens = sum(h["tokens_trained"] for h in history)
     return {

@@ -1,31 +1,16 @@
 """The fully-async RL loop end to end on CPU: learning, accounting under weight updates, checkpoints."""
 
-import asyncio
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tandem.config import RunConfig
-from tandem.run.loop import Run
+from tandem.run.loop import run_recording as record
 
 
 def run_recording(overrides: list[str]):
-    """Run and record every batch the trainer saw with the version it trained at."""
-    run = Run(RunConfig.load(None, overrides))
-    trained = []
-    step = run.trainer.step
-
-    def recording_step(groups):
-        trained.append((run.trainer.version, groups))
-        return step(groups)
-
-    run.trainer.step = recording_step
-    try:
-        history = asyncio.run(run.train())
-    finally:
-        run.shutdown()
-    return run, history, trained
+    return record(RunConfig.load(None, overrides))
 
 
 def quarter_means(history):

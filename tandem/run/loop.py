@@ -31,6 +31,7 @@ from tandem.rollout.random_agent import RandomAgentEnv
 from tandem.rollout.tasks import GuessNumberEnv, TargetTokensEnv
 from tandem.trainer.trainer import Trainer
 from tandem.transport.weights import InProcessReceiver, InProcessSender
+from tandem.types import Group
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Run:
         self.sender = InProcessSender(self.receiver)
         self.out_dir = Path(cfg.out_dir)
         self.history: list[dict] = []
+        self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
 
     async def _push_weights(self) -> tuple[float, float]:
         """Send the trainer's weights through the transport; the engine side receives them while generating,
@@ -93,6 +95,8 @@ class Run:
             while self.trainer.version < cfg.steps:
                 t0 = time.perf_counter()
                 batch = await self.manager.next_batch()
+                if self.on_batch is not None:
+                    self.on_batch(self.trainer.version, batch)
                 t1 = time.perf_counter()
                 metrics = await asyncio.to_thread(self.trainer.step, batch)
                 t2 = time.perf_counter()
@@ -146,3 +150,16 @@ class Run:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def run_recording(cfg: RunConfig) -> tuple[Run, list[dict], list[tuple[int, list[Group]]]]:
+    """Run to the end; returns the run, its per-step records and every batch with the version it was trained
+    at (for tests and benchmarks)."""
+    run = Run(cfg)
+    trained: list[tuple[int, list[Group]]] = []
+    run.on_batch = lambda version, batch: trained.append((version, batch))
+    try:
+        history = asyncio.run(run.train())
+    finally:
+        run.shutdown()
+    return run, history, trained
