@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig, resolve_model
+from tandem.distributed.parallel import SINGLE, TPGroup, full_shape, shard
 from tandem.model.qwen3 import Qwen3ForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,17 +45,18 @@ def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor]) -> No
             continue  # tied: the embedding is the head
         if name not in params:
             raise ValueError(f"weights: unknown parameter {name!r}")
-        if tuple(tensor.shape) != tuple(params[name].shape):
+        if tuple(tensor.shape) != full_shape(params[name]):
             raise ValueError(f"weights: {name} has shape {tuple(tensor.shape)}, the model expects "
-                             f"{tuple(params[name].shape)}")
+                             f"{full_shape(params[name])}")
         if not (tensor.is_floating_point()):
             raise ValueError(f"weights: {name} has dtype {tensor.dtype}, expected a floating-point tensor")
 
 
 @torch.no_grad()
 def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False):
-    """Copy full (unsharded) tensors into the model by Hugging Face name. All are checked before any is
-    copied, so a bad update leaves the model untouched. `strict`: every parameter must be given."""
+    """Copy full (unsharded) tensors into the model by Hugging Face name (a tensor-parallel rank keeps its
+    slice). All are checked before any is copied, so a bad update leaves the model untouched. `strict`: every
+    parameter must be given."""
     named = dict(named)
     check_weights(model, named)
     params = dict(model.named_parameters())
@@ -64,12 +66,12 @@ def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tenso
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for name, tensor in named.items():
         if name in params:
-            params[name].copy_(tensor)
+            params[name].copy_(shard(tensor, params[name], model.tp))
     return sorted(named)
 
 
 def build_model(model: str | ModelConfig, device: str | torch.device = "cpu", dtype: str | None = None,
-                seed: int = 0) -> Qwen3ForCausalLM:
+                seed: int = 0, tp: TPGroup = SINGLE) -> Qwen3ForCausalLM:
     """A model from a preset name, a checkpoint directory or a config. Random weights (seeded) unless the
     directory holds safetensors. `dtype` overrides the config's (the CPU default is float32)."""
     if isinstance(model, ModelConfig):
@@ -78,7 +80,7 @@ def build_model(model: str | ModelConfig, device: str | torch.device = "cpu", dt
         config, weights_dir = resolve_model(model)
     torch_dtype = DTYPES[dtype or config.dtype]
     with torch.device("meta"):
-        net = Qwen3ForCausalLM(config)
+        net = Qwen3ForCausalLM(config, tp)
     net = net.to_empty(device=device).to(torch_dtype)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight  # to_empty unties; tie again

@@ -12,6 +12,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.config import ModelConfig
+from tandem.distributed.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TPGroup,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    full_shape,
+    shard,
+)
 from tandem.model.attention import AttentionContext
 
 
@@ -43,16 +53,20 @@ def apply_rope(x_THD, cos, sin):
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    """Under tensor parallelism each rank holds num_heads / tp query heads and num_kv_heads / tp KV heads."""
+
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup = SINGLE):
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
+        H, K, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads = tp.split(H, "num_attention_heads")
+        self.num_kv_heads = tp.split(K, "num_key_value_heads")
+        self.head_dim = D
         hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        self.q_proj = ColumnParallelLinear(hidden, H * D, tp, "num_attention_heads")
+        self.k_proj = ColumnParallelLinear(hidden, K * D, tp, "num_key_value_heads")
+        self.v_proj = ColumnParallelLinear(hidden, K * D, tp, "num_key_value_heads")
+        self.o_proj = RowParallelLinear(H * D, hidden, tp, "num_attention_heads")
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -66,21 +80,22 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        hidden, inter = config.hidden_size, config.intermediate_size
+        self.gate_proj = ColumnParallelLinear(hidden, inter, tp, "intermediate_size")
+        self.up_proj = ColumnParallelLinear(hidden, inter, tp, "intermediate_size")
+        self.down_proj = RowParallelLinear(inter, hidden, tp, "intermediate_size")
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup = SINGLE):
         super().__init__()
-        self.self_attn = Qwen3Attention(config, layer)
-        self.mlp = Qwen3MLP(config)
+        self.self_attn = Qwen3Attention(config, layer, tp)
+        self.mlp = Qwen3MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -90,19 +105,21 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """`tp`: this rank's tensor-parallel group; the default is one rank (the whole model)."""
+
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
         super().__init__()
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.config, self.tp = config, tp
+        self.model = Qwen3Model(config, tp)
+        self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -154,7 +171,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def init_random(self, seed: int, std: float = 0.02):
         """Hugging Face's initialisation (normal(0, std) for matrices, ones for norms), reproducible for a
-        given seed and device type (drawn on the parameters' device, so an 8B model initialises in seconds)."""
+        given seed and device type (drawn on the parameters' device, so an 8B model initialises in seconds).
+        Each tensor-parallel rank draws the full tensor and keeps its slice, so any TP size holds the same model."""
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
@@ -162,5 +180,6 @@ class Qwen3ForCausalLM(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
-                    p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * std)
+                    full = torch.randn(full_shape(p), generator=gen, device=device, dtype=p.dtype) * std
+                    p.copy_(shard(full, p, self.tp))
         return self
