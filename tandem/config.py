@@ -139,6 +139,10 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
     fused_kernels: bool = True  # on CUDA: fused Triton RMSNorm/RoPE/SiLU kernels in the model
+    # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
+    # a per-step digest comparison stops the engine when ranks disagree
+    token_broadcast: bool = True
+    lockstep_sentinel: bool = True
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):

@@ -5,9 +5,10 @@
 - `VocabParallelEmbedding` / `VocabParallelHead`: the vocabulary split; the embedding sums the ranks' rows
   (each rank contributes only the ids it owns), the head all-gathers the logits so every rank sees them all.
 
-Every sharded parameter carries `tp_dim` (the dimension of the full tensor it slices) and `tp_full_shape`, so
-weights load from full (unsharded) tensors by name: `shard(full, param)` cuts this rank's slice. A trainer
-therefore sends the same full tensors to a TP engine as to a single-GPU one.
+Every sharded layer records `tp_dim` (the dimension of the full weight it slices) and `tp_full_shape` (on the
+module: a parameter's own attributes do not survive materialising a model built on the meta device), so weights
+load from full (unsharded) tensors by name: `layouts(model)` says how each is cut and `shard` cuts this rank's
+slice. A trainer therefore sends the same full tensors to a TP engine as to a single-GPU one.
 """
 
 from __future__ import annotations
@@ -39,32 +40,32 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def _mark(param: nn.Parameter, dim: int, full_shape: tuple[int, ...]) -> None:
-    param.tp_dim, param.tp_full_shape = dim, full_shape
-
-
-def shard(full: torch.Tensor, param: nn.Parameter, tp: TPGroup) -> torch.Tensor:
-    """This rank's slice of the full tensor for `param` (the tensor itself if `param` is not sharded)."""
-    dim = getattr(param, "tp_dim", None)
+def shard(full: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
+    """This rank's slice of a full tensor split along `dim` (None: not split, the tensor itself)."""
     if dim is None or tp.size == 1:
         return full
     return full.chunk(tp.size, dim)[tp.rank]
 
 
-def full_shape(param: nn.Parameter) -> tuple[int, ...]:
-    return tuple(getattr(param, "tp_full_shape", param.shape))
+def layouts(model: nn.Module) -> dict[str, tuple[int | None, tuple[int, ...]]]:
+    """For every parameter name: (the dimension its full tensor is split along or None, the full shape)."""
+    out = {name: (None, tuple(p.shape)) for name, p in model.named_parameters()}
+    for name, module in model.named_modules():
+        if hasattr(module, "tp_dim"):
+            out[f"{name}.weight"] = (module.tp_dim, module.tp_full_shape)
+    return out
 
 
 class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, what: str):
         super().__init__(in_features, tp.split(out_features, what), bias=False)
-        _mark(self.weight, 0, (out_features, in_features))
+        self.tp_dim, self.tp_full_shape = 0, (out_features, in_features)
 
 
 class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, what: str):
         super().__init__(tp.split(in_features, what), out_features, bias=False)
-        _mark(self.weight, 1, (out_features, in_features))
+        self.tp_dim, self.tp_full_shape = 1, (out_features, in_features)
         self.tp = tp
 
     def forward(self, x):
@@ -77,7 +78,7 @@ class RowParallelLinear(nn.Linear):
 class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
         super().__init__(tp.split(vocab_size, "vocab_size"), dim)
-        _mark(self.weight, 0, (vocab_size, dim))
+        self.tp_dim, self.tp_full_shape = 0, (vocab_size, dim)
         self.tp, self.start = tp, tp.rank * self.num_embeddings
 
     def forward(self, ids):
@@ -93,7 +94,7 @@ class VocabParallelEmbedding(nn.Embedding):
 class VocabParallelHead(nn.Linear):
     def __init__(self, dim: int, vocab_size: int, tp: TPGroup):
         super().__init__(dim, tp.split(vocab_size, "vocab_size"), bias=False)
-        _mark(self.weight, 0, (vocab_size, dim))
+        self.tp_dim, self.tp_full_shape = 0, (vocab_size, dim)
         self.tp = tp
 
     def forward(self, x):

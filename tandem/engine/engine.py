@@ -27,11 +27,13 @@ from typing import Literal
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Scheduler
+from tandem.engine.tp import Lockstep, LockstepError, stable_hash
 from tandem.model.loader import build_model, check_weights, load_weights
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, SamplingParams
@@ -60,25 +62,35 @@ class EngineError(RuntimeError):
     """A request the engine refuses in its current state (not a malformed input: that is ValueError)."""
 
 
+# commands that only read state: rank 0 runs them without publishing them to the other TP ranks
+_LOCAL_COMMANDS = {"_snapshot", "<lambda>"}
+
+
 class Engine:
+    """`tp`: this rank's tensor-parallel group (see `tandem.engine.tp`). Rank 0 runs the loop in a thread and
+    serves the API; the other ranks call `tandem.engine.tp.run_follower(engine)` in their main thread."""
+
     def __init__(self, model: str | ModelConfig | Qwen3ForCausalLM = "tiny", config: EngineConfig | None = None,
-                 dtype: str | None = None, seed: int = 0):
+                 dtype: str | None = None, seed: int = 0, tp: TPGroup = SINGLE):
         self.config = config or EngineConfig()
+        self.tp = tp
+        self.lockstep = Lockstep(tp) if tp.size > 1 else None
         if isinstance(model, Qwen3ForCausalLM):
             self.model = model.eval()
         else:
-            self.model = build_model(model, device=self.config.device, dtype=dtype or "float32", seed=seed)
+            self.model = build_model(model, device=self.config.device, dtype=dtype or "float32", seed=seed, tp=tp)
         self.model_config = self.model.config
         if self.config.fused_kernels and next(self.model.parameters()).is_cuda:
             self.model.use_fused_kernels()
         self.max_context_len = self.config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())
         num_pages = self.config.num_pages or plan_kv_pages(self.model_config, self.config, param.dtype)
-        self.pool = KVPool(self.model_config, num_pages, self.config.page_size, param.dtype, param.device)
+        self.pool = KVPool(self.model_config, num_pages, self.config.page_size, param.dtype, param.device,
+                           num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads)
         self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
         self.scheduler = Scheduler(self.pool, self.cache, self.config)
         self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config.max_running_requests,
-                                  self.config.cuda_graphs)
+                                  self.config.cuda_graphs, token_broadcast=self.config.token_broadcast)
         self.weight_version = 0
         self.paused: PauseMode | None = None
         self.stats = EngineStats(pages_total=self.pool.num_pages)
@@ -88,8 +100,11 @@ class Engine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
         self._inflight = None  # the launched step whose sampled tokens are not applied yet
+        self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
+        self._fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
-        self._thread.start()
+        if tp.rank == 0:
+            self._thread.start()
 
     # ---- caller side: validation, then a command for the engine thread -----------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
@@ -98,6 +113,8 @@ class Engine:
         awaiting task is cancelled (a client went away) the request is aborted and its pages freed."""
         sampling = sampling or SamplingParams()
         rid = rid if rid is not None else uuid.uuid4().hex
+        if self._fatal is not None:
+            raise EngineError(f"engine stopped: {self._fatal}")
         self.validate(input_ids, sampling, rid)
         fut: Future = Future()
         self._commands.put((self._add_request, (list(input_ids), sampling, rid, fut), None))
@@ -177,6 +194,8 @@ class Engine:
         self.shutdown()
 
     async def _call(self, fn: Callable, *args):
+        if self._stop or not self._thread.is_alive():
+            raise EngineError(f"engine stopped{f': {self._fatal}' if self._fatal else ''}")
         fut: Future = Future()
         self._commands.put((fn, args, fut))
         return await asyncio.wrap_future(fut)
@@ -189,17 +208,46 @@ class Engine:
                 cmd = self._commands.get_nowait() if busy else self._commands.get()
             except queue.Empty:
                 cmd = None
+            if cmd is None:
+                message = ("step",)
+            else:
+                fn, args, fut = cmd
+                name = getattr(fn, "__name__", "")
+                message = ("cmd", name, tuple(None if isinstance(a, Future) else a for a in args))
+            if self.lockstep is not None and (cmd is None or name not in _LOCAL_COMMANDS):
+                self.lockstep.publish(message)  # the other ranks apply the same message in the same order
+            self._apply(message, cmd)
+        if self.lockstep is not None and self._fatal is None:
+            self.lockstep.publish(("stop",))
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """After the loop ends, nobody may wait forever on a command that will never run."""
+        error = EngineError(f"engine stopped{f': {self._fatal}' if self._fatal else ''}")
+        while True:
             try:
-                if cmd is not None:
-                    self._drain()  # commands see every sampled token
-                    self._run_command(*cmd)
-                else:
-                    self._step()
-            except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
-                log.exception("engine step failed")
-                self._inflight = None
-                for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                    self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
+                _, args, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            for f in (fut, *args):
+                if isinstance(f, Future) and f.set_running_or_notify_cancel():
+                    f.set_exception(error)
+
+    def _apply(self, message, cmd=None) -> None:
+        """Run one step, or one command (`cmd` on rank 0; followers rebuild it from the message)."""
+        try:
+            if message[0] == "step":
+                self._step()
+            else:
+                self._drain()  # commands see every sampled token
+                self._run_command(*(cmd or (getattr(self, message[1]), message[2], None)))
+        except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
+            log.exception("engine step failed")
+            self._inflight = None
+            if isinstance(e, LockstepError):  # the ranks disagree: stop, with the evidence in the message
+                self._fatal, self._stop = e, True
+            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+                self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
 
     def _run_command(self, fn, args, fut: Future | None) -> None:
         if fut is not None and not fut.set_running_or_notify_cancel():
@@ -246,6 +294,14 @@ class Engine:
         self._inflight = launched
         if not self.config.overlap:
             self._drain()
+        if self.lockstep is not None and self.config.lockstep_sentinel:
+            self.lockstep.check({
+                "step": self.stats.num_steps,
+                "membership": stable_hash([r.rid for r in self.scheduler.running]),
+                "chunks": stable_hash([(c.req.rid, c.start, c.num_tokens) for c in chunks]),
+                "tokens": self._applied_digest,
+                "finished": self.stats.num_finished,
+            })
 
     def _drain(self) -> None:
         """Wait for the step in flight and apply its sampled tokens."""
@@ -261,6 +317,8 @@ class Engine:
                 token, logprob = next(sampled)
                 if c.req.status is not Status.FINISHED:
                     self._append_token(c.req, c.start + c.num_tokens, token, logprob)
+        if self.lockstep is not None:
+            self._applied_digest = stable_hash(tokens)
         self.stats.pages_free = self.pool.num_free
         self.stats.forward_seconds += t1 - t0
         self.stats.postprocess_seconds += time.perf_counter() - t1
@@ -283,13 +341,14 @@ class Engine:
         try:
             self._enqueue(input_ids, sampling, rid, fut)
         except Exception as e:  # never leave a caller waiting on a request the engine lost
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_exception(e)
             raise
 
     def _enqueue(self, input_ids, sampling: SamplingParams, rid: str, fut: Future) -> None:
         if rid in self._requests:
-            fut.set_exception(ValueError(f"rid: {rid!r} is already in flight"))
+            if fut is not None:
+                fut.set_exception(ValueError(f"rid: {rid!r} is already in flight"))
             return
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         req = Request(rid, input_ids, len(input_ids), sampling, seed, next(self._arrival), fut)

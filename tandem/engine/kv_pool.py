@@ -14,11 +14,14 @@ from tandem.config import ModelConfig
 
 
 class KVPool:
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device,
+                 num_kv_heads: int | None = None):
+        """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism)."""
         self.num_pages, self.page_size = num_pages, page_size
         # one extra page, never handed out: padding rows of fixed-shape decode batches write there
         self.scratch_slot = num_pages * page_size
-        shape = (config.num_hidden_layers, (num_pages + 1) * page_size, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, (num_pages + 1) * page_size, num_kv_heads or config.num_key_value_heads,
+                 config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages

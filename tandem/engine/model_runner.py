@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.distributed import collectives, faults
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.sampler import SamplingBatch, sample
 from tandem.engine.scheduler import PENDING, Chunk
@@ -64,8 +65,10 @@ def _decode_kernel(device: torch.device):
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, max_decode_batch: int = 256,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, token_broadcast: bool = True):
         self.model, self.pool = model, pool
+        self.tp, self.token_broadcast = model.tp, token_broadcast
+        self.num_launches = 0
         self.device = next(model.parameters()).device
         self.kernel = _decode_kernel(self.device)
         self.batch_sizes = [b for b in [1, 2, 4, 8, *range(16, max_decode_batch + 1, 16)] if b <= max_decode_batch]
@@ -102,6 +105,8 @@ class ModelRunner:
         if logits is None:
             return launched
         launched.tokens, launched.logprobs = sample(logits, self._sampling_batch([c.req for c in chunks if c.sample]))
+        if self.tp.size > 1:
+            self._agree(launched)
         if self.device.type == "cuda":
             launched.host_tokens = torch.empty(launched.tokens.shape, dtype=torch.long, pin_memory=True)
             launched.host_logprobs = torch.empty(launched.logprobs.shape, dtype=torch.float32, pin_memory=True)
@@ -110,6 +115,18 @@ class ModelRunner:
             launched.ready = torch.cuda.Event()
             launched.ready.record()
         return launched
+
+    def _agree(self, launched: Launched) -> None:
+        """Every rank continues with rank 0's samples: ranks can differ in the last bits of their logits (other
+        reduction orders, other hardware), and a near tie or different RNG state would then pick another token,
+        end another request, and set the ranks on different schedules. (Fault injection may flip a token here
+        first, to prove the point.)"""
+        self.num_launches += 1
+        if faults.should_flip(self.num_launches, self.tp.rank) and launched.tokens.numel():
+            launched.tokens[0] = (launched.tokens[0] + 1) % self.model.config.vocab_size
+        if self.token_broadcast:
+            collectives.broadcast(launched.tokens, src=0, group=self.tp.group)
+            collectives.broadcast(launched.logprobs, src=0, group=self.tp.group)
 
     def _input_ids(self, ids: list[int], pending: list[tuple[int, int]], out: torch.Tensor | None = None):
         """`ids` on the device, with the rows listed in `pending` ((row, index in prev's samples)) taken from

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig, resolve_model
-from tandem.distributed.parallel import SINGLE, TPGroup, full_shape, shard
+from tandem.distributed.parallel import SINGLE, TPGroup, layouts, shard
 from tandem.model.qwen3 import Qwen3ForCausalLM
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,15 +39,15 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor]) -> None:
     """Raise ValueError naming the first tensor that does not fit; mutates nothing."""
-    params = dict(model.named_parameters())
+    params, layout = dict(model.named_parameters()), layouts(model)
     for name, tensor in named.items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # tied: the embedding is the head
         if name not in params:
             raise ValueError(f"weights: unknown parameter {name!r}")
-        if tuple(tensor.shape) != full_shape(params[name]):
+        if tuple(tensor.shape) != layout[name][1]:
             raise ValueError(f"weights: {name} has shape {tuple(tensor.shape)}, the model expects "
-                             f"{full_shape(params[name])}")
+                             f"{layout[name][1]}")
         if not (tensor.is_floating_point()):
             raise ValueError(f"weights: {name} has dtype {tensor.dtype}, expected a floating-point tensor")
 
@@ -64,9 +64,10 @@ def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tenso
         missing = sorted(set(params) - set(named))
         if missing:
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    layout = layouts(model)
     for name, tensor in named.items():
         if name in params:
-            params[name].copy_(shard(tensor, params[name], model.tp))
+            params[name].copy_(shard(tensor, layout[name][0], model.tp))
     return sorted(named)
 
 

@@ -19,7 +19,7 @@ from tandem.distributed.parallel import (
     TPGroup,
     VocabParallelEmbedding,
     VocabParallelHead,
-    full_shape,
+    layouts,
     shard,
 )
 from tandem.model.attention import AttentionContext
@@ -175,11 +175,12 @@ class Qwen3ForCausalLM(nn.Module):
         Each tensor-parallel rank draws the full tensor and keeps its slice, so any TP size holds the same model."""
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
+        layout = layouts(self)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
-                    full = torch.randn(full_shape(p), generator=gen, device=device, dtype=p.dtype) * std
-                    p.copy_(shard(full, p, self.tp))
+                    dim, shape = layout[name]
+                    p.copy_(shard(torch.randn(shape, generator=gen, device=device, dtype=p.dtype) * std, dim, self.tp))
         return self

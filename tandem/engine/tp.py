@@ -1,0 +1,81 @@
+"""Tensor-parallel engines: one process per rank, every rank running the same engine state machine.
+
+Rank 0 owns the API. Every iteration of its loop is published to the other ranks before it runs: either a
+state-changing command (a new request, an abort, a pause, a weight update...) or a step. Followers apply the
+same sequence, so their schedulers hold the same requests in the same order. What could still make them
+diverge is what each rank computes itself, and two protections close that:
+  - the sampled-token broadcast (on by default): rank 0's sampled ids and logprobs replace every rank's
+    before any host decision (finish, batch membership) reads them;
+  - the lockstep sentinel: after every step the ranks all-gather a digest (step, membership, the step's
+    chunks, the tokens just applied, finished count) and stop with an error naming the step, the ranks and
+    the first differing field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+
+import torch
+
+from tandem.distributed import collectives
+from tandem.distributed.parallel import TPGroup
+
+log = logging.getLogger(__name__)
+
+DIGEST_FIELDS = ("step", "membership", "chunks", "tokens", "finished")
+
+
+class LockstepError(RuntimeError):
+    """Tensor-parallel ranks disagree about engine state: continuing would deadlock or diverge."""
+
+
+def stable_hash(*parts) -> int:
+    """A 56-bit hash that is the same in every process (Python's str hash is salted per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=7).digest(), "little")
+
+
+class Lockstep:
+    """The control channel of a TP engine: rank 0 publishes messages, followers receive them, and all ranks
+    compare digests. Uses `tp.cpu_group` (gloo), so it also works beside an NCCL data group."""
+
+    def __init__(self, tp: TPGroup):
+        self.tp = tp
+        self.group = getattr(tp, "cpu_group", None) or tp.group
+
+    def publish(self, message) -> None:
+        assert self.tp.rank == 0
+        self._broadcast(pickle.dumps(message))
+
+    def receive(self):
+        return pickle.loads(self._broadcast(None))
+
+    def _broadcast(self, payload: bytes | None) -> bytes:
+        size = torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64)
+        collectives.broadcast(size, src=0, group=self.group)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload is not None
+                else torch.empty(int(size), dtype=torch.uint8))
+        collectives.broadcast(data, src=0, group=self.group)
+        return data.numpy().tobytes()
+
+    def check(self, digest: dict[str, int]) -> None:
+        """All-gather every rank's digest; raise LockstepError naming the first field where a rank differs."""
+        mine = torch.tensor([digest[f] for f in DIGEST_FIELDS], dtype=torch.int64)
+        rows = [torch.empty_like(mine) for _ in range(self.tp.size)]
+        collectives.all_gather(rows, mine, group=self.group)
+        for i, field in enumerate(DIGEST_FIELDS):
+            ranks = [r for r in range(self.tp.size) if rows[r][i] != rows[0][i]]
+            if ranks:
+                raise LockstepError(f"lockstep: step {digest['step']}: rank(s) {ranks} differ from rank 0 in "
+                                    f"{field!r} ({[int(row[i]) for row in rows]})")
+
+
+def run_follower(engine) -> None:
+    """The loop of a rank > 0: apply what rank 0 publishes until it publishes a stop, or until the ranks fall
+    out of lockstep (every rank sees the same gathered digests, so all stop together)."""
+    while not engine._stop:
+        message = engine.lockstep.receive()
+        if message[0] == "stop":
+            return
+        engine._apply(message)

@@ -1,0 +1,124 @@
+"""Tensor parallelism on CPU (gloo, real processes): TP=2 and TP=3 generate exactly what TP=1 does, and the
+sampled-token broadcast and the lockstep sentinel each prove their worth against injected token flips."""
+
+import asyncio
+import datetime
+import multiprocessing
+import queue
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.distributed import faults
+from tandem.distributed.parallel import TPGroup
+from tandem.engine.engine import Engine
+from tandem.engine.tp import run_follower
+from tandem.types import SamplingParams
+
+# divisible by 2 and 3 where TP splits: heads, KV heads, intermediate size, vocabulary
+CONFIG = ModelConfig(vocab_size=384, hidden_size=96, intermediate_size=192, num_hidden_layers=2,
+                     num_attention_heads=12, num_key_value_heads=6, head_dim=16, max_position_embeddings=4096,
+                     rope_theta=10000.0)
+SMALL_POOL = EngineConfig(page_size=4, num_pages=40, max_prefill_tokens=32)
+
+
+def mixed_requests():
+    gen = torch.Generator().manual_seed(0)
+    prefix = torch.randint(2, 384, (30,), generator=gen).tolist()
+    reqs = []
+    for i in range(10):
+        prompt = (prefix if i % 2 else []) + torch.randint(2, 384, (5 + 3 * i,), generator=gen).tolist()
+        sampling = (SamplingParams(temperature=0, max_new_tokens=8 + 2 * i, ignore_eos=True) if i % 3 else
+                    SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=12, seed=100 + i, ignore_eos=True))
+        reqs.append((prompt, sampling))
+    return reqs
+
+
+def long_requests():
+    return [([5, 6, 7, i], SamplingParams(temperature=1.0, max_new_tokens=1000, seed=i, ignore_eos=True))
+            for i in range(2)]
+
+
+def generate(engine, requests):
+    async def go():
+        return await asyncio.gather(*[engine.generate(p, sp) for p, sp in requests])
+
+    outs = asyncio.run(go())
+    retractions = sum(o.num_retractions for o in outs)
+    return [(o.output_ids, o.output_logprobs, o.finish_reason.to_dict()) for o in outs], retractions
+
+
+def _rank_main(rank, size, port, make_requests, config, plan, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    faults.configure(plan)
+    engine = Engine(CONFIG, config, tp=TPGroup(rank, size))
+    if rank == 0:
+        results.put(generate(engine, make_requests()))
+        engine.shutdown()
+    else:
+        run_follower(engine)
+    dist.destroy_process_group()
+
+
+def run_tp(size, make_requests, config=SMALL_POOL, plan=None, timeout=120):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, make_requests, config, plan, results))
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        return results.get(timeout=timeout)
+    except queue.Empty:
+        raise AssertionError(f"TP={size} produced no result within {timeout} s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+
+def run_single(make_requests, config=SMALL_POOL):
+    with Engine(CONFIG, config) as engine:
+        return generate(engine, make_requests())
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tp_generates_what_tp1_generates(size):
+    """Greedy and seeded sampling, shared prefixes (prefix cache) and a pool small enough to force retraction."""
+    (expected, retractions) = run_single(mixed_requests)
+    assert retractions > 0, "the scenario should exercise retraction"
+    got, _ = run_tp(size, mixed_requests)
+    for (ids, lps, fin), (ids_tp, lps_tp, fin_tp) in zip(expected, got, strict=True):
+        assert ids_tp == ids and fin_tp == fin
+        assert lps_tp == pytest.approx(lps, abs=1e-4)
+
+
+FLIPS = faults.FaultPlan(flip_rank=1, flip_prob=0.05, flip_seed=3)
+
+
+def test_without_the_broadcast_the_sentinel_names_the_diverging_rank():
+    no_broadcast = EngineConfig(page_size=4, num_pages=600, token_broadcast=False)
+    (outs, _) = run_tp(2, long_requests, no_broadcast, FLIPS)
+    first_flip = next(k for k in range(1, 10_000) if faults.should_flip(k, 1, FLIPS))
+    message = outs[0][2].get("message", "")
+    assert "LockstepError" in message and "rank(s) [1]" in message and "'tokens'" in message, message
+    step = int(message.split("step ")[1].split(":")[0])
+    assert step <= first_flip + 2, (step, first_flip)  # caught at the first digest after the flip
+
+
+def test_with_the_broadcast_flips_never_diverge_over_a_thousand_steps():
+    broadcast = EngineConfig(page_size=4, num_pages=600)
+    expected, _ = run_single(long_requests, broadcast)
+    got, _ = run_tp(2, long_requests, broadcast, FLIPS)
+    assert sum(faults.should_flip(k, 1, FLIPS) for k in range(1, 1001)) > 20  # flips were injected
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in expected]
+    assert all(fin == {"type": "length", "length": 1000} for _, _, fin in got)
