@@ -143,6 +143,12 @@ class EngineConfig:
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True
     lockstep_sentinel: bool = True
+    # hang forensics: each rank's flight recorder journals to dump_dir (None: memory only, dumps need a
+    # directory); the watchdog dumps when the engine loop makes no progress for watchdog_timeout_s (0: off),
+    # then keeps waiting ("wait") or exits the process ("abort")
+    dump_dir: str | None = None
+    watchdog_timeout_s: float = 300.0
+    watchdog_action: str = "wait"
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):

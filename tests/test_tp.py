@@ -122,3 +122,53 @@ def test_with_the_broadcast_flips_never_diverge_over_a_thousand_steps():
     assert sum(faults.should_flip(k, 1, FLIPS) for k in range(1, 1001)) > 20  # flips were injected
     assert [ids for ids, _, _ in got] == [ids for ids, _, _ in expected]
     assert all(fin == {"type": "length", "length": 1000} for _, _, fin in got)
+
+
+def _hang_rank_main(rank, size, port, dump_dir, plan):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    faults.configure(plan)
+    tp = TPGroup(rank, size, dist.new_group(backend="gloo", group_desc="tp"),
+                 dist.new_group(backend="gloo", group_desc="ctrl"))
+    config = EngineConfig(page_size=4, num_pages=600, dump_dir=str(dump_dir), watchdog_timeout_s=WATCHDOG_S,
+                          watchdog_action="abort")
+    engine = Engine(CONFIG, config, tp=tp)
+    if rank == 0:
+        generate(engine, long_requests())  # never returns: the watchdog ends the process
+    else:
+        run_follower(engine)
+
+
+WATCHDOG_S = 1.0
+HANG_TRIALS = int(__import__("os").environ.get("TANDEM_HANG_TRIALS", "2"))
+
+
+@pytest.mark.parametrize("trial", range(HANG_TRIALS))
+def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial):
+    """Rank 1 skips the model's collective number `seq` on the "tp" group; the ranks then wait in different
+    collectives (a real deadlock). Every rank's watchdog dumps within twice its timeout, and `tandem analyze`
+    names rank 1 and the collective. (TANDEM_HANG_TRIALS=10 repeats it.)"""
+    from tandem.distributed.analyzer import analyze
+
+    seq = 40 + 7 * trial
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    plan = faults.FaultPlan(rank=1, action="skip", seq=seq, group="tp")
+    procs = [ctx.Process(target=_hang_rank_main, args=(r, 2, port, tmp_path, plan)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+        if p.is_alive():
+            p.terminate()
+            raise AssertionError("a hung rank was not ended by its watchdog")
+    verdict = analyze(tmp_path)
+    assert verdict.culprits == (1,) and verdict.pg == "tp" and verdict.seq == seq, verdict.text()
+    dumps = sorted(tmp_path.glob("tandem_dump.*.json"))
+    assert {int(p.name.split(".rank")[1].split(".")[0]) for p in dumps} == {0, 1}
+    for path in dumps:
+        state = __import__("json").loads(path.read_text())["state"]
+        assert state["watchdog"]["stalled_s"] <= 2 * WATCHDOG_S

@@ -151,7 +151,11 @@ def _describe(entry: dict) -> str:
 
 
 def _signature(entry: dict) -> str:
-    return json.dumps([entry["profiling_name"], entry["input_sizes"], entry["input_dtypes"]])
+    """What must be equal across ranks at one sequence number: op, shapes, dtypes and (SPMD code) the line
+    that issued it, which tells apart two same-shaped collectives from different places."""
+    site = entry["frames"][0] if entry.get("frames") else {}
+    return json.dumps([entry["profiling_name"], entry["input_sizes"], entry["input_dtypes"],
+                       site.get("filename"), site.get("line")])
 
 
 def _members(ranks: dict[int, RankRecords], pg: str, by_rank: dict[int, dict]) -> set[int]:

@@ -53,7 +53,10 @@ JOURNAL, DUMP, STACKS, FATAL = "tandem_fr", "tandem_dump", "tandem_stacks", "tan
 ENGINE_GROUP = "engine"  # the pseudo process group of engine-step records
 NUM_FRAMES = 3
 MAX_ID_LEN = 48
+# the calling site is the first frame outside this package, contextlib and torch (whose module call wraps
+# every layer): in SPMD code it names the line that issued the collective, the same on every rank
 _SKIP_FILES = (os.path.dirname(os.path.abspath(__file__)) + os.sep, contextlib.__file__)
+_SKIP_PARTS = (f"{os.sep}torch{os.sep}nn{os.sep}",)
 
 
 def sanitize_id(value: object, max_len: int = MAX_ID_LEN) -> str:
@@ -99,7 +102,7 @@ def _calling_frames(limit: int = NUM_FRAMES) -> list[dict]:
     frames, frame = [], sys._getframe(1)
     while frame is not None and len(frames) < limit:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_SKIP_FILES):
+        if not filename.startswith(_SKIP_FILES) and not any(part in filename for part in _SKIP_PARTS):
             frames.append({"name": frame.f_code.co_name, "filename": filename, "line": frame.f_lineno})
         frame = frame.f_back
     return frames

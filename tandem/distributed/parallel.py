@@ -24,12 +24,13 @@ from tandem.distributed import collectives
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in its tensor-parallel group. `group`: the torch.distributed process group (None:
-    the default one)."""
+    """This rank's place in its tensor-parallel group. `group`: the torch.distributed process group of the
+    model's collectives (None: the default one)."""
 
     rank: int = 0
     size: int = 1
     group: object = None
+    cpu_group: object = None  # a gloo group for the engine's control messages (None: `group`)
 
     def split(self, n: int, what: str) -> int:
         if n % self.size:

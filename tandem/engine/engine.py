@@ -27,7 +27,10 @@ from typing import Literal
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.distributed import collectives
+from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup
+from tandem.distributed.watchdog import Watchdog
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.radix_cache import RadixCache
@@ -75,6 +78,16 @@ class Engine:
         self.config = config or EngineConfig()
         self.tp = tp
         self.lockstep = Lockstep(tp) if tp.size > 1 else None
+        # always on: the last collectives and steps of this rank, and a dump when the loop stops progressing
+        self.recorder = FlightRecorder(tp.rank, self.config.dump_dir, world_size=tp.size)
+        collectives.set_recorder(self.recorder)
+        timeout = self.config.watchdog_timeout_s
+        self.watchdog = Watchdog(self.recorder, timeout or 1.0, action=self.config.watchdog_action,
+                                 enabled=timeout > 0)
+        self.watchdog.add_state("engine", lambda: {"running": len(self.scheduler.running), "paused": self.paused,
+                                                   "queued": len(self.scheduler.waiting), "step": self.stats.num_steps})
+        if self.lockstep is not None:
+            self.watchdog.add_state("lockstep", lambda: self.lockstep.last_digest)
         if isinstance(model, Qwen3ForCausalLM):
             self.model = model.eval()
         else:
@@ -103,6 +116,7 @@ class Engine:
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
         self._fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
+        self.watchdog.start()  # once built: loading a model is no stall
         if tp.rank == 0:
             self._thread.start()
 
@@ -185,7 +199,9 @@ class Engine:
     def shutdown(self) -> None:
         self._stop = True
         self._commands.put((lambda: None, (), None))
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
+        self.watchdog.stop()
 
     def __enter__(self):
         return self
@@ -204,8 +220,9 @@ class Engine:
     def _loop(self) -> None:
         while not self._stop:
             busy = self.paused is None and (self.scheduler.running or self.scheduler.waiting)
+            self.watchdog.bump()
             try:  # idle: sleep until a command arrives; busy: take one if there is one, else step
-                cmd = self._commands.get_nowait() if busy else self._commands.get()
+                cmd = self._commands.get_nowait() if busy else self._idle_wait()
             except queue.Empty:
                 cmd = None
             if cmd is None:
@@ -233,19 +250,28 @@ class Engine:
                 if isinstance(f, Future) and f.set_running_or_notify_cancel():
                     f.set_exception(error)
 
+    def _idle_wait(self):
+        """Nothing to run: wait for a command, and tell the watchdogs (ours and the followers') it is no hang."""
+        if self.lockstep is not None:
+            self.lockstep.publish(("idle",))
+        with self.watchdog.idle():
+            return self._commands.get()
+
     def _apply(self, message, cmd=None) -> None:
         """Run one step, or one command (`cmd` on rank 0; followers rebuild it from the message)."""
         try:
             if message[0] == "step":
-                self._step()
+                with self.recorder.engine_step(self.stats.num_steps + 1):
+                    self._step()
             else:
                 self._drain()  # commands see every sampled token
                 self._run_command(*(cmd or (getattr(self, message[1]), message[2], None)))
         except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
             log.exception("engine step failed")
             self._inflight = None
-            if isinstance(e, LockstepError):  # the ranks disagree: stop, with the evidence in the message
+            if isinstance(e, LockstepError):  # the ranks disagree: stop, leaving the evidence
                 self._fatal, self._stop = e, True
+                self.watchdog.dump(str(e))
             for req in list(self.scheduler.running) + list(self.scheduler.waiting):
                 self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
 

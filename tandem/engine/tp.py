@@ -42,7 +42,8 @@ class Lockstep:
 
     def __init__(self, tp: TPGroup):
         self.tp = tp
-        self.group = getattr(tp, "cpu_group", None) or tp.group
+        self.group = tp.cpu_group or tp.group
+        self.last_digest: dict[str, int] = {}
 
     def publish(self, message) -> None:
         assert self.tp.rank == 0
@@ -61,6 +62,7 @@ class Lockstep:
 
     def check(self, digest: dict[str, int]) -> None:
         """All-gather every rank's digest; raise LockstepError naming the first field where a rank differs."""
+        self.last_digest = digest
         mine = torch.tensor([digest[f] for f in DIGEST_FIELDS], dtype=torch.int64)
         rows = [torch.empty_like(mine) for _ in range(self.tp.size)]
         collectives.all_gather(rows, mine, group=self.group)
@@ -74,8 +76,16 @@ class Lockstep:
 def run_follower(engine) -> None:
     """The loop of a rank > 0: apply what rank 0 publishes until it publishes a stop, or until the ranks fall
     out of lockstep (every rank sees the same gathered digests, so all stop together)."""
+    idle = False
     while not engine._stop:
-        message = engine.lockstep.receive()
+        engine.watchdog.bump()
+        if idle:  # rank 0 has nothing to do: waiting for its next message is no hang
+            with engine.watchdog.idle():
+                message = engine.lockstep.receive()
+        else:
+            message = engine.lockstep.receive()
+        idle = message[0] == "idle"
         if message[0] == "stop":
             return
-        engine._apply(message)
+        if not idle:
+            engine._apply(message)
