@@ -3,7 +3,9 @@ sampled-token broadcast and the lockstep sentinel each prove their worth against
 
 import asyncio
 import datetime
+import json
 import multiprocessing
+import os
 import queue
 import socket
 
@@ -141,7 +143,7 @@ def _hang_rank_main(rank, size, port, dump_dir, plan):
 
 
 WATCHDOG_S = 1.0
-HANG_TRIALS = int(__import__("os").environ.get("TANDEM_HANG_TRIALS", "2"))
+HANG_TRIALS = int(os.environ.get("TANDEM_HANG_TRIALS", "2"))
 
 
 @pytest.mark.parametrize("trial", range(HANG_TRIALS))
@@ -167,8 +169,11 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial
             raise AssertionError("a hung rank was not ended by its watchdog")
     verdict = analyze(tmp_path)
     assert verdict.culprits == (1,) and verdict.pg == "tp" and verdict.seq == seq, verdict.text()
-    dumps = sorted(tmp_path.glob("tandem_dump.*.json"))
-    assert {int(p.name.split(".rank")[1].split(".")[0]) for p in dumps} == {0, 1}
-    for path in dumps:
-        state = __import__("json").loads(path.read_text())["state"]
-        assert state["watchdog"]["stalled_s"] <= 2 * WATCHDOG_S
+    # a rank the watchdog ended (exit 70) dumped first, within twice its timeout; where the shifted calls pair
+    # up with different sizes gloo fails the call (the engine aborts its requests) or the process instead, and
+    # the journal is the evidence
+    for rank, p in enumerate(procs):
+        assert list(tmp_path.glob(f"tandem_fr.*.rank{rank}.jsonl"))
+        if p.exitcode == 70:
+            dumps = list(tmp_path.glob(f"tandem_dump.*.rank{rank}.*.json"))
+            assert json.loads(dumps[0].read_text())["state"]["watchdog"]["stalled_s"] <= 2 * WATCHDOG_S
