@@ -5,19 +5,32 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 
 
 def _serve(args) -> None:
     from tandem.config import EngineConfig
+    from tandem.distributed.parallel import SINGLE
     from tandem.engine.engine import Engine
+    from tandem.engine.tp import init_tp, start_followers
     from tandem.server.http import serve
 
     config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                           max_running_requests=args.max_running_requests,
                           max_prefill_tokens=args.max_prefill_tokens, device=args.device,
-                          enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed)
-    engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed)
+                          enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
+                          token_broadcast=not args.no_token_broadcast, dump_dir=args.dump_dir,
+                          watchdog_timeout_s=args.watchdog_timeout)
+    tp, followers = SINGLE, []
+    if args.tp > 1:  # ranks 1.. in their own processes; this one is rank 0 and serves
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        followers = start_followers(args.tp, init_method, backend, args.model, config, args.dtype, args.seed)
+        tp = init_tp(0, args.tp, init_method, backend)
+    engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed, tp=tp)
     mc = engine.model_config
     params = sum(p.numel() for p in engine.model.parameters())
     logging.info("model %s: %d layers, hidden %d, vocab %d, %.1fM parameters, %s on %s", args.model,
@@ -28,7 +41,9 @@ def _serve(args) -> None:
     try:
         serve(engine, host=args.host, port=args.port)
     finally:
-        engine.shutdown()
+        engine.shutdown()  # tells the followers to stop
+        for p in followers:
+            p.join(timeout=30)
 
 
 def _run(args) -> None:
@@ -59,6 +74,11 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-prefill-tokens", type=int, default=512)
     serve.add_argument("--disable-prefix-cache", action="store_true")
     serve.add_argument("--seed", type=int, default=0)
+    serve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
+    serve.add_argument("--no-token-broadcast", action="store_true",
+                       help="let every TP rank keep its own samples (risks divergence; the sentinel still checks)")
+    serve.add_argument("--dump-dir", default=None, help="flight recorder journals and watchdog dumps go here")
+    serve.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds without progress (0: off)")
     serve.set_defaults(fn=_serve)
 
     run = sub.add_parser("run", help="run fully-async RL on the random agent (or another task)")

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 import torch
 
 TANDEM = [sys.executable, "-m", "tandem.cli"]
@@ -40,12 +41,13 @@ def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
     assert b"interrupted: checkpoint saved" in out
 
 
-def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([*TANDEM, "serve", "--model", "tiny", "--port", str(port), "--num-pages", "64"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen([*TANDEM, "serve", "--model", "tiny", "--port", str(port), "--num-pages", "64",
+                             "--tp", str(tp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def healthy():
             try:

@@ -89,3 +89,40 @@ def run_follower(engine) -> None:
             return
         if not idle:
             engine._apply(message)
+
+
+def init_tp(rank: int, size: int, init_method: str, backend: str = "gloo") -> TPGroup:
+    """Join the process group and make the TP groups: the model's collectives on `backend`, the control channel
+    on gloo (every rank must call this in the same order)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                            timeout=datetime.timedelta(minutes=30))
+    data = dist.new_group(backend=backend, group_desc="tp")
+    ctrl = dist.new_group(backend="gloo", group_desc="ctrl")
+    return TPGroup(rank, size, data, ctrl)
+
+
+def _follower_main(rank: int, size: int, init_method: str, backend: str, model, config, dtype, seed) -> None:
+    from tandem.engine.engine import Engine
+
+    tp = init_tp(rank, size, init_method, backend)
+    if config.device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+    engine = Engine(model, config, dtype=dtype, seed=seed, tp=tp)
+    run_follower(engine)
+    engine.shutdown()
+
+
+def start_followers(size: int, init_method: str, backend: str, model, config, dtype=None, seed: int = 0):
+    """Spawn ranks 1..size-1 as processes running `run_follower`; the caller is rank 0."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_follower_main, args=(r, size, init_method, backend, model, config, dtype, seed),
+                         name=f"tandem-tp-rank{r}", daemon=True) for r in range(1, size)]
+    for p in procs:
+        p.start()
+    return procs
