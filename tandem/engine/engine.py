@@ -321,13 +321,18 @@ class Engine:
         if not self.config.overlap:
             self._drain()
         if self.lockstep is not None and self.config.lockstep_sentinel:
-            self.lockstep.check({
-                "step": self.stats.num_steps,
-                "membership": stable_hash([r.rid for r in self.scheduler.running]),
-                "chunks": stable_hash([(c.req.rid, c.start, c.num_tokens) for c in chunks]),
-                "tokens": self._applied_digest,
-                "finished": self.stats.num_finished,
-            })
+            t_check = time.perf_counter()
+            self._check_lockstep(chunks)
+            self.stats.busy_seconds += time.perf_counter() - t_check
+
+    def _check_lockstep(self, chunks) -> None:
+        self.lockstep.check({
+            "step": self.stats.num_steps,
+            "membership": stable_hash([r.rid for r in self.scheduler.running]),
+            "chunks": stable_hash([(c.req.rid, c.start, c.num_tokens) for c in chunks]),
+            "tokens": self._applied_digest,
+            "finished": self.stats.num_finished,
+        })
 
     def _drain(self) -> None:
         """Wait for the step in flight and apply its sampled tokens."""

@@ -124,9 +124,10 @@ class ModelRunner:
         self.num_launches += 1
         if faults.should_flip(self.num_launches, self.tp.rank) and launched.tokens.numel():
             launched.tokens[0] = (launched.tokens[0] + 1) % self.model.config.vocab_size
-        if self.token_broadcast:
-            collectives.broadcast(launched.tokens, src=0, group=self.tp.group)
-            collectives.broadcast(launched.logprobs, src=0, group=self.tp.group)
+        if self.token_broadcast:  # one collective: ids (< 2**53) and fp32 logprobs are exact in float64
+            both = torch.stack([launched.tokens.double(), launched.logprobs.double()])
+            collectives.broadcast(both, src=0, group=self.tp.group)
+            launched.tokens, launched.logprobs = both[0].long(), both[1].float()
 
     def _input_ids(self, ids: list[int], pending: list[tuple[int, int]], out: torch.Tensor | None = None):
         """`ids` on the device, with the rows listed in `pending` ((row, index in prev's samples)) taken from
