@@ -12,6 +12,7 @@ import sys
 def _serve(args) -> None:
     from tandem.config import EngineConfig
     from tandem.distributed.parallel import SINGLE
+    from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
     from tandem.engine.tp import init_tp, start_followers
     from tandem.server.http import serve
@@ -31,6 +32,7 @@ def _serve(args) -> None:
         followers = start_followers(args.tp, init_method, backend, args.model, config, args.dtype, args.seed)
         tp = init_tp(0, args.tp, init_method, backend)
     engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed, tp=tp)
+    install_handlers(engine.watchdog)  # `kill -USR1 PID` dumps the flight recorder and every thread's stack
     mc = engine.model_config
     params = sum(p.numel() for p in engine.model.parameters())
     logging.info("model %s: %d layers, hidden %d, vocab %d, %.1fM parameters, %s on %s", args.model,

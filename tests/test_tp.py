@@ -117,6 +117,17 @@ def test_without_the_broadcast_the_sentinel_names_the_diverging_rank():
     assert step <= first_flip + 2, (step, first_flip)  # caught at the first digest after the flip
 
 
+def test_without_either_protection_the_same_flips_diverge_silently():
+    """The mutation that shows what the two protections are for: no error, wrong tokens."""
+    neither = EngineConfig(page_size=4, num_pages=600, token_broadcast=False, lockstep_sentinel=False)
+    expected, _ = run_single(long_requests, neither)
+    got, _ = run_tp(2, long_requests, neither, FLIPS)
+    assert all(fin == {"type": "length", "length": 1000} for _, _, fin in got)  # nobody noticed...
+    # ...but rank 1 fed its flipped tokens back in, its partial sums of every later step were computed on
+    # another sequence, and the all-reduces carried that into rank 0's outputs
+    assert [ids for ids, _, _ in got] != [ids for ids, _, _ in expected]
+
+
 def test_with_the_broadcast_flips_never_diverge_over_a_thousand_steps():
     broadcast = EngineConfig(page_size=4, num_pages=600)
     expected, _ = run_single(long_requests, broadcast)

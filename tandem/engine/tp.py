@@ -106,13 +106,16 @@ def init_tp(rank: int, size: int, init_method: str, backend: str = "gloo") -> TP
 
 
 def _follower_main(rank: int, size: int, init_method: str, backend: str, model, config, dtype, seed) -> None:
+    from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
 
     tp = init_tp(rank, size, init_method, backend)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
     engine = Engine(model, config, dtype=dtype, seed=seed, tp=tp)
-    run_follower(engine)
+    install_handlers(engine.watchdog)  # SIGUSR1 dumps; so does an uncaught error
+    with engine.watchdog.dump_on_error():
+        run_follower(engine)
     engine.shutdown()
 
 
