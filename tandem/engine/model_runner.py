@@ -80,7 +80,10 @@ class ModelRunner:
         self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.last_prepare_seconds = 0.0
-        if cuda_graphs and self.device.type == "cuda" and self.kernel is not paged_decode_reference:
+        # Not yet with tensor parallelism: its collectives would be recorded by the flight recorder only when
+        # captured, not on each replay, and NCCL inside our graphs is unverified.
+        triton = self.kernel is not paged_decode_reference
+        if cuda_graphs and self.device.type == "cuda" and triton and self.tp.size == 1:
             self._capture()
 
     @torch.inference_mode()
