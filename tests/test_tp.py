@@ -159,8 +159,9 @@ WATCHDOG_S = 1.0
 HANG_TRIALS = int(os.environ.get("TANDEM_HANG_TRIALS", "2"))
 
 
+@pytest.mark.parametrize("size", [2, 3])
 @pytest.mark.parametrize("trial", range(HANG_TRIALS))
-def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial):
+def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial, size):
     """Rank 1 skips the model's collective number `seq` on the "tp" group; the ranks then wait in different
     collectives (a real deadlock). Every rank's watchdog dumps within twice its timeout, and `tandem analyze`
     names rank 1 and the collective. (TANDEM_HANG_TRIALS=10 repeats it.)"""
@@ -172,7 +173,7 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     plan = faults.FaultPlan(rank=1, action="skip", seq=seq, group="tp")
-    procs = [ctx.Process(target=_hang_rank_main, args=(r, 2, port, tmp_path, plan)) for r in range(2)]
+    procs = [ctx.Process(target=_hang_rank_main, args=(r, size, port, tmp_path, plan)) for r in range(size)]
     for p in procs:
         p.start()
     for p in procs:
