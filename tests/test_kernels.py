@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from paged_cases import LAYER, scattered_cache
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
@@ -19,28 +20,13 @@ from tandem.kernels.decode_attention import choose_num_kv_splits, paged_decode_a
 from tandem.model.attention import PagedAttention, paged_decode_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NUM_LAYERS, LAYER = 2, 1  # the kernel gets a layer's view of a [L, S, K, D] cache, as the engine passes it
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
 def make_case(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, seed=0, device=DEVICE):
     """Random q and caches; each request's pages are scattered over the pool, page 0 is never used."""
     gen = torch.Generator().manual_seed(seed)
-    pages_per_req = [-(-n // page_size) for n in seq_lens]
-    width = max(pages_per_req) + 1  # one extra column of padding for every row
-    num_pages = 1 + sum(pages_per_req) + 3
-    shape = (NUM_LAYERS, num_pages * page_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"))
-    v_cache = torch.full(shape, float("nan"))
-    order = (1 + torch.randperm(num_pages - 1, generator=gen)).tolist()
-    block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    for b, (n, num_req_pages) in enumerate(zip(seq_lens, pages_per_req, strict=True)):
-        pages = torch.tensor([order.pop() for _ in range(num_req_pages)], dtype=torch.long)
-        block_table[b, :num_req_pages] = pages.int()
-        pos = torch.arange(n)
-        slots = pages[pos // page_size] * page_size + pos % page_size
-        k_cache[:, slots] = torch.randn(NUM_LAYERS, n, num_kv_heads, head_dim, generator=gen)
-        v_cache[:, slots] = torch.randn(NUM_LAYERS, n, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache, block_table = scattered_cache(seq_lens, num_kv_heads, head_dim, page_size, gen)
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim, generator=gen)
     seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     return [t.to(device) for t in (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), block_table, seq_lens)]

@@ -11,6 +11,7 @@ import os
 
 import pytest
 import torch
+from paged_cases import LAYER, scattered_cache
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
@@ -20,7 +21,6 @@ from tandem.kernels.prefill_attention import paged_prefill_attention  # noqa: E4
 from tandem.model.attention import PagedAttention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NUM_LAYERS, LAYER = 2, 1  # the kernel gets a layer's view of a [L, S, K, D] cache, as the engine passes it
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -29,21 +29,7 @@ def make_case(q_lens, kv_lens, num_kv_heads, group, head_dim, page_size, dtype, 
     each sequence's pages are scattered over the pool, page 0 is never used, unused slots hold NaN."""
     assert all(0 <= q <= kv for q, kv in zip(q_lens, kv_lens, strict=True))
     gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = [-(-n // page_size) for n in kv_lens]
-    width = max(pages_per_seq) + 1  # one extra column of padding for every row
-    num_pages = 1 + sum(pages_per_seq) + 3
-    shape = (NUM_LAYERS, num_pages * page_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"))
-    v_cache = torch.full(shape, float("nan"))
-    order = (1 + torch.randperm(num_pages - 1, generator=gen)).tolist()
-    block_table = torch.zeros(len(kv_lens), width, dtype=torch.int32)
-    for b, (n, num_seq_pages) in enumerate(zip(kv_lens, pages_per_seq, strict=True)):
-        pages = torch.tensor([order.pop() for _ in range(num_seq_pages)], dtype=torch.long)
-        block_table[b, :num_seq_pages] = pages.int()
-        pos = torch.arange(n)
-        slots = pages[pos // page_size] * page_size + pos % page_size
-        k_cache[:, slots] = torch.randn(NUM_LAYERS, n, num_kv_heads, head_dim, generator=gen)
-        v_cache[:, slots] = torch.randn(NUM_LAYERS, n, num_kv_heads, head_dim, generator=gen)
+    k_cache, v_cache, block_table = scattered_cache(kv_lens, num_kv_heads, head_dim, page_size, gen)
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, generator=gen)
     q_starts = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).int()
     kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
