@@ -37,7 +37,7 @@ from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Scheduler
 from tandem.engine.tp import Lockstep, LockstepError, stable_hash
-from tandem.model.loader import build_model, check_weights, load_weights
+from tandem.model.loader import build_model, load_weights
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, SamplingParams
 
@@ -429,9 +429,8 @@ class Engine:
             raise EngineError("update_weights: the engine must be paused first (pause_generation)")
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
-        check_weights(self.model, named)
         t0 = time.perf_counter()
-        load_weights(self.model, named.items())
+        load_weights(self.model, named.items())  # checks every tensor before it loads any
         for req in self.scheduler.running:  # frozen in place: their KV is from the old weights
             req.kv_stale = True
         if self.cache is not None:

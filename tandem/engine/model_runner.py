@@ -98,12 +98,10 @@ class ModelRunner:
         only the chunks' new slots of the KV pool (and, for padding rows of a decode batch, the pool's scratch
         page). Sets `last_prepare_seconds`: host time spent building inputs before the forward pass."""
         self._t0 = time.perf_counter()
-        self._prev = prev
         if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
-            logits = self._decode(chunks)
+            logits = self._decode(chunks, prev)
         else:
-            logits = self._mixed(chunks)
-        self._prev = None
+            logits = self._mixed(chunks, prev)
         launched = Launched(chunks)
         if logits is None:
             return launched
@@ -132,14 +130,15 @@ class ModelRunner:
             collectives.broadcast(both, src=0, group=self.tp.group)
             launched.tokens, launched.logprobs = both[0].long(), both[1].float()
 
-    def _input_ids(self, ids: list[int], pending: list[tuple[int, int]], out: torch.Tensor | None = None):
+    def _input_ids(self, ids: list[int], pending: list[tuple[int, int]], prev: Launched | None,
+                   out: torch.Tensor | None = None):
         """`ids` on the device, with the rows listed in `pending` ((row, index in prev's samples)) taken from
         the step in flight. Writes into `out` if given."""
         host = self._pinned(torch.tensor(ids))
         out = host.to(self.device, non_blocking=True) if out is None else out.copy_(host, non_blocking=True)
         if pending:
             rows, src = zip(*pending, strict=True)
-            out[self._to_device(rows)] = self._prev.tokens[self._to_device(src)]
+            out[self._to_device(rows)] = prev.tokens[self._to_device(src)]
         return out
 
     def _pinned(self, host: torch.Tensor) -> torch.Tensor:
@@ -159,7 +158,7 @@ class ModelRunner:
         return token
 
     # ---- decode: fixed shapes, graphs on CUDA -------------------------------------------------------------
-    def _decode(self, chunks: list[Chunk]) -> torch.Tensor:
+    def _decode(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor:
         n = len(chunks)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         P = self.pool.page_size
@@ -172,7 +171,7 @@ class ModelRunner:
         pad = bs - n
         pending: list[tuple[int, int]] = []
         ids = [self._pending(i, c.req, c.req.tokens[c.start], pending) for i, c in enumerate(chunks)]
-        self._input_ids(ids + [0] * pad, pending, out=self.ids_B[:bs])
+        self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:bs])
         host = {
             "positions": torch.tensor(starts + [0] * pad),
             "slots": torch.tensor([c.req.pages[s // P] * P + s % P for c, s in zip(chunks, starts, strict=True)]
@@ -218,7 +217,7 @@ class ModelRunner:
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
     # ---- prefill and mixed steps: eager reference --------------------------------------------------------
-    def _mixed(self, chunks: list[Chunk]) -> torch.Tensor | None:
+    def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
         ids, positions, new_slots, kv_slots, sample_rows, pending = [], [], [], [], [], []
         row = 0
         for c in chunks:
@@ -241,7 +240,7 @@ class ModelRunner:
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
             ctx.decode_block_table = self._to_device(table, torch.int32)
         self.last_prepare_seconds = time.perf_counter() - self._t0
-        hidden = self.model(self._input_ids(ids, pending), torch.cat(positions).to(self.device), ctx)
+        hidden = self.model(self._input_ids(ids, pending, prev), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[self._to_device(sample_rows)])

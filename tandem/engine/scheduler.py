@@ -83,19 +83,15 @@ class Scheduler:
             match = self.cache.match(req.tokens[:-1]) if self.cache else Match([])
             if self._better_to_wait(req, match.num_tokens, prefilling):
                 continue
-            n = min(len(req.tokens) - match.num_tokens, budget)
-            need = -(-(match.num_tokens + n) // self.P) - len(match.pages)
             held = match.pages + ([match.partial_page] if match.partial_page is not None else [])
             self.pool.incref(held)  # eviction below must not take the pages just matched
-            fresh = self._alloc(need, reserve)
+            n, fresh = self._alloc_chunk(req, match, budget, reserve)
             if fresh is None and match.partial_page is not None:
                 # holding the partial page costs one page; a request that needs the whole pool recomputes
                 # those few tokens instead
                 self.pool.decref([match.partial_page])
                 held, match = match.pages, Match(match.pages, num_tokens=len(match.pages) * self.P)
-                n = min(len(req.tokens) - match.num_tokens, budget)
-                need = -(-(match.num_tokens + n) // self.P) - len(match.pages)
-                fresh = self._alloc(need, reserve)
+                n, fresh = self._alloc_chunk(req, match, budget, reserve)
             if fresh is None:
                 self.pool.decref(held)
                 return  # admit in order: nobody overtakes a request that does not fit
@@ -112,6 +108,12 @@ class Scheduler:
             prefilling.append(req)
             budget -= n
             reserve += 1
+
+    def _alloc_chunk(self, req: Request, match: Match, budget: int, reserve: int) -> tuple[int, list[int] | None]:
+        """The first chunk's length after the cached prefix, and fresh pages for it (None if they do not fit)."""
+        n = min(len(req.tokens) - match.num_tokens, budget)
+        need = -(-(match.num_tokens + n) // self.P) - len(match.pages)
+        return n, self._alloc(need, reserve)
 
     def _better_to_wait(self, req: Request, num_cached: int, prefilling: list[Request]) -> bool:
         """A request sharing a longer prefix with one being prefilled right now (a GRPO sibling, the next

@@ -13,7 +13,7 @@ Shapes: T tokens in the flat batch, H query heads, K key/value heads, D head dim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +71,7 @@ class PagedAttention(AttentionContext):
     decode_kernel: object = None
     decode_block_table: torch.Tensor | None = None
     page_size: int = 0
+    _plans: dict = field(default_factory=dict, repr=False)  # row group -> (slots, mask), the same in every layer
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         self.k_cache[layer, self.new_slots] = k_TKD.to(self.k_cache.dtype)
@@ -99,8 +100,7 @@ class PagedAttention(AttentionContext):
 
     def _plan(self, rows: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [R, L] and mask [R, Q, L] of a group of rows: the same in every layer, so built once a step."""
-        plans = self.__dict__.setdefault("_plans", {})
-        key = tuple(rows)
+        plans, key = self._plans, tuple(rows)
         if key not in plans:
             q_max = max(self.q_lens[b] for b in rows)
             kv_max = max(self.kv_lens[b] for b in rows)
