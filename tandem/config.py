@@ -135,6 +135,10 @@ class EngineConfig:
     max_batch_requests: int = 256  # largest batch a single /generate may carry
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    # host tier under the prefix cache: "off", "write_through" (back up pages as the cache takes them) or
+    # "write_back" (back up as they are evicted); host_cache_pages 0: twice the device pool
+    host_cache: str = "off"
+    host_cache_pages: int = 0
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
@@ -161,6 +165,13 @@ class EngineConfig:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
         if self.max_context_len is not None and self.max_context_len <= 0:
             raise ValueError(f"engine config: max_context_len must be positive, got {self.max_context_len}")
+        if self.host_cache not in ("off", "write_through", "write_back"):
+            raise ValueError("engine config: host_cache must be off, write_through or write_back, got "
+                             f"{self.host_cache!r}")
+        if self.host_cache != "off" and not self.enable_prefix_cache:
+            raise ValueError("engine config: host_cache needs enable_prefix_cache")
+        if self.host_cache_pages < 0:
+            raise ValueError(f"engine config: host_cache_pages must be >= 0, got {self.host_cache_pages}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,8 @@ class GenerateOutput:
     finish_reason: FinishReason
     prompt_tokens: int
     cached_tokens: int  # prompt tokens served from the prefix cache on the request's last admission
+    host_cached_tokens: int = 0  # of which loaded back from the host tier (the rest came from the device)
+    ideal_cached_tokens: int = 0  # the longest prefix of the prompt the engine had computed before it
     prefill_tokens: int = 0  # tokens this request actually computed in prefill, over all its admissions
     num_retractions: int = 0
     weight_version: int = 0  # the engine's weight version when the request finished
@@ -125,6 +127,10 @@ class GenerateOutput:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
+            "cached_tokens_details": {"device": self.cached_tokens - self.host_cached_tokens,
+                                      "host": self.host_cached_tokens},
+            "ideal_cached_tokens": self.ideal_cached_tokens,
+            "prefill_tokens": self.prefill_tokens,
             "weight_version": self.weight_version,
             "output_token_weight_versions": self.weight_versions,
         }
@@ -143,7 +149,9 @@ class EngineStats:
     num_paused: int = 0
     generated_tokens: int = 0
     prefill_tokens_computed: int = 0
-    prefill_tokens_cached: int = 0
+    prefill_tokens_cached: int = 0  # served from the prefix cache: device tier plus host tier
+    prefill_tokens_host: int = 0  # served from the host tier (loaded back)
+    prefill_tokens_ideal: int = 0  # an ideal, unbounded cache would have served this many
     num_retractions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
@@ -159,11 +167,20 @@ class EngineStats:
     pages_total: int = 0
     pages_free: int = 0
     pages_cached: int = 0  # pages held only by the prefix cache (evictable)
+    host_pages_total: int = 0
+    host_pages_free: int = 0
+    host_pages_loaded: int = 0  # host-to-device copies, in pages
+    host_pages_backed_up: int = 0  # device-to-host copies, in pages
 
     @property
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens_computed + self.prefill_tokens_cached
         return self.prefill_tokens_cached / total if total else 0.0
+
+    @property
+    def reuse_vs_ideal(self) -> float:
+        """Prompt tokens served from the cache / those an ideal cache would have served."""
+        return self.prefill_tokens_cached / self.prefill_tokens_ideal if self.prefill_tokens_ideal else 1.0
 
 
 @dataclass(slots=True)

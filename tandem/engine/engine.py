@@ -33,7 +33,8 @@ from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.distributed.watchdog import Watchdog
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.radix_cache import RadixCache
+from tandem.engine.host_tier import HostTier
+from tandem.engine.radix_cache import PrefixLog, RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Scheduler
 from tandem.engine.tp import Lockstep, LockstepError, stable_hash
@@ -100,8 +101,18 @@ class Engine:
         num_pages = self.config.num_pages or plan_kv_pages(self.model_config, self.config, param.dtype)
         self.pool = KVPool(self.model_config, num_pages, self.config.page_size, param.dtype, param.device,
                            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads)
-        self.cache = RadixCache(self.pool) if self.config.enable_prefix_cache else None
-        self.scheduler = Scheduler(self.pool, self.cache, self.config)
+        self.tier = None
+        if self.config.host_cache != "off":
+            self.tier = HostTier(self.pool, self.config.host_cache_pages or 2 * num_pages, self.config.host_cache)
+        self.cache = RadixCache(self.pool, self.tier) if self.config.enable_prefix_cache else None
+        # the ideal to measure the cache against: every prefix computed, up to 4x what both tiers hold
+        pool_tokens = (num_pages + (self.tier.num_pages if self.tier else 0)) * self.config.page_size
+        self.ideal = PrefixLog(self.config.page_size, max(4 * pool_tokens, 1 << 20))
+        self.scheduler = Scheduler(self.pool, self.cache, self.config, self.ideal)
+        per_page = 2 * self.pool.k_cache[:, :self.config.page_size].numel() * param.element_size()
+        log.info("KV cache: %d device pages of %d tokens (%.2f GiB)%s", num_pages, self.config.page_size,
+                 num_pages * per_page / 2**30, f", {self.tier.num_pages} host pages ({self.tier.bytes / 2**30:.2f}"
+                 f" GiB, {self.tier.policy})" if self.tier else "")
         self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config.max_running_requests,
                                   self.config.cuda_graphs, token_broadcast=self.config.token_broadcast)
         self.weight_version = 0
@@ -226,7 +237,8 @@ class Engine:
             except queue.Empty:
                 cmd = None
             if cmd is None:
-                message = ("step",)
+                # with the point up to which host-tier copies are reaped: the same on every rank
+                message = ("step", self.tier.ready() if self.tier else 0)
             else:
                 fn, args, fut = cmd
                 name = getattr(fn, "__name__", "")
@@ -261,6 +273,8 @@ class Engine:
         """Run one step, or one command (`cmd` on rank 0; followers rebuild it from the message)."""
         try:
             if message[0] == "step":
+                if self.tier is not None:
+                    self.tier.reap(message[1])
                 with self.recorder.engine_step(self.stats.num_steps + 1):
                     self._step()
             else:
@@ -332,6 +346,7 @@ class Engine:
             "chunks": stable_hash([(c.req.rid, c.start, c.num_tokens) for c in chunks]),
             "tokens": self._applied_digest,
             "finished": self.stats.num_finished,
+            "tier": stable_hash((self.tier.num_free, self.tier.in_flight)) if self.tier else 0,
         })
 
     def _drain(self) -> None:
@@ -435,6 +450,7 @@ class Engine:
             req.kv_stale = True
         if self.cache is not None:
             self.cache.reset()
+        self.ideal.reset()  # nothing computed before is reusable now
         self.weight_version = self.weight_version + 1 if version is None else version
         self.stats.weight_version = self.weight_version
         log.debug("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
@@ -448,6 +464,7 @@ class Engine:
                               "or pause with mode abort/retract first")
         if self.cache is not None:
             self.cache.reset()
+        self.ideal.reset()
 
     def _snapshot(self) -> EngineStats:
         s = self.stats
@@ -455,6 +472,11 @@ class Engine:
         s.num_paused = s.num_running + s.num_queued if self.paused else 0
         s.num_retractions = self.scheduler.num_retractions
         s.prefill_tokens_cached = self.scheduler.num_cached_tokens
+        s.prefill_tokens_host = self.scheduler.num_host_tokens
+        s.prefill_tokens_ideal = self.scheduler.num_ideal_tokens
+        if self.tier is not None:
+            s.host_pages_total, s.host_pages_free = self.tier.num_pages, self.tier.num_free
+            s.host_pages_loaded, s.host_pages_backed_up = self.tier.pages_loaded, self.tier.pages_backed_up
         s.pages_free = self.pool.num_free
         s.pages_cached = self.cache.num_pages if self.cache else 0
         return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})

@@ -13,17 +13,11 @@ import torch
 from tandem.config import ModelConfig
 
 
-class KVPool:
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device,
-                 num_kv_heads: int | None = None):
-        """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism)."""
+class PageAllocator:
+    """Reference-counted page ids 0..num_pages-1 (the storage, if any, belongs to the subclass)."""
+
+    def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
-        # one extra page, never handed out: padding rows of fixed-shape decode batches write there
-        self.scratch_slot = num_pages * page_size
-        shape = (config.num_hidden_layers, (num_pages + 1) * page_size, num_kv_heads or config.num_key_value_heads,
-                 config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
 
@@ -51,6 +45,19 @@ class KVPool:
             self.refcount[p] -= 1
             if self.refcount[p] == 0:
                 self._free.append(p)
+
+
+class KVPool(PageAllocator):
+    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device,
+                 num_kv_heads: int | None = None):
+        """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism)."""
+        super().__init__(num_pages, page_size)
+        # one extra page, never handed out: padding rows of fixed-shape decode batches write there
+        self.scratch_slot = num_pages * page_size
+        shape = (config.num_hidden_layers, (num_pages + 1) * page_size, num_kv_heads or config.num_key_value_heads,
+                 config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
 
     def copy_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` positions of one page into another (all layers): how a request

@@ -1,4 +1,4 @@
-"""Radix prefix cache over KV pages.
+"""Radix prefix cache over KV pages, with an optional host tier under it.
 
 The tree maps token sequences to the pages holding their KV. Matching is token-exact; sharing is by
 page: a request takes whole matched pages by reference and copies the matched part of a partially
@@ -7,32 +7,45 @@ boundaries; only a leaf may end inside a page.
 
 The tree holds one reference on every page it names; eviction trims least-recently-used leaves from
 their tails, and only pages nobody else references (refcount 1), so running requests keep their prefix.
+
+With a host tier (`tandem.engine.host_tier`) each full page of a node may also have a host copy: backed up
+when the tree takes it (write_through) or when it is evicted (write_back). Evicting a device page whose
+content is on the host keeps the node; a later match returns that page as a load, and the caller copies it
+back into a fresh device page instead of recomputing it. Every page of a node is on the device, on the host
+or both.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tandem.engine.kv_pool import KVPool
+from tandem.engine.host_tier import HostTier
+from tandem.engine.kv_pool import KVPool, PageAllocator
 
 
 class Node:
-    __slots__ = ("tokens", "pages", "children", "parent", "last_access")
+    __slots__ = ("tokens", "pages", "host", "children", "parent", "last_access")
 
-    def __init__(self, tokens: list[int], pages: list[int], parent: Node | None):
-        self.tokens, self.pages, self.parent = tokens, pages, parent
+    def __init__(self, tokens: list[int], pages: list, host: list, parent: Node | None):
+        self.tokens, self.parent = tokens, parent
+        self.pages: list[int | None] = pages  # device page of each page of tokens, None if only on the host
+        self.host: list[int | None] = host  # host copy of each page, None if none
         self.children: list[Node] = []
         self.last_access = 0
 
 
 @dataclass(slots=True)
 class Match:
-    pages: list[int]  # fully matched pages, in order
-    partial_page: int | None = None  # page whose first `partial_len` tokens also match
+    pages: list[int | None]  # fully matched pages, in order; None where the page is on the host only
+    partial_page: int | None = None  # device page whose first `partial_len` tokens also match
     partial_len: int = 0
     num_tokens: int = 0
+    loads: list[tuple[Node, int]] = field(default_factory=list)  # (node, index) of each None in `pages`
+
+    @property
+    def host_pages(self) -> list[int]:
+        return [node.host[j] for node, j in self.loads]
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -51,9 +64,9 @@ def lcp(a: list[int], b: list[int]) -> int:
 
 
 class RadixCache:
-    def __init__(self, pool: KVPool):
-        self.pool, self.P = pool, pool.page_size
-        self.root = Node([], [], None)
+    def __init__(self, pool: KVPool | PageAllocator, tier: HostTier | None = None):
+        self.pool, self.tier, self.P = pool, tier, pool.page_size
+        self.root = Node([], [], [], None)
         self._clock = itertools.count(1)
 
     # -- lookups -------------------------------------------------------------------------------------
@@ -68,7 +81,7 @@ class RadixCache:
     def match(self, tokens: list[int]) -> Match:
         """The longest cached prefix of `tokens`. Marks the path as recently used; takes no references."""
         P, now = self.P, next(self._clock)
-        node, i, full = self.root, 0, []
+        node, i, m = self.root, 0, Match([])
         while i < len(tokens):
             node, c = self._best_child(node, tokens[i:i + P])
             if node is None:
@@ -77,11 +90,29 @@ class RadixCache:
             for j, page in enumerate(node.pages):
                 c = lcp(node.tokens[j * P:(j + 1) * P], tokens[i:i + P])
                 if c == P:
-                    full.append(page)
+                    if page is None:
+                        m.loads.append((node, j))
+                    m.pages.append(page)
                     i += P
                     continue
-                return Match(full, page if c else None, c, len(full) * P + c)
-        return Match(full, num_tokens=len(full) * P)
+                if c and page is not None:  # (a partial match on a host-only page is not worth a load)
+                    m.partial_page, m.partial_len = page, c
+                m.num_tokens = len(m.pages) * P + m.partial_len
+                return m
+        m.num_tokens = len(m.pages) * P
+        return m
+
+    def load(self, match: Match, device_pages: list[int]) -> list[int]:
+        """Bring the match's host-only pages back into `device_pages` (fresh pages of the caller's) and give
+        them to the tree too; returns the match's page table with them filled in."""
+        self.tier.load(match.host_pages, device_pages)
+        self.tier.before_compute()  # whatever runs next on the device (a partial-page copy, the step) reads them
+        self.pool.incref(device_pages)
+        fill = iter(device_pages)
+        for node, j in match.loads:
+            node.pages[j] = next(fill)
+        fill = iter(device_pages)
+        return [p if p is not None else next(fill) for p in match.pages]
 
     # -- inserts -------------------------------------------------------------------------------------
     def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
@@ -104,6 +135,9 @@ class RadixCache:
                 c = lcp(seg, q)
                 if c == len(seg) == len(q):
                     if len(q) == P:
+                        if child.pages[j] is None:  # only on the host: the caller's page is its device copy
+                            child.pages[j] = pages[i // P]
+                            self.pool.incref([child.pages[j]])
                         held.append(child.pages[j])
                     i += len(q)
                     continue
@@ -127,79 +161,219 @@ class RadixCache:
 
     def _add_child(self, parent: Node, tokens, pages, now):
         self.pool.incref(pages)
-        child = Node(list(tokens), list(pages), parent)
+        child = Node(list(tokens), list(pages), [None] * len(pages), parent)
         child.last_access = now
         parent.children.append(child)
+        self._write_through(child, 0)
 
     def _extend_leaf(self, leaf: Node, j: int, tokens, pages):
         assert not leaf.children and j == len(leaf.pages) - 1, "only a leaf's last page may be partial"
+        assert leaf.host[j] is None, "a partial page has no host copy"
         self.pool.incref(pages)
         self.pool.decref([leaf.pages[j]])
         leaf.tokens = leaf.tokens[:j * self.P] + list(tokens)
         leaf.pages = leaf.pages[:j] + list(pages)
+        leaf.host = leaf.host[:j] + [None] * len(pages)
+        self._write_through(leaf, j)
 
     def _split(self, child: Node, j: int) -> Node:
         """Cut `child` before its page j; the new upper node is returned."""
-        upper = Node(child.tokens[:j * self.P], child.pages[:j], child.parent)
+        upper = Node(child.tokens[:j * self.P], child.pages[:j], child.host[:j], child.parent)
         upper.last_access = child.last_access
         siblings = child.parent.children
         siblings[siblings.index(child)] = upper
-        child.tokens, child.pages, child.parent = child.tokens[j * self.P:], child.pages[j:], upper
+        child.tokens, child.pages, child.host = child.tokens[j * self.P:], child.pages[j:], child.host[j:]
+        child.parent = upper
         upper.children.append(child)
         return upper
 
+    # -- the host tier -------------------------------------------------------------------------------
+    def _write_through(self, node: Node, start: int) -> None:
+        if self.tier is not None and self.tier.policy == "write_through":
+            self._backup([(node, j) for j in range(start, len(node.tokens) // self.P)])
+
+    def _backup(self, items: list[tuple[Node, int]]) -> int:
+        """Give the full pages `items` host copies, as many as the host tier has room for (evicting its least
+        recently used pages first); returns how many."""
+        tier = self.tier
+        short = len(items) - tier.num_free
+        if short > 0:
+            self.evict_host(short)
+        items = items[:tier.num_free]
+        if items:
+            host = tier.alloc(len(items))  # the tree's references
+            for (node, j), h in zip(items, host, strict=True):
+                node.host[j] = h
+            tier.backup([node.pages[j] for node, j in items], host)
+        return len(items)
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free up to `num_pages` host pages: drop host copies of pages also on the device, and trim host-only
+        pages from the tails of leaves; least recently used first, never a page a copy is using."""
+        refcount = self.tier.refcount
+
+        def reclaim(node: Node, j: int, tail: bool) -> int:
+            h = node.host[j]
+            if h is None or refcount[h] != 1:
+                return 0
+            if node.pages[j] is not None:
+                node.host[j] = None
+                self.tier.decref([h])
+                return 1
+            if tail:
+                self._pop_tail(node)
+                return 1
+            return 0
+
+        return self._reclaim(num_pages, reclaim)
+
     # -- eviction and flush --------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` pages held only by the tree, least recently used leaves first, trimming
-        each from its tail. Returns how many were freed."""
-        refcount, freed = self.pool.refcount, 0
-        heap = [(leaf.last_access, id(leaf), leaf) for leaf in self._leaves()]
-        heapq.heapify(heap)
-        while heap and freed < num_pages:
-            _, _, leaf = heapq.heappop(heap)
-            while leaf.pages and refcount[leaf.pages[-1]] == 1 and freed < num_pages:
-                self.pool.decref([leaf.pages.pop()])
-                leaf.tokens = leaf.tokens[:len(leaf.pages) * self.P]
-                freed += 1
-            if not leaf.pages:
-                parent = leaf.parent
-                parent.children.remove(leaf)
-                if parent is not self.root and not parent.children:
-                    heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        """Free up to `num_pages` device pages held only by the tree, least recently used first: a page with a
+        host copy just leaves the device; under write_back a page without one is backed up and freed when the
+        copy is reaped (not counted in the return value); otherwise leaves are trimmed from their tails."""
+        refcount, freed, backlog = self.pool.refcount, 0, []
+        write_back = self.tier is not None and self.tier.policy == "write_back"
+
+        def reclaim(node: Node, j: int, tail: bool) -> int:
+            nonlocal freed
+            d = node.pages[j]
+            if d is None or refcount[d] != 1:
+                return 0
+            if node.host[j] is not None:
+                node.pages[j] = None
+                self.pool.decref([d])
+            elif write_back and (j + 1) * self.P <= len(node.tokens):
+                backlog.append((node, j))
+                return 1
+            elif tail:
+                self._pop_tail(node)
+            else:
+                return 0
+            freed += 1
+            return 1
+
+        self._reclaim(num_pages, reclaim)
+        if backlog:
+            for node, j in backlog[:self._backup(backlog)]:  # the copy holds the page until it is reaped
+                self.pool.decref([node.pages[j]])
+                node.pages[j] = None
         return freed
+
+    def _reclaim(self, num_pages: int, reclaim) -> int:
+        """Walk nodes least recently used first (children before parents) and each node's pages from its
+        tail, calling `reclaim(node, j, tail)` until it has returned `num_pages`; drops emptied leaves."""
+        done = 0
+        for node in sorted(self._nodes(), key=lambda n: n.last_access):  # post-order: children first on ties
+            j = len(node.pages) - 1
+            while j >= 0 and done < num_pages:
+                done += reclaim(node, j, not node.children and j == len(node.pages) - 1)
+                j -= 1
+            if not node.pages:
+                node.parent.children.remove(node)
+            if done >= num_pages:
+                break
+        return done
+
+    def _pop_tail(self, node: Node) -> None:
+        d, h = node.pages.pop(), node.host.pop()
+        if d is not None:
+            self.pool.decref([d])
+        if h is not None:
+            self.tier.decref([h])
+        node.tokens = node.tokens[:len(node.pages) * self.P]
 
     def reset(self) -> None:
         """Forget everything (after a weight update, its KV is stale). Pages still referenced by running
-        requests stay alive with them; the rest return to the pool."""
+        requests or copies stay alive with them; the rest return to their pools."""
         for node in self._nodes():
-            self.pool.decref(node.pages)
-        self.root = Node([], [], None)
+            self.pool.decref([p for p in node.pages if p is not None])
+            if self.tier is not None:
+                self.tier.decref([h for h in node.host if h is not None])
+        self.root = Node([], [], [], None)
 
-    def _nodes(self):
-        stack = list(self.root.children)
+    def _nodes(self) -> list[Node]:
+        """Every node but the root, children before their parent."""
+        out, stack = [], [(self.root, False)]
         while stack:
-            node = stack.pop()
-            stack.extend(node.children)
-            yield node
-
-    def _leaves(self):
-        return [n for n in self._nodes() if not n.children]
+            node, expanded = stack.pop()
+            if expanded:
+                out.append(node)
+            else:
+                stack.append((node, True))
+                stack.extend((c, False) for c in node.children)
+        return out[:-1]
 
     @property
     def num_pages(self) -> int:
-        return sum(len(n.pages) for n in self._nodes())
+        return sum(p is not None for n in self._nodes() for p in n.pages)
+
+    @property
+    def num_host_pages(self) -> int:
+        return sum(h is not None for n in self._nodes() for h in n.host)
 
     def check_invariants(self) -> None:
         """For tests: the tree's shape rules and its references."""
-        P, seen = self.P, set()
+        P, seen, seen_host = self.P, set(), set()
         for node in self._nodes():
-            assert node.pages, "empty node"
+            assert node.pages and len(node.pages) == len(node.host), "empty or ragged node"
             assert node.parent is not None and node in node.parent.children
             if node.children:
                 assert len(node.tokens) == len(node.pages) * P, "internal node ends inside a page"
             else:
                 assert (len(node.pages) - 1) * P < len(node.tokens) <= len(node.pages) * P
-            for p in node.pages:
-                assert self.pool.refcount[p] >= 1, f"tree names free page {p}"
-                assert p not in seen, f"page {p} named twice"
-                seen.add(p)
+            for j, (p, h) in enumerate(zip(node.pages, node.host, strict=True)):
+                assert p is not None or h is not None, "a page on neither tier"
+                if p is not None:
+                    assert self.pool.refcount[p] >= 1, f"tree names free page {p}"
+                    assert p not in seen, f"page {p} named twice"
+                    seen.add(p)
+                if h is not None:
+                    assert (j + 1) * P <= len(node.tokens), "a partial page with a host copy"
+                    assert self.tier.refcount[h] >= 1, f"tree names free host page {h}"
+                    assert h not in seen_host, f"host page {h} named twice"
+                    seen_host.add(h)
+
+
+class PrefixLog:
+    """The longest prefix of a sequence this engine has computed (since it was last reset): what an ideal,
+    unbounded cache would serve. Token ids only, no KV; beyond `max_tokens` the least recently used are
+    forgotten."""
+
+    def __init__(self, page_size: int, max_tokens: int):
+        self.ids = _PageIds(page_size)
+        self.max_pages = max_tokens // page_size
+        self.tree = RadixCache(self.ids)
+
+    def add(self, tokens: list[int]) -> None:
+        pages = self.ids.alloc(-(-len(tokens) // self.ids.page_size))
+        self.tree.insert(tokens, pages)
+        self.ids.decref(pages)
+        over = self.ids.num_used - self.max_pages
+        if over > 0:
+            self.tree.evict(over)
+
+    def longest(self, tokens: list[int]) -> int:
+        return self.tree.match(tokens).num_tokens
+
+    def reset(self) -> None:
+        self.tree.reset()
+
+
+class _PageIds(PageAllocator):
+    """Page ids with no storage behind them, as many as asked for."""
+
+    def __init__(self, page_size: int):
+        super().__init__(0, page_size)
+
+    def alloc(self, n: int) -> list[int]:
+        grow = n - len(self._free)
+        if grow > 0:
+            self._free[:0] = range(self.num_pages + grow - 1, self.num_pages - 1, -1)
+            self.refcount += [0] * grow
+            self.num_pages += grow
+        return super().alloc(n)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)

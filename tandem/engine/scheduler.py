@@ -6,7 +6,9 @@ on a per-step token budget (chunked prefill). A chunk that reaches the end of a 
 is sampled from. Running requests go first, oldest first; then waiting ones are admitted in order, each
 skipping the prefix the radix cache already holds.
 
-When pages run out: evict unreferenced cached pages; then, for a decode or for the oldest running
+A cached prefix may be partly on the host tier: admission copies those pages back into fresh device pages
+(`RadixCache.load`) instead of recomputing them. When pages run out: evict unreferenced cached pages
+(waiting for copies that still hold pages, if that frees enough); then, for a decode or for the oldest running
 request, retract the newest running request (drop its pages, requeue it at the front; it is recomputed
 later). So the oldest request always progresses, and admission-time validation guarantees that any one
 request fits in the pool: no deadlock.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.radix_cache import Match, RadixCache, lcp
+from tandem.engine.radix_cache import Match, PrefixLog, RadixCache, lcp
 from tandem.engine.request import Request, Status
 
 PENDING = -1  # a sampled token whose value is still on the device (see model_runner)
@@ -37,13 +39,18 @@ class Chunk:
 
 
 class Scheduler:
-    def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig):
-        self.pool, self.cache, self.config = pool, cache, config
+    def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig,
+                 ideal: PrefixLog | None = None):
+        """`ideal`: a log of every prefix computed, to measure each request's ideally reusable tokens."""
+        self.pool, self.cache, self.config, self.ideal = pool, cache, config, ideal
+        self.tier = cache.tier if cache is not None else None
         self.P = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is the newest
         self.num_retractions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+        self.num_host_tokens = 0  # of which loaded back from the host tier
+        self.num_ideal_tokens = 0  # prompt tokens an ideal cache would have served, over first admissions
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
@@ -83,24 +90,41 @@ class Scheduler:
             match = self.cache.match(req.tokens[:-1]) if self.cache else Match([])
             if self._better_to_wait(req, match.num_tokens, prefilling):
                 continue
-            held = match.pages + ([match.partial_page] if match.partial_page is not None else [])
+            held = [p for p in match.pages if p is not None]
+            held += [match.partial_page] if match.partial_page is not None else []
+            host = match.host_pages
             self.pool.incref(held)  # eviction below must not take the pages just matched
+            if host:
+                self.tier.incref(host)
             n, fresh = self._alloc_chunk(req, match, budget, reserve)
             if fresh is None and match.partial_page is not None:
                 # holding the partial page costs one page; a request that needs the whole pool recomputes
                 # those few tokens instead
                 self.pool.decref([match.partial_page])
-                held, match = match.pages, Match(match.pages, num_tokens=len(match.pages) * self.P)
+                held.remove(match.partial_page)
+                match = Match(match.pages, num_tokens=len(match.pages) * self.P, loads=match.loads)
                 n, fresh = self._alloc_chunk(req, match, budget, reserve)
             if fresh is None:
                 self.pool.decref(held)
+                if host:
+                    self.tier.decref(host)
                 return  # admit in order: nobody overtakes a request that does not fit
+            table = match.pages
+            if host:
+                table = self.cache.load(match, fresh[:len(host)])
+                fresh = fresh[len(host):]
+                self.tier.decref(host)
             if match.partial_page is not None:
                 self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
                 self.pool.decref([match.partial_page])
-            req.pages = match.pages + fresh
+            req.pages = table + fresh
             req.num_computed = req.cached_tokens = match.num_tokens
+            req.host_cached_tokens = len(host) * self.P
+            if req.ideal_cached_tokens < 0:  # first admission
+                req.ideal_cached_tokens = self.ideal.longest(req.tokens[:-1]) if self.ideal else 0
+                self.num_ideal_tokens += req.ideal_cached_tokens
             self.num_cached_tokens += match.num_tokens
+            self.num_host_tokens += req.host_cached_tokens
             req.status = Status.RUNNING
             self.waiting.remove(req)
             self.running.append(req)
@@ -112,7 +136,7 @@ class Scheduler:
     def _alloc_chunk(self, req: Request, match: Match, budget: int, reserve: int) -> tuple[int, list[int] | None]:
         """The first chunk's length after the cached prefix, and fresh pages for it (None if they do not fit)."""
         n = min(len(req.tokens) - match.num_tokens, budget)
-        need = -(-(match.num_tokens + n) // self.P) - len(match.pages)
+        need = -(-(match.num_tokens + n) // self.P) - len(match.pages) + len(match.loads)
         return n, self._alloc(need, reserve)
 
     def _better_to_wait(self, req: Request, num_cached: int, prefilling: list[Request]) -> bool:
@@ -127,6 +151,8 @@ class Scheduler:
         short = n + reserve - self.pool.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
+            if self.pool.num_free - reserve < n and self.tier is not None and self.tier.in_flight:
+                self.tier.reap()  # copies hold pages (write_back evictions among them): wait for them all
         if self.pool.num_free - reserve < n:
             return None
         return self.pool.alloc(n)
@@ -150,12 +176,16 @@ class Scheduler:
             req = c.req
             if c.num_tokens > 1 and req.status is Status.RUNNING and not req.kv_stale:
                 self.cache.adopt(req.pages, self.cache.insert(req.tokens[:req.num_computed], req.pages))
+                if self.ideal is not None:
+                    self.ideal.add(req.tokens[:req.num_computed])
 
     def release(self, req: Request) -> None:
         """Drop the request's pages; its computed KV stays in the cache unless it is stale."""
         if req.pages:
             if self.cache is not None and not req.kv_stale and req.num_computed:
                 self.cache.insert(req.tokens[:req.num_computed], req.pages)
+                if self.ideal is not None:
+                    self.ideal.add(req.tokens[:req.num_computed])
             self.pool.decref(req.pages)
         req.pages, req.num_computed = [], 0
 

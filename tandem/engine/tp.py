@@ -7,7 +7,7 @@ diverge is what each rank computes itself, and two protections close that:
   - the sampled-token broadcast (on by default): rank 0's sampled ids and logprobs replace every rank's
     before any host decision (finish, batch membership) reads them;
   - the lockstep sentinel: after every step the ranks all-gather a digest (step, membership, the step's
-    chunks, the tokens just applied, finished count) and stop with an error naming the step, the ranks and
+    chunks, the tokens just applied, finished count, host-tier state) and stop with an error naming the step, the ranks and
     the first differing field.
 """
 
@@ -24,7 +24,7 @@ from tandem.distributed.parallel import TPGroup
 
 log = logging.getLogger(__name__)
 
-DIGEST_FIELDS = ("step", "membership", "chunks", "tokens", "finished")
+DIGEST_FIELDS = ("step", "membership", "chunks", "tokens", "finished", "tier")
 
 
 class LockstepError(RuntimeError):
