@@ -108,9 +108,12 @@ class GenerateOutput:
     weight_versions: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens served from the prefix cache on the request's last admission
-    host_cached_tokens: int = 0  # of which loaded back from the host tier (the rest came from the device)
-    ideal_cached_tokens: int = 0  # the longest prefix of the prompt the engine had computed before it
+    # when the request was first admitted: prompt tokens served from the prefix cache, how many of them were
+    # loaded back from the host tier (the rest came from the device), and the longest prefix of the prompt the
+    # engine had ever computed (since its last weight update), which an ideal cache would have served
+    cached_tokens: int
+    host_cached_tokens: int = 0
+    ideal_cached_tokens: int = 0
     prefill_tokens: int = 0  # tokens this request actually computed in prefill, over all its admissions
     num_retractions: int = 0
     weight_version: int = 0  # the engine's weight version when the request finished
@@ -149,9 +152,11 @@ class EngineStats:
     num_paused: int = 0
     generated_tokens: int = 0
     prefill_tokens_computed: int = 0
-    prefill_tokens_cached: int = 0  # served from the prefix cache: device tier plus host tier
-    prefill_tokens_host: int = 0  # served from the host tier (loaded back)
-    prefill_tokens_ideal: int = 0  # an ideal, unbounded cache would have served this many
+    prefill_tokens_cached: int = 0  # served from the prefix cache (device plus host tier), over all admissions
+    prefill_tokens_host: int = 0  # of which loaded back from the host tier
+    # on first admissions: prompt tokens served from the cache, and those an ideal, unbounded cache would serve
+    prompt_tokens_cached: int = 0
+    prompt_tokens_ideal: int = 0
     num_retractions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
@@ -180,7 +185,7 @@ class EngineStats:
     @property
     def reuse_vs_ideal(self) -> float:
         """Prompt tokens served from the cache / those an ideal cache would have served."""
-        return self.prefill_tokens_cached / self.prefill_tokens_ideal if self.prefill_tokens_ideal else 1.0
+        return self.prompt_tokens_cached / self.prompt_tokens_ideal if self.prompt_tokens_ideal else 1.0
 
 
 @dataclass(slots=True)

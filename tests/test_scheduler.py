@@ -3,6 +3,10 @@ retractions, and aborts. Each simulated step does what `Engine._step` does (adva
 token when a chunk samples, finish at `max_new_tokens`) and also plays the model's part on the KV pool: it
 checks that the KV a chunk attends to holds exactly its request's tokens, then writes the chunk's own KV
 (token + 1000 * position in the key, a digest of the prefix in the value, as in test_radix_cache).
+
+With a host tier, copies run deferred (see test_host_tier): each step first lands a random number of them and
+reaps those that landed, as the engine does, and fresh pages are poisoned, so KV that a load has not yet
+brought back, or that a copy read from a reused page, shows up as wrong.
 """
 
 import random
@@ -13,6 +17,7 @@ import torch
 from test_radix_cache import holds, kv_value, pinned_pages, tree_paths
 
 from tandem.config import PRESETS, EngineConfig
+from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
@@ -22,9 +27,19 @@ from tandem.types import SamplingParams
 
 class Sim:
     def __init__(self, num_pages=8, page_size=4, max_prefill_tokens=8, max_running_requests=4, prefix_cache=True,
-                 seed=0, alphabet=4):
+                 seed=0, alphabet=4, host_pages=0, policy="write_through"):
         self.pool = KVPool(PRESETS["tiny"], num_pages, page_size, torch.float32, "cpu")
-        self.cache = RadixCache(self.pool) if prefix_cache else None
+        self.tier = HostTier(self.pool, host_pages, policy, deferred=True) if host_pages else None
+        self.cache = RadixCache(self.pool, self.tier) if prefix_cache else None
+        alloc = self.pool.alloc
+
+        def poisoned_alloc(n: int) -> list[int] | None:  # a fresh page holds anything
+            pages = alloc(n)
+            for p in pages or []:
+                self.pool.k_cache[:, p * page_size:(p + 1) * page_size] = -1.0
+            return pages
+
+        self.pool.alloc = poisoned_alloc
         self.config = EngineConfig(page_size=page_size, num_pages=num_pages, max_prefill_tokens=max_prefill_tokens,
                                    max_running_requests=max_running_requests)
         self.sched = Scheduler(self.pool, self.cache, self.config)
@@ -50,6 +65,10 @@ class Sim:
         return self.sched.running + list(self.sched.waiting)
 
     def step(self) -> list[Chunk]:
+        if self.tier is not None:
+            if self.tier.ops:
+                self.tier.land(self.tier.ops[self.rng.randrange(len(self.tier.ops))].id - self.rng.randrange(2))
+            self.tier.reap(self.tier.ready())
         oldest = self.sched.running[0] if self.sched.running else None
         chunks = self.sched.schedule()
         self.check_chunks(chunks, oldest)
@@ -103,12 +122,17 @@ class Sim:
         expected = [0] * self.pool.num_pages
         if self.cache is not None:
             self.cache.check_invariants()
-            assert pinned_pages(self.cache) == [], "tree pages no request holds cannot be evicted"
-            for tokens, pages in tree_paths(self.cache):
-                assert holds(self.pool, pages, tokens), f"the cache's KV for {tokens} is wrong"
+            if self.tier is None:
+                assert pinned_pages(self.cache) == [], "tree pages no request holds cannot be evicted"
+                for tokens, pages in tree_paths(self.cache):
+                    assert holds(self.pool, pages, tokens), f"the cache's KV for {tokens} is wrong"
             for node in self.cache._nodes():
                 for p in node.pages:
-                    expected[p] += 1
+                    if p is not None:
+                        expected[p] += 1
+        for op in self.tier.ops if self.tier is not None else ():
+            for p in op.device_pages:
+                expected[p] += 1
         for req in self.sched.running:
             assert len(set(req.pages)) == len(req.pages)
             for p in req.pages:
@@ -131,6 +155,8 @@ class Sim:
         for r in self.requests:
             assert r in self.aborted or r.num_generated == r.sampling.max_new_tokens
         assert sum(r.num_retractions for r in self.requests) == self.sched.num_retractions
+        if self.tier is not None:
+            self.tier.reap()
         cached = self.cache.num_pages if self.cache is not None else 0
         assert self.pool.num_free + cached == self.pool.num_pages, "pages leaked"
 
@@ -162,11 +188,13 @@ def random_workload(sim: Sim, num_requests: int, headroom_pages: int, abort_rate
     sim.check_drained()
     if sim.cache is not None:  # with no request left, every cached page can be evicted
         cached = sim.cache.num_pages
-        assert sim.cache.evict(sim.pool.num_pages) == cached
+        assert sim.cache.evict(sim.pool.num_pages) == cached or sim.tier is not None
+        if sim.tier is not None:  # write_back: the evicted pages are free once their backups are reaped
+            sim.tier.reap()
         assert sim.pool.num_free == sim.pool.num_pages and sim.cache.num_pages == 0
 
 
-def run_random_scenarios(num_scenarios: int, headroom_pages: int, prefix_cache=True) -> Counter:
+def run_random_scenarios(num_scenarios: int, headroom_pages: int, prefix_cache=True, **tier) -> Counter:
     """Random pool shapes (page sizes 1-4, up to 12 pages, budgets from 1 token, 1-6 running requests).
     Returns what the workloads exercised, summed over scenarios."""
     rng, totals = random.Random(headroom_pages), Counter()
@@ -174,7 +202,7 @@ def run_random_scenarios(num_scenarios: int, headroom_pages: int, prefix_cache=T
         page_size, num_pages = rng.randint(1, 4), rng.randint(2 + headroom_pages, 12)
         shape = dict(num_pages=num_pages, page_size=page_size, max_prefill_tokens=rng.randint(1, 16),
                      max_running_requests=rng.randint(1, 6))
-        sim = Sim(**shape, prefix_cache=prefix_cache, seed=scenario)
+        sim = Sim(**shape, prefix_cache=prefix_cache, seed=scenario, **tier)
         try:
             random_workload(sim, num_requests=14, headroom_pages=headroom_pages)
         except AssertionError as e:
@@ -182,6 +210,7 @@ def run_random_scenarios(num_scenarios: int, headroom_pages: int, prefix_cache=T
         totals["retractions"] += sim.sched.num_retractions
         totals["cached_tokens"] += sim.sched.num_cached_tokens
         totals["aborted"] += len(sim.aborted)
+        totals["host_tokens"] += sim.sched.num_host_tokens
     return totals
 
 

@@ -31,9 +31,9 @@ from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.distributed.watchdog import Watchdog
+from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.host_tier import HostTier
 from tandem.engine.radix_cache import PrefixLog, RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Scheduler
@@ -473,7 +473,8 @@ class Engine:
         s.num_retractions = self.scheduler.num_retractions
         s.prefill_tokens_cached = self.scheduler.num_cached_tokens
         s.prefill_tokens_host = self.scheduler.num_host_tokens
-        s.prefill_tokens_ideal = self.scheduler.num_ideal_tokens
+        s.prompt_tokens_cached = self.scheduler.num_prompt_cached_tokens
+        s.prompt_tokens_ideal = self.scheduler.num_ideal_tokens
         if self.tier is not None:
             s.host_pages_total, s.host_pages_free = self.tier.num_pages, self.tier.num_free
             s.host_pages_loaded, s.host_pages_backed_up = self.tier.pages_loaded, self.tier.pages_backed_up

@@ -76,9 +76,8 @@ class HostTier(PageAllocator):
         self.pages_loaded += len(device_pages)
 
     def _issue(self, device_pages: list[int], host_pages: list[int], is_load: bool) -> CopyOp:
-        self.pool.incref(device_pages)  # rule 3
-        self.incref(host_pages)
         op = CopyOp(next(self._ids), list(device_pages), list(host_pages), is_load)
+        self._hold(op)
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # rule 1
             with torch.cuda.stream(self.stream):
@@ -143,14 +142,22 @@ class HostTier(PageAllocator):
     def reap(self, upto: int | None = None) -> None:
         """Wait for the copies up to id `upto` (every one if None) and drop the references they hold."""
         while self.ops and (upto is None or self.ops[0].id <= upto):
+            self.land(self.ops[0].id)
             op = self.ops.popleft()
-            self.land(op.id)
             if op.done is not None:
                 op.done.synchronize()
-            self.pool.decref(op.device_pages)
-            self.decref(op.host_pages)
+            self._release(op)
         if not self.ops:
             self._last_load = None
+
+    def _hold(self, op: CopyOp) -> None:
+        """Rule 3: the pages a copy touches stay allocated until it is reaped."""
+        self.pool.incref(op.device_pages)
+        self.incref(op.host_pages)
+
+    def _release(self, op: CopyOp) -> None:
+        self.pool.decref(op.device_pages)
+        self.decref(op.host_pages)
 
     @property
     def in_flight(self) -> int:

@@ -208,80 +208,107 @@ class RadixCache:
         return len(items)
 
     def evict_host(self, num_pages: int) -> int:
-        """Free up to `num_pages` host pages: drop host copies of pages also on the device, and trim host-only
-        pages from the tails of leaves; least recently used first, never a page a copy is using."""
-        refcount = self.tier.refcount
-
-        def reclaim(node: Node, j: int, tail: bool) -> int:
-            h = node.host[j]
-            if h is None or refcount[h] != 1:
-                return 0
-            if node.pages[j] is not None:
-                node.host[j] = None
-                self.tier.decref([h])
-                return 1
-            if tail:
-                self._pop_tail(node)
-                return 1
-            return 0
-
-        return self._reclaim(num_pages, reclaim)
+        """Free up to `num_pages` host pages, least recently used first, never one a copy is using. Only the
+        deepest host copies of a path go: a page also on the device just loses its copy, a host-only page is
+        cut from the tree."""
+        refcount, freed = self.tier.refcount, 0
+        for node in self._lru():
+            if freed >= num_pages:
+                break
+            if not node.pages or any(self._holds_host(c) for c in node.children):
+                continue
+            for j in reversed(range(len(node.pages))):
+                h = node.host[j]
+                if freed >= num_pages or (h is not None and refcount[h] != 1):
+                    break
+                if h is None:
+                    continue
+                if node.pages[j] is not None:
+                    node.host[j] = None
+                    self.tier.decref([h])
+                else:
+                    self._cut(node, j)
+                freed += 1
+        return freed
 
     # -- eviction and flush --------------------------------------------------------------------------
     def evict(self, num_pages: int) -> int:
-        """Free up to `num_pages` device pages held only by the tree, least recently used first: a page with a
-        host copy just leaves the device; under write_back a page without one is backed up and freed when the
-        copy is reaped (not counted in the return value); otherwise leaves are trimmed from their tails."""
-        refcount, freed, backlog = self.pool.refcount, 0, []
+        """Free up to `num_pages` device pages held only by the tree, least recently used first and only the
+        deepest device pages of a path (so the pages on the device always form a prefix of each path). A page
+        with a host copy just leaves the device; under write_back a full page without one is backed up and
+        freed when the copy is reaped (not counted in the return value); any other page is cut from the tree,
+        with the host-only pages below it. Returns how many pages were freed."""
+        refcount, freed, pending, backlog = self.pool.refcount, 0, 0, []
         write_back = self.tier is not None and self.tier.policy == "write_back"
-
-        def reclaim(node: Node, j: int, tail: bool) -> int:
-            nonlocal freed
-            d = node.pages[j]
-            if d is None or refcount[d] != 1:
-                return 0
-            if node.host[j] is not None:
-                node.pages[j] = None
-                self.pool.decref([d])
-            elif write_back and (j + 1) * self.P <= len(node.tokens):
-                backlog.append((node, j))
-                return 1
-            elif tail:
-                self._pop_tail(node)
-            else:
-                return 0
-            freed += 1
-            return 1
-
-        self._reclaim(num_pages, reclaim)
-        if backlog:
-            for node, j in backlog[:self._backup(backlog)]:  # the copy holds the page until it is reaped
-                self.pool.decref([node.pages[j]])
-                node.pages[j] = None
+        if write_back and num_pages > self.tier.num_free:
+            self.evict_host(num_pages - self.tier.num_free)  # room for the backups
+        for node in self._lru():
+            if freed + pending + len(backlog) >= num_pages:
+                break
+            if not node.pages or any(c.pages[0] is not None for c in node.children):
+                continue
+            for j in reversed(range(len(node.pages))):
+                d = node.pages[j]
+                if freed + pending + len(backlog) >= num_pages or (d is not None and refcount[d] != 1):
+                    break
+                if d is None:
+                    continue
+                if node.host[j] is None and write_back and (j + 1) * self.P <= len(node.tokens) \
+                        and self.tier.num_free:
+                    node.host[j] = self.tier.alloc(1)[0]
+                    backlog.append((node.pages[j], node.host[j]))  # the tree's reference, until the copy holds
+                    node.pages[j] = None
+                    continue
+                if node.host[j] is not None:
+                    node.pages[j] = None
+                    self.pool.decref([d])
+                else:
+                    pending += self._flush_backups(backlog)  # what is cut below may be waiting in it
+                    self._cut(node, j)
+                freed += 1
+        self._flush_backups(backlog)
         return freed
 
-    def _reclaim(self, num_pages: int, reclaim) -> int:
-        """Walk nodes least recently used first (children before parents) and each node's pages from its
-        tail, calling `reclaim(node, j, tail)` until it has returned `num_pages`; drops emptied leaves."""
-        done = 0
-        for node in sorted(self._nodes(), key=lambda n: n.last_access):  # post-order: children first on ties
-            j = len(node.pages) - 1
-            while j >= 0 and done < num_pages:
-                done += reclaim(node, j, not node.children and j == len(node.pages) - 1)
-                j -= 1
-            if not node.pages:
-                node.parent.children.remove(node)
-            if done >= num_pages:
-                break
-        return done
+    def _flush_backups(self, backlog: list[tuple[int, int]]) -> int:
+        """Issue one copy for the (device page, host page) pairs eviction collected; the copy holds the device
+        pages from now until it is reaped, the tree's references go."""
+        n = len(backlog)
+        if n:
+            device, host = map(list, zip(*backlog, strict=True))
+            self.tier.backup(device, host)
+            self.pool.decref(device)
+            backlog.clear()
+        return n
 
-    def _pop_tail(self, node: Node) -> None:
-        d, h = node.pages.pop(), node.host.pop()
-        if d is not None:
-            self.pool.decref([d])
-        if h is not None:
-            self.tier.decref([h])
-        node.tokens = node.tokens[:len(node.pages) * self.P]
+    def _lru(self) -> list[Node]:
+        """Every node, least recently used first; children before their parent on ties."""
+        return sorted(self._nodes(), key=lambda n: n.last_access)
+
+    def _holds_host(self, node: Node) -> bool:
+        return any(h is not None for h in node.host) or any(self._holds_host(c) for c in node.children)
+
+    def _cut(self, node: Node, j: int) -> None:
+        """Drop page j of `node` and everything after it: its later pages and its children (host-only pages
+        only, by the callers' rules). A node left empty leaves the tree."""
+        for child in node.children:
+            self._drop(child)
+        node.children = []
+        for d, h in zip(node.pages[j:], node.host[j:], strict=True):
+            if d is not None:
+                self.pool.decref([d])
+            if h is not None:
+                self.tier.decref([h])
+        node.pages, node.host, node.tokens = node.pages[:j], node.host[:j], node.tokens[:j * self.P]
+        if not node.pages:
+            node.parent.children.remove(node)
+
+    def _drop(self, node: Node) -> None:
+        for child in node.children:
+            self._drop(child)
+        self.pool.decref([d for d in node.pages if d is not None])
+        if self.tier is not None:
+            self.tier.decref([h for h in node.host if h is not None])
+        node.pages, node.host, node.children = [], [], []
 
     def reset(self) -> None:
         """Forget everything (after a weight update, its KV is stale). Pages still referenced by running
@@ -322,8 +349,11 @@ class RadixCache:
                 assert len(node.tokens) == len(node.pages) * P, "internal node ends inside a page"
             else:
                 assert (len(node.pages) - 1) * P < len(node.tokens) <= len(node.pages) * P
+            above = node.parent.pages[-1] if node.parent is not self.root else 0
             for j, (p, h) in enumerate(zip(node.pages, node.host, strict=True)):
                 assert p is not None or h is not None, "a page on neither tier"
+                assert p is None or above is not None, "a device page below a host-only one"
+                above = p
                 if p is not None:
                     assert self.pool.refcount[p] >= 1, f"tree names free page {p}"
                     assert p not in seen, f"page {p} named twice"

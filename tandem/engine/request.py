@@ -29,9 +29,11 @@ class Request:
     weight_versions: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # page table; position i lives in pages[i // page_size]
     num_computed: int = 0  # leading tokens whose KV is in `pages`
-    cached_tokens: int = 0  # on the last admission: from the device tier plus from the host tier
+    # on the first admission: prompt tokens served from the cache (device plus host tier), from the host tier,
+    # and the longest prefix of the prompt the engine had computed (-1 until admitted)
+    cached_tokens: int = 0
     host_cached_tokens: int = 0
-    ideal_cached_tokens: int = -1  # set on the first admission
+    ideal_cached_tokens: int = -1
     prefill_tokens: int = 0
     num_retractions: int = 0
     kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it

@@ -48,9 +48,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is the newest
         self.num_retractions = 0
-        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, over all admissions
+        self.num_cached_tokens = 0  # tokens served from the prefix cache, over all admissions
         self.num_host_tokens = 0  # of which loaded back from the host tier
-        self.num_ideal_tokens = 0  # prompt tokens an ideal cache would have served, over first admissions
+        # on first admissions: prompt tokens served from the cache, and those an ideal cache would have served
+        self.num_prompt_cached_tokens = self.num_ideal_tokens = 0
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
@@ -118,13 +119,14 @@ class Scheduler:
                 self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
                 self.pool.decref([match.partial_page])
             req.pages = table + fresh
-            req.num_computed = req.cached_tokens = match.num_tokens
-            req.host_cached_tokens = len(host) * self.P
-            if req.ideal_cached_tokens < 0:  # first admission
+            req.num_computed = match.num_tokens
+            if req.ideal_cached_tokens < 0:  # the first admission: what the prompt as submitted reused
+                req.cached_tokens, req.host_cached_tokens = match.num_tokens, len(host) * self.P
                 req.ideal_cached_tokens = self.ideal.longest(req.tokens[:-1]) if self.ideal else 0
+                self.num_prompt_cached_tokens += req.cached_tokens
                 self.num_ideal_tokens += req.ideal_cached_tokens
             self.num_cached_tokens += match.num_tokens
-            self.num_host_tokens += req.host_cached_tokens
+            self.num_host_tokens += len(host) * self.P
             req.status = Status.RUNNING
             self.waiting.remove(req)
             self.running.append(req)
@@ -153,6 +155,7 @@ class Scheduler:
             self.cache.evict(short)
             if self.pool.num_free - reserve < n and self.tier is not None and self.tier.in_flight:
                 self.tier.reap()  # copies hold pages (write_back evictions among them): wait for them all
+                self.cache.evict(n + reserve - self.pool.num_free)
         if self.pool.num_free - reserve < n:
             return None
         return self.pool.alloc(n)

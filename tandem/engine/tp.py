@@ -7,8 +7,8 @@ diverge is what each rank computes itself, and two protections close that:
   - the sampled-token broadcast (on by default): rank 0's sampled ids and logprobs replace every rank's
     before any host decision (finish, batch membership) reads them;
   - the lockstep sentinel: after every step the ranks all-gather a digest (step, membership, the step's
-    chunks, the tokens just applied, finished count, host-tier state) and stop with an error naming the step, the ranks and
-    the first differing field.
+    chunks, the tokens just applied, finished count, host-tier state) and stop with an error naming the step,
+    the ranks and the first differing field.
 """
 
 from __future__ import annotations
