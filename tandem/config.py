@@ -279,17 +279,30 @@ class RolloutConfig:
 
 @dataclass(slots=True)
 class TrainerConfig:
+    """`param_dtype`: the dtype forward and backward compute in; with "bfloat16" the optimizer still steps float32
+    master weights. `activation_checkpointing`: recompute each decoder layer in the backward pass (less memory,
+    about one more forward). `fsdp`: shard the model with FSDP2 over all ranks of the initialised default process
+    group, each rank training on its share of every batch."""
+
     lr: float = 1e-3
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096  # micro-batches are packed up to this many tokens; gradients accumulate
     advantage: Literal["grpo", "rloo"] = "grpo"
     loss: str = "decoupled_ppo"  # a name in tandem.trainer.losses.LOSSES
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    activation_checkpointing: bool = False
+    fsdp: bool = False
 
     def __post_init__(self):
         _check_positive("trainer", self, ("lr", "grad_clip", "micro_batch_tokens"))
         if self.advantage not in ("grpo", "rloo"):
             raise ValueError(f"trainer.advantage: must be grpo or rloo, got {self.advantage!r}")
+        if self.param_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"trainer.param_dtype: must be float32 or bfloat16, got {self.param_dtype!r}")
+        for name in ("activation_checkpointing", "fsdp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"trainer.{name}: must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(slots=True)

@@ -69,7 +69,7 @@ class Run:
         """Send the trainer's weights through the transport; the engine side receives them while generating,
         then pauses (the configured mode) only to load them. Returns (transfer seconds, pause seconds)."""
         received = asyncio.create_task(asyncio.to_thread(self.receiver.receive))
-        transfer = await asyncio.to_thread(self.sender.send, self.trainer.model.named_parameters(),
+        transfer = await asyncio.to_thread(self.sender.send, self.trainer.named_weights(),
                                            self.trainer.version)
         version, named = await received
         t0 = time.perf_counter()

@@ -5,6 +5,12 @@ decoupled PPO: with one optimizer step per batch, `old_logprobs` is exactly that
 turns rewards into per-token advantages with the configured estimator, and minimises the configured loss
 over micro-batches packed up to a token budget, accumulating gradients so the result equals one pass over
 the whole batch (each micro-batch's token-mean loss is weighted by its share of the batch's policy tokens).
+Under FSDP (`TrainerConfig.fsdp`) each rank takes a share of the episodes and the same weighting holds over
+all ranks' micro-batches, so the step equals the single-process one (see `tandem.trainer.parallel`).
+
+Mixed precision (`param_dtype = "bfloat16"`): forward and backward run on bf16 weights while the optimizer
+steps float32 master weights (gradients accumulate in float32, clipping and AdamW's state are float32); the
+bf16 weights are refreshed from the masters after each step.
 
 Token i of an episode is scored by the logits at position i - 1, at the rollout temperature, so that for
 tokens sampled with the same weights the trainer's logprobs equal the engine's behaviour logprobs.
@@ -15,55 +21,99 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
+from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
 
 from tandem.config import LossConfig, TrainerConfig
 from tandem.model.attention import PackedCausal
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.trainer import parallel
 from tandem.trainer.advantages import ADVANTAGES
 from tandem.trainer.losses import LossInput, get_loss
 from tandem.types import Episode, Group
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# What a rank with fewer micro-batches than another runs instead (no policy token: no gradient, no metric).
+_PAD = Episode("pad", -1, tokens=[0, 0], loss_mask=[0, 0], behav_logprobs=[0.0, 0.0], versions=[-1, -1])
+
 
 class Trainer:
+    """`model`: the policy, converted to float32 in place; it becomes the master weights. `self.model` is what runs
+    forward (a bf16 copy under mixed precision, the FSDP-sharded model under FSDP); read weights for the engine
+    through `named_weights`. Under FSDP every rank builds its Trainer from the same weights and calls every method
+    with the same arguments (each one is collective)."""
+
     def __init__(self, model: Qwen3ForCausalLM, cfg: TrainerConfig, loss_cfg: LossConfig, temperature: float = 1.0):
-        self.model, self.cfg, self.loss_cfg, self.temperature = model.train(), cfg, loss_cfg, temperature
+        self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
         self.loss_fn = get_loss(cfg.loss)
-        self.ref_model = copy.deepcopy(model).eval().requires_grad_(False) if loss_cfg.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.param_dtype = DTYPES[cfg.param_dtype]
+        if cfg.fsdp and not dist.is_initialized():
+            raise ValueError("trainer.fsdp: needs torch.distributed initialised (init_process_group) first")
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if cfg.fsdp else (0, 1)
+        self.master = model.float().train()
+        self.ref_model = None
+        if loss_cfg.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.master).to(self.param_dtype).eval().requires_grad_(False)
+        self.model = self.master
+        if self.param_dtype != torch.float32 and not cfg.fsdp:
+            self.model = copy.deepcopy(self.master).to(self.param_dtype)
+            self._accumulate_grads_in_masters()
+        if cfg.activation_checkpointing:
+            parallel.checkpoint_layers(self.model)
+        if cfg.fsdp:  # the sharded float32 parameters are the masters; FSDP casts its gathered copies
+            self.model = self.master = parallel.shard_model(self.master, self.param_dtype)
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.version = 0  # optimizer steps taken = the weight version of the current parameters
-        self.device = next(model.parameters()).device
+        self.device = next(self.master.parameters()).device
+
+    def _accumulate_grads_in_masters(self) -> None:
+        """After each backward, add every bf16 gradient into its master's float32 one and free it, so micro-batches
+        accumulate in float32."""
+        def hook(master):
+            def add(p):
+                if master.grad is None:
+                    master.grad = p.grad.float()
+                else:
+                    master.grad.add_(p.grad)
+                p.grad = None
+            return add
+
+        for (name, p), (master_name, master) in zip(self.model.named_parameters(), self.master.named_parameters(),
+                                                    strict=True):
+            assert name == master_name, (name, master_name)
+            p.register_post_accumulate_grad_hook(hook(master))
 
     def step(self, groups: list[Group]) -> dict[str, float]:
-        """Train on `groups` (at least one); returns the step's metrics. Bumps `version`."""
+        """Train on `groups` (at least one); returns the step's metrics (over the whole batch, on every rank). Bumps
+        `version`."""
         if not groups:
             raise ValueError("trainer: a batch needs at least one group")
         rewards_GN = torch.tensor([[e.reward for e in g.episodes] for g in groups], dtype=torch.float32)
         adv_GN = ADVANTAGES[self.cfg.advantage](rewards_GN)
         episodes = [e for g in groups for e in g.episodes]
-        advantages = adv_GN.flatten().tolist()
         total = sum(sum(e.loss_mask[1:]) for e in episodes)
-        sums: dict[str, float] = defaultdict(float)
-        extremes: dict[str, float] = {}
-        staleness: list[int] = []
-        for idx in self._micro_batches(episodes):
-            n, metrics = self._backward([episodes[i] for i in idx], [advantages[i] for i in idx], total)
-            for key, value in metrics.items():
-                if key.endswith("_max"):
-                    extremes[key] = max(extremes.get(key, -math.inf), value)
-                elif key.endswith("_min"):
-                    extremes[key] = min(extremes.get(key, math.inf), value)
-                else:
-                    sums[key] += value * n
-            staleness += [self.version - v for i in idx for v, m in zip(episodes[i].versions, episodes[i].loss_mask,
-                                                                         strict=True) if m]
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        sums, extremes = self._accumulate_gradients(episodes, adv_GN.flatten().tolist(), total)
+        params = list(self.master.parameters())
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._refresh_compute_weights()
+        staleness = [self.version - v for e in episodes for v, m in zip(e.versions, e.loss_mask, strict=True) if m]
         self.version += 1
-        out = {k: v / max(total, 1) for k, v in sums.items() if k != "num_policy_tokens"}
-        out.update(extremes)
+        out = {k: v / max(total, 1) for k, v in sums.items()}
+        out.update((k, v if math.isfinite(v) else 0.0) for k, v in extremes.items())
         out.update(
             reward_mean=rewards_GN.mean().item(), reward_std=rewards_GN.std(unbiased=False).item(),
             adv_mean=adv_GN.mean().item(), adv_std=adv_GN.std(unbiased=False).item(),
@@ -74,6 +124,42 @@ class Trainer:
             staleness_mean=sum(staleness) / max(len(staleness), 1),
         )
         return out
+
+    def _accumulate_gradients(self, episodes: list[Episode], advantages: list[float],
+                              total: int) -> tuple[dict[str, float], dict[str, float]]:
+        """Forward and backward over this rank's share of the batch (`total` policy tokens in all), micro-batch by
+        micro-batch; returns the loss metrics over the whole batch: sums weighted by policy tokens, and extremes
+        (-inf / inf where no token counted)."""
+        if self.cfg.fsdp:
+            share = parallel.split_episodes([len(e.tokens) for e in episodes], self.world)[self.rank]
+            episodes, advantages = [episodes[i] for i in share], [advantages[i] for i in share]
+        micro = self._micro_batches(episodes)
+        if self.cfg.fsdp:
+            local = sum(sum(e.loss_mask[1:]) for e in episodes)
+            total, num_micro = parallel.sync_batch(local, len(micro), total, self.device)
+            micro += [[]] * (num_micro - len(micro))
+        sums: dict[str, float] = defaultdict(float)
+        extremes: dict[str, float] = {}
+        for idx in micro:
+            n, metrics = self._backward([episodes[i] for i in idx] or [_PAD], [advantages[i] for i in idx] or [0.0],
+                                        total)
+            for key, value in metrics.items():
+                # a micro-batch without policy tokens reports zeros, which are no extremes
+                if key.endswith("_max"):
+                    extremes[key] = max(extremes.get(key, -math.inf), value if n else -math.inf)
+                elif key.endswith("_min"):
+                    extremes[key] = min(extremes.get(key, math.inf), value if n else math.inf)
+                elif key != "num_policy_tokens":
+                    sums[key] += value * n
+        if self.cfg.fsdp:
+            parallel.reduce_metrics(sums, extremes, self.device)
+        return sums, extremes
+
+    @torch.no_grad()
+    def _refresh_compute_weights(self) -> None:
+        if self.model is not self.master:
+            for p, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
+                p.copy_(master)
 
     def _micro_batches(self, episodes: list[Episode]) -> list[list[int]]:
         """Pack episodes in order into micro-batches of at most `micro_batch_tokens` (a longer episode goes
@@ -117,14 +203,43 @@ class Trainer:
             loss_mask=mask, ref_logprobs=ref)
         loss, metrics = self.loss_fn(inp, self.loss_cfg)
         n = int(mask.sum().item())
-        if n:
-            (loss * (n / total)).backward()
+        if n or self.cfg.fsdp:  # under FSDP every rank runs every backward: its gradient reduction is collective
+            (loss * (n / max(total, 1))).backward()
         return n, metrics
 
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(Hugging Face name, full tensor in the compute dtype) per parameter, as `named_parameters` names them
+        (a tied head only once), for the engine. Without FSDP the tensors are the live weights (detached, not
+        copies): read them before the next `step`. Under FSDP each is all-gathered: every rank iterates it in step
+        and every rank gets every full tensor (a copy)."""
+        for name, p in self.model.named_parameters():
+            if isinstance(p, DTensor):
+                yield name, p.detach().to(self.param_dtype).full_tensor()
+            else:
+                yield name, p.detach()
+
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "version": self.version}
+        """The float32 master weights, the optimizer's state and the version; tensors may be the live ones (as in
+        PyTorch's state dicts): save or copy them before the next `step`. Under FSDP: collective, full (unsharded)
+        tensors on CPU on rank 0, empty model and optimizer states on the other ranks."""
+        if self.cfg.fsdp:
+            model, optimizer = get_state_dict(self.master, self.optimizer,
+                                              options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        else:
+            model, optimizer = self.master.state_dict(), self.optimizer.state_dict()
+        return {"model": model, "optimizer": optimizer, "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Restore what `state_dict` saved; the trainer may keep `state`'s tensors (as PyTorch's optimizers do), so
+        pass a state read from disk or a copy. Under FSDP: collective, rank 0's state is read and broadcast."""
+        if self.cfg.fsdp:
+            # two calls: `set_state_dict` skips the model on ranks whose model state is empty, and deadlocks;
+            # a copy of the model's dict: `set_model_state_dict` puts this rank's shards into the one it is given
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(self.master, dict(state["model"]), options=options)
+            set_optimizer_state_dict(self.master, self.optimizer, state["optimizer"], options=options)
+        else:
+            self.master.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._refresh_compute_weights()
         self.version = state["version"]

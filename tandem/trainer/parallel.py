@@ -1,0 +1,89 @@
+"""How the trainer spreads over ranks and saves memory: FSDP2 sharding, the split of a batch's episodes across
+data-parallel ranks, the reduction of metrics, and activation checkpointing.
+
+Under FSDP every rank receives the whole batch, computes the advantages of every group itself, and trains on its
+share of the episodes (`split_episodes`). The gradient of the batch is the sum over ranks of each rank's gradient
+weighted by its policy tokens over the batch's, so FSDP must sum gradients rather than average them
+(`shard_model` sets that up).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from tandem.distributed import collectives
+from tandem.model.qwen3 import Qwen3ForCausalLM
+
+
+def checkpoint_layers(model: Qwen3ForCausalLM) -> None:
+    """Recompute each decoder layer's activations in the backward pass instead of keeping them: memory of one
+    layer's activations plus each layer's input, for about one more forward pass. Mutates `model` in place
+    (parameter names are unchanged)."""
+    for layer in model.model.layers:
+        # An instance attribute: nn.Module.__call__ (and FSDP's hooks around it) then run the checkpointed forward.
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False)
+
+
+def shard_model(model: Qwen3ForCausalLM, param_dtype: torch.dtype) -> Qwen3ForCausalLM:
+    """Shard `model` (float32) in place with FSDP2 over all ranks of the default process group: one unit per decoder
+    layer, then the root (embedding, final norm, head). The sharded float32 parameters are the master weights the
+    optimizer steps; forward and backward run on all-gathered `param_dtype` copies, and gradients are reduced in
+    float32. Gradients are summed over ranks, not averaged (see the module docstring)."""
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    # The root keeps its parameters gathered after forward: the trainer calls `compute_logits` (the head) outside
+    # the root's forward.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            # divide factor 1 = a plain sum; forcing SUM also keeps gloo working (it has no PREMUL_SUM)
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def split_episodes(lengths: list[int], world: int) -> list[list[int]]:
+    """Episode indices for each of `world` ranks, each list in batch order: longest episode first, each to the rank
+    with the fewest tokens so far (the lowest rank on a tie), so ranks get about equal compute. A function of
+    `lengths` alone, so every rank computes the same split."""
+    loads, shares = [0] * world, [[] for _ in range(world)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(world), key=lambda r: (loads[r], r))
+        shares[rank].append(i)
+        loads[rank] += lengths[i]
+    return [sorted(share) for share in shares]
+
+
+def sync_batch(local_tokens: int, num_micro_batches: int, batch_tokens: int, device) -> tuple[int, int]:
+    """All ranks' policy tokens summed, and the most micro-batches any rank has (every rank must run that many
+    forward and backward passes: FSDP's collectives pair up across ranks). Raises RuntimeError when the ranks were
+    handed different batches (their `batch_tokens` differ, or the shares do not add up to the batch)."""
+    total = torch.tensor([local_tokens], dtype=torch.int64, device=device)
+    sizes = torch.tensor([num_micro_batches, batch_tokens, -batch_tokens], dtype=torch.int64, device=device)
+    collectives.all_reduce(total)
+    collectives.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    if not total.item() == sizes[1].item() == -sizes[2].item() == batch_tokens:
+        raise RuntimeError(f"trainer: rank {dist.get_rank()} holds a batch of {batch_tokens} policy tokens, but the "
+                           f"ranks' shares add up to {total.item()}: the ranks were given different batches")
+    return int(total.item()), int(sizes[0].item())
+
+
+def reduce_metrics(sums: dict[str, float], extremes: dict[str, float], device) -> None:
+    """In place over all ranks: sum `sums`; the max of `extremes` keys ending in `_max`, the min of the others.
+    Every rank must hold the same keys."""
+    keys, ext = sorted(sums), sorted(extremes)
+    s = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
+    e = torch.tensor([extremes[k] if k.endswith("_max") else -extremes[k] for k in ext], dtype=torch.float64,
+                     device=device)
+    collectives.all_reduce(s)
+    collectives.all_reduce(e, op=dist.ReduceOp.MAX)
+    sums.update(zip(keys, s.tolist(), strict=True))
+    extremes.update((k, v if k.endswith("_max") else -v) for k, v in zip(ext, e.tolist(), strict=True))

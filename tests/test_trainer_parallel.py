@@ -1,0 +1,217 @@
+"""The trainer's memory and parallelism options against the plain single-process trainer: activation checkpointing
+(same gradients), bf16 compute with float32 masters (it trains; dtypes where they belong), and FSDP2 over 2 gloo
+ranks (the same step as one process, and a falsifier for the global token normalisation)."""
+
+import datetime
+import io
+import multiprocessing
+import queue
+import random
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tandem.config import LossConfig, TrainerConfig
+from tandem.model.loader import build_model
+from tandem.trainer import parallel
+from tandem.trainer.trainer import Trainer
+from tandem.types import Episode, Group
+
+MICRO = 48  # tokens per micro-batch: several per rank, and not the same number on both ranks
+
+
+def make_groups(seed=0, num_groups=3, group_size=3, vocab=512) -> list[Group]:
+    """Multi-turn episodes: prompt, response, tool output, response; behaviour logprobs near a random model's."""
+    rng = random.Random(seed)
+    groups = []
+    for g in range(num_groups):
+        episodes = []
+        for j in range(group_size):
+            e = Episode(f"{g}-{j}", g, reward=rng.uniform(-1, 1))
+            for turn, policy in enumerate((False, True, False, True)):
+                n = rng.randint(2, 12) if turn else rng.randint(4, 10)
+                e.add([rng.randrange(vocab) for _ in range(n)], policy,
+                      [rng.uniform(-7.0, -5.5) for _ in range(n)] if policy else None, [0] * n if policy else None)
+            episodes.append(e)
+        groups.append(Group(g, episodes, 0))
+    return groups
+
+
+def make_trainer(seed=0, **cfg) -> Trainer:
+    return Trainer(build_model("tiny", dtype="float32", seed=seed), TrainerConfig(micro_batch_tokens=MICRO, **cfg),
+                   LossConfig())
+
+
+def saved(state: dict) -> dict:
+    """`state` written and read back, as a checkpoint is (a trainer's state dict holds its live tensors)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in trainer.named_weights()}
+
+
+def batch_gradients(trainer: Trainer, groups: list[Group]) -> dict[str, torch.Tensor]:
+    episodes = [e for g in groups for e in g.episodes]
+    trainer._backward(episodes, [e.reward for e in episodes], sum(e.num_policy_tokens for e in episodes))
+    return {name: p.grad.clone() for name, p in trainer.master.named_parameters()}
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    groups = make_groups()
+    calls = {True: 0, False: 0}
+    for on in (False, True):
+        trainer = make_trainer(activation_checkpointing=on)
+        # a pre-hook: the recomputation stops early, once it has every saved tensor, so after-hooks may not run
+        trainer.model.model.layers[0].mlp.register_forward_pre_hook(
+            lambda *_, on=on: calls.__setitem__(on, calls[on] + 1))
+        batch_gradients(trainer, groups)
+    assert calls == {False: 1, True: 2}, "checkpointing should run each layer's forward again in the backward"
+    # One model for both: two copies of the same weights at other addresses already differ in the last bits (the
+    # CPU matmul kernels' results depend on alignment).
+    trainer = make_trainer()
+    expected = batch_gradients(trainer, groups)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    parallel.checkpoint_layers(trainer.model)
+    for name, g in batch_gradients(trainer, groups).items():
+        torch.testing.assert_close(g, expected[name], rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_bf16_compute_with_float32_masters_trains():
+    groups = make_groups()
+    trainer = make_trainer(param_dtype="bfloat16", lr=1e-2)
+    losses = [trainer.step(groups)["loss"] for _ in range(5)]
+    assert losses[-1] < losses[0] - 0.5, losses  # about 0.2 to -1.2, as in float32
+    assert all(p.dtype == torch.float32 for p in trainer.master.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    states = list(trainer.optimizer.state.values())
+    assert len(states) == len(list(trainer.master.parameters()))  # AdamW steps the masters, not the bf16 weights
+    assert all(s[k].dtype == torch.float32 for s in states for k in ("exp_avg", "exp_avg_sq"))
+    # the bf16 weights are the masters, rounded, and they are what the engine gets
+    for (name, w), (_, master) in zip(trainer.named_weights(), trainer.master.named_parameters(), strict=True):
+        assert w.dtype == torch.bfloat16 and torch.equal(w, master.to(torch.bfloat16)), name
+    state = saved(trainer.state_dict())
+    assert all(t.dtype == torch.float32 for t in state["model"].values())
+    restored = make_trainer(seed=1, param_dtype="bfloat16", lr=1e-2)
+    restored.load_state_dict(state)
+    for (name, w), (_, w2) in zip(trainer.named_weights(), restored.named_weights(), strict=True):
+        assert torch.equal(w, w2), name
+    assert restored.step(groups)["loss"] == trainer.step(groups)["loss"]
+    assert_weights_close(weights(restored), weights(trainer), rtol=0, atol=0)  # the optimizer state came back too
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="trainer.param_dtype"):
+        TrainerConfig(param_dtype="float16")
+    with pytest.raises(ValueError, match="trainer.fsdp"):
+        TrainerConfig(fsdp=1)
+    with pytest.raises(ValueError, match="trainer.fsdp"):
+        make_trainer(fsdp=True)  # no process group
+
+
+def _fsdp_rank(rank, world, port, groups, out_dir, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+    out = {}
+    trainer = make_trainer(fsdp=True, activation_checkpointing=True)
+    out["metrics"] = trainer.step(groups)
+    out["weights"] = weights(trainer)  # full tensors on every rank
+    state = saved(trainer.state_dict())
+    out["state_model"] = state["model"]
+    restored = make_trainer(seed=1, fsdp=True)
+    restored.load_state_dict(state)
+    out["restored"] = weights(restored)
+    trainer.step(groups)
+    restored.step(groups)  # the optimizer state came back too
+    out["second"], out["restored_second"] = weights(trainer), weights(restored)
+
+    # Falsifier: each rank normalises by its own policy tokens times the world size, i.e. the ranks' gradients are
+    # per-rank token means, averaged over ranks (what FSDP's default reduction would make of per-rank means).
+    real = parallel.sync_batch
+    parallel.sync_batch = lambda local, *args: (local * world, real(local, *args)[1])
+    falsified = make_trainer(fsdp=True)
+    falsified.step(groups)
+    out["per_rank_mean"] = weights(falsified)
+    parallel.sync_batch = real
+
+    mixed = make_trainer(fsdp=True, param_dtype="bfloat16")
+    out["bf16_loss"] = mixed.step(groups)["loss"]
+    out["bf16_dtypes"] = ({p.dtype for p in mixed.master.parameters()}, {t.dtype for _, t in mixed.named_weights()},
+                          {s["exp_avg"].dtype for s in mixed.optimizer.state.values()})
+    torch.save(out, out_dir / f"rank{rank}.pt")  # not through the queue: it would share tensors by file descriptor
+    dist.destroy_process_group()
+    results.put(rank)
+
+
+def run_fsdp(world, groups, out_dir, timeout=120) -> list[dict]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_fsdp_rank, args=(r, world, port, groups, out_dir, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        done, deadline = 0, time.monotonic() + timeout
+        while done < world:
+            try:
+                results.get(timeout=1)
+                done += 1
+            except queue.Empty:
+                if any(p.exitcode for p in procs) or time.monotonic() > deadline:
+                    raise AssertionError(f"FSDP at {world} ranks failed or gave no result within {timeout} s "
+                                         f"(exit codes {[p.exitcode for p in procs]})") from None
+        return [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+
+def assert_weights_close(got, expected, **tol):
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        torch.testing.assert_close(got[name], t, msg=name, **tol)
+
+
+@pytest.mark.slow
+def test_fsdp_step_equals_single_process_step(tmp_path):
+    groups = make_groups()
+    episodes = [e for g in groups for e in g.episodes]
+    single = make_trainer()
+    shares = parallel.split_episodes([len(e.tokens) for e in episodes], 2)
+    tokens = [sum(sum(episodes[i].loss_mask[1:]) for i in share) for share in shares]
+    num_micro = [len(single._micro_batches([episodes[i] for i in share])) for share in shares]
+    # the premises: a per-rank token mean would weigh tokens unequally, and one rank runs a padding micro-batch
+    assert tokens[0] != tokens[1] and num_micro[0] != num_micro[1], (tokens, num_micro)
+
+    ranks = run_fsdp(2, groups, tmp_path)
+    expected = single.step(groups)
+    expected_weights = weights(single)
+    tol = dict(rtol=1e-5, atol=1e-6)
+    for out in ranks:
+        got = out["metrics"]
+        assert got.keys() == expected.keys()
+        for key in expected.keys() - {"ess"}:  # ess is averaged over micro-batches, so it depends on the packing
+            assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-6), key
+        assert_weights_close(out["weights"], expected_weights, **tol)
+        assert_weights_close(out["restored"], out["weights"], rtol=0, atol=0)
+        assert_weights_close(out["restored_second"], out["second"], rtol=0, atol=0)
+        assert out["bf16_dtypes"] == ({torch.float32}, {torch.bfloat16}, {torch.float32})
+        assert out["bf16_loss"] == pytest.approx(expected["loss"], rel=0.05)
+    assert_weights_close(ranks[0]["state_model"], single.state_dict()["model"], **tol)
+    assert ranks[1]["state_model"] == {}  # the full state is gathered on rank 0 only
+
+    # Without the global normalisation the step is a different one: about 2 x lr here (AdamW's first step is about
+    # lr x sign(gradient)), against < 1e-6 with it.
+    diff = max((ranks[0]["per_rank_mean"][k] - expected_weights[k]).abs().max().item() for k in expected_weights)
+    assert diff > 1e-4, diff
