@@ -2,6 +2,7 @@
 sampled-token broadcast and the lockstep sentinel each prove their worth against injected token flips."""
 
 import asyncio
+import dataclasses
 import datetime
 import functools
 import json
@@ -54,27 +55,36 @@ def generate(engine, requests):
     return [(o.output_ids, o.output_logprobs, o.finish_reason.to_dict()) for o in outs], retractions
 
 
-def _rank_main(rank, size, port, make_requests, config, plan, results):
+def two_turns(engine, requests):
+    """Every request, then its next turn (history plus new tokens): with a small pool the second turn's history
+    comes back from the host tier."""
+    first, retractions = generate(engine, requests)
+    later = [(p + ids + [7, 8, 9], sp) for (p, sp), (ids, _, _) in zip(requests, first, strict=True)]
+    second, more = generate(engine, later)
+    return first + second, retractions + more
+
+
+def _rank_main(rank, size, port, make_requests, config, plan, results, work=generate):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
     faults.configure(plan)
     engine = Engine(CONFIG, config, tp=TPGroup(rank, size))
     if rank == 0:
-        results.put(generate(engine, make_requests()))
+        results.put(work(engine, make_requests()))
         engine.shutdown()
     else:
         run_follower(engine)
     dist.destroy_process_group()
 
 
-def run_tp(size, make_requests, config=SMALL_POOL, plan=None, timeout=120):
+def run_tp(size, make_requests, config=SMALL_POOL, plan=None, timeout=120, work=generate):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, make_requests, config, plan, results))
+    procs = [ctx.Process(target=_rank_main, args=(r, size, port, make_requests, config, plan, results, work))
              for r in range(size)]
     for p in procs:
         p.start()
@@ -100,6 +110,19 @@ def test_tp_generates_what_tp1_generates(size):
     (expected, retractions) = run_single(mixed_requests)
     assert retractions > 0, "the scenario should exercise retraction"
     got, _ = run_tp(size, mixed_requests)
+    for (ids, lps, fin), (ids_tp, lps_tp, fin_tp) in zip(expected, got, strict=True):
+        assert ids_tp == ids and fin_tp == fin
+        assert lps_tp == pytest.approx(lps, abs=1e-4)
+
+
+def test_tp_with_a_host_tier_generates_what_tp1_generates():
+    """Every rank takes the same tier decisions (the reap point comes from rank 0, the sentinel compares the
+    tier's state every step), so the ranks' page tables stay the same and the outputs equal TP=1's."""
+    config = dataclasses.replace(SMALL_POOL, host_cache="write_through", host_cache_pages=64)
+    with Engine(CONFIG, config) as engine:
+        expected, _ = two_turns(engine, mixed_requests())
+        assert asyncio.run(engine.get_stats()).host_pages_loaded > 0, "the scenario should load pages back"
+    got, _ = run_tp(2, mixed_requests, config, work=two_turns)
     for (ids, lps, fin), (ids_tp, lps_tp, fin_tp) in zip(expected, got, strict=True):
         assert ids_tp == ids and fin_tp == fin
         assert lps_tp == pytest.approx(lps, abs=1e-4)
