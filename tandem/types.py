@@ -154,7 +154,8 @@ class EngineStats:
     prefill_tokens_computed: int = 0
     prefill_tokens_cached: int = 0  # served from the prefix cache (device plus host tier), over all admissions
     prefill_tokens_host: int = 0  # of which loaded back from the host tier
-    # on first admissions: prompt tokens served from the cache, and those an ideal, unbounded cache would serve
+    # on first admissions: prompt tokens, those served from the cache, those an ideal, unbounded cache would serve
+    prompt_tokens: int = 0
     prompt_tokens_cached: int = 0
     prompt_tokens_ideal: int = 0
     num_retractions: int = 0
@@ -181,6 +182,12 @@ class EngineStats:
     def cache_hit_rate(self) -> float:
         total = self.prefill_tokens_computed + self.prefill_tokens_cached
         return self.prefill_tokens_cached / total if total else 0.0
+
+    @property
+    def recompute_vs_ideal(self) -> float:
+        """Prefill tokens computed / those an ideal cache would compute (each prompt minus its ideal reuse)."""
+        ideal = self.prompt_tokens - self.prompt_tokens_ideal
+        return self.prefill_tokens_computed / ideal if ideal else 1.0
 
     @property
     def reuse_vs_ideal(self) -> float:

@@ -83,8 +83,8 @@ class TierModel(RuleBasedStateMachine):
             return
         table = m.pages
         if host:
-            table = self.cache.load(m, fresh[:len(host)])
-            fresh = fresh[len(host):]
+            table = self.cache.load(m, fresh)
+            fresh = fresh[len(m.loads):]
         self.tier.decref(host)
         if m.partial_page is not None:
             self.pool.copy_slots(m.partial_page, fresh[0], m.partial_len)
@@ -214,7 +214,7 @@ def page_holds(pool: KVPool, p: int, tokens: list[int], start: int) -> bool:
 
 def host_holds(tier: HostTier, h: int, tokens: list[int], start: int) -> bool:
     k, v = tier.kv[h, 0, 0, :, 0, 0].tolist(), tier.kv[h, 1, 0, :, 0, 0].tolist()
-    return all((k[i], v[i]) == kv_value(tokens, start + i) for i in range(P))
+    return all((k[i], v[i]) == kv_value(tokens, start + i) for i in range(min(len(tokens) - start, P)))
 
 
 def nodes_with_paths(cache: RadixCache):
@@ -297,9 +297,11 @@ def test_a_next_turn_loads_its_history_back_from_the_host():
     assert sim.cache.match(first.tokens).loads, "the first conversation's pages should be on the host only"
     second = sim.add(first.tokens + [7, 7], max_new_tokens=2)
     sim.run_until_done(max_steps=50)
-    # the five full pages come back (one never left the device, four from the host); the partial page had no
-    # host copy and was cut
-    assert (second.cached_tokens, second.host_cached_tokens) == (20, 16) and other.host_cached_tokens == 0
+    # everything the first request computed comes back: one page never left the device, four full pages and the
+    # partial last one (3 tokens) from the host
+    computed = len(first.tokens) - 1  # its last sampled token never went through the model
+    assert (second.cached_tokens, second.host_cached_tokens) == (computed, computed - 4)
+    assert other.host_cached_tokens == 0
 
 
 # -- the engine: outputs unchanged by the tier, recomputation against the ideal ------------------------------

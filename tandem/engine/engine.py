@@ -473,6 +473,7 @@ class Engine:
         s.num_retractions = self.scheduler.num_retractions
         s.prefill_tokens_cached = self.scheduler.num_cached_tokens
         s.prefill_tokens_host = self.scheduler.num_host_tokens
+        s.prompt_tokens = self.scheduler.num_prompt_tokens
         s.prompt_tokens_cached = self.scheduler.num_prompt_cached_tokens
         s.prompt_tokens_ideal = self.scheduler.num_ideal_tokens
         if self.tier is not None:

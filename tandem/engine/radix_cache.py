@@ -39,13 +39,19 @@ class Node:
 class Match:
     pages: list[int | None]  # fully matched pages, in order; None where the page is on the host only
     partial_page: int | None = None  # device page whose first `partial_len` tokens also match
+    partial_host: int | None = None  # or, if that page is on the host only, its host copy
     partial_len: int = 0
     num_tokens: int = 0
     loads: list[tuple[Node, int]] = field(default_factory=list)  # (node, index) of each None in `pages`
 
     @property
     def host_pages(self) -> list[int]:
-        return [node.host[j] for node, j in self.loads]
+        """Every host page the match needs loaded, the partially matched one last."""
+        return [node.host[j] for node, j in self.loads] + ([self.partial_host] if self.partial_host is not None
+                                                            else [])
+
+    def without_partial(self, page_size: int) -> Match:
+        return Match(self.pages, num_tokens=len(self.pages) * page_size, loads=self.loads)
 
 
 def lcp(a: list[int], b: list[int]) -> int:
@@ -95,23 +101,29 @@ class RadixCache:
                     m.pages.append(page)
                     i += P
                     continue
-                if c and page is not None:  # (a partial match on a host-only page is not worth a load)
-                    m.partial_page, m.partial_len = page, c
+                if c:
+                    m.partial_len = c
+                    if page is not None:
+                        m.partial_page = page
+                    else:
+                        m.partial_host = node.host[j]
                 m.num_tokens = len(m.pages) * P + m.partial_len
                 return m
         m.num_tokens = len(m.pages) * P
         return m
 
-    def load(self, match: Match, device_pages: list[int]) -> list[int]:
-        """Bring the match's host-only pages back into `device_pages` (fresh pages of the caller's) and give
-        them to the tree too; returns the match's page table with them filled in."""
-        self.tier.load(match.host_pages, device_pages)
+    def load(self, match: Match, fresh: list[int]) -> list[int]:
+        """Bring the match's host-only pages back into the caller's fresh pages, in order: each full page into
+        one the tree shares too, the partially matched one (if any) into the next, the caller's own. Returns
+        the match's page table with the full pages filled in."""
+        host = match.host_pages
+        self.tier.load(host, fresh[:len(host)])
         self.tier.before_compute()  # whatever runs next on the device (a partial-page copy, the step) reads them
-        self.pool.incref(device_pages)
-        fill = iter(device_pages)
-        for node, j in match.loads:
-            node.pages[j] = next(fill)
-        fill = iter(device_pages)
+        shared = fresh[:len(match.loads)]
+        self.pool.incref(shared)
+        for (node, j), page in zip(match.loads, shared, strict=True):
+            node.pages[j] = page
+        fill = iter(shared)
         return [p if p is not None else next(fill) for p in match.pages]
 
     # -- inserts -------------------------------------------------------------------------------------
@@ -168,9 +180,11 @@ class RadixCache:
 
     def _extend_leaf(self, leaf: Node, j: int, tokens, pages):
         assert not leaf.children and j == len(leaf.pages) - 1, "only a leaf's last page may be partial"
-        assert leaf.host[j] is None, "a partial page has no host copy"
         self.pool.incref(pages)
-        self.pool.decref([leaf.pages[j]])
+        if leaf.pages[j] is not None:
+            self.pool.decref([leaf.pages[j]])
+        if leaf.host[j] is not None:
+            self.tier.decref([leaf.host[j]])
         leaf.tokens = leaf.tokens[:j * self.P] + list(tokens)
         leaf.pages = leaf.pages[:j] + list(pages)
         leaf.host = leaf.host[:j] + [None] * len(pages)
@@ -190,7 +204,7 @@ class RadixCache:
     # -- the host tier -------------------------------------------------------------------------------
     def _write_through(self, node: Node, start: int) -> None:
         if self.tier is not None and self.tier.policy == "write_through":
-            self._backup([(node, j) for j in range(start, len(node.tokens) // self.P)])
+            self._backup([(node, j) for j in range(start, len(node.pages))])
 
     def _backup(self, items: list[tuple[Node, int]]) -> int:
         """Give the full pages `items` host copies, as many as the host tier has room for (evicting its least
@@ -253,8 +267,7 @@ class RadixCache:
                     break
                 if d is None:
                     continue
-                if node.host[j] is None and write_back and (j + 1) * self.P <= len(node.tokens) \
-                        and self.tier.num_free:
+                if node.host[j] is None and write_back and self.tier.num_free:
                     node.host[j] = self.tier.alloc(1)[0]
                     backlog.append((node.pages[j], node.host[j]))  # the tree's reference, until the copy holds
                     node.pages[j] = None
@@ -359,7 +372,6 @@ class RadixCache:
                     assert p not in seen, f"page {p} named twice"
                     seen.add(p)
                 if h is not None:
-                    assert (j + 1) * P <= len(node.tokens), "a partial page with a host copy"
                     assert self.tier.refcount[h] >= 1, f"tree names free host page {h}"
                     assert h not in seen_host, f"host page {h} named twice"
                     seen_host.add(h)

@@ -50,8 +50,8 @@ class Scheduler:
         self.num_retractions = 0
         self.num_cached_tokens = 0  # tokens served from the prefix cache, over all admissions
         self.num_host_tokens = 0  # of which loaded back from the host tier
-        # on first admissions: prompt tokens served from the cache, and those an ideal cache would have served
-        self.num_prompt_cached_tokens = self.num_ideal_tokens = 0
+        # on first admissions: prompt tokens, those served from the cache, those an ideal cache would have served
+        self.num_prompt_tokens = self.num_prompt_cached_tokens = self.num_ideal_tokens = 0
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
@@ -98,12 +98,14 @@ class Scheduler:
             if host:
                 self.tier.incref(host)
             n, fresh = self._alloc_chunk(req, match, budget, reserve)
-            if fresh is None and match.partial_page is not None:
+            if fresh is None and match.partial_len:
                 # holding the partial page costs one page; a request that needs the whole pool recomputes
                 # those few tokens instead
-                self.pool.decref([match.partial_page])
-                held.remove(match.partial_page)
-                match = Match(match.pages, num_tokens=len(match.pages) * self.P, loads=match.loads)
+                if match.partial_page is not None:
+                    self.pool.decref([held.pop()])
+                else:
+                    self.tier.decref([host.pop()])
+                match = match.without_partial(self.P)
                 n, fresh = self._alloc_chunk(req, match, budget, reserve)
             if fresh is None:
                 self.pool.decref(held)
@@ -112,8 +114,8 @@ class Scheduler:
                 return  # admit in order: nobody overtakes a request that does not fit
             table = match.pages
             if host:
-                table = self.cache.load(match, fresh[:len(host)])
-                fresh = fresh[len(host):]
+                table = self.cache.load(match, fresh)
+                fresh = fresh[len(match.loads):]
                 self.tier.decref(host)
             if match.partial_page is not None:
                 self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
@@ -121,12 +123,13 @@ class Scheduler:
             req.pages = table + fresh
             req.num_computed = match.num_tokens
             if req.ideal_cached_tokens < 0:  # the first admission: what the prompt as submitted reused
-                req.cached_tokens, req.host_cached_tokens = match.num_tokens, len(host) * self.P
+                req.cached_tokens, req.host_cached_tokens = match.num_tokens, self._host_tokens(match)
                 req.ideal_cached_tokens = self.ideal.longest(req.tokens[:-1]) if self.ideal else 0
+                self.num_prompt_tokens += len(req.tokens)
                 self.num_prompt_cached_tokens += req.cached_tokens
                 self.num_ideal_tokens += req.ideal_cached_tokens
             self.num_cached_tokens += match.num_tokens
-            self.num_host_tokens += len(host) * self.P
+            self.num_host_tokens += self._host_tokens(match)
             req.status = Status.RUNNING
             self.waiting.remove(req)
             self.running.append(req)
@@ -134,6 +137,9 @@ class Scheduler:
             prefilling.append(req)
             budget -= n
             reserve += 1
+
+    def _host_tokens(self, match: Match) -> int:
+        return len(match.loads) * self.P + (match.partial_len if match.partial_host is not None else 0)
 
     def _alloc_chunk(self, req: Request, match: Match, budget: int, reserve: int) -> tuple[int, list[int] | None]:
         """The first chunk's length after the cached prefix, and fresh pages for it (None if they do not fit)."""

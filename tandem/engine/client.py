@@ -1,0 +1,157 @@
+"""An engine behind its HTTP server (tandem's or SGLang's field names), with the async methods of `Engine` that the
+rollout manager and the run loop use: generate, pause, resume, get_stats, and the weight-update calls.
+
+Errors: a 400 (the engine refused the request: bad input, or not allowed in its state) raises ValueError with the
+engine's message; another error status raises `EngineClientError`; no answer (refused or broken connection, a
+timeout) raises `EngineUnreachable`. Every message names the engine's URL and the endpoint. A generate has no
+read timeout (it takes as long as its tokens take): an engine that dies breaks its connection, which fails it at
+once, and one that stalls is the business of a health monitor (`tandem.run.placement`). Every other call is bounded
+by `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import httpx
+
+from tandem.config import ModelConfig
+from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
+
+
+class EngineClientError(RuntimeError):
+    """The engine answered with an error status other than 400."""
+
+
+class EngineUnreachable(EngineClientError):
+    """The engine did not answer: its connection was refused or broke, or the call timed out."""
+
+
+class EngineClient:
+    """`connect` reads the model's config, context length and weight version (blocking, at most `timeout_s`).
+    `weight_version` is then the version of the last update made through this client, which is the engine's own as
+    long as this client is the only one updating it (as in a run, where the trainer owns the engine)."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0):
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.model_config: ModelConfig | None = None
+        self.max_context_len = 0
+        self.weight_version = 0
+        self._http: httpx.AsyncClient | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def connect(self) -> EngineClient:
+        try:
+            info = self._check("GET /get_model_info", httpx.get(f"{self.url}/get_model_info", timeout=self.timeout_s))
+        except httpx.HTTPError as e:
+            raise EngineUnreachable(f"engine at {self.url}: GET /get_model_info: {type(e).__name__}: {e}") from e
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        self.model_config = ModelConfig(**{k: v for k, v in info.items() if k in names})
+        self.max_context_len, self.weight_version = info["context_length"], info["weight_version"]
+        return self
+
+    # ---- the Engine API ----------------------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
+                       rid: str | None = None) -> GenerateOutput:
+        """One request, SGLang's `/generate` with `return_logprob`. Cancelling it closes the connection, which
+        aborts the request in the engine."""
+        body = {"input_ids": list(input_ids), "return_logprob": True,
+                "sampling_params": dataclasses.asdict(sampling or SamplingParams())}
+        if rid is not None:
+            body["rid"] = rid
+        return parse_output(await self._request("POST", "/generate", body, None))
+
+    async def pause(self, mode: str = "abort") -> None:
+        await self._post("/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._post("/continue_generation", {})
+
+    async def get_stats(self) -> EngineStats:
+        return EngineStats(**await self._request("GET", "/engine_stats", None, self.timeout_s))
+
+    async def health(self, timeout_s: float) -> bool:
+        """Whether the engine answers `/health` (its loop responsive) within `timeout_s`."""
+        try:
+            await self._request("GET", "/health", None, timeout_s)
+        except EngineClientError:
+            return False
+        return True
+
+    # ---- weight updates over a torch.distributed group (SGLang's endpoints) ------------------------------------
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str, timeout_s: float) -> None:
+        """Have the engine join the weight group as rank `rank_offset`; returns once every rank has joined (the
+        trainer must build its `DistSender` meanwhile). `timeout_s` bounds every collective of the group."""
+        await self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
+
+    async def update_weights_from_distributed(self, group_name: str, weight_version: int, pause_mode: str) -> dict:
+        """Have the engine receive one transfer from the group's sender (which must send meanwhile) and load it
+        as `weight_version`, pausing with `pause_mode` only to load. Returns the engine's reply: `transfer_s`,
+        `pause_s`, `num_bytes`, `num_buckets`, `weight_version`."""
+        reply = await self._post("/update_weights_from_distributed", {
+            "group_name": group_name, "weight_version": weight_version, "pause_mode": pause_mode})
+        self.weight_version = reply["weight_version"]
+        return reply
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    # ---- plumbing ----------------------------------------------------------------------------------------------
+    async def _post(self, path: str, body: dict) -> dict:
+        return await self._request("POST", path, body, self.timeout_s)
+
+    async def _request(self, method: str, path: str, body: dict | None, timeout_s: float | None) -> dict:
+        """`timeout_s` bounds each read (None: unbounded); connecting is always bounded by `self.timeout_s`."""
+        what = f"{method} {path}"
+        timeout = httpx.Timeout(timeout_s, connect=self.timeout_s)
+        try:
+            reply = await self._client().request(method, path, json=body, timeout=timeout)
+        except httpx.HTTPError as e:
+            raise EngineUnreachable(f"engine at {self.url}: {what}: {type(e).__name__}: {e or 'no answer'}") from e
+        return self._check(what, reply)
+
+    def _check(self, what: str, reply: httpx.Response) -> dict:
+        if reply.status_code == 200:
+            return reply.json() if reply.content else {}
+        try:
+            message = reply.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = reply.text[:500]
+        if reply.status_code == 400:
+            raise ValueError(f"engine at {self.url}: {what}: {message}")
+        raise EngineClientError(f"engine at {self.url}: {what}: HTTP {reply.status_code}: {message}")
+
+    def _client(self) -> httpx.AsyncClient:
+        """One connection pool per event loop (a pool's connections belong to the loop that opened them)."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._loop is not loop:
+            # no connection limit: every episode in flight holds a generate open
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            self._http, self._loop = httpx.AsyncClient(base_url=self.url, limits=limits), loop
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None and self._loop is asyncio.get_running_loop():
+            await self._http.aclose()
+        self._http = self._loop = None
+
+
+def parse_output(d: dict) -> GenerateOutput:
+    """A `GenerateOutput` from one element of SGLang's `/generate` reply (with `output_token_logprobs`)."""
+    meta = d["meta_info"]
+    reason = meta["finish_reason"]
+    logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
+    return GenerateOutput(
+        rid=meta["id"], output_ids=d["output_ids"], output_logprobs=logprobs,
+        weight_versions=meta.get("output_token_weight_versions", [meta.get("weight_version", 0)] * len(logprobs)),
+        finish_reason=FinishReason(reason["type"], reason.get("length"), reason.get("matched"), reason.get("message")),
+        prompt_tokens=meta["prompt_tokens"], cached_tokens=meta["cached_tokens"],
+        host_cached_tokens=meta.get("cached_tokens_details", {}).get("host", 0),
+        ideal_cached_tokens=meta.get("ideal_cached_tokens", 0), prefill_tokens=meta.get("prefill_tokens", 0),
+        weight_version=meta.get("weight_version", 0))
