@@ -366,3 +366,39 @@ def test_host_cache_config_is_checked():
         EngineConfig(host_cache="write_through", enable_prefix_cache=False)
     with pytest.raises(ValueError, match="host_cache_pages"):
         EngineConfig(host_cache_pages=-1)
+
+
+# -- on a GPU: real streams, copies forced to overlap compute ------------------------------------------------
+STALL = dict(device="cuda", stall_cycles=1_000_000)  # the device sleeps ~0.5 ms before each step's reads and writes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_gpu_copies_overlapping_compute_keep_every_kv_right(policy):
+    """Thousands of steps of random workloads; every read checks the KV it attends to."""
+    totals = run_random_scenarios(40, headroom_pages=0, host_pages=12, policy=policy, **STALL)
+    assert totals["host_tokens"] > 200
+
+
+@pytest.mark.gpu
+def test_gpu_a_copy_not_waiting_for_compute_is_caught(monkeypatch):
+    monkeypatch.setattr(HostTier, "_after_compute", lambda self: None)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", **STALL)
+
+
+@pytest.mark.gpu
+def test_gpu_a_load_read_before_it_completes_is_caught(monkeypatch):
+    monkeypatch.setattr(HostTier, "before_compute", lambda self: None)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", **STALL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_gpu_greedy_multi_turn_episodes_are_identical_with_the_tier_on_and_off(policy):
+    small = dict(page_size=4, num_pages=48, max_prefill_tokens=64, device="cuda")
+    off, _ = agent_turns(EngineConfig(**small))
+    on, stats_on = agent_turns(EngineConfig(**small, host_cache=policy, host_cache_pages=256))
+    assert stats_on.host_pages_loaded > 0
+    assert [o.output_ids for o in on] == [o.output_ids for o in off]

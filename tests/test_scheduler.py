@@ -27,8 +27,11 @@ from tandem.types import SamplingParams
 
 class Sim:
     def __init__(self, num_pages=8, page_size=4, max_prefill_tokens=8, max_running_requests=4, prefix_cache=True,
-                 seed=0, alphabet=4, host_pages=0, policy="write_through"):
-        self.pool = KVPool(PRESETS["tiny"], num_pages, page_size, torch.float32, "cpu")
+                 seed=0, alphabet=4, host_pages=0, policy="write_through", device="cpu", stall_cycles=0):
+        """`stall_cycles` (CUDA): the device sleeps this long at the start of every step, so that copies the
+        host issues while it sleeps overlap compute that has not run yet."""
+        self.pool = KVPool(PRESETS["tiny"], num_pages, page_size, torch.float32, device)
+        self.stall_cycles = stall_cycles
         self.tier = HostTier(self.pool, host_pages, policy, deferred=True) if host_pages else None
         self.cache = RadixCache(self.pool, self.tier) if prefix_cache else None
         alloc = self.pool.alloc
@@ -65,6 +68,8 @@ class Sim:
         return self.sched.running + list(self.sched.waiting)
 
     def step(self) -> list[Chunk]:
+        if self.stall_cycles:
+            torch.cuda._sleep(self.stall_cycles)
         if self.tier is not None:
             if self.tier.ops:
                 self.tier.land(self.tier.ops[self.rng.randrange(len(self.tier.ops))].id - self.rng.randrange(2))
@@ -74,6 +79,9 @@ class Sim:
         self.check_chunks(chunks, oldest)
         for c in chunks:
             self.check_kv_read(c)
+        if self.stall_cycles:  # the writes below, and the backups after_step issues, queue behind a busy device
+            torch.cuda._sleep(self.stall_cycles)
+        for c in chunks:
             self.write_kv(c)
             c.req.num_computed += c.num_tokens
             if c.sample:
@@ -115,7 +123,7 @@ class Sim:
     def write_kv(self, c: Chunk) -> None:
         for pos in range(c.start, c.start + c.num_tokens):
             assert self.pool.refcount[c.req.pages[pos // self.pool.page_size]] >= 1
-            slot = int(self.pool.slots(c.req.pages, pos, pos + 1)[0])
+            slot = c.req.pages[pos // self.pool.page_size] * self.pool.page_size + pos % self.pool.page_size
             self.pool.k_cache[0, slot, 0, 0], self.pool.v_cache[0, slot, 0, 0] = kv_value(c.req.tokens, pos)
 
     def check_accounting(self) -> None:

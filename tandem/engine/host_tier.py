@@ -79,7 +79,7 @@ class HostTier(PageAllocator):
         op = CopyOp(next(self._ids), list(device_pages), list(host_pages), is_load)
         self._hold(op)
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # rule 1
+            self._after_compute()
             with torch.cuda.stream(self.stream):
                 op.keep = self._copy(op)
                 op.done = torch.cuda.Event()
@@ -109,6 +109,10 @@ class HostTier(PageAllocator):
             for i, h, n in _runs(op.host_pages):
                 self.kv[h:h + n].copy_(staged[i:i + n], non_blocking=True)
         return idx, staged
+
+    def _after_compute(self) -> None:
+        """Rule 1: the side stream waits for everything launched on the compute stream so far."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
 
     def before_compute(self) -> None:
         """Make the compute stream wait for every load issued so far (rule 2)."""

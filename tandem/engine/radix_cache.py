@@ -363,7 +363,7 @@ class RadixCache:
             else:
                 assert (len(node.pages) - 1) * P < len(node.tokens) <= len(node.pages) * P
             above = node.parent.pages[-1] if node.parent is not self.root else 0
-            for j, (p, h) in enumerate(zip(node.pages, node.host, strict=True)):
+            for p, h in zip(node.pages, node.host, strict=True):
                 assert p is not None or h is not None, "a page on neither tier"
                 assert p is None or above is not None, "a device page below a host-only one"
                 above = p
