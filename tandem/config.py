@@ -142,7 +142,7 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
-    fused_kernels: bool = True  # on CUDA: fused Triton RMSNorm/RoPE/SiLU kernels in the model
+    fused_kernels: bool = True  # on CUDA: Triton attention kernels, fused RMSNorm/RoPE/SiLU (off: PyTorch)
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True

@@ -192,3 +192,34 @@ def test_cuda_graph_replay_follows_new_chunks():
         want = reference(q[:n], k_cache[LAYER], v_cache[LAYER], block_table, q_starts, lens, page_size, scale)
         assert torch.isfinite(out[:n]).all()
         torch.testing.assert_close(out[:n].float().cpu(), want, **TOLERANCE[torch.bfloat16])
+
+
+def test_engine_steps_through_the_prefill_kernel_equal_the_reference_path():
+    """Whole engine steps (chunked prefill, prefix-cache hits with a partial page, prefill chunks beside
+    decodes) through `BlockTablePrefill` and the kernel give the reference path's tokens and logprobs."""
+    import asyncio
+
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.types import SamplingParams
+
+    prefix = list(range(3, 40))
+    prompts = [prefix + [50, 51], prefix + [60], list(range(100, 131)), [7, 8, 9]]
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    config = EngineConfig(page_size=8, num_pages=64, max_prefill_tokens=24, device=DEVICE)
+    results = []
+    for kernel in (None, paged_prefill_attention):
+        with Engine("tiny", config) as engine:
+            engine.runner.prefill_kernel = kernel
+
+            async def go(engine=engine):
+                first = await engine.generate(prompts[0], sp)  # then a prefix hit beside a longer prefill
+                return [first] + list(await asyncio.gather(*[engine.generate(p, sp) for p in prompts[1:]]))
+
+            outs = asyncio.run(go())
+            results.append([(o.output_ids, o.output_logprobs, o.cached_tokens) for o in outs])
+    (ref, kernel_outs) = results
+    assert [r[2] for r in ref] == [0, 37, 0, 0]
+    for (ids, lps, cached), (ids_k, lps_k, cached_k) in zip(ref, kernel_outs, strict=True):
+        assert ids_k == ids and cached_k == cached
+        assert lps_k == pytest.approx(lps, abs=1e-4)

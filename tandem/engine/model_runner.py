@@ -4,7 +4,8 @@ Two paths behind one `run`:
   - decode steps (every chunk one token, the common case) go through fixed-shape buffers padded to a
     ladder of batch sizes; on CUDA each size is captured once as a CUDA graph and replayed, with the
     Triton paged-decode kernel; elsewhere the same code runs eagerly with the PyTorch reference kernel;
-  - steps with prefill chunks run eagerly with the reference `PagedAttention`.
+  - steps with prefill chunks run eagerly: on CUDA through the Triton paged-prefill kernel over block tables
+    (`BlockTablePrefill`), elsewhere (or with `kernels=False`) with the reference `PagedAttention`.
 
 Overlap: `launch` returns before the device finishes. A decode row whose input token was sampled by the step
 still in flight (a placeholder on the host, `PENDING`) reads it from that step's device tensor, and the
@@ -25,7 +26,7 @@ from tandem.distributed import collectives, faults
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.sampler import SamplingBatch, sample
 from tandem.engine.scheduler import PENDING, Chunk
-from tandem.model.attention import BlockTableDecode, PagedAttention, paged_decode_reference
+from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAttention, paged_decode_reference
 from tandem.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
@@ -52,25 +53,28 @@ class Launched:
         return self.tokens.tolist(), self.logprobs.tolist()
 
 
-def _decode_kernel(device: torch.device):
-    if device.type != "cuda":
-        return paged_decode_reference
+def _kernels(device: torch.device, enabled: bool):
+    """(decode kernel, prefill kernel or None): Triton's on CUDA, else the PyTorch references."""
+    if device.type != "cuda" or not enabled:
+        return paged_decode_reference, None
     try:
         from tandem.kernels.decode_attention import paged_decode_attention
-    except ImportError:  # no Triton: the reference works on CUDA too, without graphs
-        log.warning("Triton is not available: decode runs the PyTorch reference kernel, without CUDA graphs")
-        return paged_decode_reference
-    return paged_decode_attention
+        from tandem.kernels.prefill_attention import paged_prefill_attention
+    except ImportError:  # no Triton: the references work on CUDA too, without graphs
+        log.warning("Triton is not available: attention runs the PyTorch references, without CUDA graphs")
+        return paged_decode_reference, None
+    return paged_decode_attention, paged_prefill_attention
 
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, max_decode_batch: int = 256,
-                 cuda_graphs: bool = True, token_broadcast: bool = True):
+                 cuda_graphs: bool = True, token_broadcast: bool = True, kernels: bool = True):
+        """`kernels`: on CUDA, attention through the Triton kernels (off: the PyTorch references)."""
         self.model, self.pool = model, pool
         self.tp, self.token_broadcast = model.tp, token_broadcast
         self.num_launches = 0
         self.device = next(model.parameters()).device
-        self.kernel = _decode_kernel(self.device)
+        self.kernel, self.prefill_kernel = _kernels(self.device, kernels)
         self.batch_sizes = [b for b in [1, 2, 4, 8, *range(16, max_decode_batch + 1, 16)] if b <= max_decode_batch]
         B, P = self.batch_sizes[-1], -(-max_context_len // pool.page_size)
         self.ids_B = torch.zeros(B, dtype=torch.long, device=self.device)
@@ -216,8 +220,10 @@ class ModelRunner:
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
 
-    # ---- prefill and mixed steps: eager reference --------------------------------------------------------
+    # ---- prefill and mixed steps: eager -------------------------------------------------------------------
     def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+        if self.prefill_kernel is not None:
+            return self._mixed_kernel(chunks, prev)
         ids, positions, new_slots, kv_slots, sample_rows, pending = [], [], [], [], [], []
         row = 0
         for c in chunks:
@@ -241,6 +247,32 @@ class ModelRunner:
             ctx.decode_block_table = self._to_device(table, torch.int32)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         hidden = self.model(self._input_ids(ids, pending, prev), torch.cat(positions).to(self.device), ctx)
+        if not sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+
+    def _mixed_kernel(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+        """The step over block tables built on the host and copied without waiting for the device."""
+        P = self.pool.page_size
+        ids, positions, new_slots, q_starts, sample_rows, pending = [], [], [], [0], [], []
+        width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
+        table = []
+        for c in chunks:
+            end = c.start + c.num_tokens
+            row = q_starts[-1]
+            ids.extend(self._pending(row + i, c.req, t, pending) for i, t in enumerate(c.req.tokens[c.start:end]))
+            positions.extend(range(c.start, end))
+            new_slots.extend(c.req.pages[p // P] * P + p % P for p in range(c.start, end))
+            table.append(c.req.pages[:width] + [0] * (width - min(width, len(c.req.pages))))
+            q_starts.append(row + c.num_tokens)
+            if c.sample:
+                sample_rows.append(row + c.num_tokens - 1)
+        ctx = BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self._to_device(new_slots),
+                                self._to_device(table, torch.int32), self._to_device(q_starts, torch.int32),
+                                self._to_device([c.start + c.num_tokens for c in chunks], torch.int32), P,
+                                max(c.num_tokens for c in chunks), self.prefill_kernel)
+        self.last_prepare_seconds = time.perf_counter() - self._t0
+        hidden = self.model(self._input_ids(ids, pending, prev), self._to_device(positions), ctx)
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[self._to_device(sample_rows)])

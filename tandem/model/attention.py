@@ -5,8 +5,9 @@ A context decides what each query attends to:
   - `PackedCausal`: several sequences packed end to end, causal within each, no cache (the trainer,
     and reference checks).
   - `PagedAttention`: the engine's paged KV cache; each sequence's new tokens attend to its cached
-    prefix plus themselves. This file holds the PyTorch reference; the GPU fast path provides another
-    implementation with the same `attend` contract.
+    prefix plus themselves (the PyTorch reference, with Python lists per sequence).
+  - `BlockTablePrefill`, `BlockTableDecode`: the same over block tables in device tensors only, through a
+    kernel (Triton on GPU: `tandem.kernels`); the decode one is fixed-shape, for CUDA graphs.
 
 Shapes: T tokens in the flat batch, H query heads, K key/value heads, D head dim, S KV-cache slots.
 """
@@ -168,3 +169,27 @@ class BlockTableDecode(AttentionContext):
         self.v_cache[layer].index_copy_(0, self.slots_B, v_TKD.to(self.v_cache.dtype))
         return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.seq_lens_B,
                            self.page_size, q_THD.shape[-1] ** -0.5)
+
+
+@dataclass
+class BlockTablePrefill(AttentionContext):
+    """Any step (chunks of any length) through a paged-prefill kernel (`paged_prefill_attention`'s signature):
+    sequence b's queries are rows `q_starts_B1[b] .. q_starts_B1[b + 1] - 1` of the flat batch, their keys and
+    values go to `new_slots_T`, and query j attends causally over the first `kv_lens_B[b] - q_len_b + j + 1`
+    positions found through `block_table_BP[b]`. No Python loop per sequence, nothing gathered."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    new_slots_T: torch.Tensor
+    block_table_BP: torch.Tensor
+    q_starts_B1: torch.Tensor
+    kv_lens_B: torch.Tensor
+    page_size: int
+    max_q_len: int
+    kernel: object
+
+    def attend(self, layer, q_THD, k_TKD, v_TKD):
+        self.k_cache[layer].index_copy_(0, self.new_slots_T, k_TKD.to(self.k_cache.dtype))
+        self.v_cache[layer].index_copy_(0, self.new_slots_T, v_TKD.to(self.v_cache.dtype))
+        return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.q_starts_B1,
+                           self.kv_lens_B, self.page_size, q_THD.shape[-1] ** -0.5, self.max_q_len)
