@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp]    (no argument: tests throughput host_tier)
+set -o pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+parts=${*:-tests throughput host_tier}
+python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), "x", torch.cuda.get_device_name())' \
+    | tee "$OUT/device.txt"
+for part in $parts; do
+    echo "=== $part" | tee -a "$OUT/summary.txt"
+    case $part in
+        tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
+                   tests/test_prefill_kernel.py tests/test_fused_kernels.py tests/test_fused_model.py \
+                   tests/test_engine_gpu.py tests/test_host_tier.py -rs -s ;;
+        throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
+        hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
+        8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;
+        host_tier) timeout 300 python3 benchmarks/host_tier.py --model qwen3-0.6b --concurrency 64 --episodes 192 ;;
+        tp) timeout 300 python3 benchmarks/tp_overhead.py --device cuda ;;
+        *) echo "unknown part $part" ;;
+    esac 2>&1 | tee "$OUT/$part.txt"
+    echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
+done
