@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ class HostTier(PageAllocator):
         self._ids = itertools.count(1)
         self._last_load: CopyOp | None = None
         self.pages_loaded = self.pages_backed_up = 0
+        # host time: issuing copies, and waiting for them (reaps that had to block)
+        self.issue_seconds = self.wait_seconds = 0.0
 
     @property
     def bytes(self) -> int:
@@ -76,6 +79,7 @@ class HostTier(PageAllocator):
         self.pages_loaded += len(device_pages)
 
     def _issue(self, device_pages: list[int], host_pages: list[int], is_load: bool) -> CopyOp:
+        t0 = time.perf_counter()
         op = CopyOp(next(self._ids), list(device_pages), list(host_pages), is_load)
         self._hold(op)
         if self.stream is not None:
@@ -89,6 +93,7 @@ class HostTier(PageAllocator):
         else:
             self._copy(op)
         self.ops.append(op)
+        self.issue_seconds += time.perf_counter() - t0
         return op
 
     def _copy(self, op: CopyOp) -> tuple:
@@ -148,8 +153,10 @@ class HostTier(PageAllocator):
         while self.ops and (upto is None or self.ops[0].id <= upto):
             self.land(self.ops[0].id)
             op = self.ops.popleft()
-            if op.done is not None:
+            if op.done is not None and not op.done.query():
+                t0 = time.perf_counter()
                 op.done.synchronize()
+                self.wait_seconds += time.perf_counter() - t0
             self._release(op)
         if not self.ops:
             self._last_load = None
