@@ -19,7 +19,7 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import faults
 from tandem.distributed.parallel import TPGroup
 from tandem.engine.engine import Engine
-from tandem.engine.tp import run_follower
+from tandem.engine.tp import init_tp, run_follower
 from tandem.types import SamplingParams
 
 # divisible by 2 and 3 where TP splits: heads, KV heads, intermediate size, vocabulary
@@ -64,12 +64,21 @@ def two_turns(engine, requests):
     return first + second, retractions + more
 
 
+BACKEND = os.environ.get("TANDEM_TP_BACKEND", "gloo")  # "nccl" on a machine with a GPU per rank
+
+
 def _rank_main(rank, size, port, make_requests, config, plan, results, work=generate):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
+    if BACKEND == "nccl":  # the model's collectives on NCCL, one GPU per rank; the control channel stays gloo
+        torch.cuda.set_device(rank)
+        tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", "nccl")
+        config = dataclasses.replace(config, device="cuda")
+    else:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                                timeout=datetime.timedelta(seconds=60))
+        tp = TPGroup(rank, size)
     faults.configure(plan)
-    engine = Engine(CONFIG, config, tp=TPGroup(rank, size))
+    engine = Engine(CONFIG, config, tp=tp)
     if rank == 0:
         results.put(work(engine, make_requests()))
         engine.shutdown()
