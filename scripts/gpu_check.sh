@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp]    (no argument: tests throughput host_tier)
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp] [async]
+# (no argument: tests throughput host_tier; tp needs two GPUs)
 set -o pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-gpu_out}
@@ -18,7 +19,9 @@ for part in $parts; do
         hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
         8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;
         host_tier) timeout 300 python3 benchmarks/host_tier.py --model qwen3-0.6b --concurrency 64 --episodes 192 ;;
-        tp) timeout 300 python3 benchmarks/tp_overhead.py --device cuda ;;
+        tp) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
+                -k "(generates or never_diverge or names_the_diverging) and not 3" -rs &&
+            timeout 240 python3 benchmarks/tp_overhead.py --device cuda ;;
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
