@@ -314,6 +314,7 @@ class Engine:
         t1 = time.perf_counter()
         launched = self.runner.launch(chunks, self._inflight)
         t2 = time.perf_counter()
+        issued = self.tier.issued if self.tier is not None else 0
         for c in chunks:
             req = c.req
             req.num_computed += c.num_tokens
@@ -332,6 +333,8 @@ class Engine:
         self.stats.forward_seconds += t2 - t1 - self.runner.last_prepare_seconds
         self.stats.busy_seconds += time.perf_counter() - t0
         self._drain()
+        if self.tier is not None:  # every step before this one has finished now
+            self.tier.settled_upto = issued
         self._inflight = launched
         if not self.config.overlap:
             self._drain()

@@ -19,7 +19,6 @@ freed too early or read too early then holds the wrong values.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -57,8 +56,11 @@ class HostTier(PageAllocator):
         self.kv = torch.zeros((num_pages, 2, L, pool.page_size, K, D), dtype=pool.k_cache.dtype, pin_memory=cuda)
         self.stream = torch.cuda.Stream(pool.k_cache.device) if cuda else None
         self.ops: deque[CopyOp] = deque()
-        self._ids = itertools.count(1)
         self._last_load: CopyOp | None = None
+        self.issued = 0  # id of the last copy issued
+        # the engine sets this: copies up to this id were issued before the step in flight was launched, so
+        # they wait for no compute still running, only for their own transfer
+        self.settled_upto = 0
         self.pages_loaded = self.pages_backed_up = 0
         # host time: issuing copies, and waiting for them (reaps that had to block)
         self.issue_seconds = self.wait_seconds = 0.0
@@ -80,7 +82,8 @@ class HostTier(PageAllocator):
 
     def _issue(self, device_pages: list[int], host_pages: list[int], is_load: bool) -> CopyOp:
         t0 = time.perf_counter()
-        op = CopyOp(next(self._ids), list(device_pages), list(host_pages), is_load)
+        self.issued += 1
+        op = CopyOp(self.issued, list(device_pages), list(host_pages), is_load)
         self._hold(op)
         if self.stream is not None:
             self._after_compute()
