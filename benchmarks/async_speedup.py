@@ -1,10 +1,21 @@
-"""Sync vs fully-async RL on the long-tailed random agent, same seed, same machine, one run.
+"""Sync vs fully-async RL, same seed, same machine, one run; the weight sync against a plain broadcast.
 
-    python benchmarks/async_speedup.py [--model tiny] [--steps 12] [--staleness 1 2 4] [section.key=value ...]
+    python benchmarks/async_speedup.py [section.key=value ...] [--model qwen3-0.6b] [--placement separate]
+                                       [--task random] [--steps 12] [--staleness 1 2 4]
 
-Synchronous RL is the same loop with max_staleness = 0 (generate a batch, train, sync, repeat). Prints a
-markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
-idle fractions, engine pause per update, staleness, and prefix-cache reuse against the ideal.
+(overrides first: `--staleness` takes every number after it)
+
+Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate` runs
+the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL; on a
+CPU, gloo). On CUDA the engine sizes its KV pool from free memory (half of it when it shares the GPU). Synchronous RL
+is the same loop with max_staleness = 0 (generate a batch, train, sync, repeat). `--task target_tokens` (or
+guess_number) trains a learnable task at lr 1e-2, so the reward column shows learning; the default is the
+long-tailed random agent.
+
+Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
+idle fractions, the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse,
+and the reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's
+bytes between the same two devices with the same backend, measured in the same run: what the sync could reach.
 """
 
 from __future__ import annotations
@@ -13,11 +24,15 @@ import argparse
 import datetime
 import os
 import platform
+import socket
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from tandem.config import RunConfig
 from tandem.run.loop import run_recording
@@ -25,49 +40,137 @@ from tandem.run.loop import run_recording
 
 def measure(overrides: list[str]) -> dict:
     _, history, trained = run_recording(RunConfig.load(None, overrides))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
-    last = history[-1]
+    ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
+    last, quarter = history[-1], max(1, len(history) // 4)
     tokens = sum(h["tokens_trained"] for h in history)
     return {
         "wall_s": last["wall_s"], "tokens": tokens, "tok_s": tokens / last["wall_s"],
         "us_per_token": 1e6 * last["wall_s"] / tokens,
         "trainer_idle": last["trainer_idle_frac"], "engine_idle": last["engine_idle_frac"],
+        "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in history),
+        "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in history), "sync_bytes": last["sync_bytes"],
         "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in history),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in history),
         "stale_max": max(h["staleness_max"] for h in history),
         "cache_hit": last["cache_hit_rate"],
-        "reuse_vs_ideal": sum(e.cached_tokens for e in episodes) / max(1, sum(e.ideal_cached_tokens for e in episodes)),
+        "reuse_vs_ideal": f"{sum(e.cached_tokens for e in episodes) / ideal:.0%}" if ideal else "-",
+        "reward_first": statistics.mean(h["reward_mean"] for h in history[:quarter]),
+        "reward_last": statistics.mean(h["reward_mean"] for h in history[-quarter:]),
     }
+
+
+def _broadcast_worker(rank: int, port: int, backend: str, devices: list[str], num_bytes: int, reps: int, results):
+    device = torch.device(devices[rank])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    data, flag = torch.empty(num_bytes, dtype=torch.uint8, device=device), torch.zeros(1, device=device)
+    seconds = []
+    for _ in range(reps + 1):  # the first one sets up the communicator
+        dist.all_reduce(flag)  # both ranks start together
+        t0 = time.perf_counter()
+        dist.broadcast(data, src=0)
+        dist.all_reduce(flag)  # ... and the receiver has it: as the sync's final acknowledgement
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+    if rank == 0:
+        results.put(statistics.median(seconds[1:]))
+    dist.destroy_process_group()
+
+
+def plain_broadcast_gb_s(num_bytes: int, backend: str, devices: list[str], reps: int = 5) -> float:
+    """GB/s of one broadcast of `num_bytes` from devices[0] to devices[1] (two spawned processes), median of `reps`."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_broadcast_worker, args=(rank, port, backend, devices, num_bytes, reps, results))
+             for rank in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return num_bytes / results.get(timeout=600) / 1e9
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def devices_for(placement: str) -> tuple[str, str]:
+    """(trainer device, engine device)."""
+    if not torch.cuda.is_available():
+        return "cpu", "cpu"
+    if placement == "colocated":
+        return "cuda:0", "cuda:0"
+    if torch.cuda.device_count() < 2:
+        sys.exit("--placement separate on CUDA needs two GPUs")
+    return "cuda:0", "cuda:1"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--placement", default="colocated", choices=["colocated", "separate"])
+    parser.add_argument("--task", default="random", choices=["random", "target_tokens", "guess_number"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     out = tempfile.mkdtemp(prefix="tandem-bench-")
-    base = [f"model={args.model}", f"steps={args.steps}", "seed=0", "rollout.group_size=4", "rollout.batch_groups=4",
-            "rollout.num_in_flight=64", "random_agent.response_len_median=16", "random_agent.response_len_sigma=1.2",
-            "random_agent.response_len_max=512", *args.overrides]
+    trainer_device, engine_device = devices_for(args.placement)
+    base = [f"model={args.model}", f"task={args.task}", f"steps={args.steps}", "seed=0", f"placement={args.placement}",
+            f"trainer_device={trainer_device}", f"engine.device={engine_device}", "rollout.group_size=4",
+            "rollout.batch_groups=4", "rollout.num_in_flight=64", "random_agent.response_len_median=16",
+            "random_agent.response_len_sigma=1.2", "random_agent.response_len_max=512"]
+    if engine_device != "cpu":  # bf16 weights and KV in the engine, bf16 compute over fp32 masters in the trainer
+        base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.5 if args.placement == 'colocated' else 0.8}",
+                 "engine_dtype=bfloat16", "trainer.param_dtype=bfloat16"]
+    if args.task != "random":
+        base += ["trainer.lr=1e-2"]
+    base += args.overrides
     rows = [("sync", measure([*base, "rollout.max_staleness=0", f"out_dir={out}/sync"]))]
     for s in args.staleness:
         row = measure([*base, f"rollout.max_staleness={s}", f"out_dir={out}/a{s}"])
         rows.append((f"async, max_staleness={s}", row))
+    cfg = RunConfig.load(None, base)
+    plain = None
+    if args.placement == "separate":
+        backend = "nccl" if engine_device.startswith("cuda") else "gloo"
+        plain = plain_broadcast_gb_s(rows[0][1]["sync_bytes"], backend, [trainer_device, engine_device])
+
     sync_tok_s = rows[0][1]["tok_s"]
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
+    device = (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+              if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)")
     print(f"## async speedup ({datetime.date.today()}, {device}, Python {platform.python_version()}, "
           f"torch {torch.__version__})")
-    print(f"command: python {' '.join(sys.argv)}\n")
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"placement {args.placement}: trainer on {trainer_device}, engine on {engine_device}; task {args.task}, "
+          f"model {args.model}, pause mode {cfg.rollout.pause_mode}\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | pause ms / update | staleness mean / max | cache hit | reuse vs ideal |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "engine idle | sync ms / update | sync GB/s | pause ms / update | staleness mean / max | cache hit | "
+          "reuse vs ideal | reward first -> last quarter |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | {r['tok_s']:.0f} | "
               f"{r['tok_s'] / sync_tok_s:.2f}x | {r['trainer_idle']:.0%} | {r['engine_idle']:.0%} | "
-              f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | {r['cache_hit']:.0%} | "
-              f"{r['reuse_vs_ideal']:.0%} |")
+              f"{r['transfer_ms']:.1f} | {r['sync_gb_s']:.3g} | {r['pause_ms']:.1f} | {r['stale_mean']:.2f} / "
+              f"{r['stale_max']:.0f} | {r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> "
+              f"{r['reward_last']:+.3f} |")
+    sync_bytes, idle_gb_s = rows[0][1]["sync_bytes"], rows[0][1]["sync_gb_s"]
+    busy_gb_s = statistics.mean(r["sync_gb_s"] for _, r in rows[1:]) if rows[1:] else float("nan")
+    if plain is None:
+        print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update, handed over in memory (placement colocated)")
+    else:
+        print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update in buckets of {cfg.weight_bucket_bytes / 2**20:g} "
+              f"MiB: {idle_gb_s:.3g} GB/s while the engine waits (sync), {busy_gb_s:.3g} GB/s while it generates "
+              f"(async, mean); one plain {backend} broadcast of the same bytes between the same devices in this run: "
+              f"{plain:.3g} GB/s ({idle_gb_s / plain:.0%} and {busy_gb_s / plain:.0%} of it)")
 
 
 if __name__ == "__main__":

@@ -307,7 +307,15 @@ class TrainerConfig:
 
 @dataclass(slots=True)
 class RunConfig:
-    """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU."""
+    """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU.
+
+    Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory;
+    "separate" runs the engine in a process of its own behind its HTTP server, weights broadcast over a
+    torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of `weight_bucket_bytes`.
+    The trainer runs on `trainer_device` (None: `engine.device`), the engine on `engine.device`.
+    `weight_sync_timeout_s` bounds every collective of a weight sync (and joining the group); `engine_timeout_s`
+    bounds the separate engine's start-up, every HTTP call but a generate, and how long it may leave `/health`
+    unanswered."""
 
     model: str = "tiny"
     task: str = "random"  # random | target_tokens | guess_number
@@ -318,6 +326,12 @@ class RunConfig:
     resume: bool = False
     tensorboard: bool = False  # also write scalars for TensorBoard to out_dir (needs the tensorboard package)
     compare_sync: bool = False  # afterwards, run synchronous RL (max_staleness 0) on the same seed and compare
+    placement: Literal["colocated", "separate"] = "colocated"
+    trainer_device: str | None = None
+    engine_dtype: Literal["float32", "bfloat16"] = "float32"  # the engine's weights and KV (the trainer's: trainer)
+    weight_bucket_bytes: int = 512 << 20
+    weight_sync_timeout_s: float = 120.0
+    engine_timeout_s: float = 300.0
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
@@ -325,9 +339,23 @@ class RunConfig:
     random_agent: RandomAgentConfig = dataclasses.field(default_factory=RandomAgentConfig)
 
     def __post_init__(self):
-        _check_positive("run", self, ("steps",))
+        _check_positive("run", self, ("steps", "weight_bucket_bytes", "weight_sync_timeout_s", "engine_timeout_s"))
         if self.task not in ("random", "target_tokens", "guess_number"):
             raise ValueError(f"run.task: must be random, target_tokens or guess_number, got {self.task!r}")
+        if self.engine_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"run.engine_dtype: must be float32 or bfloat16, got {self.engine_dtype!r}")
+        if self.placement not in ("colocated", "separate"):
+            raise ValueError(f"run.placement: must be colocated or separate, got {self.placement!r}")
+        if self.trainer_device is not None and not isinstance(self.trainer_device, str):
+            raise ValueError(f"run.trainer_device: must be a device name such as cuda:0, got {self.trainer_device!r}")
+        trainer, engine = self.trainer_device or self.engine.device, self.engine.device
+        if self.placement == "separate" and trainer.startswith("cuda") != engine.startswith("cuda"):
+            raise ValueError(f"run.trainer_device: with placement separate the trainer ({trainer}) and the engine "
+                             f"({engine}) must both be on CUDA (NCCL) or both on the CPU (gloo)")
+        if self.placement == "separate" and engine.startswith("cuda") and trainer.removesuffix(":0") == \
+                engine.removesuffix(":0"):
+            raise ValueError(f"run.trainer_device: placement separate needs two GPUs (NCCL takes one per rank), got "
+                             f"{trainer} for the trainer and the engine; placement colocated shares one")
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] = ()) -> RunConfig:

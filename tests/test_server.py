@@ -1,6 +1,7 @@
 """The HTTP server: a real uvicorn on a free port in a background thread, a real tiny engine, httpx as client."""
 
 import asyncio
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -11,8 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from tandem.config import EngineConfig
+from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine
 from tandem.server.http import ServerThread
+from tandem.transport.weights import DistSender
 from tandem.types import SamplingParams
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
@@ -161,6 +164,17 @@ BAD_CONTROL = [
     ("/update_weights_from_disk", {}, "model_path: required"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "v2"}, "weight_version"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path: cannot load"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2,
+                                    "backend": "gloo"}, "master_port: required"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                    "world_size": 2}, "backend: nccl needs the engine on a CUDA device"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
+                                    "world_size": 2, "backend": "gloo"}, "rank: rank 0 is the sender"),
+    ("/update_weights_from_distributed", {"group_name": "g"}, "group_name: no weight group 'g'"),
+    ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]},
+     "names: tandem's sender puts"),
+    ("/update_weights_from_distributed", {"pause_mode": "nap"}, "pause_mode: must be one of"),
+    ("/destroy_weights_update_group", {"group_name": "g"}, "group_name: no weight group 'g'"),
 ]
 
 
@@ -256,6 +270,67 @@ def test_update_weights_from_disk(engine, client, tmp_path):
     assert after["meta_info"]["weight_version"] == 7
     assert after["meta_info"]["output_token_weight_versions"] == [7] * 8
     assert after["output_ids"] != before["output_ids"]
+
+
+def test_weights_arrive_while_generating_and_only_the_load_pauses(engine, server, client):
+    """/update_weights_from_distributed: while the engine waits for (and receives) the buckets it keeps generating
+    and is not paused; it pauses only to load them. The trainer (a DistSender in a thread here) sends late on
+    purpose, so the receive visibly overlaps generation."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    version = stats(engine).weight_version + 1
+    weights = {name: p.detach().clone() for name, p in engine.model.named_parameters()}  # the same weights
+    with ThreadPoolExecutor(3) as pool:
+        joining = pool.submit(DistSender, f"tcp://127.0.0.1:{port}", 2, timeout_s=30, bucket_bytes=64 << 10)
+        r = client.post("/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo",
+            "group_name": "w", "timeout_s": 30})
+        assert r.status_code == 200 and r.json()["success"], r.text
+        with joining.result(timeout=30) as sender:
+            long = post_in_background(pool, server, {"input_ids": [3, 4, 5], "sampling_params": LONG})
+            wait_running(engine)
+            update = pool.submit(lambda: httpx.post(f"{server.url}/update_weights_from_distributed", timeout=60,
+                                                    json={"group_name": "w", "weight_version": version}).json())
+            before = stats(engine)
+            time.sleep(0.5)
+            during = stats(engine)
+            assert not update.done() and during.num_paused == 0
+            assert during.generated_tokens > before.generated_tokens  # generating while the receiver waits
+            sender.send(weights.items(), version)
+            reply = update.result(timeout=30)
+            assert client.post("/destroy_weights_update_group", json={"group_name": "w"}).json()["success"]
+        assert reply["success"] and reply["weight_version"] == version == stats(engine).weight_version
+        assert reply["transfer_s"] > 0.4 > reply["pause_s"] > 0 and reply["num_buckets"] >= 3
+        after = stats(engine)
+        assert after.num_paused == 0 and after.num_running == 1  # resumed (pause mode retract: recomputing)
+        client.post("/abort_request", json={"abort_all": True})
+        versions = long.result(timeout=10)["meta_info"]["output_token_weight_versions"]
+        assert versions[0] == version - 1 and versions[-1] == version
+
+
+def test_engine_client_speaks_to_the_server(engine, server):
+    """The HTTP client the trainer uses for a separate engine: same outputs as the engine, its stats, clear errors."""
+    client = EngineClient(server.url, timeout_s=30).connect()
+    assert client.model_config == engine.model_config and client.max_context_len == engine.max_context_len
+    direct = asyncio.run(engine.generate([3, 4, 5], SamplingParams(**GREEDY)))
+
+    async def session():
+        try:
+            out = await client.generate([3, 4, 5], SamplingParams(**GREEDY), rid="client-1")
+            return out, await client.get_stats(), await client.health(5)
+        finally:
+            await client.aclose()
+
+    out, got, healthy = asyncio.run(session())
+    assert (out.rid, out.output_ids, out.weight_versions) == ("client-1", direct.output_ids, direct.weight_versions)
+    assert out.output_logprobs == pytest.approx(direct.output_logprobs, abs=1e-6)
+    assert out.finish_reason == direct.finish_reason and out.prompt_tokens == 3
+    assert got.generated_tokens >= 16 and got.weight_version == stats(engine).weight_version and healthy
+    with pytest.raises(ValueError, match=rf"engine at {server.url}: POST /generate: input_ids\[0\]"):
+        asyncio.run(client.generate([-1]))
+    with pytest.raises(EngineUnreachable, match="engine at http://127.0.0.1:1: GET /get_model_info: ConnectError"):
+        EngineClient("http://127.0.0.1:1", timeout_s=5).connect()
 
 
 def scrape(client):

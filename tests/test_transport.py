@@ -49,14 +49,14 @@ def digest(named) -> dict[str, str]:
 
 
 def count_broadcasts(end) -> Counter:
-    """Count every broadcast the transport makes, by what it carries."""
-    calls, inner = Counter(), end._broadcast
+    """Count every broadcast the transport starts, by what it carries."""
+    calls, inner = Counter(), end._start_broadcast
 
     def counted(tensor, group, what, bucket):
         calls[what] += 1
         return inner(tensor, group, what, bucket)
 
-    end._broadcast = counted
+    end._start_broadcast = counted
     return calls
 
 

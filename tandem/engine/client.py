@@ -44,10 +44,11 @@ class EngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def connect(self) -> EngineClient:
+        what = "GET /get_model_info"
         try:
-            info = self._check("GET /get_model_info", httpx.get(f"{self.url}/get_model_info", timeout=self.timeout_s))
+            info = self._check(what, httpx.get(f"{self.url}/get_model_info", timeout=self.timeout_s))
         except httpx.HTTPError as e:
-            raise EngineUnreachable(f"engine at {self.url}: GET /get_model_info: {type(e).__name__}: {e}") from e
+            raise self._unreachable(what, e) from e
         names = {f.name for f in dataclasses.fields(ModelConfig)}
         self.model_config = ModelConfig(**{k: v for k, v in info.items() if k in names})
         self.max_context_len, self.weight_version = info["context_length"], info["weight_version"]
@@ -113,8 +114,11 @@ class EngineClient:
         try:
             reply = await self._client().request(method, path, json=body, timeout=timeout)
         except httpx.HTTPError as e:
-            raise EngineUnreachable(f"engine at {self.url}: {what}: {type(e).__name__}: {e or 'no answer'}") from e
+            raise self._unreachable(what, e) from e
         return self._check(what, reply)
+
+    def _unreachable(self, what: str, e: httpx.HTTPError) -> EngineUnreachable:
+        return EngineUnreachable(f"engine at {self.url}: {what}: {type(e).__name__}: {str(e) or 'no answer'}")
 
     def _check(self, what: str, reply: httpx.Response) -> dict:
         if reply.status_code == 200:

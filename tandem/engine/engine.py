@@ -230,6 +230,8 @@ class Engine:
 
     # ---- engine thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
+        if self.pool.k_cache.is_cuda:  # events, streams and graphs of this thread belong to the engine's GPU
+            torch.cuda.set_device(self.pool.k_cache.device)
         while not self._stop:
             busy = self.paused is None and (self.scheduler.running or self.scheduler.waiting)
             self.watchdog.bump()

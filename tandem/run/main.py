@@ -18,7 +18,9 @@ COLUMNS = [("step", "step", "{:.0f}"), ("version", "ver", "{:.0f}"), ("in_flight
            ("staleness_mean", "stale", "{:.2f}"), ("staleness_max", "max", "{:.0f}"),
            ("trained_tokens_per_s", "train tok/s", "{:.0f}"), ("rollout_tokens_per_s", "gen tok/s", "{:.0f}"),
            ("cache_hit_rate", "cache hit", "{:.0%}"), ("mismatch_kl", "mism. KL", "{:+.1e}"),
-           ("clip_frac", "clip", "{:.2f}"), ("pause_s", "pause ms", "{:.1f}"), ("wait_s", "wait s", "{:.2f}")]
+           ("clip_frac", "clip", "{:.2f}"), ("transfer_s", "sync ms", "{:.1f}"), ("pause_s", "pause ms", "{:.1f}"),
+           ("wait_s", "wait s", "{:.2f}")]
+MILLISECONDS = {"transfer_s", "pause_s"}
 
 
 def _table(records: list[dict], last: int = 12) -> Table:
@@ -29,7 +31,7 @@ def _table(records: list[dict], last: int = 12) -> Table:
         cells = []
         for key, _, fmt in COLUMNS:
             value = r.get(key)
-            value = value * 1e3 if key == "pause_s" and value is not None else value
+            value = value * 1e3 if key in MILLISECONDS and value is not None else value
             cells.append(fmt.format(value) if value is not None else "-")
         table.add_row(*cells)
     return table
@@ -49,7 +51,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
     """One run with the live table; Ctrl-C stops it cleanly (the loop saves a checkpoint)."""
     console.print(f"[bold]tandem run[/]: task={cfg.task} model={cfg.model} steps={cfg.steps} "
                   f"max_staleness={cfg.rollout.max_staleness} pause_mode={cfg.rollout.pause_mode} "
-                  f"out_dir={cfg.out_dir}")
+                  f"placement={cfg.placement} (trainer on {cfg.trainer_device or cfg.engine.device}, engine on "
+                  f"{cfg.engine.device}) out_dir={cfg.out_dir}")
     writer = _tensorboard(cfg)
     run = Run(cfg)
     run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,8 +78,10 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
         first, last = records[0], records[-1]
         console.print(f"\ndone: {last['step']} steps in {last['wall_s']:.1f} s; reward {first['reward_mean']:+.3f} -> "
                       f"{last['reward_mean']:+.3f}; {last['trained_tokens_per_s']:.0f} trained tok/s; trainer idle "
-                      f"{last['trainer_idle_frac']:.0%}, engine idle {last['engine_idle_frac']:.0%}; dropped groups "
-                      f"{last['dropped_groups']}; metrics in {run.out_dir / 'metrics.jsonl'}")
+                      f"{last['trainer_idle_frac']:.0%}, engine idle {last['engine_idle_frac']:.0%}; weight sync "
+                      f"{1e3 * last['transfer_s']:.1f} ms ({last['sync_gb_per_s']:.2f} GB/s), generation paused "
+                      f"{1e3 * last['pause_s']:.1f} ms; dropped groups {last['dropped_groups']}; metrics in "
+                      f"{run.out_dir / 'metrics.jsonl'}")
     return records
 
 

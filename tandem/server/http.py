@@ -1,7 +1,9 @@
 """The engine's HTTP server: the subset of SGLang's native API that RL frameworks use, with SGLang's field names.
 
 Endpoints: `POST /generate`, `/pause_generation`, `/continue_generation`, `/abort_request`, `/flush_cache`,
-`/update_weights_from_disk`; `GET /health`, `/get_model_info`, `/get_server_info`, `/metrics`.
+`/update_weights_from_disk`, `/init_weights_update_group`, `/update_weights_from_distributed`,
+`/destroy_weights_update_group`; `GET /health`, `/get_model_info`, `/get_server_info`, `/metrics`, and tandem's
+`/engine_stats` (the engine's counters as JSON).
 
 Contract: a malformed request or one the engine refuses in its state gets a 400 whose body is
 `{"error": {"message": ..., "type": "BadRequest"}}` and whose message names the field; nothing of it reaches
@@ -15,10 +17,12 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import socket
 import threading
 import time
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import uvicorn
@@ -26,9 +30,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.requests import ClientDisconnect
 
-from tandem.engine.engine import Engine, EngineError
+from tandem.engine.engine import PAUSE_MODES, Engine, EngineError
 from tandem.model.loader import iter_safetensors
+from tandem.transport.weights import DistReceiver, TransportError
 from tandem.types import EngineStats, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,7 +51,16 @@ def build_app(engine: Engine) -> FastAPI:
     """A FastAPI app serving `engine`. The app owns a Prometheus registry of its own and the set of rids it
     has in flight (a rid may not be reused while in flight); the engine is shared, not owned (the caller shuts
     it down)."""
-    app = FastAPI(title="tandem engine")
+    groups: dict[str, _WeightGroup | None] = {}  # None while joining
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        for group in groups.values():
+            if group is not None:
+                group.receiver.close()
+
+    app = FastAPI(title="tandem engine", lifespan=lifespan)
     inflight: set[str] = set()
     stats_collector = _StatsCollector()
     registry = CollectorRegistry()
@@ -145,7 +160,121 @@ def build_app(engine: Engine) -> FastAPI:
         stats_collector.stats = await engine.get_stats()
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/engine_stats")
+    async def engine_stats():
+        return dataclasses.asdict(await engine.get_stats())
+
+    _add_weight_group_routes(app, engine, groups)
     return app
+
+
+# ---- weight updates over a torch.distributed group ---------------------------------------------------------
+@dataclasses.dataclass
+class _WeightGroup:
+    receiver: DistReceiver
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one transfer at a time
+
+
+INIT_GROUP_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+                     "timeout_s"}
+IN_BAND = ("names", "dtypes", "shapes")  # SGLang sends these per call; tandem's buckets carry them in the group
+
+
+def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _WeightGroup | None]) -> None:
+    def group_of(body: dict) -> tuple[str, _WeightGroup]:
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str) or groups.get(name) is None:
+            raise ValueError(f"group_name: no weight group {name!r} (init it with /init_weights_update_group)")
+        if groups[name].lock.locked():
+            raise ValueError(f"group_name: a transfer on {name!r} is running")
+        return name, groups[name]
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request):
+        """Join a weight group as rank `rank_offset` (rank 0, the trainer, hosts its store at master_address:
+        master_port and must join meanwhile). Returns once every rank has joined; one that does not come within
+        `timeout_s` (tandem's field, default 60; it also bounds every later collective) is a 500 naming it."""
+        body = _only(await _json_body(request), INIT_GROUP_FIELDS)
+        name = body.get("group_name", "weight_update_group")
+        if not isinstance(name, str) or name in groups:
+            raise ValueError(f"group_name: {name!r} is taken (destroy it first) or not a string")
+        if engine.tp.size > 1:
+            raise ValueError("group_name: a tensor-parallel engine cannot join a weight group yet")
+        if not isinstance(body.get("master_address"), str) or not body["master_address"]:
+            raise ValueError("master_address: required, the trainer's host name or address")
+        for key in ("master_port", "rank_offset", "world_size"):
+            if not isinstance(body.get(key), int) or isinstance(body[key], bool):
+                raise ValueError(f"{key}: required, an integer")
+        backend, timeout_s = body.get("backend", "nccl"), body.get("timeout_s", 60.0)
+        if backend == "nccl" and not engine.config.device.startswith("cuda"):
+            raise ValueError(f"backend: nccl needs the engine on a CUDA device, it is on {engine.config.device}")
+        if not isinstance(timeout_s, int | float) or isinstance(timeout_s, bool) or not timeout_s > 0:
+            raise ValueError(f"timeout_s: must be a positive number, got {timeout_s!r}")
+        label = f"engine pid {os.getpid()} at {str(request.base_url).rstrip('/')}"
+        groups[name] = None
+        try:
+            receiver = await asyncio.to_thread(
+                DistReceiver, f"tcp://{body['master_address']}:{body['master_port']}", body["world_size"],
+                body["rank_offset"], backend, timeout_s, label, engine.config.device if backend == "nccl" else None)
+        except TransportError as e:
+            return _error(500, str(e), "TransportError", extra={"success": False, "message": str(e)})
+        finally:
+            groups.pop(name)
+        groups[name] = _WeightGroup(receiver)
+        return {"success": True, "message": f"joined weight group {name!r} as rank {body['rank_offset']}"}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request):
+        """Receive one transfer from the group's sender and load it. The buckets arrive into a staging copy (one
+        full copy of the weights on the engine's device) while the engine keeps generating; only the load excludes
+        generation: the engine pauses (`pause_mode`, default retract) just for `update_weights`, then resumes. An
+        engine already paused by a client loads and stays paused. Replies with the version loaded, `transfer_s`
+        (the receive) and `pause_s` (generation excluded). A failed transfer is a 500 that leaves the weights and
+        their version unchanged, and the group unusable: destroy it and init another."""
+        body = _only(await _json_body(request), {"group_name", "weight_version", "pause_mode", "flush_cache",
+                                                 *IN_BAND})
+        for key in IN_BAND:
+            if key in body:
+                raise ValueError(f"{key}: tandem's sender puts each bucket's names, dtypes and shapes in the group; "
+                                 "omit them")
+        if body.get("flush_cache", True) is not True:
+            raise ValueError("flush_cache: a weight update always empties the prefix cache; omit it or send true")
+        version, mode = body.get("weight_version"), body.get("pause_mode", "retract")
+        if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
+            raise ValueError(f"weight_version: must be an integer, got {version!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode: must be one of {PAUSE_MODES}, got {mode!r}")
+        name, group = group_of(body)
+        async with group.lock:
+            try:
+                sent_version, named = await asyncio.to_thread(group.receiver.receive)
+            except TransportError as e:
+                return _error(500, str(e), "TransportError", extra={"success": False, "message": str(e)})
+            try:
+                if version is not None and version != sent_version:
+                    raise ValueError(f"weight_version: the request says {version}, the transfer carries {sent_version}")
+                already_paused, t0 = engine.paused is not None, time.perf_counter()
+                if not already_paused:
+                    await engine.pause(mode)
+                try:
+                    await engine.update_weights(named.items(), sent_version)
+                finally:
+                    if not already_paused:
+                        await engine.resume()
+                pause_s = time.perf_counter() - t0
+            except (ValueError, EngineError) as e:
+                return _error(400, str(e), extra={"success": False, "message": str(e)})
+        stats = group.receiver.last_stats
+        return {"success": True, "message": f"loaded {stats.num_tensors} tensors from weight group {name!r}",
+                "weight_version": sent_version, "transfer_s": stats.seconds, "pause_s": pause_s,
+                "num_bytes": stats.num_bytes, "num_buckets": stats.num_buckets}
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request):
+        name, group = group_of(_only(await _json_body(request), {"group_name"}))
+        del groups[name]
+        group.receiver.close()
+        return {"success": True, "message": f"left weight group {name!r}"}
 
 
 # ---- /generate ------------------------------------------------------------------------------------------
@@ -286,7 +415,8 @@ async def _bad_request(request: Request, exc: Exception) -> JSONResponse:
 
 class _InternalErrors:
     """An unexpected exception becomes a 500 JSON reply here, inside the app: let through to the server, it
-    would also close the connection, and a keep-alive client's next request on it would fail."""
+    would also close the connection, and a keep-alive client's next request on it would fail. A client that went
+    away before its body arrived is no error (a 499 nobody reads)."""
 
     def __init__(self, app):
         self.app = app
@@ -301,6 +431,9 @@ class _InternalErrors:
 
         try:
             await self.app(scope, receive, send_tracking)
+        except ClientDisconnect:
+            if not started:
+                await Response(status_code=499)(scope, receive, send)
         except Exception as exc:
             if scope["type"] != "http" or started:
                 raise

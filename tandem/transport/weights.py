@@ -13,6 +13,9 @@ One transfer over the group, every step bounded by `timeout_s`:
 2. buckets: tensors grouped by dtype into flat buckets of about `bucket_bytes`. Per bucket, its metadata as JSON is
    broadcast on the control group (always gloo, so it also works beside NCCL), then its flat tensor in ONE broadcast
    on the data group (the chosen backend). Never a collective per tensor: that is the classic slow weight sync.
+   Pipelined: the sender starts a bucket's data broadcast without waiting for it, gathers and flattens the next
+   bucket while it travels (on CUDA the broadcast runs on NCCL's stream, the flattening copies on the current one),
+   and waits for it only before the next bucket's metadata. At most two flat buckets exist on the sender at once.
 3. done: each engine sends DONE to rank 0, so `send` returns only once every engine holds every tensor.
 
 Bad input found by the sender mid-transfer is broadcast as an `error` bucket, so the engines raise at once instead of
@@ -270,7 +273,7 @@ class _DistEnd:
     The groups are standalone (not `init_process_group`), so they live beside any default group of the process."""
 
     def __init__(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
-                 label: str | None):
+                 label: str | None, device: str | torch.device | None):
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method: expected tcp://host:port, got {init_method!r}")
@@ -283,7 +286,12 @@ class _DistEnd:
         self.init_method, self.world_size, self.rank, self.backend = init_method, world_size, rank, backend
         self.timeout_s = _check_timeout(timeout_s)
         self.timeout = timedelta(seconds=timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            if self.device.type != "cuda":
+                raise ValueError(f"device: nccl needs a CUDA device, got {self.device}")
         self.labels: dict[int, str] = {}
         self.broken: str | None = None
         self._failed_works: list = []  # kept alive until close: gloo may still touch their buffers
@@ -332,26 +340,48 @@ class _DistEnd:
         self.broken = message
         return TransportError(f"weights (rank {self.rank}): {message}", ranks=peers, bucket=bucket)
 
-    def _check_usable(self) -> None:
+    def _begin(self) -> None:
+        """Refuse a broken or closed transport; bind the calling thread to the transport's CUDA device (NCCL and the
+        allocations use the current one)."""
         if self.broken:
             raise TransportError(f"weights (rank {self.rank}): this transport failed earlier ({self.broken}); "
                                  "close it and build a new one")
         if self.control is None:
             raise TransportError(f"weights (rank {self.rank}): this transport is closed")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def _wait(self, start: Callable[[], dist.Work], what: str, bucket: int | None = None) -> None:
         """Start one operation with every peer and wait for it at most the timeout."""
         try:
-            start().wait(self.timeout)
+            work = start()
         except RuntimeError as e:
-            where = "" if bucket is None else f" of bucket {bucket}"
-            raise self._fail(f"{what}{where} with {self._who(self._peers())} failed or timed out "
-                             f"(timeout_s={self.timeout_s:g}): {e}", self._peers(), bucket) from e
+            raise self._timed_out(what, bucket, e) from e
+        self._complete(work, what, bucket)
 
-    def _broadcast(self, tensor_N: Tensor, group, what: str, bucket: int) -> None:
+    def _complete(self, work: dist.Work, what: str, bucket: int | None = None) -> None:
+        """Wait for a started operation at most the timeout."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise self._timed_out(what, bucket, e) from e
+
+    def _timed_out(self, what: str, bucket: int | None, e: Exception) -> TransportError:
+        where = "" if bucket is None else f" of bucket {bucket}"
+        return self._fail(f"{what}{where} with {self._who(self._peers())} failed or timed out "
+                          f"(timeout_s={self.timeout_s:g}): {e}", self._peers(), bucket)
+
+    def _start_broadcast(self, tensor_N: Tensor, group, what: str, bucket: int) -> dist.Work:
+        """Start broadcasting `tensor_N` from rank 0 on `group`; returns the operation, not yet waited for."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._wait(lambda: group.broadcast([tensor_N], options), what, bucket)
+        try:
+            return group.broadcast([tensor_N], options)
+        except RuntimeError as e:
+            raise self._timed_out(what, bucket, e) from e
+
+    def _broadcast(self, tensor_N: Tensor, group, what: str, bucket: int) -> None:
+        self._complete(self._start_broadcast(tensor_N, group, what, bucket), what, bucket)
 
     def _meta(self, meta: BucketMeta | None, index: int) -> BucketMeta:
         """Broadcast one bucket's metadata from rank 0 (its length, then its bytes); `meta` is None on receivers."""
@@ -384,43 +414,65 @@ class _DistEnd:
 class DistSender(_DistEnd, WeightSender):
     """Rank 0 of the weight group: the trainer. `bucket_bytes` bounds one bucket (slime uses 512 MiB, AReaL 1 GiB);
     a bigger tensor travels alone. The constructor blocks until every rank has joined (at most `timeout_s`).
-    `label` names this rank in the peers' error messages, e.g. "trainer at 10.0.0.1"."""
+    `label` names this rank in the peers' error messages, e.g. "trainer at 10.0.0.1". `device` (nccl only): the
+    CUDA device buckets are flattened on (default: the current one). `pipeline`: overlap gathering and flattening
+    the next bucket with the broadcast of this one (see the module docstring); False waits for every broadcast
+    before touching the next bucket (the reference the pipelined path is tested against)."""
 
     def __init__(self, init_method: str, world_size: int, rank: int = 0, backend: str = "gloo",
-                 timeout_s: float = 60.0, bucket_bytes: int = 512 << 20, label: str | None = None):
+                 timeout_s: float = 60.0, bucket_bytes: int = 512 << 20, label: str | None = None,
+                 device: str | torch.device | None = None, pipeline: bool = True):
         if rank != 0:
             raise ValueError(f"rank: the sender is rank 0, got {rank}")
         if not bucket_bytes > 0:
             raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes!r}")
-        self.bucket_bytes = bucket_bytes
-        super().__init__(init_method, world_size, rank, backend, timeout_s, label)
+        self.bucket_bytes, self.pipeline = bucket_bytes, pipeline
+        super().__init__(init_method, world_size, rank, backend, timeout_s, label, device)
 
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
-        self._check_usable()
+        self._begin()
         t0 = time.perf_counter()
         self._gather(HELLO, "start receiving")
         num_buckets = num_tensors = num_bytes = 0
+        in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), one at most
         try:
+            # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
+            # overlap the broadcast in flight
             for bucket, is_last in _mark_last(_buckets(named_tensors, self.bucket_bytes)):
                 meta = BucketMeta(num_buckets, version, is_last=is_last)
                 flat_N = _flatten(bucket, meta, self.device)
+                self._land(in_flight)
                 self._meta(meta, num_buckets)
                 if meta.numel:
-                    self._broadcast(flat_N, self.data, "data", num_buckets)
+                    in_flight.append((self._start_broadcast(flat_N, self.data, "data", num_buckets), flat_N,
+                                      num_buckets))
+                    if not self.pipeline:
+                        self._land(in_flight)
                 num_buckets, num_tensors = num_buckets + 1, num_tensors + len(bucket)
                 num_bytes += flat_N.numel() * flat_N.element_size()
+            self._land(in_flight)
         except TransportError:
             raise
         except Exception as e:
             # bad input: tell the engines now rather than let them time out; the group stays in step
+            self._land(in_flight)
             self._meta(BucketMeta(num_buckets, version, is_last=True, error=f"{type(e).__name__}: {e}"), num_buckets)
             raise
         self._gather(DONE, "confirm the transfer")
         return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0)
 
+    def _land(self, in_flight: list[tuple[dist.Work, Tensor, int]]) -> None:
+        """Wait for the data broadcasts in `in_flight` (emptying it)."""
+        while in_flight:
+            work, _, index = in_flight.pop()
+            self._complete(work, "data", index)
+
     def _gather(self, tag: int, what: str) -> None:
         """One message from every receiver, all within one timeout; names every rank that did not send."""
-        works = {r: self.control.recv([torch.zeros(1, dtype=torch.int64)], r, tag) for r in self._peers()}
+        try:
+            works = {r: self.control.recv([torch.zeros(1, dtype=torch.int64)], r, tag) for r in self._peers()}
+        except RuntimeError as e:  # a connection already closed: its peer died
+            raise self._fail(f"cannot wait for {self._who(self._peers())} to {what}: {e}", self._peers()) from e
         deadline = time.monotonic() + self.timeout_s
         missing = []
         for r, work in works.items():
@@ -435,19 +487,20 @@ class DistSender(_DistEnd, WeightSender):
 
 class DistReceiver(_DistEnd, WeightReceiver):
     """Ranks 1..N of the weight group: an engine, or one tensor-parallel rank of one. Received tensors live on the
-    CPU (gloo) or the current CUDA device (nccl). `last_stats` describes the last completed `receive`.
+    CPU (gloo) or on `device` (nccl; default: the current CUDA device), complete when `receive` returns (it
+    synchronizes the device), so another thread may load them. `last_stats` describes the last completed `receive`.
     The constructor blocks until every rank has joined (at most `timeout_s`). `label` names this rank in the
     trainer's error messages, e.g. "engine-0 at 127.0.0.1:30001"."""
 
     def __init__(self, init_method: str, world_size: int, rank: int, backend: str = "gloo",
-                 timeout_s: float = 60.0, label: str | None = None):
+                 timeout_s: float = 60.0, label: str | None = None, device: str | torch.device | None = None):
         if rank == 0:
             raise ValueError("rank: rank 0 is the sender; receivers are ranks 1..world_size-1")
-        super().__init__(init_method, world_size, rank, backend, timeout_s, label)
+        super().__init__(init_method, world_size, rank, backend, timeout_s, label, device)
         self.last_stats: TransferStats | None = None
 
     def receive(self) -> tuple[int, dict[str, Tensor]]:
-        self._check_usable()
+        self._begin()
         t0 = time.perf_counter()
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         tensors: dict[str, Tensor] = {}
@@ -467,6 +520,8 @@ class DistReceiver(_DistEnd, WeightReceiver):
             num_bytes += flat_N.numel() * flat_N.element_size()
             if meta.is_last:
                 break
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
         self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors),
                                         time.perf_counter() - t0)

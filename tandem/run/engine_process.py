@@ -1,0 +1,105 @@
+"""The engine in a process of its own (placement "separate"): spawned, serving the HTTP API on a free port of
+127.0.0.1, stopped by its parent, and gone with its parent when that one dies (its end of the pipe closes).
+
+On CUDA the process sees only its own GPU (CUDA_VISIBLE_DEVICES), where it is cuda:0: every thread of it (the
+engine's loop, the server's workers receiving weights) then works on that GPU without setting a device, and it
+opens no context on the trainer's GPU."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.client import EngineUnreachable
+
+
+class EngineProcess:
+    """Spawns the engine and blocks until its server listens, at most `timeout_s`. Raises ValueError when the engine
+    refuses its configuration, EngineUnreachable when the process dies or does not start in time."""
+
+    def __init__(self, model: str, config: EngineConfig, seed: int, timeout_s: float, dtype: str = "float32"):
+        gpu = None
+        if config.device.startswith("cuda"):
+            index = torch.device(config.device).index or 0
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible and index >= len(visible.split(",")):
+                raise ValueError(f"engine.device: {config.device} is not among CUDA_VISIBLE_DEVICES={visible}")
+            gpu = visible.split(",")[index] if visible else str(index)
+            config = dataclasses.replace(config, device="cuda:0")
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(model, config, seed, dtype, gpu, child), name="tandem-engine",
+                                   daemon=True)
+        self.process.start()
+        child.close()
+        self.url = ""
+        try:
+            self.url = self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def __str__(self) -> str:
+        return f"engine process pid {self.pid}" + (f" at {self.url}" if self.url else "")
+
+    def _wait_ready(self, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not self._conn.poll(0.1):
+            self.check()
+            if time.monotonic() > deadline:
+                raise EngineUnreachable(f"{self}: not serving within engine_timeout_s={timeout_s:g}")
+        status, kind, detail = self._conn.recv()
+        if status == "ready":
+            return detail
+        message = f"{self}: the engine failed to start: {kind}: {detail}"
+        raise ValueError(message) if kind == "ValueError" else RuntimeError(message)
+
+    def check(self) -> None:
+        """Raise EngineUnreachable if the process has exited."""
+        if self.process.exitcode is not None:
+            raise EngineUnreachable(f"{self}: exited with code {self.process.exitcode}")
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """Ask the engine to stop (it finishes its server and its loop); kill it after `grace_s`. Idempotent."""
+        with contextlib.suppress(OSError):  # already gone, or stopped before
+            self._conn.send("stop")
+        self.process.join(grace_s)
+        if self.process.exitcode is None:
+            self.process.kill()
+            self.process.join(10)
+        self._conn.close()
+
+
+def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | None, conn) -> None:
+    """The engine process's main: serve until the parent says stop or goes away. `gpu`: the one GPU to see."""
+    if gpu is not None:  # before anything initialises CUDA in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us in order
+    from tandem.engine.engine import Engine
+    from tandem.server.http import ServerThread
+
+    try:
+        engine = Engine(model, config, dtype=dtype, seed=seed)
+        server = ServerThread(engine).start()
+    except Exception as e:
+        conn.send(("error", type(e).__name__, str(e)))
+        return
+    conn.send(("ready", "", server.url))
+    try:
+        conn.recv()
+    except EOFError:  # the parent died
+        pass
+    finally:
+        server.stop()
+        engine.shutdown()

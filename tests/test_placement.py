@@ -1,0 +1,173 @@
+"""Placement "separate": the engine in a process of its own behind HTTP, weights over a gloo group (NCCL's CPU
+stand-in), a few steps of the random agent end to end; failures of the engine's process reach the trainer as errors
+naming it, within the timeouts; and the pipelined sender delivers exactly what the unpipelined one does."""
+
+import asyncio
+import copy
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from test_transport import digest, free_port, run_pair
+
+from tandem.config import RunConfig
+from tandem.run.loop import Run
+from tandem.transport import weights
+from tandem.transport.weights import DistReceiver, DistSender
+
+SMALL = ["placement=separate", "rollout.group_size=2", "rollout.batch_groups=2", "rollout.num_in_flight=8",
+         "random_agent.prompt_len_max=40", "random_agent.response_len_median=6", "random_agent.response_len_max=64",
+         "random_agent.max_context=256", "weight_bucket_bytes=65536"]
+
+
+def make_run(tmp_path, *overrides) -> Run:
+    return Run(RunConfig.load(None, [*SMALL, f"out_dir={tmp_path}", *overrides]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["placement=apart"], "run.placement: must be colocated or separate"),
+    (["placement=separate", "trainer_device=cuda:0"], "must both be on CUDA (NCCL) or both on the CPU"),
+    (["placement=separate", "trainer_device=cuda", "engine.device=cuda:0"], "separate needs two GPUs"),
+    (["weight_bucket_bytes=0"], "run.weight_bucket_bytes: must be positive"),
+])
+def test_bad_placement_is_a_value_error_naming_the_field(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RunConfig.load(None, overrides)
+
+
+def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_path):
+    run = make_run(tmp_path, "steps=4", "rollout.max_staleness=1", "weight_sync_timeout_s=30")
+    snapshots = {0: copy.deepcopy(run.trainer.model)}  # the trainer's weights of every version
+    batches = []
+    run.on_batch = lambda version, batch: batches.append(batch)
+    engine = run.placement.process
+    try:
+        history = asyncio.run(run.train(lambda r: snapshots.update({r["step"]: copy.deepcopy(run.trainer.model)})))
+    finally:
+        run.shutdown()
+    assert engine.pid != os.getpid() and engine.process.exitcode == 0  # its own process, stopped cleanly
+
+    # the engine's own version (from its stats, over HTTP) follows the trainer's after every step
+    assert [(h["step"], h["version"]) for h in history] == [(s, s) for s in range(1, 5)]
+    num_bytes = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
+    for h in history:
+        assert h["sync_bytes"] == num_bytes and 0 < h["transfer_s"] < h["sync_s"] and 0 < h["pause_s"] < h["sync_s"]
+
+    # every sampled token's behaviour logprob is the trainer's logprob under the weights of the token's version
+    # (pause mode retract: no token attends to KV of older weights), so the weights crossed exactly
+    episodes = [e for batch in batches for g in batch for e in g.episodes]
+    behav = torch.tensor([lp for e in episodes for lp in e.behav_logprobs[1:]])
+    versions = torch.tensor([v for e in episodes for v in e.versions[1:]])
+    compared = torch.zeros_like(versions, dtype=torch.bool)
+    for version, model in snapshots.items():
+        mask = versions == version
+        with torch.no_grad():
+            logprobs = run.trainer._token_logprobs(model, episodes)
+        assert torch.allclose(logprobs[mask], behav[mask], atol=1e-4, rtol=0), version
+        compared |= mask
+    assert compared.sum() == (versions >= 0).sum()
+    assert (versions >= 1).sum() > 0, "no token was sampled after an update"
+
+
+@pytest.mark.parametrize("signal_name, when", [("SIGKILL", "before joining"), ("SIGKILL", "between steps"),
+                                               ("SIGSTOP", "between steps"), ("SIGSTOP", "before a sync")])
+def test_engine_failure_is_an_error_naming_it_within_the_timeouts(tmp_path, signal_name, when):
+    """The engine's process killed (SIGKILL) or frozen (SIGSTOP: alive but silent, the hang case) before the weight
+    group forms, between steps (synchronous RL: the trainer then waits for generation, the monitor watches), or just
+    before a weight sync: the trainer gets an error naming the engine, within the timeouts."""
+    sync_timeout_s, engine_timeout_s = 3.0, 4.0
+    # the tool's latency keeps every episode of the next batch in flight when the engine fails between steps
+    run = make_run(tmp_path, "steps=3", "rollout.max_staleness=0", f"weight_sync_timeout_s={sync_timeout_s}",
+                   f"engine_timeout_s={engine_timeout_s}", "random_agent.tool_latency_s=0.3")
+    engine, sig, hit = run.placement.process, getattr(signal, signal_name), {}
+
+    def hit_engine():
+        if not hit:
+            hit["t"] = time.monotonic()
+            os.kill(engine.pid, sig)
+
+    on_step = None
+    if when == "before joining":
+        hit_engine()
+    elif when == "between steps":
+        on_step = lambda record: hit_engine()
+    else:
+        run.on_batch = lambda version, batch: version == 1 and hit_engine()
+    try:
+        with pytest.raises(Exception) as failure:
+            asyncio.run(run.train(on_step))
+        elapsed = time.monotonic() - hit["t"]
+    finally:
+        if sig == signal.SIGSTOP:
+            os.kill(engine.pid, signal.SIGCONT)  # lets it stop cleanly
+        run.shutdown()
+    message = str(failure.value)
+    print(f"\n{signal_name} {when}: {type(failure.value).__name__} after {elapsed:.1f} s: {message}")
+    assert engine.url in message, message
+    assert elapsed < max(sync_timeout_s, engine_timeout_s) + 3, (elapsed, message)
+    if when == "before joining":
+        assert "rank 1 did not join tcp://127.0.0.1" in message
+        assert f"pid {engine.pid} at {engine.url}: exited with code -9" in message
+    elif when == "before a sync":
+        assert f"rank 1 (engine pid {engine.pid} at {engine.url}) did not start receiving" in message
+        assert "is still running" in message
+    elif sig == signal.SIGSTOP:
+        assert "/health unanswered" in message and "stopped or stuck" in message
+
+
+def pipeline_worker(rank: int, results, port: int):
+    """Rank 0 sends the same tensors pipelined (version 1), then unpipelined (version 0), logging when it flattens
+    each bucket and when it waits for each bucket's data; rank 1 receives both."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [(f"t{i}.{dtype}", (torch.randn(97 + 31 * i, generator=gen) * 100).to(dtype))
+               for i in range(6) for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32)]
+    init = f"tcp://127.0.0.1:{port}"
+    try:
+        if rank == 1:
+            with DistReceiver(init, 2, rank, timeout_s=30) as receiver:
+                got = dict((version, digest(received.items())) for version, received in
+                           (receiver.receive() for _ in range(2)))
+            results.put((1, got))
+            return
+        with DistSender(init, 2, timeout_s=30, bucket_bytes=512) as sender:
+            events, flatten, land = [], weights._flatten, sender._land
+
+            def logged_flatten(bucket, meta, device):
+                events.append(("flatten", meta.index))
+                return flatten(bucket, meta, device)
+
+            def logged_land(in_flight):
+                events.extend(("land", index) for _, _, index in in_flight)
+                land(in_flight)
+
+            weights._flatten, sender._land = logged_flatten, logged_land
+            logs, stats = {}, {}
+            for pipeline in (True, False):
+                sender.pipeline = pipeline
+                stats[pipeline] = sender.send(tensors, version=int(pipeline))
+                logs[pipeline], events[:] = list(events), []
+        results.put((0, {"digest": digest(tensors), "logs": logs, "stats": stats}))
+    except BaseException as e:
+        results.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def test_pipelined_sender_delivers_exactly_what_the_unpipelined_one_does():
+    out = run_pair(pipeline_worker, free_port())
+    assert "error" not in out[0] and "error" not in out[1], out
+    pipelined, unpipelined = out[1][1], out[1][0]
+    assert pipelined == unpipelined == out[0]["digest"]  # bit-equal, every dtype
+    stats = out[0]["stats"]
+    assert stats[True].num_buckets == stats[False].num_buckets >= 12
+    assert stats[True].num_bytes == stats[False].num_bytes
+
+    # pipelined: bucket i+1 is flattened while bucket i's data is in flight; unpipelined: only once it landed
+    logs = out[0]["logs"]
+    landed = [i for kind, i in logs[True] if kind == "land"]
+    assert len(landed) == stats[True].num_buckets
+    for i in landed[:-1]:
+        assert logs[True].index(("flatten", i + 1)) < logs[True].index(("land", i))
+        assert logs[False].index(("flatten", i + 1)) > logs[False].index(("land", i))
