@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp] [async]
-# (no argument: tests throughput host_tier; tp needs two GPUs)
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp] [tp_tests] [async]
+# (no argument: tests throughput host_tier; tp, tp_tests and async need two GPUs, async also fastapi and uvicorn:
+# carry their wheels, see the device notes in BENCHMARKS.md)
 set -o pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # (carried wheels may be on it already)
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
 parts=${*:-tests throughput host_tier}
@@ -22,6 +23,10 @@ for part in $parts; do
         tp) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
                 -k "(generates or never_diverge or names_the_diverging) and not 3" -rs &&
             timeout 240 python3 benchmarks/tp_overhead.py --device cuda ;;
+        tp_tests) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
+                -k "(generates or never_diverge or names_the_diverging) and not 3" -rs ;;
+        async) timeout 480 python3 benchmarks/async_speedup.py --model qwen3-0.6b --placement separate --steps 8 \
+                   --staleness 1 2 4 ;;
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
