@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import platform
 import socket
@@ -122,6 +123,8 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     out = tempfile.mkdtemp(prefix="tandem-bench-")
     trainer_device, engine_device = devices_for(args.placement)
     base = [f"model={args.model}", f"task={args.task}", f"steps={args.steps}", "seed=0", f"placement={args.placement}",
@@ -134,10 +137,13 @@ def main() -> None:
     if args.task != "random":
         base += ["trainer.lr=1e-2"]
     base += args.overrides
-    rows = [("sync", measure([*base, "rollout.max_staleness=0", f"out_dir={out}/sync"]))]
-    for s in args.staleness:
-        row = measure([*base, f"rollout.max_staleness={s}", f"out_dir={out}/a{s}"])
-        rows.append((f"async, max_staleness={s}", row))
+    rows = []
+    for s in [0, *args.staleness]:
+        t0 = time.perf_counter()
+        row = measure([*base, f"rollout.max_staleness={s}", f"out_dir={out}/{s}"])
+        rows.append((f"async, max_staleness={s}" if s else "sync", row))
+        print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s: {row['tok_s']:.0f} trained tok/s",
+              file=sys.stderr, flush=True)
     cfg = RunConfig.load(None, base)
     plain = None
     if args.placement == "separate":
