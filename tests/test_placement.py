@@ -15,8 +15,8 @@ from test_transport import digest, free_port, run_pair
 
 from tandem.config import RunConfig
 from tandem.run.loop import Run
-from tandem.transport import weights
-from tandem.transport.weights import DistReceiver, DistSender
+from tandem.transport import dist as weights_dist
+from tandem.transport.dist import DistReceiver, DistSender
 
 SMALL = ["placement=separate", "rollout.group_size=2", "rollout.batch_groups=2", "rollout.num_in_flight=8",
          "random_agent.prompt_len_max=40", "random_agent.response_len_median=6", "random_agent.response_len_max=64",
@@ -134,7 +134,7 @@ def pipeline_worker(rank: int, results, port: int):
             results.put((1, got))
             return
         with DistSender(init, 2, timeout_s=30, bucket_bytes=512) as sender:
-            events, flatten, land = [], weights._flatten, sender._land
+            events, flatten, land = [], weights_dist._flatten, sender._land
 
             def logged_flatten(bucket, meta, device):
                 events.append(("flatten", meta.index))
@@ -144,7 +144,7 @@ def pipeline_worker(rank: int, results, port: int):
                 events.extend(("land", index) for _, _, index in in_flight)
                 land(in_flight)
 
-            weights._flatten, sender._land = logged_flatten, logged_land
+            weights_dist._flatten, sender._land = logged_flatten, logged_land
             logs, stats = {}, {}
             for pipeline in (True, False):
                 sender.pipeline = pipeline

@@ -15,7 +15,7 @@ from tandem.config import EngineConfig
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine
 from tandem.server.http import ServerThread
-from tandem.transport.weights import DistSender
+from tandem.transport.dist import DistSender
 from tandem.types import SamplingParams
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}

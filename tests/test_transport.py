@@ -14,14 +14,8 @@ import torch
 import torch.multiprocessing as mp
 
 from tandem.model.loader import build_model, load_weights
-from tandem.transport.weights import (
-    BucketMeta,
-    DistReceiver,
-    DistSender,
-    InProcessReceiver,
-    InProcessSender,
-    TransportError,
-)
+from tandem.transport.dist import BucketMeta, DistReceiver, DistSender
+from tandem.transport.weights import InProcessReceiver, InProcessSender, TransportError
 
 TIMEOUT_S = 2.0
 BUCKET_BYTES = 64 << 10  # the tiny model is ~1 MB: several buckets per dtype, the embeddings alone in theirs

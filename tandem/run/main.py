@@ -17,7 +17,8 @@ COLUMNS = [("step", "step", "{:.0f}"), ("version", "ver", "{:.0f}"), ("in_flight
            ("buffered_groups", "buffer", "{:.0f}"), ("reward_mean", "reward", "{:+.3f}"),
            ("staleness_mean", "stale", "{:.2f}"), ("staleness_max", "max", "{:.0f}"),
            ("trained_tokens_per_s", "train tok/s", "{:.0f}"), ("rollout_tokens_per_s", "gen tok/s", "{:.0f}"),
-           ("cache_hit_rate", "cache hit", "{:.0%}"), ("mismatch_kl", "mism. KL", "{:+.1e}"),
+           ("cache_hit_rate", "cache hit", "{:.0%}"), ("cache_reuse_vs_ideal", "of ideal", "{:.0%}"),
+           ("mismatch_kl", "mism. KL", "{:+.1e}"),
            ("clip_frac", "clip", "{:.2f}"), ("transfer_s", "sync ms", "{:.1f}"), ("pause_s", "pause ms", "{:.1f}"),
            ("wait_s", "wait s", "{:.2f}")]
 MILLISECONDS = {"transfer_s", "pause_s"}

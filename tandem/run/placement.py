@@ -5,7 +5,7 @@
 (`EngineClient`); weights broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the
 trainer has the engine join with `/init_weights_update_group` once, then per update calls
 `/update_weights_from_distributed` while its `DistSender` broadcasts the buckets (pipelined, see
-`tandem.transport.weights`). Never a call per tensor.
+`tandem.transport.dist`). Never a call per tensor.
 
 In both, what excludes generation is only the load: the engine receives the new weights into a staging copy while
 it keeps generating, then pauses (the run's pause mode), copies the staging tensors into its parameters
@@ -29,7 +29,8 @@ from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
 from tandem.run.engine_process import EngineProcess
-from tandem.transport.weights import DistSender, InProcessReceiver, InProcessSender, TransportError
+from tandem.transport.dist import DistSender
+from tandem.transport.weights import InProcessReceiver, InProcessSender, TransportError
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 MONITOR_S = 1.0  # how often the monitor looks at the engine

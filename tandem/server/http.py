@@ -28,14 +28,15 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
 from tandem.engine.engine import PAUSE_MODES, Engine, EngineError
 from tandem.model.loader import iter_safetensors
-from tandem.transport.weights import DistReceiver, TransportError
-from tandem.types import EngineStats, GenerateOutput, SamplingParams
+from tandem.server.metrics import MetricsExporter
+from tandem.transport.dist import DistReceiver
+from tandem.transport.weights import TransportError
+from tandem.types import GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     app = FastAPI(title="tandem engine", lifespan=lifespan)
     inflight: set[str] = set()
-    stats_collector = _StatsCollector()
-    registry = CollectorRegistry()
-    registry.register(stats_collector)
+    exporter = MetricsExporter()
 
     app.add_exception_handler(ValueError, _bad_request)
     app.add_exception_handler(EngineError, _bad_request)
@@ -157,8 +156,7 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        stats_collector.stats = await engine.get_stats()
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(exporter.render(await engine.get_stats()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/engine_stats")
     async def engine_stats():
@@ -439,51 +437,6 @@ class _InternalErrors:
                 raise
             log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
             await _error(500, f"{type(exc).__name__}: {exc}", "InternalServerError")(scope, receive, send)
-
-
-# ---- /metrics ----------------------------------------------------------------------------------------------
-_GAUGES = [
-    ("num_running_reqs", "Requests running (holding KV pages)", lambda s: s.num_running),
-    ("num_queue_reqs", "Requests waiting to be scheduled", lambda s: s.num_queued),
-    ("num_paused_reqs", "Requests held by a pause", lambda s: s.num_paused),
-    ("cache_hit_rate", "Prefill tokens served from the prefix cache / all prefill tokens", lambda s: s.cache_hit_rate),
-    ("kv_pages_total", "KV pages in the pool", lambda s: s.pages_total),
-    ("kv_pages_free", "KV pages free", lambda s: s.pages_free),
-    ("kv_pages_cached", "KV pages held only by the prefix cache (evictable)", lambda s: s.pages_cached),
-    ("host_kv_pages_total", "KV pages in the host tier", lambda s: s.host_pages_total),
-    ("host_kv_pages_free", "KV pages of the host tier free", lambda s: s.host_pages_free),
-    ("cache_reuse_vs_ideal", "Prompt tokens served from the cache / those an ideal cache would serve",
-     lambda s: s.reuse_vs_ideal),
-    ("weight_version", "Weight version the engine holds", lambda s: s.weight_version),
-]
-_COUNTERS = [
-    ("generation_tokens", "Tokens generated", lambda s: s.generated_tokens),
-    ("prefill_tokens_computed", "Prompt tokens computed in prefill", lambda s: s.prefill_tokens_computed),
-    ("prefill_tokens_cached", "Prompt tokens served from the prefix cache", lambda s: s.prefill_tokens_cached),
-    ("prefill_tokens_host", "Prompt tokens loaded back from the host tier", lambda s: s.prefill_tokens_host),
-    ("prompt_tokens_cached", "Prompt tokens served from the cache on first admission",
-     lambda s: s.prompt_tokens_cached),
-    ("prompt_tokens_ideal", "Prompt tokens an ideal cache would have served", lambda s: s.prompt_tokens_ideal),
-    ("host_kv_pages_loaded", "KV pages copied from the host tier to the device", lambda s: s.host_pages_loaded),
-    ("host_kv_pages_backed_up", "KV pages copied from the device to the host tier", lambda s: s.host_pages_backed_up),
-    ("num_retractions", "Requests retracted (KV dropped, to be recomputed)", lambda s: s.num_retractions),
-    ("num_finished_reqs", "Requests finished (any reason)", lambda s: s.num_finished),
-    ("num_aborted_reqs", "Requests aborted", lambda s: s.num_aborted),
-    ("num_steps", "Engine steps run", lambda s: s.num_steps),
-]
-
-
-class _StatsCollector:
-    """Exports the `EngineStats` snapshot in `self.stats` (the /metrics handler refreshes it per scrape)."""
-
-    def __init__(self):
-        self.stats = EngineStats()
-
-    def collect(self):
-        for name, doc, get in _GAUGES:
-            yield GaugeMetricFamily(f"tandem:{name}", doc, value=get(self.stats))
-        for name, doc, get in _COUNTERS:
-            yield CounterMetricFamily(f"tandem:{name}", doc, value=get(self.stats))
 
 
 # ---- running it ------------------------------------------------------------------------------------------

@@ -1,0 +1,392 @@
+"""Weight transport over torch.distributed: `DistSender`/`DistReceiver`, a dedicated group in which rank 0 is the
+trainer and ranks 1..N are engines (or the tensor-parallel ranks of engines: every receiver gets every full tensor).
+
+One transfer over the group, every step bounded by `timeout_s`:
+1. hello: each engine sends HELLO to rank 0, which waits for all of them and names those that did not come.
+   Without it a missing engine goes unnoticed: a gloo broadcast returns on the root once its bytes are buffered.
+   A gloo send completes only once the peer has posted its receive, so an engine fails here too, naming rank 0,
+   when the trainer does not start the transfer.
+2. buckets: tensors grouped by dtype into flat buckets of about `bucket_bytes`. Per bucket, its metadata as JSON is
+   broadcast on the control group (always gloo, so it also works beside NCCL), then its flat tensor in ONE broadcast
+   on the data group (the chosen backend). Never a collective per tensor: that is the classic slow weight sync.
+   Pipelined: the sender starts a bucket's data broadcast without waiting for it, gathers and flattens the next
+   bucket while it travels (on CUDA the broadcast runs on NCCL's stream, the flattening copies on the current one),
+   and waits for it only before the next bucket's metadata. At most two flat buckets exist on the sender at once.
+3. done: each engine sends DONE to rank 0, so `send` returns only once every engine holds every tensor.
+
+Bad input found by the sender mid-transfer is broadcast as an `error` bucket, so the engines raise at once instead of
+timing out, and the group stays usable. After a `TransportError` (a timeout, a dead peer) it is not: gloo closes the
+connection on a timeout, so close the transport and build a new one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tandem.transport.weights import (
+    NamedTensors,
+    TransferStats,
+    TransportError,
+    WeightReceiver,
+    WeightSender,
+    check_timeout,
+    validated,
+)
+
+HELLO, DONE = 1, 2  # point-to-point tags on the control group
+
+
+# ---- buckets ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BucketMeta:
+    """The header of one bucket: a flat tensor of `numel` elements of one dtype, tensor i at element `offsets[i]`.
+    `names`, `dtypes` (one per tensor, all equal), `shapes` and `weight_version` are SGLang's field names."""
+
+    index: int
+    weight_version: int
+    names: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)
+    shapes: list[list[int]] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    numel: int = 0
+    is_last: bool = False
+    error: str | None = None  # set when the sender aborts the transfer; no data follows
+
+    def sglang_request(self, group_name: str, flush_cache: bool = True) -> dict:
+        """This bucket's tensors as the body of SGLang's `POST /update_weights_from_distributed`. The fields match;
+        SGLang's default receiver then expects one broadcast per tensor, not this flat bucket."""
+        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes, "group_name": group_name,
+                "flush_cache": flush_cache, "weight_version": str(self.weight_version)}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> BucketMeta:
+        return cls(**json.loads(data))
+
+
+def _buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
+    """Group by dtype, in arrival order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone).
+    Yields each bucket as soon as it is full, the partly filled ones at the end."""
+    filling: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    filled_bytes: dict[torch.dtype, int] = {}
+    for name, tensor in validated(named_tensors):
+        dtype, num_bytes = tensor.dtype, tensor.numel() * tensor.element_size()
+        if filling.get(dtype) and filled_bytes[dtype] + num_bytes > bucket_bytes:
+            yield filling.pop(dtype)
+        if dtype not in filling:
+            filling[dtype], filled_bytes[dtype] = [], 0
+        filling[dtype].append((name, tensor))
+        filled_bytes[dtype] += num_bytes
+    yield from filling.values()
+
+
+def _mark_last(buckets: Iterator[list]) -> Iterator[tuple[list, bool]]:
+    """(bucket, is_last) pairs; one empty bucket when there are none, so a receiver still learns the version."""
+    previous = None
+    for bucket in buckets:
+        if previous is not None:
+            yield previous, False
+        previous = bucket
+    yield (previous if previous is not None else []), True
+
+
+def _flatten(bucket: list[tuple[str, Tensor]], meta: BucketMeta, device: torch.device) -> Tensor:
+    """Fill `meta` and return the bucket's flat tensor flat_N (a copy on `device`)."""
+    for name, tensor in bucket:
+        meta.names.append(name)
+        meta.dtypes.append(str(tensor.dtype).removeprefix("torch."))
+        meta.shapes.append(list(tensor.shape))
+        meta.offsets.append(meta.numel)
+        meta.numel += tensor.numel()
+    if not bucket:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.cat([tensor.detach().reshape(-1).to(device) for _, tensor in bucket])
+
+
+def _unflatten(meta: BucketMeta, flat_N: Tensor) -> dict[str, Tensor]:
+    return {name: flat_N[offset:offset + math.prod(shape)].view(shape)
+            for name, shape, offset in zip(meta.names, meta.shapes, meta.offsets, strict=True)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise TransportError(f"weights: unknown dtype {name!r} in bucket metadata", ranks=(0,))
+    return dtype
+
+
+# ---- torch.distributed -----------------------------------------------------------------------------------------
+
+
+class _DistEnd:
+    """What both ends share: the rendezvous, the two groups, the rank labels, and waits that fail loudly.
+    The groups are standalone (not `init_process_group`), so they live beside any default group of the process."""
+
+    def __init__(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
+                 label: str | None, device: str | torch.device | None):
+        url = urlparse(init_method)
+        if url.scheme != "tcp" or not url.hostname or not url.port:
+            raise ValueError(f"init_method: expected tcp://host:port, got {init_method!r}")
+        if world_size < 2:
+            raise ValueError(f"world_size: the trainer and at least one engine make 2 or more, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: must be in [0, {world_size}), got {rank}")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: must be 'gloo' or 'nccl', got {backend!r}")
+        self.init_method, self.world_size, self.rank, self.backend = init_method, world_size, rank, backend
+        self.timeout_s = check_timeout(timeout_s)
+        self.timeout = timedelta(seconds=timeout_s)
+        if backend == "gloo":
+            self.device = torch.device("cpu")
+        else:
+            self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            if self.device.type != "cuda":
+                raise ValueError(f"device: nccl needs a CUDA device, got {self.device}")
+        self.labels: dict[int, str] = {}
+        self.broken: str | None = None
+        self._failed_works: list = []  # kept alive until close: gloo may still touch their buffers
+
+        try:
+            self.store = dist.TCPStore(url.hostname, url.port, None, rank == 0, self.timeout, wait_for_workers=False)
+        except RuntimeError as e:
+            where = "host" if rank == 0 else "reach rank 0's"
+            raise TransportError(f"weights (rank {rank}): could not {where} rendezvous store at {url.netloc} "
+                                 f"within timeout_s={self.timeout_s:g}: {e}", ranks=(0,)) from e
+        self.labels = self._join(label or "")
+        self.control = dist.ProcessGroupGloo(dist.PrefixStore("weights/control", self.store), rank, world_size,
+                                             self.timeout)
+        self.data = self.control if backend == "gloo" else self._nccl_group()
+
+    def _join(self, label: str) -> dict[int, str]:
+        """Publish this rank's label, wait for every rank's; names the ranks that never joined."""
+        keys = [f"weights/join/{r}" for r in range(self.world_size)]
+        self.store.set(keys[self.rank], label)
+        try:
+            self.store.wait(keys, self.timeout)
+        except RuntimeError as e:
+            try:
+                missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
+            except RuntimeError:
+                raise TransportError(f"weights (rank {self.rank}): rank 0's rendezvous store closed before every "
+                                     f"rank joined {self.init_method}", ranks=[0]) from e
+            raise TransportError(f"weights (rank {self.rank}): {self._who(missing)} did not join {self.init_method} "
+                                 f"within timeout_s={self.timeout_s:g}", ranks=missing) from e
+        return {r: self.store.get(key).decode() for r, key in enumerate(keys)}
+
+    def _nccl_group(self):
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = self.timeout
+        return dist.ProcessGroupNCCL(dist.PrefixStore("weights/data", self.store), self.rank, self.world_size,
+                                     options)
+
+    def _who(self, ranks: Iterable[int]) -> str:
+        return ", ".join(f"rank {r}" + (f" ({self.labels[r]})" if self.labels.get(r) else "") for r in ranks)
+
+    def _peers(self) -> list[int]:
+        return list(range(1, self.world_size)) if self.rank == 0 else [0]
+
+    def _fail(self, message: str, peers: Iterable[int], bucket: int | None = None) -> TransportError:
+        self.broken = message
+        return TransportError(f"weights (rank {self.rank}): {message}", ranks=peers, bucket=bucket)
+
+    def _begin(self) -> None:
+        """Refuse a broken or closed transport; bind the calling thread to the transport's CUDA device (NCCL and the
+        allocations use the current one)."""
+        if self.broken:
+            raise TransportError(f"weights (rank {self.rank}): this transport failed earlier ({self.broken}); "
+                                 "close it and build a new one")
+        if self.control is None:
+            raise TransportError(f"weights (rank {self.rank}): this transport is closed")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def _wait(self, start: Callable[[], dist.Work], what: str, bucket: int | None = None) -> None:
+        """Start one operation with every peer and wait for it at most the timeout."""
+        try:
+            work = start()
+        except RuntimeError as e:
+            raise self._timed_out(what, bucket, e) from e
+        self._complete(work, what, bucket)
+
+    def _complete(self, work: dist.Work, what: str, bucket: int | None = None) -> None:
+        """Wait for a started operation at most the timeout."""
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as e:
+            raise self._timed_out(what, bucket, e) from e
+
+    def _timed_out(self, what: str, bucket: int | None, e: Exception) -> TransportError:
+        where = "" if bucket is None else f" of bucket {bucket}"
+        return self._fail(f"{what}{where} with {self._who(self._peers())} failed or timed out "
+                          f"(timeout_s={self.timeout_s:g}): {e}", self._peers(), bucket)
+
+    def _start_broadcast(self, tensor_N: Tensor, group, what: str, bucket: int) -> dist.Work:
+        """Start broadcasting `tensor_N` from rank 0 on `group`; returns the operation, not yet waited for."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            return group.broadcast([tensor_N], options)
+        except RuntimeError as e:
+            raise self._timed_out(what, bucket, e) from e
+
+    def _broadcast(self, tensor_N: Tensor, group, what: str, bucket: int) -> None:
+        self._complete(self._start_broadcast(tensor_N, group, what, bucket), what, bucket)
+
+    def _meta(self, meta: BucketMeta | None, index: int) -> BucketMeta:
+        """Broadcast one bucket's metadata from rank 0 (its length, then its bytes); `meta` is None on receivers."""
+        if meta is not None:
+            payload = torch.frombuffer(bytearray(meta.to_bytes()), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()])
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(length, self.control, "metadata length", index)
+        if meta is None:
+            payload = torch.empty(int(length), dtype=torch.uint8)
+        self._broadcast(payload, self.control, "metadata", index)
+        if meta is not None:
+            return meta
+        try:
+            return BucketMeta.from_bytes(payload.numpy().tobytes())
+        except (ValueError, TypeError) as e:
+            raise self._fail(f"unreadable metadata of bucket {index}: {e}", [0], index) from e
+
+    def close(self) -> None:
+        if self.backend == "nccl" and getattr(self, "data", None) is not None:
+            # abort, not shutdown: on the H200 machine a clean shutdown of this group blocked for minutes at the end
+            # of a run (the peer tears its end down on its own schedule); nothing is in flight here any more
+            self.data.abort()
+        self.control = self.data = self.store = None
+        self._failed_works = []
+
+
+class DistSender(_DistEnd, WeightSender):
+    """Rank 0 of the weight group: the trainer. `bucket_bytes` bounds one bucket (slime uses 512 MiB, AReaL 1 GiB);
+    a bigger tensor travels alone. The constructor blocks until every rank has joined (at most `timeout_s`).
+    `label` names this rank in the peers' error messages, e.g. "trainer at 10.0.0.1". `device` (nccl only): the
+    CUDA device buckets are flattened on (default: the current one). `pipeline`: overlap gathering and flattening
+    the next bucket with the broadcast of this one (see the module docstring); False waits for every broadcast
+    before touching the next bucket (the reference the pipelined path is tested against)."""
+
+    def __init__(self, init_method: str, world_size: int, rank: int = 0, backend: str = "gloo",
+                 timeout_s: float = 60.0, bucket_bytes: int = 512 << 20, label: str | None = None,
+                 device: str | torch.device | None = None, pipeline: bool = True):
+        if rank != 0:
+            raise ValueError(f"rank: the sender is rank 0, got {rank}")
+        if not bucket_bytes > 0:
+            raise ValueError(f"bucket_bytes: must be positive, got {bucket_bytes!r}")
+        self.bucket_bytes, self.pipeline = bucket_bytes, pipeline
+        super().__init__(init_method, world_size, rank, backend, timeout_s, label, device)
+
+    def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
+        self._begin()
+        t0 = time.perf_counter()
+        self._gather(HELLO, "start receiving")
+        num_buckets = num_tensors = num_bytes = 0
+        in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), one at most
+        try:
+            # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
+            # overlap the broadcast in flight
+            for bucket, is_last in _mark_last(_buckets(named_tensors, self.bucket_bytes)):
+                meta = BucketMeta(num_buckets, version, is_last=is_last)
+                flat_N = _flatten(bucket, meta, self.device)
+                self._land(in_flight)
+                self._meta(meta, num_buckets)
+                if meta.numel:
+                    in_flight.append((self._start_broadcast(flat_N, self.data, "data", num_buckets), flat_N,
+                                      num_buckets))
+                    if not self.pipeline:
+                        self._land(in_flight)
+                num_buckets, num_tensors = num_buckets + 1, num_tensors + len(bucket)
+                num_bytes += flat_N.numel() * flat_N.element_size()
+            self._land(in_flight)
+        except TransportError:
+            raise
+        except Exception as e:
+            # bad input: tell the engines now rather than let them time out; the group stays in step
+            self._land(in_flight)
+            self._meta(BucketMeta(num_buckets, version, is_last=True, error=f"{type(e).__name__}: {e}"), num_buckets)
+            raise
+        self._gather(DONE, "confirm the transfer")
+        return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0)
+
+    def _land(self, in_flight: list[tuple[dist.Work, Tensor, int]]) -> None:
+        """Wait for the data broadcasts in `in_flight` (emptying it)."""
+        while in_flight:
+            work, _, index = in_flight.pop()
+            self._complete(work, "data", index)
+
+    def _gather(self, tag: int, what: str) -> None:
+        """One message from every receiver, all within one timeout; names every rank that did not send."""
+        try:
+            works = {r: self.control.recv([torch.zeros(1, dtype=torch.int64)], r, tag) for r in self._peers()}
+        except RuntimeError as e:  # a connection already closed: its peer died
+            raise self._fail(f"cannot wait for {self._who(self._peers())} to {what}: {e}", self._peers()) from e
+        deadline = time.monotonic() + self.timeout_s
+        missing = []
+        for r, work in works.items():
+            try:  # at least 2 ms: a zero timedelta would mean "wait forever"
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 2e-3)))
+            except RuntimeError:
+                missing.append(r)
+        if missing:
+            self._failed_works += works.values()
+            raise self._fail(f"{self._who(missing)} did not {what} within timeout_s={self.timeout_s:g}", missing)
+
+
+class DistReceiver(_DistEnd, WeightReceiver):
+    """Ranks 1..N of the weight group: an engine, or one tensor-parallel rank of one. Received tensors live on the
+    CPU (gloo) or on `device` (nccl; default: the current CUDA device), complete when `receive` returns (it
+    synchronizes the device), so another thread may load them. `last_stats` describes the last completed `receive`.
+    The constructor blocks until every rank has joined (at most `timeout_s`). `label` names this rank in the
+    trainer's error messages, e.g. "engine-0 at 127.0.0.1:30001"."""
+
+    def __init__(self, init_method: str, world_size: int, rank: int, backend: str = "gloo",
+                 timeout_s: float = 60.0, label: str | None = None, device: str | torch.device | None = None):
+        if rank == 0:
+            raise ValueError("rank: rank 0 is the sender; receivers are ranks 1..world_size-1")
+        super().__init__(init_method, world_size, rank, backend, timeout_s, label, device)
+        self.last_stats: TransferStats | None = None
+
+    def receive(self) -> tuple[int, dict[str, Tensor]]:
+        self._begin()
+        t0 = time.perf_counter()
+        self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
+        tensors: dict[str, Tensor] = {}
+        num_bytes = 0
+        for index in itertools.count():
+            meta = self._meta(None, index)
+            if meta.error is not None:
+                raise TransportError(f"weights (rank {self.rank}): {self._who([0])} aborted the transfer of "
+                                     f"version {meta.weight_version} at bucket {index}: {meta.error}", [0], index)
+            if meta.index != index:
+                raise self._fail(f"expected bucket {index}, got bucket {meta.index}", [0], index)
+            dtype = _dtype(meta.dtypes[0]) if meta.dtypes else torch.uint8
+            flat_N = torch.empty(meta.numel, dtype=dtype, device=self.device)
+            if meta.numel:
+                self._broadcast(flat_N, self.data, "data", index)
+            tensors.update(_unflatten(meta, flat_N))
+            num_bytes += flat_N.numel() * flat_N.element_size()
+            if meta.is_last:
+                break
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
+        self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors),
+                                        time.perf_counter() - t0)
+        return meta.weight_version, tensors
