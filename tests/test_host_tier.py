@@ -22,7 +22,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from test_radix_cache import P, holds, kv_value, tokens_strategy, write
+from test_radix_cache import P, extend_request, holds, kv_value, tokens_strategy, write
 from test_scheduler import Sim, run_random_scenarios
 
 from tandem.config import PRESETS, EngineConfig
@@ -113,14 +113,7 @@ class TierModel(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100), more=st.lists(st.integers(0, 2), min_size=1, max_size=6))
     def extend(self, i, more):
-        req = self.requests[i % len(self.requests)]
-        n = len(req.tokens) + len(more)
-        fresh = self._alloc(-(-n // P) - len(req.pages))
-        if fresh is None:
-            return
-        req.pages += fresh
-        req.tokens += more
-        write(self.pool, req.pages, req.tokens, n - len(more), n)
+        extend_request(self, i, more)
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100))

@@ -313,6 +313,18 @@ from_a_base = st.builds(lambda base, k, tail: (base[:k] + tail) or [0], st.sampl
 tokens_strategy = st.one_of(from_a_base, from_a_base, from_a_base, st.lists(st.integers(0, 2), min_size=1, max_size=14))
 
 
+def extend_request(machine, i: int, more: list[int]) -> None:
+    """A request of a state machine (`requests`, `pool`, `_alloc`) decodes `more` tokens, if pages allow."""
+    req = machine.requests[i % len(machine.requests)]
+    n = len(req.tokens) + len(more)
+    fresh = machine._alloc(-(-n // P) - len(req.pages))
+    if fresh is None:
+        return
+    req.pages += fresh
+    req.tokens += more
+    write(machine.pool, req.pages, req.tokens, n - len(more), n)
+
+
 @dataclass
 class Req:
     tokens: list[int]
@@ -354,14 +366,7 @@ class CacheModel(RuleBasedStateMachine):
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100), more=st.lists(st.integers(0, 2), min_size=1, max_size=6))
     def extend(self, i, more):
-        req = self.requests[i % len(self.requests)]
-        n = len(req.tokens) + len(more)
-        fresh = self._alloc(-(-n // P) - len(req.pages))
-        if fresh is None:
-            return
-        req.pages += fresh
-        req.tokens += more
-        write(self.pool, req.pages, req.tokens, n - len(more), n)
+        extend_request(self, i, more)
 
     @precondition(lambda self: self.requests)
     @rule(i=st.integers(0, 100))
