@@ -15,7 +15,9 @@ while step n runs and read step n's tokens without waiting for step n+1.
 
 from __future__ import annotations
 
+import array
 import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -51,6 +53,18 @@ class Launched:
             self.ready.synchronize()
             return self.host_tokens.tolist(), self.host_logprobs.tolist()
         return self.tokens.tolist(), self.logprobs.tolist()
+
+
+def _block_table(rows: list[list[int]], width: int, num_rows: int | None = None) -> torch.Tensor:
+    """int32 [num_rows, width]: row i holds the first `width` pages of `rows[i]`, then zeros (rows past the end
+    are all zeros). Built through a C array: `torch.tensor` of nested lists costs twice as much per step."""
+    flat = array.array("i")
+    for pages in rows:
+        flat.extend(pages[:width])
+        flat.extend(itertools.repeat(0, width - min(width, len(pages))))
+    num_rows = len(rows) if num_rows is None else num_rows
+    flat.extend(itertools.repeat(0, width * (num_rows - len(rows))))
+    return torch.frombuffer(flat, dtype=torch.int32).view(num_rows, width)
 
 
 def _kernels(device: torch.device, enabled: bool):
@@ -151,8 +165,9 @@ class ModelRunner:
         return host.pin_memory() if self.device.type == "cuda" else host
 
     def _to_device(self, values, dtype=None) -> torch.Tensor:
-        """A host list on the device without waiting for the device."""
-        return self._pinned(torch.tensor(values, dtype=dtype)).to(self.device, non_blocking=True)
+        """A host list (or tensor) on the device without waiting for the device."""
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        return self._pinned(host).to(self.device, non_blocking=True)
 
     @staticmethod
     def _pending(row: int, req, token: int, pending: list) -> int:
@@ -167,10 +182,8 @@ class ModelRunner:
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
         P = self.pool.page_size
         width = max(-(-(c.start + 1) // P) for c in chunks)
-        rows = [c.req.pages[:width] for c in chunks]
         # only the columns in use: entries past a row's length are never read (its seq_len bounds the kernel)
-        table = torch.tensor([r + [0] * (width - len(r)) for r in rows] + [[0] * width] * (bs - n),
-                             dtype=torch.int32)
+        table = _block_table([c.req.pages for c in chunks], width, bs)
         starts = [c.start for c in chunks]
         pad = bs - n
         pending: list[tuple[int, int]] = []
@@ -242,9 +255,8 @@ class ModelRunner:
         decodes = [c for c in chunks if c.num_tokens == 1]
         if decodes and self.kernel is not paged_decode_reference:  # GPU: no gather of every decode's context
             width = max(-(-(c.start + 1) // self.pool.page_size) for c in decodes)
-            table = [c.req.pages[:width] + [0] * (width - len(c.req.pages[:width])) for c in decodes]
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
-            ctx.decode_block_table = self._to_device(table, torch.int32)
+            ctx.decode_block_table = self._to_device(_block_table([c.req.pages for c in decodes], width))
         self.last_prepare_seconds = time.perf_counter() - self._t0
         hidden = self.model(self._input_ids(ids, pending, prev), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
@@ -256,19 +268,18 @@ class ModelRunner:
         P = self.pool.page_size
         ids, positions, new_slots, q_starts, sample_rows, pending = [], [], [], [0], [], []
         width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
-        table = []
         for c in chunks:
             end = c.start + c.num_tokens
             row = q_starts[-1]
             ids.extend(self._pending(row + i, c.req, t, pending) for i, t in enumerate(c.req.tokens[c.start:end]))
             positions.extend(range(c.start, end))
             new_slots.extend(c.req.pages[p // P] * P + p % P for p in range(c.start, end))
-            table.append(c.req.pages[:width] + [0] * (width - min(width, len(c.req.pages))))
             q_starts.append(row + c.num_tokens)
             if c.sample:
                 sample_rows.append(row + c.num_tokens - 1)
         ctx = BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self._to_device(new_slots),
-                                self._to_device(table, torch.int32), self._to_device(q_starts, torch.int32),
+                                self._to_device(_block_table([c.req.pages for c in chunks], width)),
+                                self._to_device(q_starts, torch.int32),
                                 self._to_device([c.start + c.num_tokens for c in chunks], torch.int32), P,
                                 max(c.num_tokens for c in chunks), self.prefill_kernel)
         self.last_prepare_seconds = time.perf_counter() - self._t0
