@@ -309,3 +309,19 @@ def test_without_a_prefix_cache_siblings_are_admitted_at_once():
     reqs = [sim.add(prefix + [100 + i], max_new_tokens=2) for i in range(3)]
     sim.step()
     assert all(r.status is Status.RUNNING for r in reqs)
+
+
+def test_a_request_switched_to_the_trees_pages_reads_them_from_its_page_array():
+    """After a prefill chunk the scheduler switches a request to the tree's copies of pages it computed twice
+    (adopt); the block tables the GPU path builds come from the request's cached page array, which must follow."""
+    sim = Sim(num_pages=16, page_size=4)
+    tokens = list(range(12))
+    owner = sim.add(tokens + [99], max_new_tokens=1)
+    sim.run_until_done(max_steps=20)  # the tree now holds pages for tokens
+    twin = Request("twin", tokens + [7], 13, SamplingParams(max_new_tokens=4), seed=0, arrival=99)
+    twin.pages, twin.num_computed, twin.status = sim.pool.alloc(4), 12, Status.RUNNING
+    sim.sched.running.append(twin)
+    before = list(twin.page_array())  # built while its own duplicates were its pages
+    sim.sched.after_step([Chunk(twin, 0, 12)])
+    assert twin.pages[:3] != before[:3] and owner.status is Status.FINISHED  # it did switch to the tree's pages
+    assert list(twin.page_array()) == twin.pages

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import bisect
-import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import torch
 
 from tandem.distributed import collectives, faults
 from tandem.engine.kv_pool import KVPool
+from tandem.engine.request import Request
 from tandem.engine.sampler import SamplingBatch, sample
 from tandem.engine.scheduler import PENDING, Chunk
 from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAttention, paged_decode_reference
@@ -55,15 +55,15 @@ class Launched:
         return self.tokens.tolist(), self.logprobs.tolist()
 
 
-def _block_table(rows: list[list[int]], width: int, num_rows: int | None = None) -> torch.Tensor:
-    """int32 [num_rows, width]: row i holds the first `width` pages of `rows[i]`, then zeros (rows past the end
-    are all zeros). Built through a C array: `torch.tensor` of nested lists costs twice as much per step."""
-    flat = array.array("i")
-    for pages in rows:
-        flat.extend(pages[:width])
-        flat.extend(itertools.repeat(0, width - min(width, len(pages))))
-    num_rows = len(rows) if num_rows is None else num_rows
-    flat.extend(itertools.repeat(0, width * (num_rows - len(rows))))
+def _block_table(reqs: list[Request], width: int, num_rows: int | None = None) -> torch.Tensor:
+    """int32 [num_rows, width]: row i holds the first `width` pages of `reqs[i]`, then zeros (rows past the end
+    are all zeros). Copied from each request's page array, so no Python int is converted per step."""
+    num_rows = len(reqs) if num_rows is None else num_rows
+    flat = array.array("i", bytes(4 * num_rows * width))
+    for i, req in enumerate(reqs):
+        pages = req.page_array()
+        n = min(width, len(pages))
+        flat[i * width:i * width + n] = pages[:n]
     return torch.frombuffer(flat, dtype=torch.int32).view(num_rows, width)
 
 
@@ -183,7 +183,7 @@ class ModelRunner:
         P = self.pool.page_size
         width = max(-(-(c.start + 1) // P) for c in chunks)
         # only the columns in use: entries past a row's length are never read (its seq_len bounds the kernel)
-        table = _block_table([c.req.pages for c in chunks], width, bs)
+        table = _block_table([c.req for c in chunks], width, bs)
         starts = [c.start for c in chunks]
         pad = bs - n
         pending: list[tuple[int, int]] = []
@@ -256,7 +256,7 @@ class ModelRunner:
         if decodes and self.kernel is not paged_decode_reference:  # GPU: no gather of every decode's context
             width = max(-(-(c.start + 1) // self.pool.page_size) for c in decodes)
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
-            ctx.decode_block_table = self._to_device(_block_table([c.req.pages for c in decodes], width))
+            ctx.decode_block_table = self._to_device(_block_table([c.req for c in decodes], width))
         self.last_prepare_seconds = time.perf_counter() - self._t0
         hidden = self.model(self._input_ids(ids, pending, prev), torch.cat(positions).to(self.device), ctx)
         if not sample_rows:
@@ -278,7 +278,7 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(row + c.num_tokens - 1)
         ctx = BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self._to_device(new_slots),
-                                self._to_device(_block_table([c.req.pages for c in chunks], width)),
+                                self._to_device(_block_table([c.req for c in chunks], width)),
                                 self._to_device(q_starts, torch.int32),
                                 self._to_device([c.start + c.num_tokens for c in chunks], torch.int32), P,
                                 max(c.num_tokens for c in chunks), self.prefill_kernel)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import enum
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,6 +40,20 @@ class Request:
     kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it
     pending_row: int = -1  # while its last token is PENDING: that token's index among the in-flight step's samples
     finish_reason: FinishReason | None = None
+    _page_array: array.array | None = field(default=None, repr=False)
+
+    def page_array(self) -> array.array:
+        """`pages` as a C int array, for building block tables without converting every id every step. Pages
+        appended are picked up here; whoever replaces or drops pages in place must call `pages_replaced`."""
+        a = self._page_array
+        if a is None or len(a) > len(self.pages):
+            a = self._page_array = array.array("i", self.pages)
+        elif len(a) < len(self.pages):
+            a.extend(self.pages[len(a):])
+        return a
+
+    def pages_replaced(self) -> None:
+        self._page_array = None
 
     @property
     def output_ids(self) -> list[int]:

@@ -121,6 +121,7 @@ class Scheduler:
                 self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
                 self.pool.decref([match.partial_page])
             req.pages = table + fresh
+            req.pages_replaced()
             req.num_computed = match.num_tokens
             if req.ideal_cached_tokens < 0:  # the first admission: what the prompt as submitted reused
                 req.cached_tokens, req.host_cached_tokens = match.num_tokens, self._host_tokens(match)
@@ -189,6 +190,7 @@ class Scheduler:
             req = c.req
             if c.num_tokens > 1 and req.status is Status.RUNNING and not req.kv_stale:
                 self.cache.adopt(req.pages, self.cache.insert(req.tokens[:req.num_computed], req.pages))
+                req.pages_replaced()
                 if self.ideal is not None:
                     self.ideal.add(req.tokens[:req.num_computed])
 
@@ -201,6 +203,7 @@ class Scheduler:
                     self.ideal.add(req.tokens[:req.num_computed])
             self.pool.decref(req.pages)
         req.pages, req.num_computed = [], 0
+        req.pages_replaced()
 
     def retract(self, req: Request) -> None:
         self.release(req)
