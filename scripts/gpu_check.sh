@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp] [tp_tests] [async]
-# (no argument: tests throughput host_tier; tp, tp_tests and async need two GPUs, async also fastapi and uvicorn:
-# carry their wheels, see the device notes in BENCHMARKS.md)
+# (no argument: tests throughput host_tier; tp, tp_tests and async need two GPUs). async also needs fastapi and
+# uvicorn, which the GPU machine lacks: download their wheels here into .whl/ (git-ignored) with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 -d .whl fastapi starlette pydantic pydantic_core uvicorn \
+#       typing-inspection annotated-types opentelemetry-api
+# carry .whl, and start the command with
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # (carried wheels may be on it already)
 OUT=${OUT:-gpu_out}
