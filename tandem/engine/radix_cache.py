@@ -17,7 +17,9 @@ or both.
 
 from __future__ import annotations
 
+import heapq
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from tandem.engine.host_tier import HostTier
@@ -259,7 +261,8 @@ class RadixCache:
         for node in self._lru():
             if freed + pending + len(backlog) >= num_pages:
                 break
-            if not node.pages or any(c.pages[0] is not None for c in node.children):
+            # (a node whose first page is off the device has no page on it: device pages are a prefix)
+            if not node.pages or node.pages[0] is None or any(c.pages[0] is not None for c in node.children):
                 continue
             for j in reversed(range(len(node.pages))):
                 d = node.pages[j]
@@ -293,9 +296,13 @@ class RadixCache:
             backlog.clear()
         return n
 
-    def _lru(self) -> list[Node]:
-        """Every node, least recently used first; children before their parent on ties."""
-        return sorted(self._nodes(), key=lambda n: n.last_access)
+    def _lru(self) -> Iterator[Node]:
+        """Every node, least recently used first; children before their parent on ties. Lazy: eviction usually
+        stops after a few nodes, so the order is a heap popped on demand rather than a sort."""
+        heap = [(node.last_access, i, node) for i, node in enumerate(self._nodes())]
+        heapq.heapify(heap)
+        while heap:
+            yield heapq.heappop(heap)[2]
 
     def _holds_host(self, node: Node) -> bool:
         return any(h is not None for h in node.host) or any(self._holds_host(c) for c in node.children)
