@@ -27,14 +27,38 @@ from tandem.engine.kv_pool import KVPool, PageAllocator
 
 
 class Node:
-    __slots__ = ("tokens", "pages", "host", "children", "parent", "last_access")
+    __slots__ = ("tokens", "pages", "host", "children", "by_first", "key", "parent", "last_access")
 
     def __init__(self, tokens: list[int], pages: list, host: list, parent: Node | None):
         self.tokens, self.parent = tokens, parent
         self.pages: list[int | None] = pages  # device page of each page of tokens, None if only on the host
         self.host: list[int | None] = host  # host copy of each page, None if none
         self.children: list[Node] = []
+        self.by_first: dict[int, list[Node]] = {}  # the children by their first token: what a lookup scans
+        self.key = tokens[0] if tokens else None  # its first token, as its parent indexes it
         self.last_access = 0
+
+    def add_child(self, child: Node) -> None:
+        child.key = child.tokens[0]
+        self.children.append(child)
+        self.by_first.setdefault(child.key, []).append(child)
+
+    def remove_child(self, child: Node) -> None:
+        self.children.remove(child)
+        same = self.by_first[child.key]
+        same.remove(child)
+        if not same:
+            del self.by_first[child.key]
+
+    def replace_child(self, old: Node, new: Node) -> None:
+        """`new` takes `old`'s place (same first token)."""
+        self.children[self.children.index(old)] = new
+        same = self.by_first[old.key]
+        same[same.index(old)] = new
+        new.key = old.key
+
+    def clear_children(self) -> None:
+        self.children, self.by_first = [], {}
 
 
 @dataclass(slots=True)
@@ -80,7 +104,7 @@ class RadixCache:
     # -- lookups -------------------------------------------------------------------------------------
     def _best_child(self, node: Node, q: list[int]) -> tuple[Node | None, int]:
         best, best_len = None, 0
-        for child in node.children:
+        for child in node.by_first.get(q[0], ()):  # a child with another first token matches nothing
             c = lcp(child.tokens[:self.P], q)
             if c > best_len or (c == best_len and best is not None and len(child.tokens) < len(best.tokens)):
                 best, best_len = child, c
@@ -177,7 +201,7 @@ class RadixCache:
         self.pool.incref(pages)
         child = Node(list(tokens), list(pages), [None] * len(pages), parent)
         child.last_access = now
-        parent.children.append(child)
+        parent.add_child(child)
         self._write_through(child, 0)
 
     def _extend_leaf(self, leaf: Node, j: int, tokens, pages):
@@ -196,11 +220,10 @@ class RadixCache:
         """Cut `child` before its page j; the new upper node is returned."""
         upper = Node(child.tokens[:j * self.P], child.pages[:j], child.host[:j], child.parent)
         upper.last_access = child.last_access
-        siblings = child.parent.children
-        siblings[siblings.index(child)] = upper
+        child.parent.replace_child(child, upper)
         child.tokens, child.pages, child.host = child.tokens[j * self.P:], child.pages[j:], child.host[j:]
         child.parent = upper
-        upper.children.append(child)
+        upper.add_child(child)
         return upper
 
     # -- the host tier -------------------------------------------------------------------------------
@@ -312,7 +335,7 @@ class RadixCache:
         only, by the callers' rules). A node left empty leaves the tree."""
         for child in node.children:
             self._drop(child)
-        node.children = []
+        node.clear_children()
         for d, h in zip(node.pages[j:], node.host[j:], strict=True):
             if d is not None:
                 self.pool.decref([d])
@@ -320,7 +343,7 @@ class RadixCache:
                 self.tier.decref([h])
         node.pages, node.host, node.tokens = node.pages[:j], node.host[:j], node.tokens[:j * self.P]
         if not node.pages:
-            node.parent.children.remove(node)
+            node.parent.remove_child(node)
 
     def _drop(self, node: Node) -> None:
         for child in node.children:
@@ -328,7 +351,8 @@ class RadixCache:
         self.pool.decref([d for d in node.pages if d is not None])
         if self.tier is not None:
             self.tier.decref([h for h in node.host if h is not None])
-        node.pages, node.host, node.children = [], [], []
+        node.pages, node.host = [], []
+        node.clear_children()
 
     def reset(self) -> None:
         """Forget everything (after a weight update, its KV is stale). Pages still referenced by running
@@ -365,6 +389,8 @@ class RadixCache:
         for node in self._nodes():
             assert node.pages and len(node.pages) == len(node.host), "empty or ragged node"
             assert node.parent is not None and node in node.parent.children
+            assert node.key == node.tokens[0] and node in node.parent.by_first[node.key], "child index out of date"
+            assert sum(map(len, node.by_first.values())) == len(node.children), "child index out of date"
             if node.children:
                 assert len(node.tokens) == len(node.pages) * P, "internal node ends inside a page"
             else:
