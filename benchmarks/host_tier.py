@@ -54,7 +54,7 @@ def measure(model: str, dtype: str, config: EngineConfig, episodes: int, concurr
     return {"episodes": eps, "wall_s": wall, "ideal": s.prompt_tokens_ideal, "cached": s.prompt_tokens_cached,
             "host": s.prefill_tokens_host, "computed": s.prefill_tokens_computed, "new": new,
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
-            "generated": s.generated_tokens, "busy_s": s.busy_seconds,
+            "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
             "issue_s": tier.issue_seconds if tier else 0.0, "wait_s": tier.wait_seconds if tier else 0.0}
 
 
@@ -94,13 +94,13 @@ def main() -> None:
           f"working set {working_set} tokens; device pool {pages * args.page_size} tokens "
           f"({pages * args.page_size / working_set:.0%}), host tier {host_pages * args.page_size} tokens\n")
     print("| configuration | prompt tokens ideally reusable | served: device / host | prefill computed "
-          "| only-new tokens | computed / only-new | retractions | pages loaded / backed up | wall s "
+          "| only-new tokens | computed / only-new | retractions | pages loaded / backed up | wall s | engine steps "
           "| engine busy s | copies: issue / wait s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         print(f"| {name} | {r['ideal']} | {r['cached'] - r['host']} / {r['host']} | {r['computed']} | {r['new']} | "
               f"{r['computed'] / r['new']:.3f} | {r['retractions']} | {r['loaded']} / {r['backed_up']} | "
-              f"{r['wall_s']:.1f} | {r['busy_s']:.1f} | {r['issue_s']:.2f} / {r['wait_s']:.2f} |")
+              f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['issue_s']:.2f} / {r['wait_s']:.2f} |")
 
 
 if __name__ == "__main__":
