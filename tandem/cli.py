@@ -21,6 +21,7 @@ def _serve(args) -> None:
                           max_running_requests=args.max_running_requests,
                           max_prefill_tokens=args.max_prefill_tokens, device=args.device,
                           enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
+                          host_cache=args.host_cache, host_cache_pages=args.host_cache_pages,
                           token_broadcast=not args.no_token_broadcast, dump_dir=args.dump_dir,
                           watchdog_timeout_s=args.watchdog_timeout)
     tp, followers = SINGLE, []
@@ -37,9 +38,6 @@ def _serve(args) -> None:
     params = sum(p.numel() for p in engine.model.parameters())
     logging.info("model %s: %d layers, hidden %d, vocab %d, %.1fM parameters, %s on %s", args.model,
                  mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, params / 1e6, args.dtype, args.device)
-    logging.info("KV pool: %d pages x %d tokens = %d tokens, %.1f MiB", config.num_pages, config.page_size,
-                 config.num_pages * config.page_size,
-                 2 * engine.pool.k_cache.numel() * engine.pool.k_cache.element_size() / 2**20)
     try:
         serve(engine, host=args.host, port=args.port)
     finally:
@@ -75,6 +73,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--max-running-requests", type=int, default=64)
     serve.add_argument("--max-prefill-tokens", type=int, default=512)
     serve.add_argument("--disable-prefix-cache", action="store_true")
+    serve.add_argument("--host-cache", default="off", choices=["off", "write_through", "write_back"],
+                       help="a host-memory tier under the prefix cache")
+    serve.add_argument("--host-cache-pages", type=int, default=0, help="its size in pages (0: twice the device pool)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     serve.add_argument("--no-token-broadcast", action="store_true",

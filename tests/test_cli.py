@@ -46,8 +46,9 @@ def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    tier = ["--host-cache", "write_through"] if tp == 2 else []
     proc = subprocess.Popen([*TANDEM, "serve", "--model", "tiny", "--port", str(port), "--num-pages", "64",
-                             "--tp", str(tp)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--tp", str(tp), *tier], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         def healthy():
             try:
@@ -62,5 +63,7 @@ def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+    log = proc.stdout.read()
+    assert b"KV cache: 64 device pages" in log and (b"128 host pages" in log) == (tp == 2)  # the start-up sizes
     bad = subprocess.run([*TANDEM, "serve", "--model", "no-such-model"], capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"neither a preset" in bad.stderr
