@@ -240,7 +240,7 @@ class RadixCache:
             self.evict_host(short)
         items = items[:tier.num_free]
         if items:
-            host = tier.alloc(len(items))  # the tree's references
+            host = sorted(tier.alloc(len(items)))  # the tree's references; in order, for longer runs to copy
             for (node, j), h in zip(items, host, strict=True):
                 node.host[j] = h
             tier.backup([node.pages[j] for node, j in items], host)
