@@ -289,16 +289,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[self._to_device(sample_rows)])
 
     def _sampling_batch(self, reqs) -> SamplingBatch:
-        def col(values, dtype):
-            return self._to_device(values, dtype)
-
+        """Per-request sampling parameters on the device: two host-to-device copies (floats, integers)."""
+        floats = self._to_device([[r.sampling.temperature for r in reqs], [r.sampling.top_p for r in reqs],
+                                  [r.sampling.min_p for r in reqs]], torch.float32)
+        ints = self._to_device([[r.sampling.top_k for r in reqs], [r.seed for r in reqs],
+                                [r.num_generated for r in reqs]], torch.int64)
         return SamplingBatch(
-            temperatures=col([r.sampling.temperature for r in reqs], torch.float32),
-            top_ps=col([r.sampling.top_p for r in reqs], torch.float32),
-            top_ks=col([r.sampling.top_k for r in reqs], torch.int64),
-            min_ps=col([r.sampling.min_p for r in reqs], torch.float32),
-            seeds=col([r.seed for r in reqs], torch.int64),
-            positions=col([r.num_generated for r in reqs], torch.int64),
+            temperatures=floats[0], top_ps=floats[1], min_ps=floats[2], top_ks=ints[0], seeds=ints[1],
+            positions=ints[2],
             needs_filter=any(0 < r.sampling.top_k < self.model.config.vocab_size or r.sampling.top_p < 1
                              or r.sampling.min_p > 0 for r in reqs),
         )
