@@ -80,7 +80,10 @@ class Scheduler:
         return chunks
 
     def _admit(self, chunks: list[Chunk], budget: int) -> None:
-        prefilling = [c.req for c in chunks if c.num_tokens > 1]
+        prefilling: dict[tuple[int, ...], list[Request]] = {}  # by first page: only those can share a page
+        for c in chunks:
+            if c.num_tokens > 1:
+                self._note_prefilling(c.req, prefilling)
         # one free page per running request, so admission does not force next step's decodes to retract
         reserve = len(self.running)
         for req in list(self.waiting):
@@ -135,7 +138,7 @@ class Scheduler:
             self.waiting.remove(req)
             self.running.append(req)
             chunks.append(Chunk(req, req.num_computed, n))
-            prefilling.append(req)
+            self._note_prefilling(req, prefilling)
             budget -= n
             reserve += 1
 
@@ -148,13 +151,19 @@ class Scheduler:
         need = -(-(match.num_tokens + n) // self.P) - len(match.pages) + len(match.loads)
         return n, self._alloc(need, reserve)
 
-    def _better_to_wait(self, req: Request, num_cached: int, prefilling: list[Request]) -> bool:
+    def _note_prefilling(self, req: Request, prefilling: dict) -> None:
+        if len(req.tokens) >= self.P:
+            prefilling.setdefault(tuple(req.tokens[:self.P]), []).append(req)
+
+    def _better_to_wait(self, req: Request, num_cached: int, prefilling: dict) -> bool:
         """A request sharing a longer prefix with one being prefilled right now (a GRPO sibling, the next
-        turn of a running agent) waits for that prefill to land in the cache instead of recomputing it."""
-        if self.cache is None:
+        turn of a running agent) waits for that prefill to land in the cache instead of recomputing it. (It
+        would share at least a whole page more than it has cached, so only requests with its first page count.)"""
+        if self.cache is None or len(req.tokens) <= self.P:
             return False
         limit = len(req.tokens) - 1
-        return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.P for other in prefilling)
+        return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.P
+                   for other in prefilling.get(tuple(req.tokens[:self.P]), ()))
 
     def _alloc(self, n: int, reserve: int = 0) -> list[int] | None:
         short = n + reserve - self.pool.num_free
