@@ -156,7 +156,8 @@ class Engine:
         if not isinstance(input_ids, list | tuple) or not input_ids:
             raise ValueError("input_ids: must be a non-empty list of token ids")
         vocab = self.model_config.vocab_size
-        for i, t in enumerate(input_ids):
+        fine = all(type(t) is int for t in input_ids) and min(input_ids) >= 0 and max(input_ids) < vocab
+        for i, t in enumerate(() if fine else input_ids):  # the slow path only to name what is wrong
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"input_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
         for t in sampling.stop_token_ids:
