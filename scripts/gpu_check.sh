@@ -30,8 +30,8 @@ for part in $parts; do
             timeout 240 python3 benchmarks/tp_overhead.py --device cuda ;;
         tp_tests) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
                 -k "(generates or never_diverge or names_the_diverging) and not 3" -rs ;;
-        async) timeout 480 python3 benchmarks/async_speedup.py --model qwen3-0.6b --placement separate --steps 8 \
-                   --staleness 1 2 4 ;;
+        async) timeout 540 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement separate --steps 6 --staleness 1 2 4 ;;
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
