@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -235,21 +236,39 @@ class ModelRunner:
 
     # ---- prefill and mixed steps: eager -------------------------------------------------------------------
     def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
-        if self.prefill_kernel is not None:
-            return self._mixed_kernel(chunks, prev)
-        ids, positions, new_slots, kv_slots, sample_rows, pending = [], [], [], [], [], []
+        ids, positions, sample_rows, pending = [], [], [], []
         row = 0
         for c in chunks:
             end = c.start + c.num_tokens
             ids.extend(self._pending(row + i, c.req, t, pending) for i, t in enumerate(c.req.tokens[c.start:end]))
-            positions.append(torch.arange(c.start, end))
-            slots = self.pool.slots(c.req.pages, 0, end, device=self.device)
-            new_slots.append(slots[c.start:])
-            kv_slots.append(slots)
+            positions.extend(range(c.start, end))
             row += c.num_tokens
             if c.sample:
                 sample_rows.append(row - 1)
-        ctx = PagedAttention(self.pool.k_cache, self.pool.v_cache, torch.cat(new_slots),
+        ctx = self._kernel_context(chunks) if self.prefill_kernel is not None else self._reference_context(chunks)
+        self.last_prepare_seconds = time.perf_counter() - self._t0
+        hidden = self.model(self._input_ids(ids, pending, prev), self._to_device(positions), ctx)
+        if not sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+
+    def _kernel_context(self, chunks: list[Chunk]) -> BlockTablePrefill:
+        """The step over block tables built on the host and copied without waiting for the device."""
+        P = self.pool.page_size
+        new_slots = [c.req.pages[p // P] * P + p % P for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        q_starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
+        width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
+        return BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self._to_device(new_slots),
+                                 self._to_device(_block_table([c.req for c in chunks], width)),
+                                 self._to_device(q_starts, torch.int32),
+                                 self._to_device([c.start + c.num_tokens for c in chunks], torch.int32), P,
+                                 max(c.num_tokens for c in chunks), self.prefill_kernel)
+
+    def _reference_context(self, chunks: list[Chunk]) -> PagedAttention:
+        """The PyTorch reference: every chunk's slots, its decode rows through the decode kernel on a GPU."""
+        kv_slots = [self.pool.slots(c.req.pages, 0, c.start + c.num_tokens, device=self.device) for c in chunks]
+        ctx = PagedAttention(self.pool.k_cache, self.pool.v_cache,
+                             torch.cat([s[c.start:] for c, s in zip(chunks, kv_slots, strict=True)]),
                              q_lens=[c.num_tokens for c in chunks], kv_lens=[c.start + c.num_tokens for c in chunks],
                              kv_slots=kv_slots)
         decodes = [c for c in chunks if c.num_tokens == 1]
@@ -257,36 +276,7 @@ class ModelRunner:
             width = max(-(-(c.start + 1) // self.pool.page_size) for c in decodes)
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
             ctx.decode_block_table = self._to_device(_block_table([c.req for c in decodes], width))
-        self.last_prepare_seconds = time.perf_counter() - self._t0
-        hidden = self.model(self._input_ids(ids, pending, prev), torch.cat(positions).to(self.device), ctx)
-        if not sample_rows:
-            return None
-        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
-
-    def _mixed_kernel(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
-        """The step over block tables built on the host and copied without waiting for the device."""
-        P = self.pool.page_size
-        ids, positions, new_slots, q_starts, sample_rows, pending = [], [], [], [0], [], []
-        width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
-        for c in chunks:
-            end = c.start + c.num_tokens
-            row = q_starts[-1]
-            ids.extend(self._pending(row + i, c.req, t, pending) for i, t in enumerate(c.req.tokens[c.start:end]))
-            positions.extend(range(c.start, end))
-            new_slots.extend(c.req.pages[p // P] * P + p % P for p in range(c.start, end))
-            q_starts.append(row + c.num_tokens)
-            if c.sample:
-                sample_rows.append(row + c.num_tokens - 1)
-        ctx = BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self._to_device(new_slots),
-                                self._to_device(_block_table([c.req for c in chunks], width)),
-                                self._to_device(q_starts, torch.int32),
-                                self._to_device([c.start + c.num_tokens for c in chunks], torch.int32), P,
-                                max(c.num_tokens for c in chunks), self.prefill_kernel)
-        self.last_prepare_seconds = time.perf_counter() - self._t0
-        hidden = self.model(self._input_ids(ids, pending, prev), self._to_device(positions), ctx)
-        if not sample_rows:
-            return None
-        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        return ctx
 
     def _sampling_batch(self, reqs) -> SamplingBatch:
         """Per-request sampling parameters on the device: two host-to-device copies (floats, integers)."""

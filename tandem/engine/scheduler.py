@@ -169,9 +169,10 @@ class Scheduler:
         short = n + reserve - self.pool.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
+        if self.tier is not None:
             # copies hold pages (write_back evictions among them): wait first for those that wait for no
             # compute still running, then, if that is not enough, for them all (the same choices on every rank)
-            for upto in ((self.tier.settled_upto, None) if self.tier is not None else ()):
+            for upto in (self.tier.settled_upto, None):
                 if self.pool.num_free - reserve >= n or not self.tier.in_flight:
                     break
                 self.tier.reap(upto)

@@ -44,7 +44,21 @@ class TransferStats:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else math.inf
 
 
-class WeightSender(ABC):
+class _Transport(ABC):
+    """Either end: closed on leaving a `with` block."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the connection; idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class WeightSender(_Transport):
     """The trainer's end."""
 
     @abstractmethod
@@ -54,18 +68,8 @@ class WeightSender(ABC):
         on bad input (a duplicate name, a non-tensor). Reads the tensors and never mutates them; once it returns
         they may change, the receivers hold copies. `named_tensors` may be a generator (consumed once)."""
 
-    @abstractmethod
-    def close(self) -> None:
-        """Release the connection; idempotent."""
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-class WeightReceiver(ABC):
+class WeightReceiver(_Transport):
     """The engine's end."""
 
     @abstractmethod
@@ -74,16 +78,6 @@ class WeightReceiver(ABC):
         `load_weights` or `Engine.update_weights`. The tensors belong to the receiver (never aliases of the
         sender's; several may be views of one flat buffer). Raises TransportError when the sender does not start,
         stalls past the timeout, or aborts the transfer."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release the connection; idempotent."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # ---- in-process ------------------------------------------------------------------------------------------------
