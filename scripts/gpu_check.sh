@@ -26,10 +26,10 @@ for part in $parts; do
         8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;
         host_tier) timeout 300 python3 benchmarks/host_tier.py --model qwen3-0.6b --concurrency 64 --episodes 192 ;;
         tp) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
-                -k "(generates or never_diverge or names_the_diverging) and not 3" -rs &&
+                -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs &&
             timeout 240 python3 benchmarks/tp_overhead.py --device cuda ;;
         tp_tests) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
-                -k "(generates or never_diverge or names_the_diverging) and not 3" -rs ;;
+                -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs ;;
         async) timeout 540 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 6 --staleness 1 2 4 ;;
         *) echo "unknown part $part" ;;

@@ -273,3 +273,38 @@ def test_mutation_without_the_protection_the_check_fails(protection, request, tm
         ranks2 = request.getfixturevalue("ranks2")
         seen, _ = ranks2.run(tmp_path, wakeup=False, during=lambda trial: sigusr1_dumped_while_blocked(ranks2, trial))
         assert seen is False
+
+
+class _Graph:
+    """A stand-in for a captured CUDA graph: counts its replays."""
+
+    replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+def test_a_cuda_graph_capture_records_nothing_and_each_replay_is_one_record():
+    """Collectives captured in a graph run on every replay without passing through `collectives`; the record of a
+    replay stands for them (on the GPU, `test_tp`'s graph test checks the real thing). A planned skip of that
+    record skips the whole graph, as a rank on another branch would."""
+    recorder, graph = FlightRecorder(0), _Graph()
+    previous = collectives.set_recorder(recorder)
+    try:
+        with collectives.capturing() as ops:
+            assert collectives._issue("all_reduce", "tp", [], [], lambda: "ran") == "ran"
+            assert collectives._issue("all_gather", "tp", [], [], lambda: "ran") == "ran"
+        assert ops == ["all_reduce", "all_gather"] and recorder.entries() == []
+        collectives.replay(graph, 16, ops, "tp")
+        (entry,) = recorder.entries()
+        assert (entry["profiling_name"], entry["input_sizes"], entry["info"]) == \
+            ("tp:cuda_graph", [[16]], {"batch_size": 16, "collectives": 2})
+        assert graph.replays == 1 and entry["state"] == "completed"
+        faults.configure(FaultPlan(rank=0, action="skip", seq=1, group="tp"))
+        collectives.replay(graph, 16, ops, "tp")
+        assert graph.replays == 1 and len(recorder.entries()) == 1
+        collectives.replay(graph, 16, ops, "tp")
+        assert graph.replays == 2 and recorder.entries()[-1]["collective_seq_id"] == 1
+    finally:
+        faults.configure(None)
+        collectives.set_recorder(previous)

@@ -139,6 +139,27 @@ def test_tp_with_a_host_tier_generates_what_tp1_generates():
         assert lps_tp == pytest.approx(lps, abs=1e-4)
 
 
+def generate_counting_graphs(engine, requests):
+    """`generate`, with how many decode graphs the engine captured and how many replays its recorder holds."""
+    outs = generate(engine, requests)
+    records = [e for e in engine.recorder.entries() if e["profiling_name"].endswith(":cuda_graph")]
+    return outs, len(engine.runner.graphs), len(records), records[-1]["info"] if records else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(BACKEND != "nccl", reason="CUDA graphs under TP need NCCL (TANDEM_TP_BACKEND=nccl)")
+def test_nccl_tp_replays_decode_graphs_with_their_collectives_and_records_each_replay():
+    """Decode steps of a TP=2 engine replay CUDA graphs with NCCL's all-reduces inside them, and still generate
+    what one GPU generates; the flight recorder has one record per replay, standing for its collectives."""
+    short = functools.partial(long_requests, 200)
+    expected, _ = run_single(short, EngineConfig(page_size=4, num_pages=600))
+    (got, _), num_graphs, num_replays, info = run_tp(2, short, EngineConfig(page_size=4, num_pages=600),
+                                                    work=generate_counting_graphs)
+    assert num_graphs > 0 and num_replays >= 190, (num_graphs, num_replays)
+    assert info["collectives"] == 2 * CONFIG.num_hidden_layers + 2, info  # 2 per layer, embedding, head
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in expected]
+
+
 FLIPS = faults.FaultPlan(flip_rank=1, flip_prob=0.05, flip_seed=3)
 
 

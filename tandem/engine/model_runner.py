@@ -3,7 +3,9 @@
 Two paths behind one `run`:
   - decode steps (every chunk one token, the common case) go through fixed-shape buffers padded to a
     ladder of batch sizes; on CUDA each size is captured once as a CUDA graph and replayed, with the
-    Triton paged-decode kernel; elsewhere the same code runs eagerly with the PyTorch reference kernel;
+    Triton paged-decode kernel (under tensor parallelism with NCCL's collectives inside the graphs: each replay
+    is one flight-recorder record, see `collectives.replay`); elsewhere the same code runs eagerly with the
+    PyTorch reference kernel;
   - steps with prefill chunks run eagerly: on CUDA through the Triton paged-prefill kernel over block tables
     (`BlockTablePrefill`), elsewhere (or with `kernels=False`) with the reference `PagedAttention`.
 
@@ -23,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tandem.distributed import collectives, faults
 from tandem.engine.kv_pool import KVPool
@@ -98,11 +101,11 @@ class ModelRunner:
         self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
         self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graph_collectives: list[str] = []  # the collectives inside each graph (tensor parallel: NCCL's)
         self.last_prepare_seconds = 0.0
-        # Not yet with tensor parallelism: its collectives would be recorded by the flight recorder only when
-        # captured, not on each replay, and NCCL inside our graphs is unverified.
         triton = self.kernel is not paged_decode_reference
-        if cuda_graphs and self.device.type == "cuda" and triton and self.tp.size == 1:
+        capturable = self.tp.size == 1 or dist.get_backend(self.tp.group) == "nccl"
+        if cuda_graphs and self.device.type == "cuda" and triton and capturable:
             self._capture()
 
     @torch.inference_mode()
@@ -203,7 +206,7 @@ class ModelRunner:
         self.last_prepare_seconds = time.perf_counter() - self._t0
         if bs in self.graphs:
             graph, logits = self.graphs[bs]
-            graph.replay()
+            collectives.replay(graph, bs, self.graph_collectives, self.tp.group)
             return logits[:n]
         return self._forward_decode(bs, width)[:n]
 
@@ -227,9 +230,9 @@ class ModelRunner:
             for bs in reversed(self.batch_sizes):
                 self._forward_decode(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with collectives.capturing() as ops, torch.cuda.graph(graph, pool=pool, stream=stream):
                     logits = self._forward_decode(bs)
-                self.graphs[bs] = (graph, logits)
+                self.graphs[bs], self.graph_collectives = (graph, logits), ops
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
