@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import math
 import os
 import platform
 import socket
@@ -35,27 +36,35 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tandem.config import RunConfig
+from tandem.config import RunConfig, resolve_model
+from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.run.loop import run_recording
+from tandem.transport.dist import DistReceiver, DistSender
 
 
-def measure(overrides: list[str]) -> dict:
+def measure(overrides: list[str], warmup: int) -> dict:
+    """One run; rates and fractions over the steps after the first `warmup` (the first steps pay for CUDA
+    kernels' first launches and the allocators' growth)."""
     _, history, trained = run_recording(RunConfig.load(None, overrides))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
+    first, steady = (history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0}), history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
-    tokens = sum(h["tokens_trained"] for h in history)
+    wall = last["wall_s"] - first["wall_s"]
+    busy = ((1 - last["engine_idle_frac"]) * last["wall_s"] - (1 - first["engine_idle_frac"]) * first["wall_s"])
+    tokens = sum(h["tokens_trained"] for h in steady)
     return {
-        "wall_s": last["wall_s"], "tokens": tokens, "tok_s": tokens / last["wall_s"],
-        "us_per_token": 1e6 * last["wall_s"] / tokens,
-        "trainer_idle": last["trainer_idle_frac"], "engine_idle": last["engine_idle_frac"],
-        "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in history),
-        "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in history), "sync_bytes": last["sync_bytes"],
-        "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in history),
-        "stale_mean": statistics.mean(h["staleness_mean"] for h in history),
-        "stale_max": max(h["staleness_max"] for h in history),
+        "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "us_per_token": 1e6 * wall / tokens,
+        "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": 1 - busy / wall,
+        "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
+        "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
+        "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
+        "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
+        "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in steady),
+        "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
+        "stale_max": max(h["staleness_max"] for h in steady),
         "cache_hit": last["cache_hit_rate"],
         "reuse_vs_ideal": f"{sum(e.cached_tokens for e in episodes) / ideal:.0%}" if ideal else "-",
         "reward_first": statistics.mean(h["reward_mean"] for h in history[:quarter]),
@@ -63,11 +72,20 @@ def measure(overrides: list[str]) -> dict:
     }
 
 
-def _broadcast_worker(rank: int, port: int, backend: str, devices: list[str], num_bytes: int, reps: int, results):
+def _bind(rank: int, devices: list[str]) -> torch.device:
     device = torch.device(devices[rank])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    return device
+
+
+def _broadcast_worker(rank: int, port: int, backend: str, devices: list[str], shapes: list, bucket_bytes: int,
+                      reps: int, results):
+    """One plain broadcast of all the bytes of `shapes`, timed as the sync's end to end (both start together,
+    the sender's clock stops at the receiver's acknowledgement)."""
+    device = _bind(rank, devices)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    num_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in shapes)
     data, flag = torch.empty(num_bytes, dtype=torch.uint8, device=device), torch.zeros(1, device=device)
     seconds = []
     for _ in range(reps + 1):  # the first one sets up the communicator
@@ -83,24 +101,50 @@ def _broadcast_worker(rank: int, port: int, backend: str, devices: list[str], nu
     dist.destroy_process_group()
 
 
-def plain_broadcast_gb_s(num_bytes: int, backend: str, devices: list[str], reps: int = 5) -> float:
-    """GB/s of one broadcast of `num_bytes` from devices[0] to devices[1] (two spawned processes), median of `reps`."""
+def _transport_worker(rank: int, port: int, backend: str, devices: list[str], shapes: list, bucket_bytes: int,
+                      reps: int, results):
+    """tandem's transport alone (`DistSender` to `DistReceiver`, no HTTP, no engine) on tensors of `shapes`."""
+    device = _bind(rank, devices)
+    url = f"tcp://127.0.0.1:{port}"
+    if rank == 0:
+        tensors = [(name, torch.randn(shape, device=device).to(dtype)) for name, shape, dtype in shapes]
+        with DistSender(url, 2, 0, backend, 120, bucket_bytes, device=device if backend == "nccl" else None) as end:
+            seconds = [end.send(tensors, version).seconds for version in range(reps + 1)]
+        results.put(statistics.median(seconds[1:]))
+    else:
+        with DistReceiver(url, 2, 1, backend, 120, device=device if backend == "nccl" else None) as end:
+            for _ in range(reps + 1):
+                end.receive()
+
+
+def two_process_gb_s(worker, shapes: list, bucket_bytes: int, backend: str, devices: list[str],
+                     reps: int = 5) -> float:
+    """GB/s of `worker` moving the bytes of `shapes` from devices[0] to devices[1] (two spawned processes), median
+    of `reps` after one warm-up."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_broadcast_worker, args=(rank, port, backend, devices, num_bytes, reps, results))
+    procs = [ctx.Process(target=worker, args=(rank, port, backend, devices, shapes, bucket_bytes, reps, results))
              for rank in range(2)]
     for p in procs:
         p.start()
     try:
+        num_bytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in shapes)
         return num_bytes / results.get(timeout=600) / 1e9
     finally:
         for p in procs:
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
+
+
+def weight_shapes(model: str, dtype: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
+    """(name, shape, dtype) of what the trainer sends for `model` (a tied head once)."""
+    with torch.device("meta"):
+        net = Qwen3ForCausalLM(resolve_model(model)[0])
+    return [(name, tuple(p.shape), dtype) for name, p in net.named_parameters()]
 
 
 def devices_for(placement: str) -> tuple[str, str]:
@@ -121,8 +165,11 @@ def main() -> None:
     parser.add_argument("--task", default="random", choices=["random", "target_tokens", "guess_number"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of rates and fractions")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup: must be in [0, --steps), got {args.warmup}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
     out = tempfile.mkdtemp(prefix="tandem-bench-")
@@ -140,15 +187,18 @@ def main() -> None:
     rows = []
     for s in [0, *args.staleness]:
         t0 = time.perf_counter()
-        row = measure([*base, f"rollout.max_staleness={s}", f"out_dir={out}/{s}"])
+        row = measure([*base, f"rollout.max_staleness={s}", f"out_dir={out}/{s}"], args.warmup)
         rows.append((f"async, max_staleness={s}" if s else "sync", row))
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s: {row['tok_s']:.0f} trained tok/s",
               file=sys.stderr, flush=True)
     cfg = RunConfig.load(None, base)
-    plain = None
+    plain = alone = None
     if args.placement == "separate":
         backend = "nccl" if engine_device.startswith("cuda") else "gloo"
-        plain = plain_broadcast_gb_s(rows[0][1]["sync_bytes"], backend, [trainer_device, engine_device])
+        shapes = weight_shapes(args.model, torch.bfloat16 if engine_device != "cpu" else torch.float32)
+        devices = [trainer_device, engine_device]
+        plain = two_process_gb_s(_broadcast_worker, shapes, cfg.weight_bucket_bytes, backend, devices)
+        alone = two_process_gb_s(_transport_worker, shapes, cfg.weight_bucket_bytes, backend, devices)
 
     sync_tok_s = rows[0][1]["tok_s"]
     device = (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
@@ -158,14 +208,17 @@ def main() -> None:
     print(f"command: python {' '.join(sys.argv)}")
     print(f"placement {args.placement}: trainer on {trainer_device}, engine on {engine_device}; task {args.task}, "
           f"model {args.model}, pause mode {cfg.rollout.pause_mode}\n")
+    print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
+          "warm-up); reward over all steps\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | sync ms / update | sync GB/s | pause ms / update | staleness mean / max | cache hit | "
-          "reuse vs ideal | reward first -> last quarter |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "engine idle | train ms / step | sync ms / update (waiting for the engine) | sync GB/s | "
+          "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in rows:
         print(f"| {name} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | {r['tok_s']:.0f} | "
               f"{r['tok_s'] / sync_tok_s:.2f}x | {r['trainer_idle']:.0%} | {r['engine_idle']:.0%} | "
-              f"{r['transfer_ms']:.1f} | {r['sync_gb_s']:.3g} | {r['pause_ms']:.1f} | {r['stale_mean']:.2f} / "
+              f"{r['train_ms']:.0f} | {r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | "
+              f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / "
               f"{r['stale_max']:.0f} | {r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> "
               f"{r['reward_last']:+.3f} |")
     sync_bytes, idle_gb_s = rows[0][1]["sync_bytes"], rows[0][1]["sync_gb_s"]
@@ -176,7 +229,8 @@ def main() -> None:
         print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update in buckets of {cfg.weight_bucket_bytes / 2**20:g} "
               f"MiB: {idle_gb_s:.3g} GB/s while the engine waits (sync), {busy_gb_s:.3g} GB/s while it generates "
               f"(async, mean); one plain {backend} broadcast of the same bytes between the same devices in this run: "
-              f"{plain:.3g} GB/s ({idle_gb_s / plain:.0%} and {busy_gb_s / plain:.0%} of it)")
+              f"{plain:.3g} GB/s ({idle_gb_s / plain:.0%} and {busy_gb_s / plain:.0%} of it); tandem's transport "
+              f"alone (no HTTP, no engine) on tensors of the same shapes: {alone:.3g} GB/s ({alone / plain:.0%})")
 
 
 if __name__ == "__main__":

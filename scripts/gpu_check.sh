@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [tp] [tp_tests] [async]
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async]
 # (no argument: tests throughput host_tier; tp, tp_tests and async need two GPUs). async also needs fastapi and
 # uvicorn, which the GPU machine lacks: download their wheels here into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -30,8 +30,9 @@ for part in $parts; do
             timeout 240 python3 benchmarks/tp_overhead.py --device cuda ;;
         tp_tests) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
                 -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs ;;
-        async) timeout 540 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   --model qwen3-0.6b --placement separate --steps 6 --staleness 1 2 4 ;;
+        trainer) timeout 150 python3 benchmarks/trainer_step.py --model qwen3-0.6b --profile ;;
+        async) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 ;;
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"

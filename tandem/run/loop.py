@@ -108,7 +108,8 @@ class Run:
                 record = dict(
                     step=self.trainer.version, version=stats.weight_version, wall_s=wall,
                     **metrics, **self.manager.summary(),
-                    wait_s=t1 - t0, train_s=t2 - t1, transfer_s=sync.transfer_s, pause_s=sync.pause_s,
+                    wait_s=t1 - t0, train_s=t2 - t1, transfer_s=sync.transfer_s, transfer_wait_s=sync.wait_s,
+                    pause_s=sync.pause_s,
                     sync_s=sync.sync_s, sync_bytes=sync.num_bytes, sync_gb_per_s=sync.gb_per_s,
                     trainer_idle_frac=waited / wall, engine_idle_frac=1 - (stats.busy_seconds - busy0) / wall,
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)

@@ -47,6 +47,7 @@ class SyncStats:
     pause_s: float
     sync_s: float
     num_bytes: int
+    wait_s: float = 0.0  # of transfer_s: until the engine started receiving (its HTTP call arriving)
 
     @property
     def gb_per_s(self) -> float:
@@ -152,7 +153,8 @@ class Separate(Placement):
         sent = asyncio.to_thread(self.sender.send, named_weights, version)
         loaded = self.engine.update_weights_from_distributed(GROUP, version, self.cfg.rollout.pause_mode)
         transfer, reply = await self._both(sent, loaded, f"weight sync of version {version}")
-        return SyncStats(transfer.seconds, reply["pause_s"], time.perf_counter() - t0, transfer.num_bytes)
+        return SyncStats(transfer.seconds, reply["pause_s"], time.perf_counter() - t0, transfer.num_bytes,
+                         transfer.wait_s)
 
     async def _both(self, trainer_side, engine_side, what: str) -> list:
         """Await both sides of one step (each bounded by its timeout). If either fails, raise one TransportError

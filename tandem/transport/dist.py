@@ -297,6 +297,7 @@ class DistSender(_DistEnd, WeightSender):
         self._begin()
         t0 = time.perf_counter()
         self._gather(HELLO, "start receiving")
+        wait_s = time.perf_counter() - t0
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), one at most
         try:
@@ -323,7 +324,7 @@ class DistSender(_DistEnd, WeightSender):
             self._meta(BucketMeta(num_buckets, version, is_last=True, error=f"{type(e).__name__}: {e}"), num_buckets)
             raise
         self._gather(DONE, "confirm the transfer")
-        return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0)
+        return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0, wait_s)
 
     def _land(self, in_flight: list[tuple[dist.Work, Tensor, int]]) -> None:
         """Wait for the data broadcasts in `in_flight` (emptying it)."""

@@ -31,13 +31,15 @@ class TransportError(RuntimeError):
 
 @dataclass
 class TransferStats:
-    """One transfer as one end saw it; `seconds` from the hello to the last acknowledgement."""
+    """One transfer as one end saw it; `seconds` from the hello to the last acknowledgement, of which `wait_s`
+    waiting for the other end(s) to start (the sender: until every engine said hello)."""
 
     version: int
     num_bytes: int
     num_buckets: int
     num_tensors: int
     seconds: float
+    wait_s: float = 0.0
 
     @property
     def gb_per_s(self) -> float:
