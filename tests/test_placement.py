@@ -134,17 +134,21 @@ def pipeline_worker(rank: int, results, port: int):
             results.put((1, got))
             return
         with DistSender(init, 2, timeout_s=30, bucket_bytes=512) as sender:
-            events, flatten, land = [], weights_dist._flatten, sender._land
+            events, flatten, land, start = [], weights_dist._flatten, sender._land, sender._start_broadcast
 
             def logged_flatten(bucket, meta, device):
                 events.append(("flatten", meta.index))
                 return flatten(bucket, meta, device)
 
-            def logged_land(in_flight):
-                events.extend(("land", index) for _, _, index in in_flight)
-                land(in_flight)
+            def logged_land(in_flight, keep=0):
+                events.extend(("land", index) for _, _, index in in_flight[:max(len(in_flight) - keep, 0)])
+                land(in_flight, keep)
 
-            weights_dist._flatten, sender._land = logged_flatten, logged_land
+            def logged_start(tensor_N, group, what, bucket):
+                events.append(("start", bucket))
+                return start(tensor_N, group, what, bucket)
+
+            weights_dist._flatten, sender._land, sender._start_broadcast = logged_flatten, logged_land, logged_start
             logs, stats = {}, {}
             for pipeline in (True, False):
                 sender.pipeline = pipeline
@@ -164,10 +168,13 @@ def test_pipelined_sender_delivers_exactly_what_the_unpipelined_one_does():
     assert stats[True].num_buckets == stats[False].num_buckets >= 12
     assert stats[True].num_bytes == stats[False].num_bytes
 
-    # pipelined: bucket i+1 is flattened while bucket i's data is in flight; unpipelined: only once it landed
+    # pipelined: bucket i+1 is flattened and its broadcast queued while bucket i's data is in flight, and bucket
+    # i+2 is flattened only once bucket i landed (two flat buckets at most); unpipelined: one bucket at a time
     logs = out[0]["logs"]
     landed = [i for kind, i in logs[True] if kind == "land"]
-    assert len(landed) == stats[True].num_buckets
+    assert landed == list(range(stats[True].num_buckets))
     for i in landed[:-1]:
-        assert logs[True].index(("flatten", i + 1)) < logs[True].index(("land", i))
+        assert logs[True].index(("start", i + 1)) < logs[True].index(("land", i))
         assert logs[False].index(("flatten", i + 1)) > logs[False].index(("land", i))
+    for i in landed[:-2]:
+        assert logs[True].index(("flatten", i + 2)) > logs[True].index(("land", i))

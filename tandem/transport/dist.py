@@ -11,7 +11,10 @@ One transfer over the group, every step bounded by `timeout_s`:
    on the data group (the chosen backend). Never a collective per tensor: that is the classic slow weight sync.
    Pipelined: the sender starts a bucket's data broadcast without waiting for it, gathers and flattens the next
    bucket while it travels (on CUDA the broadcast runs on NCCL's stream, the flattening copies on the current one),
-   and waits for it only before the next bucket's metadata. At most two flat buckets exist on the sender at once.
+   sends that bucket's metadata and starts its broadcast behind the first, and only then waits for the first. The
+   receiver starts each bucket's receive as soon as its metadata arrives and waits for them all at the end. So the
+   link always has the next bucket queued: no host round trip between two buckets' data. At most two flat
+   buckets exist on the sender at once.
 3. done: each engine sends DONE to rank 0, so `send` returns only once every engine holds every tensor.
 
 Bad input found by the sender mid-transfer is broadcast as an `error` bucket, so the engines raise at once instead of
@@ -248,6 +251,13 @@ class _DistEnd:
     def _broadcast(self, tensor_N: Tensor, group, what: str, bucket: int) -> None:
         self._complete(self._start_broadcast(tensor_N, group, what, bucket), what, bucket)
 
+    def _land(self, in_flight: list, keep: int = 0) -> None:
+        """Wait for the oldest data broadcasts in `in_flight` ((work, ..., bucket index) each, oldest first) until
+        only the newest `keep` remain."""
+        while len(in_flight) > keep:
+            work, *_, index = in_flight.pop(0)
+            self._complete(work, "data", index)
+
     def _meta(self, meta: BucketMeta | None, index: int) -> BucketMeta:
         """Broadcast one bucket's metadata from rank 0 (its length, then its bytes); `meta` is None on receivers."""
         if meta is not None:
@@ -304,9 +314,9 @@ class DistSender(_DistEnd, WeightSender):
             # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
             # overlap the broadcast in flight
             for bucket, is_last in _mark_last(_buckets(named_tensors, self.bucket_bytes)):
+                self._land(in_flight, keep=1)  # the one before the last: its memory goes to the next flat bucket
                 meta = BucketMeta(num_buckets, version, is_last=is_last)
                 flat_N = _flatten(bucket, meta, self.device)
-                self._land(in_flight)
                 self._meta(meta, num_buckets)
                 if meta.numel:
                     in_flight.append((self._start_broadcast(flat_N, self.data, "data", num_buckets), flat_N,
@@ -325,12 +335,6 @@ class DistSender(_DistEnd, WeightSender):
             raise
         self._gather(DONE, "confirm the transfer")
         return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0, wait_s)
-
-    def _land(self, in_flight: list[tuple[dist.Work, Tensor, int]]) -> None:
-        """Wait for the data broadcasts in `in_flight` (emptying it)."""
-        while in_flight:
-            work, _, index = in_flight.pop()
-            self._complete(work, "data", index)
 
     def _gather(self, tag: int, what: str) -> None:
         """One message from every receiver, all within one timeout; names every rank that did not send."""
@@ -370,9 +374,11 @@ class DistReceiver(_DistEnd, WeightReceiver):
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         tensors: dict[str, Tensor] = {}
         num_bytes = 0
+        receiving: list[tuple[dist.Work, int]] = []  # started, not yet waited for (the sender has them queued)
         for index in itertools.count():
             meta = self._meta(None, index)
             if meta.error is not None:
+                self._land(receiving)  # what was sent before the error: the group stays in step
                 raise TransportError(f"weights (rank {self.rank}): {self._who([0])} aborted the transfer of "
                                      f"version {meta.weight_version} at bucket {index}: {meta.error}", [0], index)
             if meta.index != index:
@@ -380,11 +386,12 @@ class DistReceiver(_DistEnd, WeightReceiver):
             dtype = _dtype(meta.dtypes[0]) if meta.dtypes else torch.uint8
             flat_N = torch.empty(meta.numel, dtype=dtype, device=self.device)
             if meta.numel:
-                self._broadcast(flat_N, self.data, "data", index)
+                receiving.append((self._start_broadcast(flat_N, self.data, "data", index), index))
             tensors.update(_unflatten(meta, flat_N))
             num_bytes += flat_N.numel() * flat_N.element_size()
             if meta.is_last:
                 break
+        self._land(receiving)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
