@@ -4,6 +4,7 @@ sampled-token broadcast and the lockstep sentinel each prove their worth against
 import asyncio
 import dataclasses
 import datetime
+import faulthandler
 import functools
 import json
 import multiprocessing
@@ -67,8 +68,12 @@ def two_turns(engine, requests):
 BACKEND = os.environ.get("TANDEM_TP_BACKEND", "gloo")  # "nccl" on a machine with a GPU per rank
 
 
+RANK_STACKS_S = 100  # a rank still running then prints every thread's stack (before run_tp gives up at 120 s)
+
+
 def _rank_main(rank, size, port, make_requests, config, plan, results, work=generate):
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(RANK_STACKS_S, exit=True)
     if BACKEND == "nccl":  # the model's collectives on NCCL, one GPU per rank; the control channel stays gloo
         torch.cuda.set_device(rank)
         tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", "nccl")

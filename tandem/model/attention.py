@@ -14,6 +14,7 @@ Shapes: T tokens in the flat batch, H query heads, K key/value heads, D head dim
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -36,13 +37,38 @@ def _sdpa(q_BHQD, k_BKLD, v_BKLD, mask_BQL):
     return F.scaled_dot_product_attention(q_BHQD, k_BKLD, v_BKLD, attn_mask=mask_BQL[:, None])
 
 
+def _varlen_attention():
+    """PyTorch's variable-length flash attention with its causal and GQA options, across the two forms its
+    signature has had: `(fn, causal kwargs, takes GQA)`, or None where it is missing."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    if "window_size" in params:
+        return varlen_attn, {"window_size": (-1, 0)}, "enable_gqa" in params
+    if "is_causal" in params:
+        return varlen_attn, {"is_causal": True}, False
+    return None
+
+
+VARLEN = _varlen_attention()
+
+
 @dataclass
 class PackedCausal(AttentionContext):
-    """Sequences of lengths `seq_lens` packed into one flat batch, causal within each."""
+    """Sequences of lengths `seq_lens` packed into one flat batch, causal within each. On CUDA in bf16/fp16 one
+    variable-length flash attention call over the whole batch; elsewhere one SDPA call per sequence (the
+    reference; on CUDA a call per sequence costs a kernel plan per new length, which made a training step
+    host-bound)."""
 
     seq_lens: list[int]
+    fused: bool = True  # False: the per-sequence reference everywhere
+    _cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
+        if self.fused and VARLEN is not None and q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16):
+            return self._varlen(q_THD, k_TKD, v_TKD)
         outs, start = [], 0
         for n in self.seq_lens:
             q, k, v = (x[start:start + n].transpose(0, 1)[None] for x in (q_THD, k_TKD, v_TKD))
@@ -50,6 +76,18 @@ class PackedCausal(AttentionContext):
             outs.append(_sdpa(q, k, v, mask)[0].transpose(0, 1))
             start += n
         return torch.cat(outs)
+
+    def _varlen(self, q_THD, k_TKD, v_TKD):
+        fn, causal, gqa = VARLEN
+        if self._cu_seqlens is None:  # once per batch, shared by every layer
+            lens = torch.tensor([0, *self.seq_lens], dtype=torch.int32)
+            self._cu_seqlens = lens.cumsum(0, dtype=torch.int32).to(q_THD.device, non_blocking=True)
+        groups = q_THD.shape[1] // k_TKD.shape[1]
+        if groups > 1 and not gqa:
+            k_TKD, v_TKD = k_TKD.repeat_interleave(groups, dim=1), v_TKD.repeat_interleave(groups, dim=1)
+        extra = {"enable_gqa": True} if groups > 1 and gqa else {}
+        n = max(self.seq_lens)
+        return fn(q_THD, k_TKD, v_TKD, self._cu_seqlens, self._cu_seqlens, n, n, **causal, **extra)
 
 
 @dataclass
