@@ -1,7 +1,7 @@
 """What the tensor-parallel protections cost per engine step: the sampled-token broadcast and the lockstep
 sentinel, switched on and off, on the same workload in one run.
 
-    python benchmarks/tp_overhead.py [--tp 2] [--steps 400] [--batch 8]
+    python benchmarks/tp_overhead.py [--tp 2] [--steps 400] [--batch 8] [--model tiny] [--device cpu]
 
 Each configuration runs `batch` requests of `steps` tokens (pure decode after the first step) on a TP engine
 and reports rank 0's mean step time. CPU/gloo by default; `--device cuda` uses NCCL for the model.
@@ -25,12 +25,13 @@ from tandem.engine.tp import init_tp, run_follower
 from tandem.types import SamplingParams
 
 
-def _rank(rank, size, port, config, batch, steps, results):
+def _rank(rank, size, port, model, config, batch, steps, results):
     torch.set_num_threads(1)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
-    engine = Engine("tiny", config, tp=init_tp(rank, size, f"tcp://127.0.0.1:{port}", backend))
+    tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", backend)
+    engine = Engine(model, config, dtype="bfloat16" if backend == "nccl" else None, tp=tp)
     if rank:
         return run_follower(engine)
     sp = SamplingParams(max_new_tokens=steps, temperature=1.0, ignore_eos=True)
@@ -44,13 +45,13 @@ def _rank(rank, size, port, config, batch, steps, results):
     engine.shutdown()
 
 
-def step_ms(size, config, batch, steps) -> float:
+def step_ms(size, model, config, batch, steps) -> float:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, config, batch, steps, results)) for r in range(size)]
+    procs = [ctx.Process(target=_rank, args=(r, size, port, model, config, batch, steps, results)) for r in range(size)]
     for p in procs:
         p.start()
     value = results.get(timeout=600)
@@ -65,12 +66,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default="tiny")
     args = parser.parse_args()
     rows = []
     for broadcast, sentinel in [(False, False), (True, False), (False, True), (True, True)]:
         config = EngineConfig(page_size=16, num_pages=512, device=args.device, token_broadcast=broadcast,
                               lockstep_sentinel=sentinel)
-        rows.append((broadcast, sentinel, step_ms(args.tp, config, args.batch, args.steps)))
+        rows.append((broadcast, sentinel, step_ms(args.tp, args.model, config, args.batch, args.steps)))
     base = rows[0][2]
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"CPU ({os.cpu_count()} cores)"
     print(f"## TP protections per step ({datetime.date.today()}, {where}, TP={args.tp}, tiny model, batch "
