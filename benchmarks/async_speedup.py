@@ -2,15 +2,19 @@
 
     python benchmarks/async_speedup.py [section.key=value ...] [--model qwen3-0.6b] [--placement separate]
                                        [--task random] [--steps 12] [--staleness 1 2 4]
+                                       [--pause-modes retract in_place]
 
-(overrides first: `--staleness` takes every number after it)
+(overrides first: `--staleness` and `--pause-modes` take every word after them)
 
 Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate` runs
 the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL; on a
 CPU, gloo). On CUDA the engine sizes its KV pool from free memory (half of it when it shares the GPU). Synchronous RL
 is the same loop with max_staleness = 0 (generate a batch, train, sync, repeat). `--task target_tokens` (or
 guess_number) trains a learnable task at lr 1e-2, so the reward column shows learning; the default is the
-long-tailed random agent.
+long-tailed random agent. Each async staleness runs once per pause mode (default: the config's, `retract`):
+`retract` drops in-flight KV at every update and recomputes it under the new weights (AReaL's interruptible
+rollouts), `in_place` keeps it (PipelineRL's in-flight updates); the "prefill computed / trained token" column
+shows what the recompute costs.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
 idle fractions, the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse,
@@ -50,7 +54,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
         torch.cuda.empty_cache()
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
-    first, steady = (history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0}), history[warmup:]
+    first = history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0, "prefill_tokens_computed": 0}
+    steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
     busy = ((1 - last["engine_idle_frac"]) * last["wall_s"] - (1 - first["engine_idle_frac"]) * first["wall_s"])
@@ -59,6 +64,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "us_per_token": 1e6 * wall / tokens,
         "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": 1 - busy / wall,
         "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
+        # the engine's prefill work per trained token: grows when updates make it recompute in-flight KV
+        "prefill_per_token": (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / tokens,
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
@@ -165,6 +172,7 @@ def main() -> None:
     parser.add_argument("--task", default="random", choices=["random", "target_tokens", "guess_number"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--pause-modes", nargs="+", default=None, help="default: the config's rollout.pause_mode")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of rates and fractions")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -184,14 +192,36 @@ def main() -> None:
     if args.task != "random":
         base += ["trainer.lr=1e-2"]
     base += args.overrides
-    rows = []
-    for s in [0, *args.staleness]:
-        t0 = time.perf_counter()
-        row = measure([*base, f"rollout.max_staleness={s}", f"out_dir={out}/{s}"], args.warmup)
-        rows.append((f"async, max_staleness={s}" if s else "sync", row))
-        print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s: {row['tok_s']:.0f} trained tok/s",
-              file=sys.stderr, flush=True)
     cfg = RunConfig.load(None, base)
+    device = (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
+              if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)")
+    print(f"## async speedup ({datetime.date.today()}, {device}, Python {platform.python_version()}, "
+          f"torch {torch.__version__})")
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"placement {args.placement}: trainer on {trainer_device}, engine on {engine_device}; task {args.task}, "
+          f"model {args.model}\n")
+    print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
+          "warm-up); reward over all steps; each row printed as soon as it is measured\n")
+    print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
+          "engine idle | prefill computed / trained token | train ms / step | "
+          "sync ms / update (waiting for the engine) | sync GB/s | "
+          "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    rows = []
+    modes = args.pause_modes or [cfg.rollout.pause_mode]
+    for s, mode in [(0, modes[0])] + [(s, mode) for mode in modes for s in args.staleness]:
+        t0 = time.perf_counter()
+        r = measure([*base, f"rollout.max_staleness={s}", f"rollout.pause_mode={mode}", f"out_dir={out}/{s}{mode}"],
+                    args.warmup)
+        rows.append((f"async, max_staleness={s}, {mode}" if s else "sync", r))
+        print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
+              f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
+              f"{r['engine_idle']:.0%} | {r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
+              f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | "
+              f"{r['sync_gb_s']:.3g} | {r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
+              f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",
+              flush=True)
     plain = alone = None
     if args.placement == "separate":
         backend = "nccl" if engine_device.startswith("cuda") else "gloo"
@@ -199,28 +229,6 @@ def main() -> None:
         devices = [trainer_device, engine_device]
         plain = two_process_gb_s(_broadcast_worker, shapes, cfg.weight_bucket_bytes, backend, devices)
         alone = two_process_gb_s(_transport_worker, shapes, cfg.weight_bucket_bytes, backend, devices)
-
-    sync_tok_s = rows[0][1]["tok_s"]
-    device = (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
-              if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)")
-    print(f"## async speedup ({datetime.date.today()}, {device}, Python {platform.python_version()}, "
-          f"torch {torch.__version__})")
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"placement {args.placement}: trainer on {trainer_device}, engine on {engine_device}; task {args.task}, "
-          f"model {args.model}, pause mode {cfg.rollout.pause_mode}\n")
-    print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
-          "warm-up); reward over all steps\n")
-    print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | train ms / step | sync ms / update (waiting for the engine) | sync GB/s | "
-          "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in rows:
-        print(f"| {name} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | {r['tok_s']:.0f} | "
-              f"{r['tok_s'] / sync_tok_s:.2f}x | {r['trainer_idle']:.0%} | {r['engine_idle']:.0%} | "
-              f"{r['train_ms']:.0f} | {r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | "
-              f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / "
-              f"{r['stale_max']:.0f} | {r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> "
-              f"{r['reward_last']:+.3f} |")
     sync_bytes, idle_gb_s = rows[0][1]["sync_bytes"], rows[0][1]["sync_gb_s"]
     busy_gb_s = statistics.mean(r["sync_gb_s"] for _, r in rows[1:]) if rows[1:] else float("nan")
     if plain is None:

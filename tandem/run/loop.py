@@ -114,7 +114,8 @@ class Run:
                     trainer_idle_frac=waited / wall, engine_idle_frac=1 - (stats.busy_seconds - busy0) / wall,
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
                                           + metrics["tokens_trained"]) / wall,
-                    generated_tokens=stats.generated_tokens, rollout_tokens_per_s=stats.generated_tokens / wall,
+                    generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
+                    rollout_tokens_per_s=stats.generated_tokens / wall,
                     cache_hit_rate=stats.cache_hit_rate, cache_reuse_vs_ideal=stats.reuse_vs_ideal,
                     dropped=dict(self.manager.dropped),
                 )
