@@ -309,7 +309,7 @@ class DistSender(_DistEnd, WeightSender):
         self._gather(HELLO, "start receiving")
         wait_s = time.perf_counter() - t0
         num_buckets = num_tensors = num_bytes = 0
-        in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), one at most
+        in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
         try:
             # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
             # overlap the broadcast in flight
