@@ -310,8 +310,11 @@ class RunConfig:
     """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU.
 
     Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory;
-    "separate" runs the engine in a process of its own behind its HTTP server, weights broadcast over a
-    torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of `weight_bucket_bytes`.
+    "separate" runs the engine in a process of its own behind its HTTP server. Its weights, by `weight_transport`:
+    "group", broadcast over a torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of
+    `weight_bucket_bytes`; "ipc", handed over by reference through the pipe to the engine's process (CUDA IPC, or
+    shared memory on a CPU), for an engine on the trainer's GPU; "auto" (default): ipc when both are on the same
+    GPU, else group.
     The trainer runs on `trainer_device` (None: `engine.device`), the engine on `engine.device`.
     `weight_sync_timeout_s` bounds every collective of a weight sync (and joining the group); `engine_timeout_s`
     bounds the separate engine's start-up, every HTTP call but a generate, and how long it may leave `/health`
@@ -329,6 +332,7 @@ class RunConfig:
     placement: Literal["colocated", "separate"] = "colocated"
     trainer_device: str | None = None
     engine_dtype: Literal["float32", "bfloat16"] = "float32"  # the engine's weights and KV (the trainer's: trainer)
+    weight_transport: Literal["auto", "group", "ipc"] = "auto"
     weight_bucket_bytes: int = 512 << 20
     weight_sync_timeout_s: float = 120.0
     engine_timeout_s: float = 300.0
@@ -352,10 +356,30 @@ class RunConfig:
         if self.placement == "separate" and trainer.startswith("cuda") != engine.startswith("cuda"):
             raise ValueError(f"run.trainer_device: with placement separate the trainer ({trainer}) and the engine "
                              f"({engine}) must both be on CUDA (NCCL) or both on the CPU (gloo)")
-        if self.placement == "separate" and engine.startswith("cuda") and trainer.removesuffix(":0") == \
-                engine.removesuffix(":0"):
-            raise ValueError(f"run.trainer_device: placement separate needs two GPUs (NCCL takes one per rank), got "
-                             f"{trainer} for the trainer and the engine; placement colocated shares one")
+        if self.weight_transport not in ("auto", "group", "ipc"):
+            raise ValueError(f"run.weight_transport: must be auto, group or ipc, got {self.weight_transport!r}")
+        if self.weight_transport != "auto" and self.placement != "separate":
+            raise ValueError(f"run.weight_transport: {self.weight_transport} is for placement separate (colocated "
+                             "hands weights over in memory)")
+        if self.placement == "separate" and self.resolved_weight_transport == "group" and self._one_gpu:
+            raise ValueError(f"run.weight_transport: group needs two GPUs (NCCL takes one per rank), got {trainer} "
+                             "for the trainer and the engine; use ipc (the default on one GPU)")
+        if self.resolved_weight_transport == "ipc" and trainer.startswith("cuda") and not self._one_gpu:
+            raise ValueError(f"run.weight_transport: ipc needs the trainer ({trainer}) and the engine ({engine}) on "
+                             "the same device")
+
+    @property
+    def _one_gpu(self) -> bool:
+        """Trainer and engine on the same CUDA device."""
+        trainer, engine = self.trainer_device or self.engine.device, self.engine.device
+        return engine.startswith("cuda") and trainer.removesuffix(":0") == engine.removesuffix(":0")
+
+    @property
+    def resolved_weight_transport(self) -> str:
+        """`weight_transport` with "auto" decided: ipc when trainer and engine share one GPU, else group."""
+        if self.weight_transport != "auto":
+            return self.weight_transport
+        return "ipc" if self._one_gpu else "group"
 
     @classmethod
     def load(cls, path: str | None = None, overrides: list[str] = ()) -> RunConfig:

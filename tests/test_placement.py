@@ -1,6 +1,7 @@
 """Placement "separate": the engine in a process of its own behind HTTP, weights over a gloo group (NCCL's CPU
-stand-in), a few steps of the random agent end to end; failures of the engine's process reach the trainer as errors
-naming it, within the timeouts; and the pipelined sender delivers exactly what the unpipelined one does."""
+stand-in) or by reference through the pipe to its process (shared memory here, CUDA IPC on one GPU), a few steps
+of the random agent end to end; failures of the engine's process reach the trainer as errors naming it, within the
+timeouts; and the pipelined sender delivers exactly what the unpipelined one does."""
 
 import asyncio
 import copy
@@ -14,9 +15,13 @@ import torch
 from test_transport import digest, free_port, run_pair
 
 from tandem.config import RunConfig
+from tandem.model.loader import build_model
 from tandem.run.loop import Run
+from tandem.run.placement import place
 from tandem.transport import dist as weights_dist
 from tandem.transport.dist import DistReceiver, DistSender
+from tandem.transport.weights import TransportError
+from tandem.types import SamplingParams
 
 SMALL = ["placement=separate", "rollout.group_size=2", "rollout.batch_groups=2", "rollout.num_in_flight=8",
          "random_agent.prompt_len_max=40", "random_agent.response_len_median=6", "random_agent.response_len_max=64",
@@ -30,7 +35,12 @@ def make_run(tmp_path, *overrides) -> Run:
 @pytest.mark.parametrize("overrides, message", [
     (["placement=apart"], "run.placement: must be colocated or separate"),
     (["placement=separate", "trainer_device=cuda:0"], "must both be on CUDA (NCCL) or both on the CPU"),
-    (["placement=separate", "trainer_device=cuda", "engine.device=cuda:0"], "separate needs two GPUs"),
+    (["placement=separate", "trainer_device=cuda", "engine.device=cuda:0", "weight_transport=group"],
+     "group needs two GPUs"),
+    (["placement=separate", "trainer_device=cuda:0", "engine.device=cuda:1", "weight_transport=ipc"],
+     "ipc needs the trainer (cuda:0) and the engine (cuda:1) on the same device"),
+    (["weight_transport=ipc"], "run.weight_transport: ipc is for placement separate"),
+    (["weight_transport=pipe"], "run.weight_transport: must be auto, group or ipc"),
     (["weight_bucket_bytes=0"], "run.weight_bucket_bytes: must be positive"),
 ])
 def test_bad_placement_is_a_value_error_naming_the_field(overrides, message):
@@ -38,8 +48,17 @@ def test_bad_placement_is_a_value_error_naming_the_field(overrides, message):
         RunConfig.load(None, overrides)
 
 
-def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_path):
-    run = make_run(tmp_path, "steps=4", "rollout.max_staleness=1", "weight_sync_timeout_s=30")
+def test_one_gpu_for_both_defaults_to_the_ipc_transport():
+    cfg = RunConfig.load(None, ["placement=separate", "trainer_device=cuda", "engine.device=cuda:0"])
+    assert cfg.resolved_weight_transport == "ipc"
+    assert RunConfig.load(None, ["placement=separate"]).resolved_weight_transport == "group"
+
+
+@pytest.mark.parametrize("transport", ["group", "ipc"])
+def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_path, transport):
+    """Over a gloo group, or (ipc) by reference through the pipe: shared memory here, CUDA IPC on one GPU."""
+    run = make_run(tmp_path, "steps=4", "rollout.max_staleness=1", "weight_sync_timeout_s=30",
+                   f"weight_transport={transport}")
     snapshots = {0: copy.deepcopy(run.trainer.model)}  # the trainer's weights of every version
     batches = []
     run.on_batch = lambda version, batch: batches.append(batch)
@@ -118,6 +137,35 @@ def test_engine_failure_is_an_error_naming_it_within_the_timeouts(tmp_path, sign
         assert "/health unanswered" in message and "stopped or stuck" in message
 
 
+@pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
+def test_ipc_engine_killed_or_frozen_before_a_sync_is_named_within_the_timeouts(tmp_path, signal_name):
+    """The same failures with the weights handed over through the pipe: the trainer does not wait forever."""
+    run = make_run(tmp_path, "steps=3", "rollout.max_staleness=0", "weight_sync_timeout_s=3", "engine_timeout_s=4",
+                   "weight_transport=ipc")
+    engine, sig, hit = run.placement.process, getattr(signal, signal_name), {}
+
+    def hit_engine(version, batch):
+        if version == 1 and not hit:
+            hit["t"] = time.monotonic()
+            os.kill(engine.pid, sig)
+
+    run.on_batch = hit_engine
+    try:
+        with pytest.raises(Exception) as failure:
+            asyncio.run(run.train())
+        elapsed = time.monotonic() - hit["t"]
+    finally:
+        if sig == signal.SIGSTOP:
+            os.kill(engine.pid, signal.SIGCONT)
+        run.shutdown()
+    message = str(failure.value)
+    assert engine.url in message and elapsed < 4 + 3, (elapsed, message)
+    if sig == signal.SIGKILL:
+        assert "exited with code -9" in message, message
+    else:
+        assert "did not load weights version 2 within 3 s" in message or "/health unanswered" in message, message
+
+
 def pipeline_worker(rank: int, results, port: int):
     """Rank 0 sends the same tensors pipelined (version 1), then unpipelined (version 0), logging when it flattens
     each bucket and when it waits for each bucket's data; rank 1 receives both."""
@@ -178,3 +226,24 @@ def test_pipelined_sender_delivers_exactly_what_the_unpipelined_one_does():
         assert logs[False].index(("flatten", i + 1)) > logs[False].index(("land", i))
     for i in landed[:-2]:
         assert logs[True].index(("flatten", i + 2)) > logs[True].index(("land", i))
+
+
+def test_ipc_handoff_of_bad_weights_is_an_error_naming_them_and_the_engine_keeps_its_own():
+    cfg = RunConfig.load(None, ["placement=separate", "weight_transport=ipc", "weight_sync_timeout_s=30"])
+    placement = place(cfg)
+    model = build_model("tiny", seed=1)
+
+    async def go():
+        await placement.start(model.named_parameters(), 1)
+        bad = [(n, p[:-1] if n == "model.norm.weight" else p) for n, p in model.named_parameters()]
+        with pytest.raises(TransportError, match=r"refused weights version 2: ValueError: .*model\.norm\.weight"):
+            await placement.push(bad, 2)
+        stats = await placement.engine.get_stats()
+        out = await placement.engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+        await placement.disconnect()
+        return stats.weight_version, placement.engine.weight_version, len(out.output_ids)
+
+    try:
+        assert asyncio.run(go()) == (1, 1, 4)  # still version 1 on both sides, and generating
+    finally:
+        placement.shutdown()

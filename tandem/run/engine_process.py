@@ -3,15 +3,21 @@
 
 On CUDA the process sees only its own GPU (CUDA_VISIBLE_DEVICES), where it is cuda:0: every thread of it (the
 engine's loop, the server's workers receiving weights) then works on that GPU without setting a device, and it
-opens no context on the trainer's GPU."""
+opens no context on the trainer's GPU. Unless `share_gpu`: then the engine runs on the trainer's GPU, sees what
+the trainer sees, and `load_weights` hands it the trainer's tensors through the pipe between the two processes
+(torch's multiprocessing pickling: a CUDA IPC handle per tensor, or shared memory on the CPU; nothing is copied
+until the engine loads them). That pipe is only the parent's and the child's, never a network socket: unpickling
+what arrives on it is safe, unlike over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 
 import torch
@@ -24,9 +30,11 @@ class EngineProcess:
     """Spawns the engine and blocks until its server listens, at most `timeout_s`. Raises ValueError when the engine
     refuses its configuration, EngineUnreachable when the process dies or does not start in time."""
 
-    def __init__(self, model: str, config: EngineConfig, seed: int, timeout_s: float, dtype: str = "float32"):
+    def __init__(self, model: str, config: EngineConfig, seed: int, timeout_s: float, dtype: str = "float32",
+                 share_gpu: bool = False):
         gpu = None
-        if config.device.startswith("cuda"):
+        self._lock = threading.Lock()  # one exchange on the pipe at a time
+        if config.device.startswith("cuda") and not share_gpu:
             index = torch.device(config.device).index or 0
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             if visible and index >= len(visible.split(",")):
@@ -70,6 +78,30 @@ class EngineProcess:
         if self.process.exitcode is not None:
             raise EngineUnreachable(f"{self}: exited with code {self.process.exitcode}")
 
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]], version: int, pause_mode: str,
+                     timeout_s: float) -> float:
+        """Hand the engine `named_tensors` (shared, not copied) and have it load them as `version`; returns the
+        seconds generation was excluded (pause, load, resume). The tensors must not change until this returns.
+        Raises ValueError when the engine refuses them, EngineUnreachable when it dies or does not answer within
+        `timeout_s`."""
+        with self._lock:
+            try:
+                self._conn.send(("weights", named_tensors, version, pause_mode))
+                deadline = time.monotonic() + timeout_s
+                while not self._conn.poll(0.01):
+                    self.check()
+                    if time.monotonic() > deadline:
+                        raise EngineUnreachable(f"{self}: did not load weights version {version} within "
+                                                f"{timeout_s:g} s")
+                status, kind, detail = self._conn.recv()
+            except (OSError, EOFError) as e:  # its end of the pipe closed: it died
+                self.process.join(1)
+                self.check()
+                raise EngineUnreachable(f"{self}: the weight handoff broke off: {e}") from e
+        if status == "loaded":
+            return detail
+        raise ValueError(f"{self}: refused weights version {version}: {kind}: {detail}")
+
     def stop(self, grace_s: float = 30.0) -> None:
         """Ask the engine to stop (it finishes its server and its loop); kill it after `grace_s`. Idempotent."""
         with contextlib.suppress(OSError):  # already gone, or stopped before
@@ -86,7 +118,7 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
     if gpu is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us in order
-    from tandem.engine.engine import Engine
+    from tandem.engine.engine import Engine, EngineError
     from tandem.server.http import ServerThread
 
     try:
@@ -97,9 +129,29 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
         return
     conn.send(("ready", "", server.url))
     try:
-        conn.recv()
+        while (message := conn.recv()) != "stop":
+            _, named, version, pause_mode = message
+            try:
+                conn.send(("loaded", "", asyncio.run(_load(engine, named, version, pause_mode))))
+            except (ValueError, EngineError) as e:
+                conn.send(("error", type(e).__name__, str(e)))
+            del named, message  # the trainer's tensors: release them (their IPC handles) now
     except EOFError:  # the parent died
         pass
     finally:
         server.stop()
         engine.shutdown()
+
+
+async def _load(engine, named, version: int, pause_mode: str) -> float:
+    """Load `named` into the engine; only this excludes generation. Returns those seconds."""
+    t0 = time.perf_counter()
+    already_paused = engine.paused is not None
+    if not already_paused:
+        await engine.pause(pause_mode)
+    try:
+        await engine.update_weights(named, version)
+    finally:
+        if not already_paused:
+            await engine.resume()
+    return time.perf_counter() - t0

@@ -2,10 +2,13 @@
 
 `Colocated`: the engine's thread in the trainer's process (on one GPU they share it); weights handed over in memory
 (`InProcessSender`). `Separate`: the engine in a process of its own (`EngineProcess`), driven over its HTTP API
-(`EngineClient`); weights broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the
-trainer has the engine join with `/init_weights_update_group` once, then per update calls
-`/update_weights_from_distributed` while its `DistSender` broadcasts the buckets (pipelined, see
-`tandem.transport.dist`). Never a call per tensor.
+(`EngineClient`). Its weights, by `RunConfig.weight_transport`:
+- "group": broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the trainer has the
+  engine join with `/init_weights_update_group` once, then per update calls `/update_weights_from_distributed`
+  while its `DistSender` broadcasts the buckets (pipelined, see `tandem.transport.dist`). Never a call per tensor.
+- "ipc" (the default when both share one GPU, where NCCL cannot run two ranks): the trainer's tensors go to the
+  engine's process by reference through the pipe that spawned it (CUDA IPC handles, or shared memory on a CPU),
+  and the engine copies them in during its pause (`EngineProcess.load_weights`).
 
 In both, what excludes generation is only the load: the engine receives the new weights into a staging copy while
 it keeps generating, then pauses (the run's pause mode), copies the staging tensors into its parameters
@@ -30,7 +33,7 @@ from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
 from tandem.run.engine_process import EngineProcess
 from tandem.transport.dist import DistSender
-from tandem.transport.weights import InProcessReceiver, InProcessSender, TransportError
+from tandem.transport.weights import InProcessReceiver, InProcessSender, TransportError, validated
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 MONITOR_S = 1.0  # how often the monitor looks at the engine
@@ -40,8 +43,9 @@ GROUP = "tandem-weights"
 @dataclass(frozen=True, slots=True)
 class SyncStats:
     """One weight sync. `transfer_s`: the trainer's send, until every engine holds a full copy (the engine keeps
-    generating meanwhile); `pause_s`: generation excluded (pause, load into the parameters, resume); `sync_s`: the
-    whole sync as the trainer waited for it."""
+    generating meanwhile; with weight transport "ipc", handing over the references: `sync_s - pause_s`);
+    `pause_s`: generation excluded (pause, load into the parameters, resume); `sync_s`: the whole sync as the
+    trainer waited for it."""
 
     transfer_s: float
     pause_s: float
@@ -129,7 +133,9 @@ class Separate(Placement):
         self.device = cfg.trainer_device or cfg.engine.device
         self.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self.sender: DistSender | None = None
-        self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_timeout_s, cfg.engine_dtype)
+        self.ipc = cfg.resolved_weight_transport == "ipc"
+        self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_timeout_s, cfg.engine_dtype,
+                                     share_gpu=self.ipc)
         try:
             self.engine = EngineClient(self.process.url, cfg.engine_timeout_s).connect()
         except BaseException:
@@ -137,6 +143,8 @@ class Separate(Placement):
             raise
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        if self.ipc:
+            return await self.push(named_weights, version)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -150,6 +158,16 @@ class Separate(Placement):
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         t0 = time.perf_counter()
+        if self.ipc:
+            named = [(name, tensor.detach()) for name, tensor in validated(named_weights)]
+            try:
+                pause_s = await asyncio.to_thread(self.process.load_weights, named, version,
+                                                  self.cfg.rollout.pause_mode, self.cfg.weight_sync_timeout_s)
+            except (ValueError, EngineUnreachable) as e:
+                raise TransportError(f"weight sync of version {version} failed: {e}", ranks=(1,)) from e
+            self.engine.weight_version = version  # what the group route's reply sets on the client
+            sync_s = time.perf_counter() - t0
+            return SyncStats(sync_s - pause_s, pause_s, sync_s, sum(t.numel() * t.element_size() for _, t in named))
         sent = asyncio.to_thread(self.sender.send, named_weights, version)
         loaded = self.engine.update_weights_from_distributed(GROUP, version, self.cfg.rollout.pause_mode)
         transfer, reply = await self._both(sent, loaded, f"weight sync of version {version}")
