@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [learn]
-# (no argument: tests throughput host_tier; tp, tp_tests, async and learn need two GPUs). async also needs fastapi and
-# uvicorn, which the GPU machine lacks: download their wheels here into .whl/ (git-ignored) with
+# (no argument: tests throughput host_tier; tp, tp_tests, async and learn need two GPUs). tests, async and learn
+# need fastapi and uvicorn, which the GPU machine lacks: download their wheels here into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl fastapi starlette pydantic pydantic_core uvicorn \
 #       typing-inspection annotated-types opentelemetry-api
@@ -20,7 +20,7 @@ for part in $parts; do
     case $part in
         tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
                    tests/test_prefill_kernel.py tests/test_fused_kernels.py tests/test_fused_model.py \
-                   tests/test_engine_gpu.py tests/test_host_tier.py -rs -s ;;
+                   tests/test_engine_gpu.py tests/test_host_tier.py tests/test_placement.py -rs -s ;;
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
         8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;
