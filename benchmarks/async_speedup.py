@@ -6,15 +6,16 @@
 
 (overrides first: `--staleness` and `--pause-modes` take every word after them)
 
-Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate` runs
-the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL; on a
-CPU, gloo). On CUDA the engine sizes its KV pool from free memory (half of it when it shares the GPU). Synchronous RL
-is the same loop with max_staleness = 0 (generate a batch, train, sync, repeat). `--task target_tokens` (or
-guess_number) trains a learnable task at lr 1e-2, so the reward column shows learning; the default is the
-long-tailed random agent. Each async staleness runs once per pause mode (default: the config's, `retract`):
-`retract` drops in-flight KV at every update and recomputes it under the new weights (AReaL's interruptible
-rollouts), `in_place` keeps it (PipelineRL's in-flight updates); the "prefill computed / trained token" column
-shows what the recompute costs.
+Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate`
+runs the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL;
+on a CPU, gloo); `shared` runs it in a process of its own on the trainer's device, weights handed over by
+reference (CUDA IPC; shared memory on a CPU). On CUDA the engine sizes its KV pool from free memory (half of it
+when it shares the GPU). Synchronous RL is the same loop with max_staleness = 0 (generate a batch, train, sync,
+repeat). `--task target_tokens` (or guess_number) trains a learnable task at lr 1e-2, so the reward column shows
+learning; the default is the long-tailed random agent. Each async staleness runs once per pause mode (default:
+the config's, `retract`): `retract` drops in-flight KV at every update and recomputes it under the new weights
+(AReaL's interruptible rollouts), `in_place` keeps it (PipelineRL's in-flight updates); the "prefill computed /
+trained token" column shows what the recompute costs.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
 idle fractions, the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse,
@@ -158,7 +159,7 @@ def devices_for(placement: str) -> tuple[str, str]:
     """(trainer device, engine device)."""
     if not torch.cuda.is_available():
         return "cpu", "cpu"
-    if placement == "colocated":
+    if placement in ("colocated", "shared"):
         return "cuda:0", "cuda:0"
     if torch.cuda.device_count() < 2:
         sys.exit("--placement separate on CUDA needs two GPUs")
@@ -168,7 +169,7 @@ def devices_for(placement: str) -> tuple[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--placement", default="colocated", choices=["colocated", "separate"])
+    parser.add_argument("--placement", default="colocated", choices=["colocated", "separate", "shared"])
     parser.add_argument("--task", default="random", choices=["random", "target_tokens", "guess_number"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
@@ -182,12 +183,14 @@ def main() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     out = tempfile.mkdtemp(prefix="tandem-bench-")
     trainer_device, engine_device = devices_for(args.placement)
-    base = [f"model={args.model}", f"task={args.task}", f"steps={args.steps}", "seed=0", f"placement={args.placement}",
+    placement = ["placement=separate", "weight_transport=ipc"] if args.placement == "shared" else [
+        f"placement={args.placement}"]
+    base = [f"model={args.model}", f"task={args.task}", f"steps={args.steps}", "seed=0", *placement,
             f"trainer_device={trainer_device}", f"engine.device={engine_device}", "rollout.group_size=4",
             "rollout.batch_groups=4", "rollout.num_in_flight=64", "random_agent.response_len_median=16",
             "random_agent.response_len_sigma=1.2", "random_agent.response_len_max=512"]
     if engine_device != "cpu":  # bf16 weights and KV in the engine, bf16 compute over fp32 masters in the trainer
-        base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.5 if args.placement == 'colocated' else 0.8}",
+        base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.8 if args.placement == 'separate' else 0.5}",
                  "engine_dtype=bfloat16", "trainer.param_dtype=bfloat16"]
     if args.task != "random":
         base += ["trainer.lr=1e-2"]
@@ -232,7 +235,8 @@ def main() -> None:
     sync_bytes, idle_gb_s = rows[0][1]["sync_bytes"], rows[0][1]["sync_gb_s"]
     busy_gb_s = statistics.mean(r["sync_gb_s"] for _, r in rows[1:]) if rows[1:] else float("nan")
     if plain is None:
-        print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update, handed over in memory (placement colocated)")
+        how = "by reference to the engine's process" if args.placement == "shared" else "in memory"
+        print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update, handed over {how} (placement {args.placement})")
     else:
         print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update in buckets of {cfg.weight_bucket_bytes / 2**20:g} "
               f"MiB: {idle_gb_s:.3g} GB/s while the engine waits (sync), {busy_gb_s:.3g} GB/s while it generates "
