@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [learn] [shared]
-# (no argument: tests throughput host_tier; tp, tp_tests, async and learn need two GPUs). tests, async and learn
-# (and shared) need fastapi and uvicorn, which the GPU machine lacks: download their wheels here into .whl/ (git-ignored) with
+# (no argument: tests throughput host_tier; tp, tp_tests, async and learn need two GPUs). tests, async, learn and
+# shared need fastapi and uvicorn, which the GPU machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl fastapi starlette pydantic pydantic_core uvicorn \
 #       typing-inspection annotated-types opentelemetry-api
