@@ -103,10 +103,17 @@ class EngineProcess:
         raise ValueError(f"{self}: refused weights version {version}: {kind}: {detail}")
 
     def stop(self, grace_s: float = 30.0) -> None:
-        """Ask the engine to stop (it finishes its server and its loop); kill it after `grace_s`. Idempotent."""
-        with contextlib.suppress(OSError):  # already gone, or stopped before
-            self._conn.send("stop")
-        self.process.join(grace_s)
+        """Ask the engine to stop (it finishes its server and its loop); kill it after `grace_s`. Idempotent.
+        A weight handoff still under way (its thread outlived a cancelled run) gets the grace period to finish
+        first: two messages written at once would interleave on the pipe."""
+        deadline = time.monotonic() + grace_s
+        if self._lock.acquire(timeout=grace_s):
+            try:
+                with contextlib.suppress(OSError):  # already gone, or stopped before
+                    self._conn.send("stop")
+            finally:
+                self._lock.release()
+        self.process.join(max(deadline - time.monotonic(), 0))
         if self.process.exitcode is None:
             self.process.kill()
             self.process.join(10)
