@@ -75,9 +75,10 @@ def main() -> None:
         trainer.step(batch)
         sync()
         seconds.append(time.perf_counter() - t0)
-    lens = [[len(e.tokens) for g in batch for e in g.episodes] for batch in batches[1:args.steps + 1]]
+    timed = batches[1:args.steps + 1]
+    lens = [[len(e.tokens) for g in batch for e in g.episodes] for batch in timed]
     tokens = statistics.mean(sum(x) for x in lens)
-    trained = statistics.mean(sum(e.num_policy_tokens for g in b for e in g.episodes) for b in batches[1:-1])
+    trained = statistics.mean(sum(e.num_policy_tokens for g in b for e in g.episodes) for b in timed)
     attn = 6 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
     flops = statistics.mean(6 * params * sum(x) + attn * sum(n * n for n in x) for x in lens)
     step = statistics.median(seconds[1:])

@@ -245,6 +245,19 @@ def test_update_weights_requires_pause_and_rejects_bad_tensors():
         assert asyncio.run(engine.get_stats()).weight_version == 0
 
 
+def test_load_paused_pauses_only_an_engine_that_was_running_and_leaves_a_paused_one_paused():
+    with Engine("tiny") as engine:
+        async def go():
+            seconds = await engine.load_paused(_perturbed_weights(engine.model, 3).items(), 5, "retract")
+            running = engine.paused is None and (await engine.get_stats()).weight_version == 5
+            await engine.pause("abort")
+            await engine.load_paused(_perturbed_weights(engine.model, 4).items(), 6, "retract")
+            return seconds, running, engine.paused is not None, (await engine.get_stats()).weight_version
+
+        seconds, running, still_paused, version = asyncio.run(go())
+        assert seconds > 0 and running and still_paused and version == 6
+
+
 def test_abort_and_cancellation_free_pages():
     with Engine("tiny") as engine:
         async def go():

@@ -202,6 +202,20 @@ class Engine:
         the prefix cache (see the module docstring)."""
         return await self._call(self._update_weights, dict(named_tensors), version)
 
+    async def load_paused(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
+                          pause_mode: PauseMode) -> float:
+        """`update_weights` inside a pause in `pause_mode` (an engine already paused loads and stays paused);
+        returns the seconds generation was excluded."""
+        t0, already_paused = time.perf_counter(), self.paused is not None
+        if not already_paused:
+            await self.pause(pause_mode)
+        try:
+            await self.update_weights(named_tensors, version)
+        finally:
+            if not already_paused:
+                await self.resume()
+        return time.perf_counter() - t0
+
     async def flush_cache(self) -> None:
         """Empty the prefix cache. Refused (EngineError) while requests hold KV pages."""
         await self._call(self._flush_cache)

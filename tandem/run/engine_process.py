@@ -139,7 +139,7 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
         while (message := conn.recv()) != "stop":
             _, named, version, pause_mode = message
             try:
-                conn.send(("loaded", "", asyncio.run(_load(engine, named, version, pause_mode))))
+                conn.send(("loaded", "", asyncio.run(engine.load_paused(named, version, pause_mode))))
             except (ValueError, EngineError) as e:
                 conn.send(("error", type(e).__name__, str(e)))
             del named, message  # the trainer's tensors: release them (their IPC handles) now
@@ -149,16 +149,3 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
         server.stop()
         engine.shutdown()
 
-
-async def _load(engine, named, version: int, pause_mode: str) -> float:
-    """Load `named` into the engine; only this excludes generation. Returns those seconds."""
-    t0 = time.perf_counter()
-    already_paused = engine.paused is not None
-    if not already_paused:
-        await engine.pause(pause_mode)
-    try:
-        await engine.update_weights(named, version)
-    finally:
-        if not already_paused:
-            await engine.resume()
-    return time.perf_counter() - t0

@@ -106,14 +106,8 @@ class Colocated(Placement):
         received = asyncio.create_task(asyncio.to_thread(self.receiver.receive))
         transfer = await asyncio.to_thread(self.sender.send, named_weights, version)
         version, tensors = await received
-        t1 = time.perf_counter()
-        await self.engine.pause(self.pause_mode)
-        try:
-            await self.engine.update_weights(tensors.items(), version)
-        finally:
-            await self.engine.resume()
-        t2 = time.perf_counter()
-        return SyncStats(transfer.seconds, t2 - t1, t2 - t0, transfer.num_bytes)
+        pause_s = await self.engine.load_paused(tensors.items(), version, self.pause_mode)
+        return SyncStats(transfer.seconds, pause_s, time.perf_counter() - t0, transfer.num_bytes)
 
     def check(self) -> None:
         if not self.engine.is_alive():

@@ -251,15 +251,7 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
             try:
                 if version is not None and version != sent_version:
                     raise ValueError(f"weight_version: the request says {version}, the transfer carries {sent_version}")
-                already_paused, t0 = engine.paused is not None, time.perf_counter()
-                if not already_paused:
-                    await engine.pause(mode)
-                try:
-                    await engine.update_weights(named.items(), sent_version)
-                finally:
-                    if not already_paused:
-                        await engine.resume()
-                pause_s = time.perf_counter() - t0
+                pause_s = await engine.load_paused(named.items(), sent_version, mode)
             except (ValueError, EngineError) as e:
                 return _error(400, str(e), extra={"success": False, "message": str(e)})
         stats = group.receiver.last_stats
