@@ -256,7 +256,9 @@ class RandomAgentConfig:
 class RolloutConfig:
     """The rollout manager. `max_staleness`: a token is trained at most this many versions after the one
     its episode started under (0 = on-policy; that is synchronous RL). `batch_groups` groups of
-    `group_size` episodes make one train batch."""
+    `group_size` episodes make one train batch. `batch_order`: "deadline" fills each batch with the finished
+    groups due soonest, so short episodes overtake long ones within the bound; "admission" trains groups in the
+    order they were admitted (see `tandem.rollout.manager`)."""
 
     group_size: int = 4
     batch_groups: int = 4
@@ -265,6 +267,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    batch_order: Literal["deadline", "admission"] = "deadline"
 
     def __post_init__(self):
         _check_positive("rollout", self, ("group_size", "batch_groups", "num_in_flight", "temperature", "top_p"))
@@ -275,6 +278,8 @@ class RolloutConfig:
                              f"got {self.num_in_flight}")
         if self.pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"rollout.pause_mode: must be abort, retract or in_place, got {self.pause_mode!r}")
+        if self.batch_order not in ("deadline", "admission"):
+            raise ValueError(f"rollout.batch_order: must be deadline or admission, got {self.batch_order!r}")
 
 
 @dataclass(slots=True)

@@ -1,11 +1,18 @@
 """The rollout manager: keeps episodes in flight on the engine and hands the trainer batches of groups.
 
-Admission (AReaL's rule): groups are numbered in admission order and batch s is exactly groups
-s*B .. (s+1)*B - 1, trained with the weights of version s. A group admitted while the engine holds version
-v is therefore trained at most `max_staleness` versions later iff its number is below
-(max_staleness + v + 1) * B; the manager admits a group only then, and only when `num_in_flight` has room
-for all its episodes. Every free slot is filled at once; nothing sleeps on a timer; everything runs on the
-caller's event loop and nothing in it blocks.
+Admission (AReaL's rule): batch s is trained with the weights of version s and holds B groups. A group
+admitted while the engine holds version v must be trained by batch v + max_staleness, its deadline; the
+manager admits a group only while fewer than (max_staleness + v + 1) * B have been admitted in all, and only
+when `num_in_flight` has room for all its episodes. Every free slot is filled at once; nothing sleeps on a
+timer; everything runs on the caller's event loop and nothing in it blocks.
+
+Batches (`batch_order`): "admission" makes batch s exactly groups s*B .. (s+1)*B - 1, so one long episode holds
+its whole batch back and, through the bound, admission too. "deadline" (the default) fills batch s with the
+finished groups of earliest deadline: short groups overtake a long one until its deadline, which keeps the
+engine full. A batch may take a group due later only if every unfinished group still fits into the batches up
+to its own deadline (`plan_batch`); with that rule and the admission rule no group misses its deadline. Both
+orders give the same batches at max_staleness 0 (synchronous RL). The cost of "deadline": within the bound,
+short episodes are trained earlier than long ones.
 
 Accounting: every group admitted is, at any time, in flight, completed and buffered, handed to the trainer
 (once: a batch is popped from the buffer), or dropped with its reason counted in `dropped`. Completed
@@ -20,6 +27,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 from tandem.config import RolloutConfig
 from tandem.rollout.agent import GenerateClient, run_episode
@@ -38,6 +46,27 @@ class _InFlight:
     failure: str | None = None
 
 
+def plan_batch(batch: int, size: int, max_staleness: int, order: Literal["admission", "deadline"],
+               unconsumed: dict[int, int], done: set[int]) -> list[int] | None:
+    """The `size` groups of batch `batch`, or None while it must wait. `unconsumed`: number -> start version of every admitted group not yet in a batch
+    (running, finished or dropped); `done`: those finished or dropped. Group i is due by batch
+    unconsumed[i] + max_staleness."""
+    if order == "admission":
+        pick = sorted(unconsumed)[:size]
+        return pick if len(pick) == size and all(i in done for i in pick) else None
+    pick = sorted(done, key=lambda i: (unconsumed[i], i))[:size]  # earliest deadline first
+    if len(pick) < size:
+        return None
+    # for every deadline d, the groups due by d that this batch leaves must fit in the batches after it up to d
+    due = sorted(unconsumed[i] + max_staleness for i in unconsumed)
+    taken = sorted(unconsumed[i] + max_staleness for i in pick)
+    for d in set(due):
+        left = sum(e <= d for e in due) - sum(e <= d for e in taken)
+        if left > (d - batch) * size:
+            return None
+    return pick
+
+
 class RolloutManager:
     def __init__(self, client: GenerateClient, make_env: EnvFactory, cfg: RolloutConfig, max_context: int,
                  seed: int, version: Callable[[], int]):
@@ -49,6 +78,7 @@ class RolloutManager:
         self.in_flight: dict[int, _InFlight] = {}
         self.dropped: Counter[str] = Counter()  # reason -> groups
         self._dropped_indices: set[int] = set()
+        self._dropped_pending: dict[int, int] = {}  # dropped groups not yet counted in a batch -> start version
         self._readmit: list[int] = []  # numbers of groups to run again (in flight when a checkpoint was taken)
         self.num_in_flight_episodes = 0
         self._tasks: set[asyncio.Task] = set()
@@ -113,27 +143,34 @@ class RolloutManager:
             if group.failure is not None:
                 self.dropped[group.failure] += 1
                 self._dropped_indices.add(group.index)
+                self._dropped_pending[group.index] = group.start_version
             else:
                 self.buffer[group.index] = Group(group.index, group.episodes, group.start_version)
             self._batch_wake.set()
         self._admit_wake.set()
 
     # ---- the trainer's side ------------------------------------------------------------------------------
-    def batch_ready(self) -> bool:
-        return all(i in self.buffer or i in self._dropped_indices for i in self._window())
+    def _plan(self) -> list[int] | None:
+        unconsumed = {i: g.start_version for i, g in self.in_flight.items()}
+        unconsumed |= {i: g.start_version for i, g in self.buffer.items()} | self._dropped_pending
+        unconsumed |= {i: self.version() for i in self._readmit}  # they will start no earlier
+        done = set(self.buffer) | set(self._dropped_pending)
+        return plan_batch(self.batches_taken, self.cfg.batch_groups, self.cfg.max_staleness, self.cfg.batch_order,
+                          unconsumed, done)
 
-    def _window(self) -> range:
-        B = self.cfg.batch_groups
-        return range(self.batches_taken * B, (self.batches_taken + 1) * B)
+    def batch_ready(self) -> bool:
+        return self._plan() is not None
 
     async def next_batch(self) -> list[Group]:
-        """The next batch: groups s*B .. (s+1)*B - 1 (dropped ones left out), waiting for stragglers."""
-        while not self.batch_ready():
+        """The next batch (`plan_batch`; dropped groups take their place in it but are left out), waiting for
+        stragglers."""
+        while (pick := self._plan()) is None:
             self._batch_wake.clear()
             await self._batch_wake.wait()
-        batch = [self.buffer.pop(i) for i in self._window() if i in self.buffer]
+        for i in pick:
+            self._dropped_pending.pop(i, None)
         self.batches_taken += 1
-        return batch
+        return [self.buffer.pop(i) for i in pick if i in self.buffer]
 
     # ---- shutdown and checkpoints ------------------------------------------------------------------------
     async def stop(self) -> None:
@@ -151,6 +188,7 @@ class RolloutManager:
             "rerun": sorted(set(self.in_flight) | set(self._readmit)),
             "dropped": dict(self.dropped),
             "dropped_indices": sorted(self._dropped_indices),
+            "dropped_pending": self._dropped_pending,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -160,6 +198,7 @@ class RolloutManager:
         self._readmit = list(state["rerun"])
         self.dropped = Counter(state["dropped"])
         self._dropped_indices = set(state["dropped_indices"])
+        self._dropped_pending = {int(i): v for i, v in state.get("dropped_pending", {}).items()}
 
     def summary(self) -> dict:
         return {"in_flight_episodes": self.num_in_flight_episodes, "buffered_groups": len(self.buffer),
