@@ -2,9 +2,9 @@
 
     python benchmarks/async_speedup.py [section.key=value ...] [--model qwen3-0.6b] [--placement separate]
                                        [--task random] [--steps 12] [--staleness 1 2 4]
-                                       [--pause-modes retract in_place]
+                                       [--pause-modes retract in_place] [--batch-orders deadline admission]
 
-(overrides first: `--staleness` and `--pause-modes` take every word after them)
+(overrides first: `--staleness`, `--pause-modes` and `--batch-orders` take every word after them)
 
 Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate`
 runs the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL;
@@ -15,10 +15,12 @@ repeat). `--task target_tokens` (or guess_number) trains a learnable task at lr 
 learning; the default is the long-tailed random agent. Each async staleness runs once per pause mode (default:
 the config's, `retract`): `retract` drops in-flight KV at every update and recomputes it under the new weights
 (AReaL's interruptible rollouts), `in_place` keeps it (PipelineRL's in-flight updates); the "prefill computed /
-trained token" column shows what the recompute costs.
+trained token" column shows what the recompute costs. Likewise per batch order (default: the config's, `deadline`):
+`deadline` lets short groups overtake a long one within the staleness bound, `admission` trains groups in the
+order they were admitted, so a long episode holds its batch, and through the bound the engine's admissions, back.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
-idle fractions, the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse,
+idle fractions, what an engine step costs and how many tokens it generates (its occupancy), the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse,
 and the reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's
 bytes between the same two devices with the same backend, measured in the same run: what the sync could reach.
 """
@@ -55,18 +57,25 @@ def measure(overrides: list[str], warmup: int) -> dict:
         torch.cuda.empty_cache()
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
-    first = history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0, "prefill_tokens_computed": 0}
+    first = history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0, "prefill_tokens_computed": 0,
+                                                "generated_tokens": 0, "engine_steps": 0, "engine_busy_s": 0.0,
+                                                "engine_forward_s": 0.0}
     steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
     busy = ((1 - last["engine_idle_frac"]) * last["wall_s"] - (1 - first["engine_idle_frac"]) * first["wall_s"])
     tokens = sum(h["tokens_trained"] for h in steady)
+    steps = max(1, last["engine_steps"] - first["engine_steps"])
     return {
         "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "us_per_token": 1e6 * wall / tokens,
         "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": 1 - busy / wall,
         "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
         # the engine's prefill work per trained token: grows when updates make it recompute in-flight KV
         "prefill_per_token": (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / tokens,
+        # the engine's steps: what one costs (and of it the forward pass), and how many tokens it generates
+        "step_ms": 1e3 * (last["engine_busy_s"] - first["engine_busy_s"]) / steps,
+        "forward_ms": 1e3 * (last["engine_forward_s"] - first["engine_forward_s"]) / steps,
+        "tokens_per_step": (last["generated_tokens"] - first["generated_tokens"]) / steps,
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
@@ -174,6 +183,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--pause-modes", nargs="+", default=None, help="default: the config's rollout.pause_mode")
+    parser.add_argument("--batch-orders", nargs="+", default=None, help="default: the config's rollout.batch_order")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of rates and fractions")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -206,21 +216,24 @@ def main() -> None:
     print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
           "warm-up); reward over all steps; each row printed as soon as it is measured\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | prefill computed / trained token | train ms / step | "
+          "engine idle | engine ms / step (forward) | generated / engine step | "
+          "prefill computed / trained token | train ms / step | "
           "sync ms / update (waiting for the engine) | sync GB/s | "
           "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    print("|---" * 19 + "|", flush=True)
     rows = []
-    modes = args.pause_modes or [cfg.rollout.pause_mode]
-    for s, mode in [(0, modes[0])] + [(s, mode) for mode in modes for s in args.staleness]:
+    variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
+                for order in args.batch_orders or [cfg.rollout.batch_order]]
+    for s, (mode, order) in [(0, variants[0])] + [(s, v) for v in variants for s in args.staleness]:
         t0 = time.perf_counter()
-        r = measure([*base, f"rollout.max_staleness={s}", f"rollout.pause_mode={mode}", f"out_dir={out}/{s}{mode}"],
-                    args.warmup)
-        rows.append((f"async, max_staleness={s}, {mode}" if s else "sync", r))
+        r = measure([*base, f"rollout.max_staleness={s}", f"rollout.pause_mode={mode}", f"rollout.batch_order={order}",
+                     f"out_dir={out}/{s}{mode}{order}"], args.warmup)
+        rows.append((f"async, max_staleness={s}, {mode}, {order} order" if s else "sync", r))
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
               f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
-              f"{r['engine_idle']:.0%} | {r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
+              f"{r['engine_idle']:.0%} | {r['step_ms']:.2f} ({r['forward_ms']:.2f}) | {r['tokens_per_step']:.1f} | "
+              f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | "
               f"{r['sync_gb_s']:.3g} | {r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
               f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",

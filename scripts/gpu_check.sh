@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [learn] [shared]
-# (no argument: tests throughput host_tier; tp, tp_tests, async and learn need two GPUs). tests, async, learn and
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [staleness] [learn] [shared]
+# (no argument: tests throughput host_tier; tp, tp_tests, async, staleness and learn need two GPUs). tests, async, learn and
 # shared need fastapi and uvicorn, which the GPU machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 -d .whl fastapi starlette pydantic pydantic_core uvicorn \
@@ -32,8 +32,11 @@ for part in $parts; do
                 -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs ;;
         trainer) timeout 150 python3 benchmarks/trainer_step.py --model qwen3-0.6b --profile ;;
         async) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2 \
+                   --pause-modes retract in_place --batch-orders deadline admission ;;
+        staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
-                   --pause-modes retract in_place ;;
+                   --pause-modes in_place ;;
         shared) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement shared --steps 10 --warmup 2 --staleness 2 \
                    --pause-modes retract in_place ;;

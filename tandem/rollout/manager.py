@@ -48,9 +48,9 @@ class _InFlight:
 
 def plan_batch(batch: int, size: int, max_staleness: int, order: Literal["admission", "deadline"],
                unconsumed: dict[int, int], done: set[int]) -> list[int] | None:
-    """The `size` groups of batch `batch`, or None while it must wait. `unconsumed`: number -> start version of every admitted group not yet in a batch
-    (running, finished or dropped); `done`: those finished or dropped. Group i is due by batch
-    unconsumed[i] + max_staleness."""
+    """The `size` groups of batch `batch`, or None while it must wait. `unconsumed`: number -> start version of
+    every admitted group not yet in a batch (running, finished or dropped); `done`: those finished or dropped.
+    Group i is due by batch unconsumed[i] + max_staleness."""
     if order == "admission":
         pick = sorted(unconsumed)[:size]
         return pick if len(pick) == size and all(i in done for i in pick) else None

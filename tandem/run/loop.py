@@ -115,6 +115,8 @@ class Run:
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
                                           + metrics["tokens_trained"]) / wall,
                     generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
+                    engine_steps=stats.num_steps, engine_busy_s=stats.busy_seconds,
+                    engine_forward_s=stats.forward_seconds,
                     rollout_tokens_per_s=stats.generated_tokens / wall,
                     cache_hit_rate=stats.cache_hit_rate, cache_reuse_vs_ideal=stats.reuse_vs_ideal,
                     dropped=dict(self.manager.dropped),
