@@ -20,9 +20,10 @@ trained token" column shows what the recompute costs. Likewise per batch order (
 order they were admitted, so a long episode holds its batch, and through the bound the engine's admissions, back.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
-idle fractions, what an engine step costs and how many tokens it generates (its occupancy), the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse,
-and the reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's
-bytes between the same two devices with the same backend, measured in the same run: what the sync could reach.
+idle fractions, the engine's steps (what one costs, the share that only decode, requests running and waiting per
+step), the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse, and the
+reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes
+between the same two devices with the same backend, measured in the same run: what the sync could reach.
 """
 
 from __future__ import annotations
@@ -58,8 +59,9 @@ def measure(overrides: list[str], warmup: int) -> dict:
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
     first = history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0, "prefill_tokens_computed": 0,
-                                                "generated_tokens": 0, "engine_steps": 0, "engine_busy_s": 0.0,
-                                                "engine_forward_s": 0.0}
+                                                "engine_busy_s": 0.0, "engine_forward_s": 0.0, "engine_steps": 0,
+                                                "engine_decode_steps": 0, "engine_running_request_steps": 0,
+                                                "engine_waiting_request_steps": 0}
     steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
@@ -72,10 +74,10 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
         # the engine's prefill work per trained token: grows when updates make it recompute in-flight KV
         "prefill_per_token": (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / tokens,
-        # the engine's steps: what one costs (and of it the forward pass), and how many tokens it generates
-        "step_ms": 1e3 * (last["engine_busy_s"] - first["engine_busy_s"]) / steps,
-        "forward_ms": 1e3 * (last["engine_forward_s"] - first["engine_forward_s"]) / steps,
-        "tokens_per_step": (last["generated_tokens"] - first["generated_tokens"]) / steps,
+        # the engine's steps: what one costs (of it the forward pass), the share that only decode (CUDA graphs),
+        # and the requests in each (its occupancy) and waiting for admission
+        **{k: (last[f"engine_{k}"] - first[f"engine_{k}"]) / steps for k in (
+            "busy_s", "forward_s", "decode_steps", "running_request_steps", "waiting_request_steps")},
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
@@ -216,11 +218,11 @@ def main() -> None:
     print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
           "warm-up); reward over all steps; each row printed as soon as it is measured\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | engine ms / step (forward) | generated / engine step | "
+          "engine idle | engine ms / step (forward) | decode-only steps | requests / step (waiting) | "
           "prefill computed / trained token | train ms / step | "
           "sync ms / update (waiting for the engine) | sync GB/s | "
           "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 19 + "|", flush=True)
+    print("|---" * 20 + "|", flush=True)
     rows = []
     variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]]
@@ -232,7 +234,9 @@ def main() -> None:
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
               f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
-              f"{r['engine_idle']:.0%} | {r['step_ms']:.2f} ({r['forward_ms']:.2f}) | {r['tokens_per_step']:.1f} | "
+              f"{r['engine_idle']:.0%} | {1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
+              f"{r['decode_steps']:.0%} | "
+              f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | "
               f"{r['sync_gb_s']:.3g} | {r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "

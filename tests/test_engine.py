@@ -120,6 +120,24 @@ def test_continuous_batching_equals_running_alone():
     assert stats.num_retractions == 0 and stats.num_steps < 200
 
 
+def test_step_counters_count_decode_steps_the_batch_and_the_queue():
+    # three requests of 5 prompt tokens and 4 new, at most 2 running: A and B take one prefill step and 3 decode
+    # steps while C waits, then C takes 4 steps alone
+    with Engine("tiny", EngineConfig(page_size=4, num_pages=64, max_running_requests=2)) as engine:
+        async def go():
+            await engine.pause("in_place")  # so that all three are queued before the first step
+            sp = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+            tasks = [asyncio.create_task(engine.generate(p, sp)) for p in prompts(3, 512, 5, 6)]
+            await asyncio.sleep(0)  # the tasks queue their requests
+            await engine.resume()
+            await asyncio.gather(*tasks)
+            return await engine.get_stats()
+
+        stats = asyncio.run(go())
+    assert (stats.num_steps, stats.decode_steps, stats.running_request_steps, stats.waiting_request_steps) == \
+        (8, 6, 12, 4)
+
+
 def test_small_kv_pool_retracts_and_still_matches():
     together, stats = _alone_and_together(EngineConfig(page_size=4, num_pages=40, max_prefill_tokens=64))
     assert stats.num_retractions > 0

@@ -345,6 +345,9 @@ class Engine:
                 c.req.pending_row = next(rows)
         self.scheduler.after_step(chunks)
         self.stats.num_steps += 1
+        self.stats.decode_steps += all(c.num_tokens == 1 for c in chunks)
+        self.stats.running_request_steps += len(chunks)
+        self.stats.waiting_request_steps += len(self.scheduler.waiting)
         self.stats.schedule_seconds += t1 - t0
         self.stats.prepare_seconds += self.runner.last_prepare_seconds
         self.stats.forward_seconds += t2 - t1 - self.runner.last_prepare_seconds

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,7 @@ class Run:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        sys.setswitchinterval(cfg.switch_interval_s)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.placement = place(cfg)
@@ -115,7 +117,9 @@ class Run:
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
                                           + metrics["tokens_trained"]) / wall,
                     generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
-                    engine_steps=stats.num_steps, engine_busy_s=stats.busy_seconds,
+                    engine_steps=stats.num_steps, engine_decode_steps=stats.decode_steps,
+                    engine_running_request_steps=stats.running_request_steps,
+                    engine_waiting_request_steps=stats.waiting_request_steps, engine_busy_s=stats.busy_seconds,
                     engine_forward_s=stats.forward_seconds,
                     rollout_tokens_per_s=stats.generated_tokens / wall,
                     cache_hit_rate=stats.cache_hit_rate, cache_reuse_vs_ideal=stats.reuse_vs_ideal,

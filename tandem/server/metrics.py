@@ -35,6 +35,9 @@ _COUNTERS = [
     ("num_finished_reqs", "Requests finished (any reason)", lambda s: s.num_finished),
     ("num_aborted_reqs", "Requests aborted", lambda s: s.num_aborted),
     ("num_steps", "Engine steps run", lambda s: s.num_steps),
+    ("num_decode_steps", "Engine steps of one token per request (decode)", lambda s: s.decode_steps),
+    ("running_request_steps", "Requests in each step, summed over steps", lambda s: s.running_request_steps),
+    ("waiting_request_steps", "Requests waiting at each step, summed over steps", lambda s: s.waiting_request_steps),
 ]
 
 
