@@ -341,10 +341,6 @@ class RunConfig:
     weight_bucket_bytes: int = 512 << 20
     weight_sync_timeout_s: float = 120.0
     engine_timeout_s: float = 300.0
-    # how long a thread holding the interpreter lock may keep it from a waiting one, in every process of the run
-    # (Python's default: 5 ms): the rollout loop shares its process with the trainer's thread, and the engine's
-    # HTTP server and weight receiver share theirs with the engine loop
-    switch_interval_s: float = 0.005
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
@@ -352,8 +348,7 @@ class RunConfig:
     random_agent: RandomAgentConfig = dataclasses.field(default_factory=RandomAgentConfig)
 
     def __post_init__(self):
-        _check_positive("run", self, ("steps", "weight_bucket_bytes", "weight_sync_timeout_s", "engine_timeout_s",
-                                      "switch_interval_s"))
+        _check_positive("run", self, ("steps", "weight_bucket_bytes", "weight_sync_timeout_s", "engine_timeout_s"))
         if self.task not in ("random", "target_tokens", "guess_number"):
             raise ValueError(f"run.task: must be random, target_tokens or guess_number, got {self.task!r}")
         if self.engine_dtype not in ("float32", "bfloat16"):

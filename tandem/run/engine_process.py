@@ -17,7 +17,6 @@ import dataclasses
 import multiprocessing as mp
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -32,7 +31,7 @@ class EngineProcess:
     refuses its configuration, EngineUnreachable when the process dies or does not start in time."""
 
     def __init__(self, model: str, config: EngineConfig, seed: int, timeout_s: float, dtype: str = "float32",
-                 share_gpu: bool = False, switch_interval_s: float | None = None):
+                 share_gpu: bool = False):
         gpu = None
         self._lock = threading.Lock()  # one exchange on the pipe at a time
         if config.device.startswith("cuda") and not share_gpu:
@@ -44,8 +43,8 @@ class EngineProcess:
             config = dataclasses.replace(config, device="cuda:0")
         ctx = mp.get_context("spawn")  # a fresh interpreter: no CUDA state or threads inherited
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(model, config, seed, dtype, gpu, switch_interval_s, child),
-                                   name="tandem-engine", daemon=True)
+        self.process = ctx.Process(target=_serve, args=(model, config, seed, dtype, gpu, child), name="tandem-engine",
+                                   daemon=True)
         self.process.start()
         child.close()
         self.url = ""
@@ -121,13 +120,10 @@ class EngineProcess:
         self._conn.close()
 
 
-def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | None, switch_interval_s: float | None,
-           conn) -> None:
+def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | None, conn) -> None:
     """The engine process's main: serve until the parent says stop or goes away. `gpu`: the one GPU to see."""
     if gpu is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    if switch_interval_s is not None:
-        sys.setswitchinterval(switch_interval_s)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us in order
     from tandem.engine.engine import Engine, EngineError
     from tandem.server.http import ServerThread

@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,7 +54,6 @@ class Run:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
-        sys.setswitchinterval(cfg.switch_interval_s)
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.placement = place(cfg)

@@ -129,7 +129,7 @@ class Separate(Placement):
         self.sender: DistSender | None = None
         self.ipc = cfg.resolved_weight_transport == "ipc"
         self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_timeout_s, cfg.engine_dtype,
-                                     share_gpu=self.ipc, switch_interval_s=cfg.switch_interval_s)
+                                     share_gpu=self.ipc)
         try:
             self.engine = EngineClient(self.process.url, cfg.engine_timeout_s).connect()
         except BaseException:
