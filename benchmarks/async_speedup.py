@@ -192,7 +192,6 @@ def main() -> None:
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup: must be in [0, --steps), got {args.warmup}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     out = tempfile.mkdtemp(prefix="tandem-bench-")
     trainer_device, engine_device = devices_for(args.placement)
     placement = ["placement=separate", "weight_transport=ipc"] if args.placement == "shared" else [

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [staleness] [learn] [shared]
-# (no argument: tests throughput host_tier; tp, tp_tests, async, staleness and learn need two GPUs). tests, async, learn and
-# shared need fastapi and uvicorn, which the GPU machine lacks: download their wheels into .whl/ (git-ignored) with
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
+#                        [staleness] [learn] [shared] [sync8b]
+# (no argument: tests throughput host_tier; tp, tp_tests, async*, staleness, learn and sync8b need two GPUs). tests,
+# async*, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU machine lacks:
+# download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 -d .whl fastapi starlette pydantic pydantic_core uvicorn \
-#       typing-inspection annotated-types opentelemetry-api
+#       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl fastapi starlette pydantic \
+#       pydantic_core uvicorn typing-inspection annotated-types opentelemetry-api aiohttp aiohappyeyeballs \
+#       aiosignal attrs frozenlist multidict propcache yarl idna
 # carry .whl, and start the command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -o pipefail
@@ -33,7 +36,13 @@ for part in $parts; do
         trainer) timeout 150 python3 benchmarks/trainer_step.py --model qwen3-0.6b --profile ;;
         async) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2 \
-                   --pause-modes retract in_place --batch-orders deadline admission ;;
+                   --pause-modes retract in_place ;;
+        async64) timeout 400 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   rollout.batch_groups=16 rollout.num_in_flight=256 engine.max_running_requests=256 \
+                   --model qwen3-0.6b --placement separate --steps 8 --warmup 2 --staleness 2 \
+                   --pause-modes retract in_place ;;
+        sync8b) timeout 200 python3 benchmarks/weight_sync.py --model qwen3-8b --busy 64 &&
+                timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
         staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
                    --pause-modes in_place ;;

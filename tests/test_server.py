@@ -329,8 +329,40 @@ def test_engine_client_speaks_to_the_server(engine, server):
     assert got.generated_tokens >= 16 and got.weight_version == stats(engine).weight_version and healthy
     with pytest.raises(ValueError, match=rf"engine at {server.url}: POST /generate: input_ids\[0\]"):
         asyncio.run(client.generate([-1]))
-    with pytest.raises(EngineUnreachable, match="engine at http://127.0.0.1:1: GET /get_model_info: ConnectError"):
+    with pytest.raises(EngineUnreachable, match="engine at http://127.0.0.1:1: GET /get_model_info: URLError"):
         EngineClient("http://127.0.0.1:1", timeout_s=5).connect()
+    nobody = EngineClient("http://127.0.0.1:1", timeout_s=5)
+
+    async def unanswered():
+        try:
+            await nobody.generate([3, 4, 5])
+        finally:
+            await nobody.aclose()
+
+    with pytest.raises(EngineUnreachable, match="engine at http://127.0.0.1:1: POST /generate: ClientConnectorError"):
+        asyncio.run(unanswered())
+
+
+def test_cancelling_an_engine_client_generate_aborts_it_in_the_engine(engine, server):
+    before = stats(engine)
+    client = EngineClient(server.url, timeout_s=30).connect()
+
+    async def cancel_one():
+        try:
+            task = asyncio.create_task(client.generate([3, 4, 5], SamplingParams(**LONG)))
+            await asyncio.sleep(0.5)  # generating by now
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for _ in range(100):  # the client's connections stay open meanwhile: only the cancel can abort it
+                if (s := await client.get_stats()).num_aborted > before.num_aborted and s.num_running == 0:
+                    return s
+                await asyncio.sleep(0.05)
+        finally:
+            await client.aclose()
+
+    s = asyncio.run(cancel_one())
+    # without the abort, the request would run to 2000 tokens and finish with "length"
+    assert s is not None and s.generated_tokens - before.generated_tokens < 2000
 
 
 def scrape(client):

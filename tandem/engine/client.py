@@ -7,14 +7,22 @@ timeout) raises `EngineUnreachable`. Every message names the engine's URL and th
 read timeout (it takes as long as its tokens take): an engine that dies breaks its connection, which fails it at
 once, and one that stalls is the business of a health monitor (`tandem.run.placement`). Every other call is bounded
 by `timeout_s`.
+
+The client is aiohttp's: a run keeps one generate open per episode in flight (hundreds), and its connection pool
+costs the same per request however many are open. httpx's (httpcore 1.0) scans every pooled connection, polling
+each idle socket, on every request and every reply: with 128 episodes in flight that scan was most of the CPU time
+of the rollout's event loop, which shares its process with the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import urllib.error
+import urllib.request
 
-import httpx
+import aiohttp
 
 from tandem.config import ModelConfig
 from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
@@ -40,14 +48,17 @@ class EngineClient:
         self.model_config: ModelConfig | None = None
         self.max_context_len = 0
         self.weight_version = 0
-        self._http: httpx.AsyncClient | None = None
+        self._http: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def connect(self) -> EngineClient:
         what = "GET /get_model_info"
         try:
-            info = self._check(what, httpx.get(f"{self.url}/get_model_info", timeout=self.timeout_s))
-        except httpx.HTTPError as e:
+            with urllib.request.urlopen(f"{self.url}/get_model_info", timeout=self.timeout_s) as reply:
+                info = self._check(what, reply.status, reply.read())
+        except urllib.error.HTTPError as e:  # an error status
+            info = self._check(what, e.code, e.read())
+        except (urllib.error.URLError, OSError) as e:  # no answer
             raise self._unreachable(what, e) from e
         names = {f.name for f in dataclasses.fields(ModelConfig)}
         self.model_config = ModelConfig(**{k: v for k, v in info.items() if k in names})
@@ -110,39 +121,40 @@ class EngineClient:
     async def _request(self, method: str, path: str, body: dict | None, timeout_s: float | None) -> dict:
         """`timeout_s` bounds each read (None: unbounded); connecting is always bounded by `self.timeout_s`."""
         what = f"{method} {path}"
-        timeout = httpx.Timeout(timeout_s, connect=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s, sock_read=timeout_s)
         try:
-            reply = await self._client().request(method, path, json=body, timeout=timeout)
-        except httpx.HTTPError as e:
+            async with self._client().request(method, self.url + path, json=body, timeout=timeout) as reply:
+                status, content = reply.status, await reply.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
             raise self._unreachable(what, e) from e
-        return self._check(what, reply)
+        return self._check(what, status, content)
 
-    def _unreachable(self, what: str, e: httpx.HTTPError) -> EngineUnreachable:
+    def _unreachable(self, what: str, e: Exception) -> EngineUnreachable:
         return EngineUnreachable(f"engine at {self.url}: {what}: {type(e).__name__}: {str(e) or 'no answer'}")
 
-    def _check(self, what: str, reply: httpx.Response) -> dict:
-        if reply.status_code == 200:
-            return reply.json() if reply.content else {}
+    def _check(self, what: str, status: int, content: bytes) -> dict:
+        if status == 200:
+            return json.loads(content) if content else {}
         try:
-            message = reply.json()["error"]["message"]
+            message = json.loads(content)["error"]["message"]
         except (ValueError, KeyError, TypeError):
-            message = reply.text[:500]
-        if reply.status_code == 400:
+            message = content[:500].decode(errors="replace")
+        if status == 400:
             raise ValueError(f"engine at {self.url}: {what}: {message}")
-        raise EngineClientError(f"engine at {self.url}: {what}: HTTP {reply.status_code}: {message}")
+        raise EngineClientError(f"engine at {self.url}: {what}: HTTP {status}: {message}")
 
-    def _client(self) -> httpx.AsyncClient:
+    def _client(self) -> aiohttp.ClientSession:
         """One connection pool per event loop (a pool's connections belong to the loop that opened them)."""
         loop = asyncio.get_running_loop()
         if self._http is None or self._loop is not loop:
             # no connection limit: every episode in flight holds a generate open
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-            self._http, self._loop = httpx.AsyncClient(base_url=self.url, limits=limits), loop
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout())
+            self._loop = loop
         return self._http
 
     async def aclose(self) -> None:
         if self._http is not None and self._loop is asyncio.get_running_loop():
-            await self._http.aclose()
+            await self._http.close()
         self._http = self._loop = None
 
 
