@@ -268,6 +268,9 @@ def test_load_paused_pauses_only_an_engine_that_was_running_and_leaves_a_paused_
         async def go():
             seconds = await engine.load_paused(_perturbed_weights(engine.model, 3).items(), 5, "retract")
             running = engine.paused is None and (await engine.get_stats()).weight_version == 5
+            with pytest.raises(ValueError, match="unknown parameter"):  # a bad tensor: refused, and running again
+                await engine.load_paused([("bogus", torch.zeros(1))], 9, "retract")
+            running = running and engine.paused is None
             await engine.pause("abort")
             await engine.load_paused(_perturbed_weights(engine.model, 4).items(), 6, "retract")
             return seconds, running, engine.paused is not None, (await engine.get_stats()).weight_version

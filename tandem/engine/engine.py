@@ -204,17 +204,12 @@ class Engine:
 
     async def load_paused(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                           pause_mode: PauseMode) -> float:
-        """`update_weights` inside a pause in `pause_mode` (an engine already paused loads and stays paused);
-        returns the seconds generation was excluded."""
-        t0, already_paused = time.perf_counter(), self.paused is not None
-        if not already_paused:
-            await self.pause(pause_mode)
-        try:
-            await self.update_weights(named_tensors, version)
-        finally:
-            if not already_paused:
-                await self.resume()
-        return time.perf_counter() - t0
+        """`update_weights` inside a pause in `pause_mode` (an engine already paused loads and stays paused), as one
+        command: no round trip through the caller's event loop between pausing, loading and resuming. Returns the
+        seconds generation was excluded."""
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        return await self._call(self._load_paused, dict(named_tensors), version, pause_mode)
 
     async def flush_cache(self) -> None:
         """Empty the prefix cache. Refused (EngineError) while requests hold KV pages."""
@@ -480,6 +475,17 @@ class Engine:
         log.debug("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
                  1e3 * (time.perf_counter() - t0))
         return self.weight_version
+
+    def _load_paused(self, named: dict[str, torch.Tensor], version: int | None, mode: PauseMode) -> float:
+        t0, already_paused = time.perf_counter(), self.paused is not None
+        if not already_paused:
+            self._pause(mode)
+        try:
+            self._update_weights(named, version)
+        finally:
+            if not already_paused:
+                self._resume()
+        return time.perf_counter() - t0
 
     def _flush_cache(self) -> None:
         holders = len(self.scheduler.running)
