@@ -80,6 +80,7 @@ def measure(overrides: list[str], warmup: int) -> dict:
             "busy_s", "forward_s", "decode_steps", "running_request_steps", "waiting_request_steps")},
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
+        "sync_ms": 1e3 * statistics.mean(h["sync_s"] for h in steady),  # the trainer's wait: transfer, load, reply
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
         "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in steady),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
@@ -219,9 +220,9 @@ def main() -> None:
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
           "engine idle | engine ms / step (forward) | decode-only steps | requests / step (waiting) | "
           "prefill computed / trained token | train ms / step | "
-          "sync ms / update (waiting for the engine) | sync GB/s | "
+          "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
           "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 20 + "|", flush=True)
+    print("|---" * 21 + "|", flush=True)
     rows = []
     variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]]
@@ -237,8 +238,8 @@ def main() -> None:
               f"{r['decode_steps']:.0%} | "
               f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
-              f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | "
-              f"{r['sync_gb_s']:.3g} | {r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
+              f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | {r['sync_ms']:.1f} | "
+              f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
               f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",
               flush=True)
     plain = alone = None
