@@ -128,6 +128,7 @@ def test_engine_failure_is_an_error_naming_it_within_the_timeouts(tmp_path, sign
     message = str(failure.value)
     print(f"\n{signal_name} {when}: {type(failure.value).__name__} after {elapsed:.1f} s: {message}")
     assert engine.url in message, message
+    assert run.engine._http is None, "the client's connections were left open"
     assert elapsed < max(sync_timeout_s, engine_timeout_s) + 3, (elapsed, message)
     if when == "before joining":
         assert "rank 1 did not join tcp://127.0.0.1" in message

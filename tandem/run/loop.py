@@ -81,7 +81,11 @@ class Run:
         if cfg.resume and (self.out_dir / CHECKPOINT).is_file():
             self._load_checkpoint()
         # the engine must hold the trainer's weights and version before anything is admitted
-        await self.placement.start(self.trainer.named_weights(), self.trainer.version)
+        try:
+            await self.placement.start(self.trainer.named_weights(), self.trainer.version)
+        except BaseException:
+            await self.placement.disconnect()  # the client's connections belong to this event loop
+            raise
         start = time.perf_counter()
         busy0 = (await self.engine.get_stats()).busy_seconds
         runner = asyncio.create_task(self.manager.run())
