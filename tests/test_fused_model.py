@@ -8,6 +8,7 @@ pytest.importorskip("triton")
 
 from tandem.config import ModelConfig  # noqa: E402
 from tandem.model.attention import PackedCausal  # noqa: E402
+from tandem.model.loader import load_weights  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = {  # the fused q/k-norm + RoPE kernel takes head_dim 64, 128 or 256
@@ -30,6 +31,24 @@ def test_fused_forward_equals_reference_forward(shape):
         assert model.use_fused_kernels().fused is not None  # the fused path must really run
         fused = model(ids, positions, PackedCausal(lens))
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_fused_projections_follow_weights_loaded_by_name(shape):
+    """q/k/v and gate/up run as one matrix each; a weight update by Hugging Face name must reach that matrix."""
+    config = SHAPES[shape]
+    model = tandem_twin(hf_model(config), config).to(DEVICE).use_fused_kernels()
+    reference = tandem_twin(hf_model(config), config).to(DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    new = {name: p + 0.05 * torch.randn(p.shape, generator=gen, device=DEVICE) for name, p in model.named_parameters()}
+    load_weights(model, new.items())
+    load_weights(reference, new.items())
+    lens = [4, 6]
+    ids = torch.randint(0, config.vocab_size, (sum(lens),), device=DEVICE)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, positions, PackedCausal(lens)),
+                                   reference(ids, positions, PackedCausal(lens)), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

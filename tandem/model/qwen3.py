@@ -112,6 +112,18 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+@torch.no_grad()
+def _concatenate_as_views(*linears: nn.Linear) -> torch.Tensor:
+    """One matrix of the linears' weights stacked by output row; each weight's data becomes its view of it."""
+    matrix = torch.cat([linear.weight for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight.data = matrix[start:start + rows]
+        start += rows
+    return matrix
+
+
 class Qwen3ForCausalLM(nn.Module):
     """`tp`: this rank's tensor-parallel group; the default is one rank (the whole model)."""
 
@@ -127,11 +139,18 @@ class Qwen3ForCausalLM(nn.Module):
 
     def use_fused_kernels(self) -> Qwen3ForCausalLM:
         """Run inference through fused Triton kernels (RMSNorm with the residual add, q/k norm with RoPE,
-        SiLU-and-multiply): the same maths in a few kernels per layer instead of dozens. No autograd."""
+        SiLU-and-multiply) and fused projections (q, k and v in one matrix multiply, gate and up in another):
+        the same maths in a dozen kernels per layer instead of dozens. Each layer's q/k/v weights (and gate/up)
+        become views of one concatenated matrix, so loading a parameter by name still writes the matrix the
+        fused path reads. For inference: no autograd, and no `.to()` afterwards (it would copy the views apart)."""
         from tandem.kernels import fused
 
         if self.config.head_dim in (64, 128, 256):  # what the q/k-norm + RoPE kernel handles
             self.fused = fused
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
+                mlp.gate_up_weight = _concatenate_as_views(mlp.gate_proj, mlp.up_proj)
         return self
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: AttentionContext):
@@ -153,15 +172,16 @@ class Qwen3ForCausalLM(nn.Module):
         h = f.rmsnorm(residual, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            T = h.shape[0]
-            q = attn.q_proj(h).view(T, attn.num_heads, attn.head_dim)
-            k = attn.k_proj(h).view(T, attn.num_kv_heads, attn.head_dim)
-            v = attn.v_proj(h).view(T, attn.num_kv_heads, attn.head_dim)
+            T, D = h.shape[0], attn.head_dim
+            q, k, v = F.linear(h, attn.qkv_weight).split(  # views: the kernels take any row stride
+                [attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], dim=-1)
+            q, k, v = q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D)
             q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps)
             o = attn.o_proj(ctx.attend(attn.layer, q, k, v).reshape(T, -1))
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
-            out = mlp.down_proj(f.silu_mul(mlp.gate_proj(h), mlp.up_proj(h)))
+            gate, up = F.linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
+            out = mlp.down_proj(f.silu_mul(gate, up))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = f.fused_add_rmsnorm(out, residual, norm.weight, eps)
         return h
