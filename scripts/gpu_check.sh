@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
-#                        [staleness] [learn] [shared] [sync8b]
-# (no argument: tests throughput host_tier; tp, tp_tests, async*, staleness, learn and sync8b need two GPUs). tests,
-# async*, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU machine lacks:
+#                        [prefill] [staleness] [learn] [shared] [sync8b]
+# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, staleness, learn and sync8b need two GPUs).
+# tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU machine lacks:
 # download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl fastapi starlette pydantic \
@@ -43,6 +43,9 @@ for part in $parts; do
                    --pause-modes retract in_place ;;
         sync8b) timeout 200 python3 benchmarks/weight_sync.py --model qwen3-8b --busy 64 &&
                 timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
+        prefill) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   engine.max_prefill_tokens=8192 --model qwen3-0.6b --placement separate --steps 10 --warmup 2 \
+                   --staleness 2 --pause-modes retract in_place ;;
         staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
                    --pause-modes in_place ;;
