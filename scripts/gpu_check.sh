@@ -3,8 +3,8 @@
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [prefill] [staleness] [learn] [shared] [sync8b]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, staleness, learn and sync8b need two GPUs).
-# tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU machine lacks:
-# download their wheels into .whl/ (git-ignored) with
+# tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
+# machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl fastapi starlette pydantic \
 #       pydantic_core uvicorn typing-inspection annotated-types opentelemetry-api aiohttp aiohappyeyeballs \
