@@ -37,9 +37,12 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor]) -> None:
-    """Raise ValueError naming the first tensor that does not fit; mutates nothing."""
-    params, layout = dict(model.named_parameters()), layouts(model)
+def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor], params: dict | None = None,
+                  layout: dict | None = None) -> None:
+    """Raise ValueError naming the first tensor that does not fit; mutates nothing. (`params` and `layout`: the
+    model's `named_parameters` and `layouts`, when the caller has them.)"""
+    params = dict(model.named_parameters()) if params is None else params
+    layout = layouts(model) if layout is None else layout
     for name, tensor in named.items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # tied: the embedding is the head
@@ -57,17 +60,16 @@ def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tenso
     """Copy full (unsharded) tensors into the model by Hugging Face name (a tensor-parallel rank keeps its
     slice). All are checked before any is copied, so a bad update leaves the model untouched. `strict`: every
     parameter must be given."""
-    named = dict(named)
-    check_weights(model, named)
-    params = dict(model.named_parameters())
+    named, params, layout = dict(named), dict(model.named_parameters()), layouts(model)
+    check_weights(model, named, params, layout)
     if strict:
         missing = sorted(set(params) - set(named))
         if missing:
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    layout = layouts(model)
-    for name, tensor in named.items():
-        if name in params:
-            params[name].copy_(shard(tensor, layout[name][0], model.tp))
+    loaded = [name for name in named if name in params]
+    # one call for every copy: a weight update inside an engine's pause is a few hundred tensors
+    torch._foreach_copy_([params[name] for name in loaded],
+                         [shard(named[name], layout[name][0], model.tp) for name in loaded])
     return sorted(named)
 
 
