@@ -279,6 +279,36 @@ def test_load_paused_pauses_only_an_engine_that_was_running_and_leaves_a_paused_
         assert seconds > 0 and running and still_paused and version == 6
 
 
+@pytest.mark.parametrize("mode", ["retract", "abort"])
+def test_a_weight_update_does_not_cache_the_kv_it_replaces(mode):
+    """Retracting (or aborting) the running requests for a weight update must not insert their KV into the prefix
+    cache first: the update empties it, and with many requests running the inserts were most of the pause."""
+    with Engine("tiny") as engine:
+        inserted, during = [], []
+        insert, load_paused = engine.cache.insert, engine._load_paused
+        engine.cache.insert = lambda tokens, pages: inserted.append(len(tokens)) or insert(tokens, pages)
+
+        def counted(*args):  # the inserts made by the update's command (the engine's steps insert prompts too)
+            before = len(inserted)
+            try:
+                return load_paused(*args)
+            finally:
+                during.extend(inserted[before:])
+
+        engine._load_paused = counted
+
+        async def go():
+            tasks = [asyncio.create_task(engine.generate(p, LONG)) for p in prompts(4, 512, seed=3)]
+            await _wait_tokens(engine, 8)
+            await engine.load_paused(_perturbed_weights(engine.model, 5).items(), 1, mode)
+            return await asyncio.gather(*tasks)
+
+        outs = asyncio.run(go())
+    assert during == [], f"{len(during)} requests' KV cached just before the update emptied the cache"
+    if mode == "retract":  # they went on under the new weights
+        assert all(o.weight_versions[-1] == 1 for o in outs)
+
+
 def test_abort_and_cancellation_free_pages():
     with Engine("tiny") as engine:
         async def go():

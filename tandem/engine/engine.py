@@ -479,6 +479,8 @@ class Engine:
     def _load_paused(self, named: dict[str, torch.Tensor], version: int | None, mode: PauseMode) -> float:
         t0, already_paused = time.perf_counter(), self.paused is not None
         if not already_paused:
+            for req in self.scheduler.running:  # KV of the weights being replaced: retracting or aborting must not
+                req.kv_stale = True  # insert it into the prefix cache, which the update empties anyway
             self._pause(mode)
         try:
             self._update_weights(named, version)
