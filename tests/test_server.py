@@ -309,6 +309,16 @@ def test_weights_arrive_while_generating_and_only_the_load_pauses(engine, server
         assert versions[0] == version - 1 and versions[-1] == version
 
 
+def test_the_servers_connections_send_without_nagle_delay(server, client):
+    """Replies with a body are written in two parts (headers, body); with Nagle's algorithm on, the body waits for
+    the client's delayed ACK (about 40 ms on Linux) on every call. Every connection the server accepted must have
+    TCP_NODELAY."""
+    ok(client)  # the client's connection is open and kept alive
+    connections = server._server.server_state.connections
+    sockets = [c.transport.get_extra_info("socket") for c in connections]
+    assert sockets and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in sockets)
+
+
 def test_engine_client_speaks_to_the_server(engine, server):
     """The HTTP client the trainer uses for a separate engine: same outputs as the engine, its stats, clear errors."""
     client = EngineClient(server.url, timeout_s=30).connect()

@@ -446,7 +446,9 @@ class ServerThread:
     Exiting stops the server (in-flight requests get a few seconds, then are cancelled and aborted)."""
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a TCP
+        # socket it recognises as one, and with Nagle on every reply with a body waited ~40 ms for a delayed ACK
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))  # bound here, so the port is known and free before uvicorn starts
         self.host, self.port = self._sock.getsockname()[:2]
