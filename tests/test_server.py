@@ -337,8 +337,14 @@ def test_engine_client_speaks_to_the_server(engine, server):
     assert out.output_logprobs == pytest.approx(direct.output_logprobs, abs=1e-6)
     assert out.finish_reason == direct.finish_reason and out.prompt_tokens == 3
     assert got.generated_tokens >= 16 and got.weight_version == stats(engine).weight_version and healthy
+    async def refused():
+        try:
+            await client.generate([-1])
+        finally:
+            await client.aclose()
+
     with pytest.raises(ValueError, match=rf"engine at {server.url}: POST /generate: input_ids\[0\]"):
-        asyncio.run(client.generate([-1]))
+        asyncio.run(refused())
     with pytest.raises(EngineUnreachable, match="engine at http://127.0.0.1:1: GET /get_model_info: URLError"):
         EngineClient("http://127.0.0.1:1", timeout_s=5).connect()
     nobody = EngineClient("http://127.0.0.1:1", timeout_s=5)
