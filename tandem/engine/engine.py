@@ -35,7 +35,7 @@ from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.radix_cache import PrefixLog, RadixCache
-from tandem.engine.request import Request, Status
+from tandem.engine.request import Request, Status, validate_request
 from tandem.engine.scheduler import PENDING, Scheduler
 from tandem.engine.tp import Lockstep, LockstepError, stable_hash
 from tandem.model.loader import build_model, load_weights
@@ -151,26 +151,9 @@ class Engine:
             raise
 
     def validate(self, input_ids, sampling: SamplingParams, rid: str) -> None:
-        if not isinstance(rid, str) or not rid:
-            raise ValueError("rid: must be a non-empty string")
-        if not isinstance(input_ids, list | tuple) or not input_ids:
-            raise ValueError("input_ids: must be a non-empty list of token ids")
-        vocab = self.model_config.vocab_size
-        fine = all(type(t) is int for t in input_ids) and min(input_ids) >= 0 and max(input_ids) < vocab
-        for i, t in enumerate(() if fine else input_ids):  # the slow path only to name what is wrong
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"input_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
-        for t in sampling.stop_token_ids:
-            if not 0 <= t < vocab:
-                raise ValueError(f"sampling_params.stop_token_ids: {t} is not a token id in [0, {vocab})")
-        total = len(input_ids) + sampling.max_new_tokens
-        if total > self.max_context_len:
-            raise ValueError(f"input_ids: prompt ({len(input_ids)} tokens) plus max_new_tokens "
-                             f"({sampling.max_new_tokens}) exceeds the context length {self.max_context_len}")
-        capacity = self.pool.num_pages * self.pool.page_size
-        if total - 1 > capacity:
-            raise ValueError(f"input_ids: prompt plus max_new_tokens ({total}) exceeds the KV pool "
-                             f"({capacity} tokens)")
+        """Raise ValueError naming what is wrong with a request; submits nothing."""
+        validate_request(input_ids, sampling, rid, self.model_config.vocab_size, self.max_context_len,
+                         self.pool.num_pages * self.pool.page_size)
 
     def abort(self, rid: str) -> None:
         """Abort a request if it is still running or queued (it returns with finish reason abort)."""

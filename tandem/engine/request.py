@@ -70,3 +70,27 @@ class Request:
             prompt_tokens=self.prompt_len, cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
             host_cached_tokens=self.host_cached_tokens, ideal_cached_tokens=max(self.ideal_cached_tokens, 0),
             num_retractions=self.num_retractions, weight_version=weight_version)
+
+
+def validate_request(input_ids, sampling: SamplingParams, rid: str, vocab: int, max_context_len: int,
+                     kv_capacity: int) -> None:
+    """Raise ValueError naming what is wrong with a request (its id, its tokens, its stop tokens, its length
+    against the context and the KV pool's `kv_capacity` tokens)."""
+    if not isinstance(rid, str) or not rid:
+        raise ValueError("rid: must be a non-empty string")
+    if not isinstance(input_ids, list | tuple) or not input_ids:
+        raise ValueError("input_ids: must be a non-empty list of token ids")
+    fine = all(type(t) is int for t in input_ids) and min(input_ids) >= 0 and max(input_ids) < vocab
+    for i, t in enumerate(() if fine else input_ids):  # the slow path only to name what is wrong
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise ValueError(f"input_ids[{i}]: {t!r} is not a token id in [0, {vocab})")
+    for t in sampling.stop_token_ids:
+        if not 0 <= t < vocab:
+            raise ValueError(f"sampling_params.stop_token_ids: {t} is not a token id in [0, {vocab})")
+    total = len(input_ids) + sampling.max_new_tokens
+    if total > max_context_len:
+        raise ValueError(f"input_ids: prompt ({len(input_ids)} tokens) plus max_new_tokens "
+                         f"({sampling.max_new_tokens}) exceeds the context length {max_context_len}")
+    if total - 1 > kv_capacity:
+        raise ValueError(f"input_ids: prompt plus max_new_tokens ({total}) exceeds the KV pool "
+                         f"({kv_capacity} tokens)")
