@@ -21,9 +21,10 @@ order they were admitted, so a long episode holds its batch, and through the bou
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
 idle fractions, the engine's steps (what one costs, the share that only decode, requests running and waiting per
-step), the weight sync per update (transfer ms and GB/s, engine pause ms), staleness, prefix-cache reuse, and the
-reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes
-between the same two devices with the same backend, measured in the same run: what the sync could reach.
+step), the weight sync per update (transfer ms and GB/s, engine pause ms), staleness (mean, max, and the share of
+trained tokens at each), prefix-cache reuse, and the reward of the first and last quarter of the steps. With
+`separate`, also a plain broadcast of one update's bytes between the same two devices with the same backend,
+measured in the same run: what the sync could reach.
 """
 
 from __future__ import annotations
@@ -85,11 +86,18 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in steady),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
         "stale_max": max(h["staleness_max"] for h in steady),
+        "stale_dist": distribution([h["staleness_tokens"] for h in steady]),
         "cache_hit": last["cache_hit_rate"],
         "reuse_vs_ideal": f"{sum(e.cached_tokens for e in episodes) / ideal:.0%}" if ideal else "-",
         "reward_first": statistics.mean(h["reward_mean"] for h in history[:quarter]),
         "reward_last": statistics.mean(h["reward_mean"] for h in history[-quarter:]),
     }
+
+
+def distribution(counts: list[list[int]]) -> str:
+    """Per-step token counts at staleness 0, 1, ... summed into shares: "60 / 30 / 10" (percent)."""
+    total = [sum(c[k] for c in counts if k < len(c)) for k in range(max(map(len, counts), default=0))]
+    return " / ".join(f"{100 * n / max(sum(total), 1):.0f}" for n in total) or "-"
 
 
 def _bind(rank: int, devices: list[str]) -> torch.device:
@@ -221,8 +229,9 @@ def main() -> None:
           "engine idle | engine ms / step (forward) | decode-only steps | requests / step (waiting) | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
-          "pause ms / update | staleness mean / max | cache hit | reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 21 + "|", flush=True)
+          "pause ms / update | staleness mean / max | tokens at staleness 0 / 1 / ... (%) | cache hit | "
+          "reuse vs ideal | reward first -> last quarter |")
+    print("|---" * 22 + "|", flush=True)
     rows = []
     variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]]
@@ -240,6 +249,7 @@ def main() -> None:
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | {r['sync_ms']:.1f} | "
               f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
+              f"{r['stale_dist']} | "
               f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",
               flush=True)
     plain = alone = None

@@ -69,6 +69,9 @@ def test_accounting_and_staleness_under_weight_updates(tmp_path_factory, stalene
         "random_agent.max_context=256"])
     check_accounting(run, trained, staleness)
     assert all(h["staleness_max"] <= staleness for h in history)
+    # the distribution: trained tokens per staleness, every one counted once
+    assert all(len(h["staleness_tokens"]) <= staleness + 1 and sum(h["staleness_tokens"]) == h["tokens_trained"]
+               for h in history)
 
 
 def test_abort_mode_resubmits_partial_turns_and_stitches_them(tmp_path):

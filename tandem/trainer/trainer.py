@@ -92,7 +92,7 @@ class Trainer:
             assert name == master_name, (name, master_name)
             p.register_post_accumulate_grad_hook(hook(master))
 
-    def step(self, groups: list[Group]) -> dict[str, float]:
+    def step(self, groups: list[Group]) -> dict:
         """Train on `groups` (at least one); returns the step's metrics (over the whole batch, on every rank). Bumps
         `version`."""
         if not groups:
@@ -122,6 +122,7 @@ class Trainer:
             num_episodes=float(len(episodes)),
             staleness_min=float(min(staleness, default=0)), staleness_max=float(max(staleness, default=0)),
             staleness_mean=sum(staleness) / max(len(staleness), 1),
+            staleness_tokens=[staleness.count(k) for k in range(max(staleness, default=-1) + 1)],  # at 0, 1, ...
         )
         return out
 
