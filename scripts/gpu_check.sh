@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
-#                        [prefill] [staleness] [learn] [shared] [sync8b]
+#                        [prefill] [staleness] [learn] [shared] [pause] [sync8b]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, staleness, learn and sync8b need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
@@ -41,6 +41,7 @@ for part in $parts; do
                    rollout.batch_groups=16 rollout.num_in_flight=256 engine.max_running_requests=256 \
                    --model qwen3-0.6b --placement separate --steps 8 --warmup 2 --staleness 2 \
                    --pause-modes retract in_place ;;
+        pause) timeout 120 python3 benchmarks/engine_pause.py --model qwen3-0.6b ;;
         sync8b) timeout 200 python3 benchmarks/weight_sync.py --model qwen3-8b --busy 64 &&
                 timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
         prefill) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
