@@ -131,7 +131,7 @@ class EngineConfig:
     num_pages: int = 512  # KV pool size; 0: size it from free GPU memory (kv_memory_fraction of it)
     kv_memory_fraction: float = 0.8
     max_running_requests: int = 64
-    # per-step token budget for prefill chunks (chunked prefill); 512 suits a CPU, GPU benchmarks use 8192
+    # per-step token budget for prefill chunks (chunked prefill); 512 suits a CPU (engine_throughput.py: 8192 on GPU)
     max_prefill_tokens: int = 512
     max_batch_requests: int = 256  # largest batch a single /generate may carry
     max_context_len: int | None = None  # default: the model's max_position_embeddings
