@@ -44,9 +44,9 @@ for part in $parts; do
         pause) timeout 120 python3 benchmarks/engine_pause.py --model qwen3-0.6b ;;
         sync8b) timeout 200 python3 benchmarks/weight_sync.py --model qwen3-8b --busy 64 &&
                 timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
-        prefill) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   engine.max_prefill_tokens=8192 --model qwen3-0.6b --placement separate --steps 10 --warmup 2 \
-                   --staleness 2 --pause-modes retract in_place ;;
+        prefill) for delay in 0 4; do timeout 240 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
+                   weight_sync_timeout_s=60 engine.max_prefill_tokens=8192 engine.prefill_delay_steps=$delay \
+                   --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2; done ;;
         staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
                    --pause-modes in_place ;;

@@ -133,6 +133,9 @@ class EngineConfig:
     max_running_requests: int = 64
     # per-step token budget for prefill chunks (chunked prefill); 512 suits a CPU (engine_throughput.py: 8192 on GPU)
     max_prefill_tokens: int = 512
+    # while requests decode, hold new admissions back up to this many steps, so that several prefills share one
+    # step (on a GPU a step that prefills runs eagerly, launch-bound; decode-only steps replay graphs); 0: at once
+    prefill_delay_steps: int = 0
     max_batch_requests: int = 256  # largest batch a single /generate may carry
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
@@ -164,6 +167,9 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "max_batch_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
+        if not isinstance(self.prefill_delay_steps, int) or self.prefill_delay_steps < 0:
+            raise ValueError(f"engine config: prefill_delay_steps must be an integer >= 0, got "
+                             f"{self.prefill_delay_steps!r}")
         if self.max_context_len is not None and self.max_context_len <= 0:
             raise ValueError(f"engine config: max_context_len must be positive, got {self.max_context_len}")
         if self.host_cache not in ("off", "write_through", "write_back"):
