@@ -50,6 +50,9 @@ from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.run.loop import run_recording
 from tandem.transport.dist import DistReceiver, DistSender
 
+# the loop's engine_* counters reported per engine step
+ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "decode_steps", "running_request_steps", "waiting_request_steps")
+
 
 def measure(overrides: list[str], warmup: int) -> dict:
     """One run; rates and fractions over the steps after the first `warmup` (the first steps pay for CUDA
@@ -59,14 +62,12 @@ def measure(overrides: list[str], warmup: int) -> dict:
         torch.cuda.empty_cache()
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
-    first = history[warmup - 1] if warmup else {"wall_s": 0.0, "engine_idle_frac": 0.0, "prefill_tokens_computed": 0,
-                                                "engine_busy_s": 0.0, "engine_forward_s": 0.0, "engine_steps": 0,
-                                                "engine_decode_steps": 0, "engine_running_request_steps": 0,
-                                                "engine_waiting_request_steps": 0}
+    first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step
+        ["wall_s", "prefill_tokens_computed", *(f"engine_{k}" for k in ENGINE_STEP_COUNTERS), "engine_steps"], 0)
     steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
-    busy = ((1 - last["engine_idle_frac"]) * last["wall_s"] - (1 - first["engine_idle_frac"]) * first["wall_s"])
+    busy = last["engine_busy_s"] - first["engine_busy_s"]
     tokens = sum(h["tokens_trained"] for h in steady)
     steps = max(1, last["engine_steps"] - first["engine_steps"])
     return {
@@ -77,8 +78,7 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "prefill_per_token": (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / tokens,
         # the engine's steps: what one costs (of it the forward pass), the share that only decode (CUDA graphs),
         # and the requests in each (its occupancy) and waiting for admission
-        **{k: (last[f"engine_{k}"] - first[f"engine_{k}"]) / steps for k in (
-            "busy_s", "forward_s", "decode_steps", "running_request_steps", "waiting_request_steps")},
+        **{k: (last[f"engine_{k}"] - first[f"engine_{k}"]) / steps for k in ENGINE_STEP_COUNTERS},
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
         "sync_ms": 1e3 * statistics.mean(h["sync_s"] for h in steady),  # the trainer's wait: transfer, load, reply

@@ -48,6 +48,11 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
+def _check_pause_mode(mode) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
+
+
 def plan_kv_pages(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
     """Pages that fit in `kv_memory_fraction` of the GPU memory free after the weights (the rest is left for
     activations, CUDA graphs and the sampler)."""
@@ -171,8 +176,7 @@ class Engine:
         with what they generated so far. `retract`: running requests drop their KV and go back to the
         queue, to be recomputed after `resume`. `in_place`: running requests freeze, keeping their KV.
         Requests arriving while paused queue until `resume`."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
+        _check_pause_mode(mode)
         await self._call(self._pause, mode)
 
     async def resume(self) -> None:
@@ -190,8 +194,7 @@ class Engine:
         """`update_weights` inside a pause in `pause_mode` (an engine already paused loads and stays paused), as one
         command: no round trip through the caller's event loop between pausing, loading and resuming. Returns the
         seconds generation was excluded."""
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        _check_pause_mode(pause_mode)
         return await self._call(self._load_paused, dict(named_tensors), version, pause_mode)
 
     async def flush_cache(self) -> None:

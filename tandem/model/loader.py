@@ -37,12 +37,9 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor], params: dict | None = None,
-                  layout: dict | None = None) -> None:
-    """Raise ValueError naming the first tensor that does not fit; mutates nothing. (`params` and `layout`: the
-    model's `named_parameters` and `layouts`, when the caller has them.)"""
-    params = dict(model.named_parameters()) if params is None else params
-    layout = layouts(model) if layout is None else layout
+def check_weights(model: Qwen3ForCausalLM, named: dict[str, torch.Tensor], params: dict, layout: dict) -> None:
+    """Raise ValueError naming the first tensor that does not fit; mutates nothing. `params` and `layout`: the
+    model's `named_parameters` and `layouts`."""
     for name, tensor in named.items():
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue  # tied: the embedding is the head
