@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
-#                        [prefill] [staleness] [learn] [shared] [pause] [sync8b]
-# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, staleness, learn and sync8b need two GPUs).
+#                        [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b]
+# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, learn and sync8b need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -47,6 +47,9 @@ for part in $parts; do
         prefill) for delay in 0 4; do timeout 240 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
                    weight_sync_timeout_s=60 engine.max_prefill_tokens=8192 engine.prefill_delay_steps=$delay \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2; done ;;
+        graphs) for max in 0 4096; do timeout 200 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
+                   weight_sync_timeout_s=60 engine.prefill_graph_max_tokens=$max --model qwen3-0.6b \
+                   --placement separate --steps 10 --warmup 2 --staleness 2 --pause-modes in_place; done ;;
         staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
                    --pause-modes in_place ;;

@@ -145,6 +145,9 @@ class EngineConfig:
     host_cache_pages: int = 0
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
+    # steps that prefill replay CUDA graphs too, up to this many tokens (padded up a ladder of sizes; eager, such
+    # steps are launch-bound); 0: they run eagerly
+    prefill_graph_max_tokens: int = 4096
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
     fused_kernels: bool = True  # on CUDA: Triton attention kernels, fused RMSNorm/RoPE/SiLU (off: PyTorch)
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
@@ -167,6 +170,9 @@ class EngineConfig:
         for name in ("page_size", "max_running_requests", "max_prefill_tokens", "max_batch_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
+        if self.prefill_graph_max_tokens < 0:
+            raise ValueError(f"engine config: prefill_graph_max_tokens must be >= 0, got "
+                             f"{self.prefill_graph_max_tokens}")
         if not isinstance(self.prefill_delay_steps, int) or self.prefill_delay_steps < 0:
             raise ValueError(f"engine config: prefill_delay_steps must be an integer >= 0, got "
                              f"{self.prefill_delay_steps!r}")

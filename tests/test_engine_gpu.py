@@ -37,6 +37,7 @@ def test_gpu_engine_matches_cpu_engine():
         with Engine(model, EngineConfig(device=device, page_size=16, num_pages=512, max_prefill_tokens=48)) as engine:
             if device == "cuda":
                 assert engine.runner.graphs, "decode should replay CUDA graphs"
+                assert engine.runner.mixed_graphs, "steps that prefill should replay CUDA graphs"
             results[device] = (generate_all(engine, prompts, greedy), generate_all(engine, prompts, seeded))
     for cpu_outs, gpu_outs in zip(results["cpu"], results["cuda"], strict=True):
         for c, g in zip(cpu_outs, gpu_outs, strict=True):

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 pytest.importorskip("triton")
 
-from tandem.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
+from tandem.kernels.prefill_attention import fill_tiles, max_tiles, paged_prefill_attention  # noqa: E402
 from tandem.model.attention import PagedAttention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -136,6 +136,25 @@ def test_grid_larger_than_needed_and_rows_outside_sequences():
     torch.testing.assert_close(out[:5].cpu(), want, **TOLERANCE[torch.float32])
 
 
+def test_tile_list_grid_equals_the_reference():
+    """The fixed grid of a CUDA graph: a tile list sized for more tokens and sequences than the batch has, its
+    spare tiles on an empty padding sequence (the last), gives every chunk's attention; rows past the batch's
+    tokens stay unwritten."""
+    q_lens, kv_lens = [19, 1, 5, 0], [40, 17, 5, 0]  # (the last sequence is the padding one)
+    q, k_cache, v_cache, block_table, q_starts, lens = make_case(q_lens, kv_lens, 1, 2, 64, 16, torch.float32)
+    num_tiles = max_tiles(64, 8, block_m=8)
+    tiles = fill_tiles(q_lens, 8, num_tiles, pad_seq=3)
+    assert tiles.shape == (2, num_tiles) and tiles[:, :5].tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 0, 0]]
+    assert (tiles[0, 5:] == 3).all()
+    q = torch.cat([q, torch.full((4, *q.shape[1:]), float("nan"), device=DEVICE)])  # rows in no sequence
+    out = paged_prefill_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, q_starts, lens, 16, 0.125,
+                                  max_q_len=0, block_m=8, block_n=16, tiles_2N=tiles.to(DEVICE))
+    want = reference(q[:25], k_cache[LAYER], v_cache[LAYER], block_table, q_starts, lens, 16, 0.125)
+    torch.testing.assert_close(out[:25].cpu(), want, **TOLERANCE[torch.float32])
+    with pytest.raises(AssertionError, match="do not fit"):
+        fill_tiles(q_lens, 8, 4, pad_seq=3)
+
+
 GPU_CASES = [
     # (q_lens, kv_lens, num_kv_heads, group, head_dim, page_size, dtype)
     ([1000], [1000], 8, 2, 128, 16, torch.bfloat16),
@@ -223,3 +242,47 @@ def test_engine_steps_through_the_prefill_kernel_equal_the_reference_path():
     for (ids, lps, cached), (ids_k, lps_k, cached_k) in zip(ref, kernel_outs, strict=True):
         assert ids_k == ids and cached_k == cached
         assert lps_k == pytest.approx(lps, abs=1e-4)
+
+
+@pytest.mark.parametrize("max_graph_tokens", [20, 4096])
+def test_engine_steps_in_the_fixed_mixed_buffers_equal_the_reference_path(monkeypatch, max_graph_tokens):
+    """Steps that prefill, run in the fixed buffers a CUDA graph captures (padded tokens, empty padding
+    sequences, a tile list; eagerly here), give the reference path's tokens and logprobs. At 20 tokens, larger
+    steps take the eager kernel path beside them."""
+    import asyncio
+
+    from tandem.config import EngineConfig
+    from tandem.engine import model_runner
+    from tandem.engine.engine import Engine
+    from tandem.model.attention import paged_decode_reference
+    from tandem.types import SamplingParams
+
+    prefix = list(range(3, 40))
+    prompts = [prefix + [50, 51], prefix + [60], list(range(100, 131)), [7, 8, 9], list(range(200, 213))]
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    config = EngineConfig(page_size=8, num_pages=64, max_prefill_tokens=24, max_running_requests=8, device=DEVICE,
+                          prefill_graph_max_tokens=max_graph_tokens)
+
+    def run(engine):
+        async def go():
+            first = await engine.generate(prompts[0], sp)
+            return [first] + list(await asyncio.gather(*[engine.generate(p, sp) for p in prompts[1:]]))
+        return [(o.output_ids, o.output_logprobs, o.cached_tokens) for o in asyncio.run(go())]
+
+    with Engine("tiny", config) as engine:
+        ref = run(engine)  # (on CPU: the reference context)
+    monkeypatch.setattr(model_runner, "_kernels", lambda device, enabled: (paged_decode_reference,
+                                                                           paged_prefill_attention))
+    sizes, eager = [], []
+    with Engine("tiny", config) as engine:
+        runner = engine.runner
+        assert runner.mixed_sizes == ([16, 20] if max_graph_tokens == 20 else [16, 32])
+        forward, mixed = runner._forward_mixed, runner._mixed
+        monkeypatch.setattr(runner, "_forward_mixed", lambda size: sizes.append(size) or forward(size))
+        monkeypatch.setattr(runner, "_mixed", lambda chunks, prev: eager.append(chunks) or mixed(chunks, prev))
+        got = run(engine)
+    assert 16 in sizes and bool(eager) == (max_graph_tokens == 20), (sizes, len(eager))
+    assert max_graph_tokens == 20 or 32 in sizes, sizes
+    for (ids, lps, cached), (ids_s, lps_s, cached_s) in zip(ref, got, strict=True):
+        assert ids_s == ids and cached_s == cached
+        assert lps_s == pytest.approx(lps, abs=1e-4)

@@ -118,9 +118,7 @@ class Engine:
         log.info("KV cache: %d device pages of %d tokens (%.2f GiB)%s", num_pages, self.config.page_size,
                  num_pages * per_page / 2**30, f", {self.tier.num_pages} host pages ({self.tier.bytes / 2**30:.2f}"
                  f" GiB, {self.tier.policy})" if self.tier else "")
-        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config.max_running_requests,
-                                  self.config.cuda_graphs, token_broadcast=self.config.token_broadcast,
-                                  kernels=self.config.fused_kernels)
+        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config)
         self.weight_version = 0
         self.paused: PauseMode | None = None
         self.stats = EngineStats(pages_total=self.pool.num_pages)

@@ -6,8 +6,11 @@ Two paths behind one `run`:
     Triton paged-decode kernel (under tensor parallelism with NCCL's collectives inside the graphs: each replay
     is one flight-recorder record, see `collectives.replay`); elsewhere the same code runs eagerly with the
     PyTorch reference kernel;
-  - steps with prefill chunks run eagerly: on CUDA through the Triton paged-prefill kernel over block tables
-    (`BlockTablePrefill`), elsewhere (or with `kernels=False`) with the reference `PagedAttention`.
+  - steps with prefill chunks go, on CUDA, through the Triton paged-prefill kernel over block tables
+    (`BlockTablePrefill`); up to `max_graph_tokens` tokens also through fixed-shape buffers padded to a ladder
+    of token counts, each captured once as a CUDA graph (the kernel's grid a fixed tile list, see
+    `fill_tiles`), since such steps are launch-bound when run eagerly; larger ones run eagerly. Elsewhere (or
+    with `kernels=False`) they run eagerly with the reference `PagedAttention`.
 
 Overlap: `launch` returns before the device finishes. A decode row whose input token was sampled by the step
 still in flight (a placeholder on the host, `PENDING`) reads it from that step's device tensor, and the
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import functools
 import itertools
 import logging
 import time
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from tandem.config import EngineConfig
 from tandem.distributed import collectives, faults
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
@@ -36,6 +41,9 @@ from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAtt
 from tandem.model.qwen3 import Qwen3ForCausalLM
 
 log = logging.getLogger(__name__)
+
+# token counts of the mixed (prefill) steps' graphs: steps are padded up to the next one
+MIXED_SIZES = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 
 
 @dataclass
@@ -85,27 +93,44 @@ def _kernels(device: torch.device, enabled: bool):
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, max_decode_batch: int = 256,
-                 cuda_graphs: bool = True, token_broadcast: bool = True, kernels: bool = True):
-        """`kernels`: on CUDA, attention through the Triton kernels (off: the PyTorch references)."""
+    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, config: EngineConfig):
+        """Reads `config`'s max_running_requests (the largest decode batch), cuda_graphs, token_broadcast,
+        fused_kernels (on CUDA, attention through the Triton kernels; off: the PyTorch references) and
+        prefill_graph_max_tokens (steps with prefill chunks of up to this many tokens in all run through fixed
+        buffers, and graphs if cuda_graphs, when the prefill kernel is Triton's)."""
         self.model, self.pool = model, pool
-        self.tp, self.token_broadcast = model.tp, token_broadcast
+        self.tp, self.token_broadcast = model.tp, config.token_broadcast
         self.num_launches = 0
         self.device = next(model.parameters()).device
-        self.kernel, self.prefill_kernel = _kernels(self.device, kernels)
-        self.batch_sizes = [b for b in [1, 2, 4, 8, *range(16, max_decode_batch + 1, 16)] if b <= max_decode_batch]
-        B, P = self.batch_sizes[-1], -(-max_context_len // pool.page_size)
-        self.ids_B = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.positions_B = torch.zeros(B, dtype=torch.long, device=self.device)
-        self.slots_B = torch.zeros(B, dtype=torch.long, device=self.device)
+        self.kernel, self.prefill_kernel = _kernels(self.device, config.fused_kernels)
+        S = config.max_running_requests  # (a step's chunks: one per running request)
+        self.batch_sizes = [b for b in [1, 2, 4, 8, *range(16, S + 1, 16)] if b <= S]
+        # a step's tokens: its prefill budget and one per other request
+        max_graph_tokens = min(config.prefill_graph_max_tokens, config.max_prefill_tokens + S)
+        self.mixed_sizes = []  # (the buffers' sequence row S is an empty padding one)
+        if self.prefill_kernel is not None and max_graph_tokens > 0:
+            self.mixed_sizes = [t for t in MIXED_SIZES if t < max_graph_tokens] + [max_graph_tokens]
+        T = max([self.batch_sizes[-1], *self.mixed_sizes])
+        B, P = max(self.batch_sizes[-1], S + 1), -(-max_context_len // pool.page_size)
+        self.ids_B = torch.zeros(T, dtype=torch.long, device=self.device)  # (T: tokens of a decode or mixed step)
+        self.positions_B = torch.zeros(T, dtype=torch.long, device=self.device)
+        self.slots_B = torch.zeros(T, dtype=torch.long, device=self.device)
         self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
         self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.graph_collectives: list[str] = []  # the collectives inside each graph (tensor parallel: NCCL's)
+        if self.mixed_sizes:
+            from tandem.kernels.prefill_attention import choose_blocks, max_tiles
+            attn = model.model.layers[0].self_attn  # (this rank's heads under tensor parallelism)
+            self.block_m = choose_blocks(attn.num_heads // attn.num_kv_heads, attn.head_dim, pool.k_cache.dtype)[0]
+            self.num_tiles = {t: max_tiles(t, S, self.block_m) for t in self.mixed_sizes}
+            self.q_starts_S1 = torch.zeros(S + 2, dtype=torch.int32, device=self.device)
+            self.tiles_2N = torch.zeros(2, max(self.num_tiles.values()), dtype=torch.int32, device=self.device)
+        # size -> (graph, its output, the collectives inside it: NCCL's under tensor parallelism)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[str]]] = {}
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[str]]] = {}
         self.last_prepare_seconds = 0.0
         triton = self.kernel is not paged_decode_reference
         capturable = self.tp.size == 1 or dist.get_backend(self.tp.group) == "nccl"
-        if cuda_graphs and self.device.type == "cuda" and triton and capturable:
+        if config.cuda_graphs and self.device.type == "cuda" and triton and capturable:
             self._capture()
 
     @torch.inference_mode()
@@ -122,6 +147,8 @@ class ModelRunner:
         self._t0 = time.perf_counter()
         if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
             logits = self._decode(chunks, prev)
+        elif self.mixed_sizes and sum(c.num_tokens for c in chunks) <= self.mixed_sizes[-1]:
+            logits = self._mixed_static(chunks, prev)
         else:
             logits = self._mixed(chunks, prev)
         launched = Launched(chunks)
@@ -205,8 +232,8 @@ class ModelRunner:
         self.block_table_BP[:bs, :width].copy_(self._pinned(table), non_blocking=True)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         if bs in self.graphs:
-            graph, logits = self.graphs[bs]
-            collectives.replay(graph, bs, self.graph_collectives, self.tp.group)
+            graph, logits, ops = self.graphs[bs]
+            collectives.replay(graph, bs, ops, self.tp.group)
             return logits[:n]
         return self._forward_decode(bs, width)[:n]
 
@@ -220,25 +247,32 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _capture(self) -> None:
-        """One graph per batch size, largest first, sharing one memory pool. Padding rows (seq_len 0) write
-        only to the scratch slot, so capturing with zeroed buffers touches no request's KV."""
+        """One graph per batch size and per mixed step size, largest first, sharing one memory pool. Padding
+        rows (seq_len 0, or the empty padding sequence) write only to the scratch slot, so capturing with
+        zeroed buffers touches no request's KV."""
         self.slots_B.fill_(self.pool.scratch_slot)
+        if self.mixed_sizes:
+            self.tiles_2N[0].fill_(self.q_starts_S1.shape[0] - 2)  # every tile on the padding sequence
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):
-                self._forward_decode(bs)  # warm-up: Triton compiles, cuBLAS picks its kernels
-                graph = torch.cuda.CUDAGraph()
-                with collectives.capturing() as ops, torch.cuda.graph(graph, pool=pool, stream=stream):
-                    logits = self._forward_decode(bs)
-                self.graphs[bs], self.graph_collectives = (graph, logits), ops
+            for graphs, sizes, forward in ((self.graphs, self.batch_sizes, self._forward_decode),
+                                           (self.mixed_graphs, self.mixed_sizes, self._forward_mixed)):
+                for n in reversed(sizes):
+                    forward(n)  # warm-up: Triton compiles, cuBLAS picks its kernels
+                    graph = torch.cuda.CUDAGraph()
+                    with collectives.capturing() as ops, torch.cuda.graph(graph, pool=pool, stream=stream):
+                        out = forward(n)
+                    graphs[n] = (graph, out, ops)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.batch_sizes)
+        log.info("captured CUDA graphs: decode batch sizes %s, mixed step sizes %s", self.batch_sizes,
+                 self.mixed_sizes)
 
-    # ---- prefill and mixed steps: eager -------------------------------------------------------------------
-    def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+    # ---- prefill and mixed steps: fixed shapes (graphs on CUDA) up to max_graph_tokens, else eager ---------
+    def _flatten(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+        """The step's (input ids, positions, rows to sample, pending rows) over its chunks' tokens in order."""
         ids, positions, sample_rows, pending = [], [], [], []
         row = 0
         for c in chunks:
@@ -248,12 +282,60 @@ class ModelRunner:
             row += c.num_tokens
             if c.sample:
                 sample_rows.append(row - 1)
+        return ids, positions, sample_rows, pending
+
+    def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+        ids, positions, sample_rows, pending = self._flatten(chunks)
         ctx = self._kernel_context(chunks) if self.prefill_kernel is not None else self._reference_context(chunks)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         hidden = self.model(self._input_ids(ids, pending, prev), self._to_device(positions), ctx)
         if not sample_rows:
             return None
         return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+
+    def _mixed_static(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+        """The step in the fixed buffers of the next mixed size up: padding tokens write the scratch slot,
+        sequences past the step's have empty chunks, and the kernel's tiles past the step's point at one."""
+        ids, positions, sample_rows, pending = self._flatten(chunks)
+        n, P, S = len(ids), self.pool.page_size, self.q_starts_S1.shape[0] - 2
+        size = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, n)]
+        from tandem.kernels.prefill_attention import fill_tiles
+        pad = size - n
+        self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:size])
+        slots = [c.req.pages[p // P] * P + p % P for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
+        q_starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
+        host = {
+            "positions": torch.tensor(positions + [0] * pad),
+            "slots": torch.tensor(slots + [self.pool.scratch_slot] * pad),
+            "q_starts": torch.tensor(q_starts + [n] * (S + 2 - len(q_starts)), dtype=torch.int32),
+            "kv_lens": torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32),
+            "tiles": fill_tiles([c.num_tokens for c in chunks], self.block_m, self.num_tiles[size], pad_seq=S),
+        }
+        self.positions_B[:size].copy_(self._pinned(host["positions"]), non_blocking=True)
+        self.slots_B[:size].copy_(self._pinned(host["slots"]), non_blocking=True)
+        self.q_starts_S1.copy_(self._pinned(host["q_starts"]), non_blocking=True)
+        self.seq_lens_B[:len(chunks)].copy_(self._pinned(host["kv_lens"]), non_blocking=True)
+        self.tiles_2N[:, :self.num_tiles[size]].copy_(self._pinned(host["tiles"]), non_blocking=True)
+        table = _block_table([c.req for c in chunks], width)
+        self.block_table_BP[:len(chunks), :width].copy_(self._pinned(table), non_blocking=True)
+        self.last_prepare_seconds = time.perf_counter() - self._t0
+        if size in self.mixed_graphs:
+            graph, hidden, ops = self.mixed_graphs[size]
+            collectives.replay(graph, size, ops, self.tp.group)
+        else:
+            hidden = self._forward_mixed(size)
+        if not sample_rows:
+            return None
+        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+
+    def _forward_mixed(self, size: int) -> torch.Tensor:
+        """Hidden states [size, E] of the mixed step in the static buffers."""
+        S = self.q_starts_S1.shape[0] - 2
+        kernel = functools.partial(self.prefill_kernel, tiles_2N=self.tiles_2N[:, :self.num_tiles[size]])
+        ctx = BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self.slots_B[:size], self.block_table_BP[:S + 1],
+                                self.q_starts_S1, self.seq_lens_B[:S + 1], self.pool.page_size, 0, kernel)
+        return self.model(self.ids_B[:size], self.positions_B[:size], ctx)
 
     def _kernel_context(self, chunks: list[Chunk]) -> BlockTablePrefill:
         """The step over block tables built on the host and copied without waiting for the device."""

@@ -15,7 +15,9 @@ found through the block table:
 Programs whose query block starts past their sequence's chunk (the grid is sized for `max_q_len`) exit at once.
 
 No host syncs: the grid is (B, cdiv(max_q_len, BLOCK_M), K), from host-known values; everything else (chunk
-bounds, context lengths, pages) is read on the device.
+bounds, context lengths, pages) is read on the device. Or the grid is a given tile list, (N, 1, K): program n
+takes sequence tiles[0, n]'s query block tiles[1, n]. A CUDA graph captures a fixed grid for any batch that way:
+N = `max_tiles(...)` covers every chunk's blocks, the rest of the list points at an empty (padding) sequence.
 
 Shapes: T flat query tokens, B sequences, H query heads, K kv heads, G = H // K, D head dim, S cache slots,
 P pages per sequence (block table width).
@@ -54,13 +56,16 @@ def choose_blocks(group: int, head_dim: int, cache_dtype: torch.dtype, block_m: 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_starts_ptr, kv_lens_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_starts_ptr, kv_lens_ptr, tiles_ptr, stride_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt,
     qk_scale_log2,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TILED: tl.constexpr,
 ):
     b, q_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if TILED:
+        b, q_block = tl.load(tiles_ptr + b), tl.load(tiles_ptr + stride_tiles + b)
     q_start = tl.load(q_starts_ptr + b)
     q_len = tl.load(q_starts_ptr + b + 1) - q_start
     block_start = q_block * BLOCK_M
@@ -136,7 +141,7 @@ def _prefill_kernel(
 def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
                             block_table_BP: torch.Tensor, q_starts_B1: torch.Tensor, kv_lens_B: torch.Tensor,
                             page_size: int, scale: float, max_q_len: int, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, tiles_2N: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's chunk of new tokens over its cached prefix and the chunk itself.
 
     q_THD: the flat batch's queries (any float dtype; the output has the same dtype). Sequence b's queries are
@@ -150,6 +155,8 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_ca
     max_q_len: host int >= every q_len_b, sizes the grid (no host sync on q_starts_B1).
     block_m: query tokens per program (default DEFAULT_ROWS // next_pow2(G)); block_n: KV positions per
       inner iteration (default by head dim). Both powers of two.
+    tiles_2N: int32 (sequence, query block of block_m tokens) per program, as from `fill_tiles`; replaces the
+      grid that max_q_len sizes (which it then ignores).
     Accumulates in fp32; reads only the KV at positions <= each query's own (never past kv_lens_B[b]).
     """
     T, H, D = q_THD.shape
@@ -166,8 +173,9 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_ca
     assert kv_lens_B.dtype == torch.int32
     assert block_table_BP.shape[0] == B and q_starts_B1.shape == (B + 1,) and block_table_BP.stride(1) == 1
     assert q_starts_B1.is_contiguous() and kv_lens_B.is_contiguous()
+    assert tiles_2N is None or (tiles_2N.dtype == torch.int32 and tiles_2N.shape[0] == 2 and tiles_2N.stride(1) == 1)
     o_THD = torch.empty_like(q_THD, memory_format=torch.contiguous_format)
-    if B == 0 or T == 0 or max_q_len <= 0:
+    if B == 0 or T == 0 or (max_q_len <= 0 if tiles_2N is None else tiles_2N.shape[1] == 0):
         return o_THD
     group = H // K
     block_m, block_n, num_warps = choose_blocks(group, D, k_cache_SKD.dtype, block_m, block_n)
@@ -176,14 +184,33 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_ca
     # The CPU interpreter multiplies bf16 dot operands as raw integers: it gets them upcast (exactly, after the
     # same rounding to the cache dtype), so it computes what the GPU computes.
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
-    grid = (B, triton.cdiv(max_q_len, block_m), K)
+    if tiles_2N is None:
+        grid, tiles, tiles_stride = (B, triton.cdiv(max_q_len, block_m), K), q_starts_B1, 0
+    else:
+        grid, tiles, tiles_stride = (tiles_2N.shape[1], 1, K), tiles_2N, tiles_2N.stride(0)
     _prefill_kernel[grid](
-        q_THD, k_cache_SKD, v_cache_SKD, o_THD, block_table_BP, q_starts_B1, kv_lens_B,
+        q_THD, k_cache_SKD, v_cache_SKD, o_THD, block_table_BP, q_starts_B1, kv_lens_B, tiles, tiles_stride,
         q_THD.stride(0), q_THD.stride(1), o_THD.stride(0), o_THD.stride(1),
         k_cache_SKD.stride(0), k_cache_SKD.stride(1), v_cache_SKD.stride(0), v_cache_SKD.stride(1),
         block_table_BP.stride(0), scale * math.log2(math.e),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, PAGE_SIZE=page_size,
         BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=2,
+        TILED=tiles_2N is not None, num_warps=num_warps, num_stages=2,
     )
     return o_THD
+
+
+def max_tiles(num_tokens: int, num_seqs: int, block_m: int) -> int:
+    """Tiles enough for any batch of at most `num_tokens` query tokens in at most `num_seqs` sequences: each
+    sequence's last block may be partial."""
+    return triton.cdiv(num_tokens, block_m) + min(num_seqs, num_tokens)
+
+
+def fill_tiles(q_lens: list[int], block_m: int, num_tiles: int, pad_seq: int) -> torch.Tensor:
+    """int32 [2, num_tiles] on the host: (sequence, query block) for every block of every chunk, then
+    (pad_seq, 0) -- a sequence with an empty chunk, whose programs exit at once."""
+    seqs = [b for b, n in enumerate(q_lens) for _ in range(triton.cdiv(n, block_m))]
+    blocks = [j for n in q_lens for j in range(triton.cdiv(n, block_m))]
+    assert len(seqs) <= num_tiles, f"{len(seqs)} tiles do not fit in {num_tiles}"
+    pad = num_tiles - len(seqs)
+    return torch.tensor([seqs + [pad_seq] * pad, blocks + [0] * pad], dtype=torch.int32)
