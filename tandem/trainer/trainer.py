@@ -71,9 +71,11 @@ class Trainer:
             parallel.checkpoint_layers(self.model)
         if cfg.fsdp:  # the sharded float32 parameters are the masters; FSDP casts its gathered copies
             self.model = self.master = parallel.shard_model(self.master, self.param_dtype)
-        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.version = 0  # optimizer steps taken = the weight version of the current parameters
         self.device = next(self.master.parameters()).device
+        # on CUDA one fused kernel per step (the default, foreach, took 11.7 ms of a 0.6B step on an H200)
+        self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                           fused=self.device.type == "cuda" or None)
+        self.version = 0  # optimizer steps taken = the weight version of the current parameters
 
     def _accumulate_grads_in_masters(self) -> None:
         """After each backward, add every bf16 gradient into its master's float32 one and free it, so micro-batches
@@ -159,8 +161,7 @@ class Trainer:
     @torch.no_grad()
     def _refresh_compute_weights(self) -> None:
         if self.model is not self.master:
-            for p, master in zip(self.model.parameters(), self.master.parameters(), strict=True):
-                p.copy_(master)
+            torch._foreach_copy_(list(self.model.parameters()), list(self.master.parameters()))
 
     def _micro_batches(self, episodes: list[Episode]) -> list[list[int]]:
         """Pack episodes in order into micro-batches of at most `micro_batch_tokens` (a longer episode goes

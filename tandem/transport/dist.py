@@ -193,7 +193,9 @@ class _DistEnd:
 
     def _nccl_group(self):
         options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = False
+        # the transfer runs while the engine generates: on a low-priority stream its kernels wait behind every
+        # step's (a busy 8B engine stretched a 60 ms transfer to 200-360 ms once prefill steps replayed graphs)
+        options.is_high_priority_stream = True
         options._timeout = self.timeout
         return dist.ProcessGroupNCCL(dist.PrefixStore("weights/data", self.store), self.rank, self.world_size,
                                      options)
