@@ -24,6 +24,7 @@ connection on a timeout, so close the transport and build a new one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -193,9 +194,7 @@ class _DistEnd:
 
     def _nccl_group(self):
         options = dist.ProcessGroupNCCL.Options()
-        # the transfer runs while the engine generates: on a low-priority stream its kernels wait behind every
-        # step's (a busy 8B engine stretched a 60 ms transfer to 200-360 ms once prefill steps replayed graphs)
-        options.is_high_priority_stream = True
+        options.is_high_priority_stream = True  # the transfer runs while the engine's steps fill the GPU
         options._timeout = self.timeout
         return dist.ProcessGroupNCCL(dist.PrefixStore("weights/data", self.store), self.rank, self.world_size,
                                      options)
@@ -359,9 +358,10 @@ class DistSender(_DistEnd, WeightSender):
 class DistReceiver(_DistEnd, WeightReceiver):
     """Ranks 1..N of the weight group: an engine, or one tensor-parallel rank of one. Received tensors live on the
     CPU (gloo) or on `device` (nccl; default: the current CUDA device), complete when `receive` returns (it
-    synchronizes the device), so another thread may load them. `last_stats` describes the last completed `receive`.
-    The constructor blocks until every rank has joined (at most `timeout_s`). `label` names this rank in the
-    trainer's error messages, e.g. "engine-0 at 127.0.0.1:30001"."""
+    synchronizes its own stream, not the device's others), so another thread may load them (`load_weights` keeps
+    their memory from reuse until its copies have run). `last_stats` describes the last completed `receive`. The
+    constructor blocks until every rank has joined (at most `timeout_s`). `label` names this rank in the trainer's
+    error messages, e.g. "engine-0 at 127.0.0.1:30001"."""
 
     def __init__(self, init_method: str, world_size: int, rank: int, backend: str = "gloo",
                  timeout_s: float = 60.0, label: str | None = None, device: str | torch.device | None = None):
@@ -369,9 +369,16 @@ class DistReceiver(_DistEnd, WeightReceiver):
             raise ValueError("rank: rank 0 is the sender; receivers are ranks 1..world_size-1")
         super().__init__(init_method, world_size, rank, backend, timeout_s, label, device)
         self.last_stats: TransferStats | None = None
+        # the receive's own stream: NCCL's stream waits for the issuing stream before each bucket, and on the
+        # engine's stream that meant waiting for every step queued there (a whole graph replay at a time)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def receive(self) -> tuple[int, dict[str, Tensor]]:
         self._begin()
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return self._receive()
+
+    def _receive(self) -> tuple[int, dict[str, Tensor]]:
         t0 = time.perf_counter()
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         tensors: dict[str, Tensor] = {}
@@ -394,8 +401,8 @@ class DistReceiver(_DistEnd, WeightReceiver):
             if meta.is_last:
                 break
         self._land(receiving)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        if self.stream is not None:
+            self.stream.synchronize()
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
         self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors),
                                         time.perf_counter() - t0)
