@@ -106,6 +106,23 @@ def test_bf16_compute_with_float32_masters_trains():
     assert_weights_close(weights(restored), weights(trainer), rtol=0, atol=0)  # the optimizer state came back too
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_kernels_on_cuda_give_the_pytorch_gradients(dtype):
+    """On CUDA the trainer's norms, RoPE and SiLU-and-multiply run fused Triton kernels with their own backward
+    passes; the batch's gradients equal the PyTorch ops' (bf16: within a few roundings)."""
+    groups = make_groups()
+    grads = {}
+    for on in (False, True):
+        trainer = Trainer(build_model("tiny", dtype="float32", seed=0).cuda(),
+                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, fused_kernels=on), LossConfig())
+        assert (trainer.model.model.norm.kernel is not None) == on
+        grads[on] = batch_gradients(trainer, groups)
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=0.1, atol=2e-3)
+    for name, g in grads[True].items():
+        torch.testing.assert_close(g, grads[False][name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="trainer.param_dtype"):
         TrainerConfig(param_dtype="float16")

@@ -30,8 +30,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = None  # a fused (x, weight, eps) -> y, see `Qwen3ForCausalLM.use_training_kernels`
 
     def forward(self, x):
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -52,6 +55,10 @@ def apply_rope(x_THD, cos, sin):
     return (x_THD * cos + rotated * sin).to(x_THD.dtype)
 
 
+def silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
 class Qwen3Attention(nn.Module):
     """Under tensor parallelism each rank holds num_heads / tp query heads and num_kv_heads / tp KV heads."""
 
@@ -69,13 +76,14 @@ class Qwen3Attention(nn.Module):
         self.o_proj = RowParallelLinear(H * D, hidden, tp, "num_attention_heads")
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rope = apply_rope
 
     def forward(self, x_TE, cos, sin, ctx: AttentionContext):
         T = x_TE.shape[0]
         q = self.q_norm(self.q_proj(x_TE).view(T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_TE).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TE).view(T, self.num_kv_heads, self.head_dim)
-        o_THD = ctx.attend(self.layer, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        o_THD = ctx.attend(self.layer, self.rope(q, cos, sin), self.rope(k, cos, sin), v)
         return self.o_proj(o_THD.reshape(T, -1))
 
 
@@ -86,9 +94,10 @@ class Qwen3MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(hidden, inter, tp, "intermediate_size")
         self.up_proj = ColumnParallelLinear(hidden, inter, tp, "intermediate_size")
         self.down_proj = RowParallelLinear(inter, hidden, tp, "intermediate_size")
+        self.silu_mul = silu_mul
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -151,6 +160,22 @@ class Qwen3ForCausalLM(nn.Module):
                 attn, mlp = layer.self_attn, layer.mlp
                 attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
                 mlp.gate_up_weight = _concatenate_as_views(mlp.gate_proj, mlp.up_proj)
+        return self
+
+    def use_training_kernels(self) -> Qwen3ForCausalLM:
+        """Train through fused Triton kernels that have backward passes (RMSNorm, RoPE, SiLU-and-multiply; see
+        `tandem.kernels.training`): the same maths, a few kernels where PyTorch launches chains of them. RoPE
+        needs a half head dim that is a power of two (else it stays PyTorch's)."""
+        from tandem.kernels import training
+
+        half = self.config.head_dim // 2
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.kernel = training.rmsnorm
+            elif isinstance(module, Qwen3Attention) and half & (half - 1) == 0:
+                module.rope = training.apply_rope
+            elif isinstance(module, Qwen3MLP):
+                module.silu_mul = training.silu_mul
         return self
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: AttentionContext):

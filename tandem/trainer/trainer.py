@@ -67,6 +67,10 @@ class Trainer:
         if self.param_dtype != torch.float32 and not cfg.fsdp:
             self.model = copy.deepcopy(self.master).to(self.param_dtype)
             self._accumulate_grads_in_masters()
+        if cfg.fused_kernels and not cfg.fsdp and next(model.parameters()).is_cuda:
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    m.use_training_kernels()
         if cfg.activation_checkpointing:
             parallel.checkpoint_layers(self.model)
         if cfg.fsdp:  # the sharded float32 parameters are the masters; FSDP casts its gathered copies
