@@ -85,7 +85,8 @@ def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_pa
     for version, model in snapshots.items():
         mask = versions == version
         with torch.no_grad():
-            logprobs = run.trainer._token_logprobs(model, episodes)
+            every = torch.ones(len(versions), dtype=torch.bool, device=run.trainer.device)
+            logprobs = run.trainer._token_logprobs(model, episodes, every)
         assert torch.allclose(logprobs[mask].cpu(), behav[mask], atol=1e-3 if where[0].startswith("trainer") else 1e-4,
                               rtol=0), version
         compared |= mask

@@ -106,6 +106,38 @@ def test_bf16_compute_with_float32_masters_trains():
     assert_weights_close(weights(restored), weights(trainer), rtol=0, atol=0)  # the optimizer state came back too
 
 
+def test_logits_only_for_policy_tokens_give_the_loss_over_every_row():
+    """The trainer computes logits only for the rows of policy tokens; the loss and its metrics equal the loss
+    function's over every row with the environment tokens masked out."""
+    from tandem.model.attention import PackedCausal
+    from tandem.trainer.losses import LossInput, get_loss
+
+    groups = make_groups(seed=4)
+    trainer = make_trainer()
+    episodes = [e for g in groups for e in g.episodes]
+    advantages = [e.reward for e in episodes]
+    total = sum(e.num_policy_tokens for e in episodes)
+    n, metrics = trainer._backward(episodes, advantages, total)
+    assert n == total
+    lens = [len(e.tokens) for e in episodes]
+    ids = torch.tensor([t for e in episodes for t in e.tokens])
+    with torch.no_grad():
+        logprobs_TV = torch.log_softmax(trainer.model.compute_logits(trainer.model(
+            ids, torch.cat([torch.arange(k) for k in lens]), PackedCausal(lens))), -1)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    # row r's logits predict token r + 1: every token but each episode's first
+    rows = torch.cat([torch.arange(s, s + k - 1) for s, k in zip(starts, lens, strict=True)])
+    logprobs = logprobs_TV[rows, ids[rows + 1]]
+    flat = lambda values: torch.tensor([v for e in values for v in e], dtype=torch.float32)  # noqa: E731
+    inp = LossInput(logprobs=logprobs, old_logprobs=logprobs, loss_mask=flat([e.loss_mask[1:] for e in episodes]),
+                    behav_logprobs=flat([e.behav_logprobs[1:] for e in episodes]),
+                    advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)]))
+    _, expected = get_loss(trainer.cfg.loss)(inp, trainer.loss_cfg)
+    assert metrics.keys() == expected.keys()
+    for key, value in expected.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_kernels_on_cuda_give_the_pytorch_gradients(dtype):

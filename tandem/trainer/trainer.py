@@ -179,8 +179,9 @@ class Trainer:
             size += len(e.tokens)
         return batches + [current] if current else batches
 
-    def _token_logprobs(self, model, episodes: list[Episode]) -> torch.Tensor:
-        """Log-probability of every token but each episode's first, flat [sum(len - 1)]."""
+    def _token_logprobs(self, model, episodes: list[Episode], select: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities of the tokens `select` (bool, flat [sum(len - 1)]) picks among every token but each
+        episode's first: logits only for the rows that need them (the policy's tokens, a fraction of the rows)."""
         lens = [len(e.tokens) for e in episodes]
         ids = torch.tensor([t for e in episodes for t in e.tokens], device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
@@ -188,7 +189,7 @@ class Trainer:
         starts = torch.tensor([0] + lens[:-1], device=self.device).cumsum(0)
         # rows that predict a next token within the same episode
         rows = torch.cat([torch.arange(s, s + n - 1, device=self.device) for s, n in zip(starts.tolist(), lens,
-                                                                                            strict=True)])
+                                                                                            strict=True)])[select]
         logits = model.compute_logits(hidden[rows]) / self.temperature
         return torch.log_softmax(logits, dim=-1).gather(1, ids[rows + 1][:, None])[:, 0]
 
@@ -196,17 +197,19 @@ class Trainer:
         def flat(values):
             return torch.tensor([v for e in values for v in e], dtype=torch.float32, device=self.device)
 
-        logprobs = self._token_logprobs(self.model, episodes)
+        mask = flat([e.loss_mask[1:] for e in episodes])
+        select = mask.bool()
+        select[0] |= not select.any()  # one row at least (masked out): the loss stays connected to every weight
+        logprobs = self._token_logprobs(self.model, episodes, select)
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref = self._token_logprobs(self.ref_model, episodes)
-        mask = flat([e.loss_mask[1:] for e in episodes])
+                ref = self._token_logprobs(self.ref_model, episodes, select)
         inp = LossInput(
             logprobs=logprobs, old_logprobs=logprobs.detach(), behav_logprobs=flat([e.behav_logprobs[1:]
-                                                                                   for e in episodes]),
-            advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)]),
-            loss_mask=mask, ref_logprobs=ref)
+                                                                                   for e in episodes])[select],
+            advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)])[select],
+            loss_mask=mask[select], ref_logprobs=ref)
         loss, metrics = self.loss_fn(inp, self.loss_cfg)
         n = int(mask.sum().item())
         if n or self.cfg.fsdp:  # under FSDP every rank runs every backward: its gradient reduction is collective
