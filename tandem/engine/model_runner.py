@@ -118,7 +118,8 @@ class ModelRunner:
         self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
         self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
         if self.mixed_sizes:
-            from tandem.kernels.prefill_attention import choose_blocks, max_tiles
+            from tandem.kernels.prefill_attention import choose_blocks, fill_tiles, max_tiles
+            self.fill_tiles = fill_tiles
             attn = model.model.layers[0].self_attn  # (this rank's heads under tensor parallelism)
             self.block_m = choose_blocks(attn.num_heads // attn.num_kv_heads, attn.head_dim, pool.k_cache.dtype)[0]
             self.num_tiles = {t: max_tiles(t, S, self.block_m) for t in self.mixed_sizes}
@@ -297,28 +298,24 @@ class ModelRunner:
         """The step in the fixed buffers of the next mixed size up: padding tokens write the scratch slot,
         sequences past the step's have empty chunks, and the kernel's tiles past the step's point at one."""
         ids, positions, sample_rows, pending = self._flatten(chunks)
-        n, P, S = len(ids), self.pool.page_size, self.q_starts_S1.shape[0] - 2
+        n, S = len(ids), self.q_starts_S1.shape[0] - 2
         size = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, n)]
-        from tandem.kernels.prefill_attention import fill_tiles
         pad = size - n
         self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:size])
-        slots = [c.req.pages[p // P] * P + p % P for c in chunks for p in range(c.start, c.start + c.num_tokens)]
-        width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
-        q_starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
+        slots, q_starts, kv_lens, table = self._chunk_layout(chunks)
         host = {
             "positions": torch.tensor(positions + [0] * pad),
             "slots": torch.tensor(slots + [self.pool.scratch_slot] * pad),
             "q_starts": torch.tensor(q_starts + [n] * (S + 2 - len(q_starts)), dtype=torch.int32),
-            "kv_lens": torch.tensor([c.start + c.num_tokens for c in chunks], dtype=torch.int32),
-            "tiles": fill_tiles([c.num_tokens for c in chunks], self.block_m, self.num_tiles[size], pad_seq=S),
+            "kv_lens": torch.tensor(kv_lens, dtype=torch.int32),
+            "tiles": self.fill_tiles([c.num_tokens for c in chunks], self.block_m, self.num_tiles[size], pad_seq=S),
         }
         self.positions_B[:size].copy_(self._pinned(host["positions"]), non_blocking=True)
         self.slots_B[:size].copy_(self._pinned(host["slots"]), non_blocking=True)
         self.q_starts_S1.copy_(self._pinned(host["q_starts"]), non_blocking=True)
         self.seq_lens_B[:len(chunks)].copy_(self._pinned(host["kv_lens"]), non_blocking=True)
         self.tiles_2N[:, :self.num_tiles[size]].copy_(self._pinned(host["tiles"]), non_blocking=True)
-        table = _block_table([c.req for c in chunks], width)
-        self.block_table_BP[:len(chunks), :width].copy_(self._pinned(table), non_blocking=True)
+        self.block_table_BP[:len(chunks), :table.shape[1]].copy_(self._pinned(table), non_blocking=True)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         if size in self.mixed_graphs:
             graph, hidden, ops = self.mixed_graphs[size]
@@ -337,16 +334,22 @@ class ModelRunner:
                                 self.q_starts_S1, self.seq_lens_B[:S + 1], self.pool.page_size, 0, kernel)
         return self.model(self.ids_B[:size], self.positions_B[:size], ctx)
 
-    def _kernel_context(self, chunks: list[Chunk]) -> BlockTablePrefill:
-        """The step over block tables built on the host and copied without waiting for the device."""
+    def _chunk_layout(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], torch.Tensor]:
+        """For the prefill kernel: the chunks' new slots, query starts (cumulative, from 0), KV lengths, and block
+        table (as many columns as the longest needs)."""
         P = self.pool.page_size
         new_slots = [c.req.pages[p // P] * P + p % P for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         q_starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
         width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
+        kv_lens = [c.start + c.num_tokens for c in chunks]
+        return new_slots, q_starts, kv_lens, _block_table([c.req for c in chunks], width)
+
+    def _kernel_context(self, chunks: list[Chunk]) -> BlockTablePrefill:
+        """The step over block tables built on the host and copied without waiting for the device."""
+        new_slots, q_starts, kv_lens, table = self._chunk_layout(chunks)
         return BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self._to_device(new_slots),
-                                 self._to_device(_block_table([c.req for c in chunks], width)),
-                                 self._to_device(q_starts, torch.int32),
-                                 self._to_device([c.start + c.num_tokens for c in chunks], torch.int32), P,
+                                 self._to_device(table), self._to_device(q_starts, torch.int32),
+                                 self._to_device(kv_lens, torch.int32), self.pool.page_size,
                                  max(c.num_tokens for c in chunks), self.prefill_kernel)
 
     def _reference_context(self, chunks: list[Chunk]) -> PagedAttention:
