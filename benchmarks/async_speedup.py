@@ -51,7 +51,8 @@ from tandem.run.loop import run_recording
 from tandem.transport.dist import DistReceiver, DistSender
 
 # the loop's engine_* counters reported per engine step
-ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "decode_steps", "running_request_steps", "waiting_request_steps")
+ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "schedule_s", "prepare_s", "postprocess_s", "decode_steps",
+                        "running_request_steps", "waiting_request_steps")
 
 
 def measure(overrides: list[str], warmup: int) -> dict:
@@ -226,12 +227,13 @@ def main() -> None:
     print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
           "warm-up); reward over all steps; each row printed as soon as it is measured\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | engine ms / step (forward) | decode-only steps | requests / step (waiting) | "
+          "engine idle | engine ms / step (forward) | host ms / step: schedule, inputs, results | "
+          "decode-only steps | requests / step (waiting) | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
           "pause ms / update | staleness mean / max | tokens at staleness 0 / 1 / ... (%) | cache hit | "
           "reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 22 + "|", flush=True)
+    print("|---" * 23 + "|", flush=True)
     rows = []
     variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]]
@@ -244,6 +246,7 @@ def main() -> None:
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
               f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
               f"{r['engine_idle']:.0%} | {1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
+              f"{1e3 * r['schedule_s']:.2f}, {1e3 * r['prepare_s']:.2f}, {1e3 * r['postprocess_s']:.2f} | "
               f"{r['decode_steps']:.0%} | "
               f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "

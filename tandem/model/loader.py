@@ -67,9 +67,11 @@ def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tenso
     # one call for every copy: a weight update inside an engine's pause is a few hundred tensors
     torch._foreach_copy_([params[name] for name in loaded],
                          [shard(named[name], layout[name][0], model.tp) for name in loaded])
-    for name in loaded:  # sources made on another stream (a transport's) may be freed and reused there once the
-        if named[name].is_cuda:  # caller drops them: not before this stream's copy has read them
-            named[name].record_stream(torch.cuda.current_stream(named[name].device))
+    # sources made on another stream (a transport's buckets) may be freed and reused there once the caller drops
+    # them: not before this stream's copy has read them (once per storage: a bucket holds hundreds of views)
+    storages = {t.untyped_storage().data_ptr(): t for t in map(named.get, loaded) if t.is_cuda}
+    for t in storages.values():
+        t.record_stream(torch.cuda.current_stream(t.device))
     return sorted(named)
 
 
