@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64] [async17b]
 #                        [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, learn and sync8b need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -52,6 +52,9 @@ for part in $parts; do
         graphs) for max in 0 4096; do timeout 200 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
                    weight_sync_timeout_s=60 engine.prefill_graph_max_tokens=$max --model qwen3-0.6b \
                    --placement separate --steps 10 --warmup 2 --staleness 2 --pause-modes in_place; done ;;
+        async17b) timeout 400 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-1.7b --placement separate --steps 10 --warmup 2 --staleness 2 \
+                   --pause-modes in_place ;;
         staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
                    --pause-modes in_place ;;
