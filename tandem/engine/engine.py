@@ -38,7 +38,7 @@ from tandem.engine.radix_cache import PrefixLog, RadixCache
 from tandem.engine.request import Request, Status, validate_request
 from tandem.engine.scheduler import PENDING, Scheduler
 from tandem.engine.tp import Lockstep, LockstepError, stable_hash
-from tandem.model.loader import build_model, load_weights
+from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, SamplingParams
 
@@ -101,6 +101,7 @@ class Engine:
         self.model_config = self.model.config
         if self.config.fused_kernels and next(self.model.parameters()).is_cuda:
             self.model.use_fused_kernels()
+        self.loader = WeightLoader(self.model)
         self.max_context_len = self.config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())
         num_pages = self.config.num_pages or plan_kv_pages(self.model_config, self.config, param.dtype)
@@ -448,14 +449,13 @@ class Engine:
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
         t0 = time.perf_counter()
-        load_weights(self.model, named.items())  # checks every tensor before it loads any
+        self.loader.load(named.items())  # checks every tensor before it loads any
         for req in self.scheduler.running:  # frozen in place: their KV is from the old weights
             req.kv_stale = True
         if self.cache is not None:
             self.cache.reset()
         self.ideal.reset()  # nothing computed before is reusable now
-        self.weight_version = self.weight_version + 1 if version is None else version
-        self.stats.weight_version = self.weight_version
+        self.stats.weight_version = self.weight_version = self.weight_version + 1 if version is None else version
         log.debug("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
                  1e3 * (time.perf_counter() - t0))
         return self.weight_version
