@@ -416,8 +416,8 @@ class PrefixLog:
     forgotten."""
 
     def __init__(self, page_size: int, max_tokens: int):
-        self.ids = _PageIds(page_size)
         self.max_pages = max_tokens // page_size
+        self.ids = _PageIds(page_size)
         self.tree = RadixCache(self.ids)
 
     def add(self, tokens: list[int]) -> None:
@@ -432,7 +432,10 @@ class PrefixLog:
         return self.tree.match(tokens).num_tokens
 
     def reset(self) -> None:
-        self.tree.reset()
+        """Forget everything at once (inside a weight update's pause): ids are not storage, so none needs freeing
+        one by one."""
+        self.ids = _PageIds(self.ids.page_size)
+        self.tree = RadixCache(self.ids)
 
 
 class _PageIds(PageAllocator):
