@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64] [async17b]
-#                        [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b]
-# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, learn and sync8b need two GPUs).
+#                        [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b] [buckets]
+# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, learn, sync8b and
+# buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -46,6 +47,8 @@ for part in $parts; do
         pause) timeout 120 python3 benchmarks/engine_pause.py --model qwen3-0.6b ;;
         sync8b) timeout 200 python3 benchmarks/weight_sync.py --model qwen3-8b --busy 64 &&
                 timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
+        buckets) for mib in 128 512 2048; do timeout 100 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 \
+                   weight_bucket_bytes=$((mib << 20)); done ;;
         prefill) for delay in 0 4; do timeout 240 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
                    weight_sync_timeout_s=60 engine.max_prefill_tokens=8192 engine.prefill_delay_steps=$delay \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2; done ;;
