@@ -10,7 +10,7 @@ from hf_ref import SHAPES, hf_model, tandem_twin
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine, EngineError
 from tandem.engine.kv_pool import KVPool
-from tandem.model.attention import PagedAttention, paged_decode_reference
+from tandem.model.attention import PackedCausal, PagedAttention, paged_decode_reference
 from tandem.model.loader import build_model
 from tandem.types import SamplingParams
 
@@ -254,6 +254,33 @@ def test_in_place_pause_keeps_kv_and_never_shares_it():
     assert frozen.num_retractions == 0 and frozen.finish_reason.type == "length"
     assert 0 in frozen.weight_versions and frozen.weight_versions[-1] == 7
     assert again.cached_tokens == 0 and again.weight_versions == [7]
+
+
+def test_a_load_in_place_tags_each_token_with_the_weights_that_computed_it():
+    """A load in place does not wait for the step in flight: its copies queue behind that step, whose tokens keep
+    the old version. Each token tagged 0 has the old model's logprob (teacher-forced); the first one tagged 1 was
+    computed by the new weights, so it does not."""
+    prompt = prompts(1, 512, 30, 31, seed=10)[0]
+    sampled = SamplingParams(temperature=1.0, seed=3, max_new_tokens=60, ignore_eos=True)
+    with Engine("tiny", EngineConfig(page_size=4)) as engine:
+        new_weights = _perturbed_weights(engine.model, 2)
+
+        async def go():
+            task = asyncio.create_task(engine.generate(prompt, sampled))
+            await _wait_tokens(engine, 15)
+            await engine.load_paused(new_weights.items(), 1, "in_place")
+            return await task
+
+        out = asyncio.run(go())
+    k = out.weight_versions.index(1)
+    assert 0 < k < len(out.output_ids) and set(out.weight_versions[k:]) == {1}
+    ids = torch.tensor(prompt + out.output_ids)
+    with torch.no_grad():
+        old = build_model("tiny")  # the engine's weights before the load
+        logits = old.compute_logits(old(ids, torch.arange(len(ids)), PackedCausal([len(ids)])))
+    old_logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(1, ids[len(prompt):, None])[:, 0]
+    assert out.output_logprobs[:k] == pytest.approx(old_logprobs[:k].tolist(), abs=1e-5)
+    assert abs(out.output_logprobs[k] - old_logprobs[k].item()) > 1e-3
 
 
 def test_update_weights_requires_pause_and_rejects_bad_tensors():

@@ -190,9 +190,9 @@ class Engine:
 
     async def load_paused(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
                           pause_mode: PauseMode) -> float:
-        """`update_weights` inside a pause in `pause_mode` (an engine already paused loads and stays paused), as one
-        command: no round trip through the caller's event loop between pausing, loading and resuming. Returns the
-        seconds generation was excluded."""
+        """`update_weights` inside a pause in `pause_mode` (one already paused loads and stays paused), as one command.
+        In place it does not wait for the step in flight: the copies queue behind it (its tokens keep the old
+        version), so the tensors must not change until the device ran them. Returns the seconds paused."""
         _check_pause_mode(pause_mode)
         return await self._call(self._load_paused, dict(named_tensors), version, pause_mode)
 
@@ -275,8 +275,9 @@ class Engine:
                     self.tier.reap(message[1])
                 with self.recorder.engine_step(self.stats.num_steps + 1):
                     self._step()
-            else:
-                self._drain()  # commands see every sampled token
+            else:  # commands see every sampled token; a load in place needs none (its copy queues behind the step)
+                if message[1] != "_load_paused" or message[2][2] != "in_place":
+                    self._drain()
                 self._run_command(*(cmd or (getattr(self, message[1]), message[2], None)))
         except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
             log.exception("engine step failed")
@@ -310,7 +311,7 @@ class Engine:
             return
         t1 = time.perf_counter()
         launched = self.runner.launch(chunks, self._inflight)
-        t2 = time.perf_counter()
+        launched.version, t2 = self.weight_version, time.perf_counter()
         issued = self.tier.issued if self.tier is not None else 0
         for c in chunks:
             req = c.req
@@ -366,7 +367,7 @@ class Engine:
             if c.sample:
                 token, logprob = next(sampled)
                 if c.req.status is not Status.FINISHED:
-                    self._append_token(c.req, c.start + c.num_tokens, token, logprob)
+                    self._append_token(c.req, c.start + c.num_tokens, token, logprob, launched.version)
         if self.lockstep is not None:
             self._applied_digest = stable_hash(tokens)
         self.stats.pages_free = self.pool.num_free
@@ -374,11 +375,11 @@ class Engine:
         self.stats.postprocess_seconds += time.perf_counter() - t1
         self.stats.busy_seconds += time.perf_counter() - t0
 
-    def _append_token(self, req: Request, index: int, token: int, logprob: float) -> None:
+    def _append_token(self, req: Request, index: int, token: int, logprob: float, version: int) -> None:
         assert req.tokens[index] == PENDING, "sampled tokens resolve in order"
         req.tokens[index] = token
         req.output_logprobs.append(logprob)
-        req.weight_versions.append(self.weight_version)
+        req.weight_versions.append(version)
         self.stats.generated_tokens += 1
         sp = req.sampling
         generated = index + 1 - req.prompt_len  # resolved so far (the next one may already be in flight)
@@ -438,7 +439,6 @@ class Engine:
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.retract(req)
         self.paused = mode
-        log.debug("paused (%s)", mode)
 
     def _resume(self) -> None:
         self.paused = None

@@ -52,6 +52,7 @@ class Launched:
     (`tokens`, read by the next step's pending rows) and on their way to the host (`result`)."""
 
     chunks: list[Chunk]
+    version: int = 0  # of the weights it runs with (the engine sets it): its sampled tokens' version
     tokens: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
     host_tokens: torch.Tensor | None = None

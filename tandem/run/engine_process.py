@@ -139,7 +139,10 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
         while (message := conn.recv()) != "stop":
             _, named, version, pause_mode = message
             try:
-                conn.send(("loaded", "", asyncio.run(engine.load_paused(named, version, pause_mode))))
+                pause_s = asyncio.run(engine.load_paused(named, version, pause_mode))
+                if torch.cuda.is_available():  # the copies read the trainer's tensors: done before it may change them
+                    torch.cuda.synchronize()
+                conn.send(("loaded", "", pause_s))
             except (ValueError, EngineError) as e:
                 conn.send(("error", type(e).__name__, str(e)))
             del named, message  # the trainer's tensors: release them (their IPC handles) now
