@@ -134,7 +134,7 @@ class EngineConfig:
     # per-step token budget for prefill chunks (chunked prefill); 512 suits a CPU (engine_throughput.py: 8192 on GPU)
     max_prefill_tokens: int = 512
     # while requests decode, hold new admissions back up to this many steps, so that several prefills share one
-    # step (on a GPU a step that prefills runs eagerly, launch-bound; decode-only steps replay graphs); 0: at once
+    # step (a step that prefills costs more than a decode-only one; not shown to help yet); 0: at once
     prefill_delay_steps: int = 0
     max_batch_requests: int = 256  # largest batch a single /generate may carry
     max_context_len: int | None = None  # default: the model's max_position_embeddings
