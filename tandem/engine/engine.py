@@ -73,6 +73,7 @@ class EngineError(RuntimeError):
 
 # commands that only read state: rank 0 runs them without publishing them to the other TP ranks
 _LOCAL_COMMANDS = {"_snapshot", "<lambda>"}
+_DRAINING_ITSELF = {"_load_paused"}  # commands that wait for the step in flight only when they need its tokens
 
 
 class Engine:
@@ -275,9 +276,9 @@ class Engine:
                     self.tier.reap(message[1])
                 with self.recorder.engine_step(self.stats.num_steps + 1):
                     self._step()
-            else:  # commands see every sampled token; a load in place needs none (its copy queues behind the step)
-                if message[1] != "_load_paused" or message[2][2] != "in_place":
-                    self._drain()
+            else:
+                if message[1] not in _DRAINING_ITSELF:
+                    self._drain()  # commands see every sampled token
                 self._run_command(*(cmd or (getattr(self, message[1]), message[2], None)))
         except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
             log.exception("engine step failed")
@@ -448,7 +449,6 @@ class Engine:
             raise EngineError("update_weights: the engine must be paused first (pause_generation)")
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
-        t0 = time.perf_counter()
         self.loader.load(named.items())  # checks every tensor before it loads any
         for req in self.scheduler.running:  # frozen in place: their KV is from the old weights
             req.kv_stale = True
@@ -456,12 +456,12 @@ class Engine:
             self.cache.reset()
         self.ideal.reset()  # nothing computed before is reusable now
         self.stats.weight_version = self.weight_version = self.weight_version + 1 if version is None else version
-        log.debug("weights updated to version %d (%d tensors, %.1f ms)", self.weight_version, len(named),
-                 1e3 * (time.perf_counter() - t0))
         return self.weight_version
 
     def _load_paused(self, named: dict[str, torch.Tensor], version: int | None, mode: PauseMode) -> float:
         t0, already_paused = time.perf_counter(), self.paused is not None
+        if mode != "in_place":  # in place, the copies queue behind the step in flight; its tokens keep their version
+            self._drain()
         if not already_paused:
             for req in self.scheduler.running:  # KV of the weights being replaced: retracting or aborting must not
                 req.kv_stale = True  # insert it into the prefix cache, which the update empties anyway

@@ -124,6 +124,7 @@ class ModelRunner:
             attn = model.model.layers[0].self_attn  # (this rank's heads under tensor parallelism)
             self.block_m = choose_blocks(attn.num_heads // attn.num_kv_heads, attn.head_dim, pool.k_cache.dtype)[0]
             self.num_tiles = {t: max_tiles(t, S, self.block_m) for t in self.mixed_sizes}
+            self.pad_seq = S  # the buffers' empty padding sequence: rows 0..S-1 are the step's, row S never is
             self.q_starts_S1 = torch.zeros(S + 2, dtype=torch.int32, device=self.device)
             self.tiles_2N = torch.zeros(2, max(self.num_tiles.values()), dtype=torch.int32, device=self.device)
         # size -> (graph, its output, the collectives inside it: NCCL's under tensor parallelism)
@@ -254,7 +255,7 @@ class ModelRunner:
         zeroed buffers touches no request's KV."""
         self.slots_B.fill_(self.pool.scratch_slot)
         if self.mixed_sizes:
-            self.tiles_2N[0].fill_(self.q_starts_S1.shape[0] - 2)  # every tile on the padding sequence
+            self.tiles_2N[0].fill_(self.pad_seq)  # every tile on the padding sequence
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -299,7 +300,7 @@ class ModelRunner:
         """The step in the fixed buffers of the next mixed size up: padding tokens write the scratch slot,
         sequences past the step's have empty chunks, and the kernel's tiles past the step's point at one."""
         ids, positions, sample_rows, pending = self._flatten(chunks)
-        n, S = len(ids), self.q_starts_S1.shape[0] - 2
+        n, S = len(ids), self.pad_seq
         size = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, n)]
         pad = size - n
         self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:size])
@@ -329,7 +330,7 @@ class ModelRunner:
 
     def _forward_mixed(self, size: int) -> torch.Tensor:
         """Hidden states [size, E] of the mixed step in the static buffers."""
-        S = self.q_starts_S1.shape[0] - 2
+        S = self.pad_seq
         kernel = functools.partial(self.prefill_kernel, tiles_2N=self.tiles_2N[:, :self.num_tiles[size]])
         ctx = BlockTablePrefill(self.pool.k_cache, self.pool.v_cache, self.slots_B[:size], self.block_table_BP[:S + 1],
                                 self.q_starts_S1, self.seq_lens_B[:S + 1], self.pool.page_size, 0, kernel)

@@ -198,8 +198,10 @@ class Trainer:
             return torch.tensor([v for e in values for v in e], dtype=torch.float32, device=self.device)
 
         mask = flat([e.loss_mask[1:] for e in episodes])
+        n = sum(sum(e.loss_mask[1:]) for e in episodes)  # policy tokens, counted on the host
         select = mask.bool()
-        select[0] |= not select.any()  # one row at least (masked out): the loss stays connected to every weight
+        if not n:
+            select[0] = True  # one row at least (masked out): the loss stays connected to every weight
         logprobs = self._token_logprobs(self.model, episodes, select)
         ref = None
         if self.ref_model is not None:
@@ -211,7 +213,6 @@ class Trainer:
             advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)])[select],
             loss_mask=mask[select], ref_logprobs=ref)
         loss, metrics = self.loss_fn(inp, self.loss_cfg)
-        n = int(mask.sum().item())
         if n or self.cfg.fsdp:  # under FSDP every rank runs every backward: its gradient reduction is collective
             (loss * (n / max(total, 1))).backward()
         return n, metrics
