@@ -2,7 +2,7 @@
 FLOP utilisation, and where the time goes (torch.profiler, top operators).
 
     python benchmarks/trainer_step.py [--model qwen3-0.6b] [--device cuda] [--steps 5] [--groups 4]
-                                      [--group-size 4] [--param-dtype bfloat16] [--profile]
+                                      [--group-size 4] [--param-dtype bfloat16] [--profile] [--host-profile]
 
 Episodes are built by driving `RandomAgentEnv` with random responses of the lengths it asks for (the benchmark
 defaults of `async_speedup.py`: median 16, sigma 1.2, at most 512 tokens per turn), so token counts match an RL
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import pstats
 import random
 import statistics
 import time
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--param-dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--profile", action="store_true", help="profile one more step and print the top operators")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="one more step under cProfile: the Python functions that take the host's time")
     args = parser.parse_args()
     model = build_model(args.model, device=args.device, dtype="float32")
     config, params = model.config, sum(p.numel() for p in model.parameters())
@@ -99,7 +103,15 @@ def main() -> None:
             sync()
         key = "self_cuda_time_total" if args.device.startswith("cuda") else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=50))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=50))
+    if args.host_profile:
+        profiler = cProfile.Profile()
+        sync()
+        profiler.enable()
+        trainer.step(batches[-1])
+        sync()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":
