@@ -3,6 +3,7 @@ FLOP utilisation, and where the time goes (torch.profiler, top operators).
 
     python benchmarks/trainer_step.py [--model qwen3-0.6b] [--device cuda] [--steps 5] [--groups 4]
                                       [--group-size 4] [--param-dtype bfloat16] [--profile] [--host-profile]
+                                      [trainer.compile=false ...]
 
 Episodes are built by driving `RandomAgentEnv` with random responses of the lengths it asks for (the benchmark
 defaults of `async_speedup.py`: median 16, sigma 1.2, at most 512 tokens per turn), so token counts match an RL
@@ -22,7 +23,7 @@ import time
 
 import torch
 
-from tandem.config import LossConfig, RandomAgentConfig, TrainerConfig
+from tandem.config import LossConfig, RandomAgentConfig, RunConfig
 from tandem.model.loader import build_model
 from tandem.rollout.random_agent import RandomAgentEnv
 from tandem.trainer.trainer import Trainer
@@ -65,10 +66,12 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile one more step and print the top operators")
     parser.add_argument("--host-profile", action="store_true",
                         help="one more step under cProfile: the Python functions that take the host's time")
+    parser.add_argument("overrides", nargs="*", help="trainer settings, e.g. trainer.compile=false")
     args = parser.parse_args()
     model = build_model(args.model, device=args.device, dtype="float32")
     config, params = model.config, sum(p.numel() for p in model.parameters())
-    trainer = Trainer(model, TrainerConfig(param_dtype=args.param_dtype), LossConfig())
+    trainer_cfg = RunConfig.load(None, [f"trainer.param_dtype={args.param_dtype}", *args.overrides]).trainer
+    trainer = Trainer(model, trainer_cfg, LossConfig())
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     batches = [random_agent_batch(config.vocab_size, args.groups, args.group_size, seed)
                for seed in range(args.steps + 2)]
@@ -88,7 +91,7 @@ def main() -> None:
     step = statistics.median(seconds[1:])
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     print(f"## trainer step ({name}, model {args.model}, {params / 1e6:.0f}M parameters, {args.param_dtype} over "
-          f"float32 masters)")
+          f"float32 masters, compile={trainer_cfg.compile}, fused_kernels={trainer_cfg.fused_kernels})")
     print(f"batch: {args.groups} x {args.group_size} episodes, {tokens:.0f} tokens ({trained:.0f} trained), longest "
           f"{max(max(x) for x in lens)}; first step (warm-up) {1e3 * seconds[0]:.0f} ms")
     print(f"step {1e3 * step:.0f} ms (median of {args.steps}): {tokens / step:.0f} tok/s, {trained / step:.0f} "

@@ -300,8 +300,10 @@ class TrainerConfig:
     """`param_dtype`: the dtype forward and backward compute in; with "bfloat16" the optimizer still steps float32
     master weights. `activation_checkpointing`: recompute each decoder layer in the backward pass (less memory,
     about one more forward). `fsdp`: shard the model with FSDP2 over all ranks of the initialised default process
-    group, each rank training on its share of every batch. `fused_kernels`: on CUDA without FSDP, RMSNorm, RoPE
-    and SiLU-and-multiply through Triton kernels with backward passes (`tandem.kernels.training`)."""
+    group, each rank training on its share of every batch. `compile`: on CUDA without FSDP, each decoder layer's
+    regions around attention through `torch.compile` (`Qwen3ForCausalLM.compile_layers`; the first steps compile,
+    for about a minute). `fused_kernels` (when not compiling): on CUDA without FSDP, RMSNorm, RoPE and
+    SiLU-and-multiply through Triton kernels with backward passes (`tandem.kernels.training`)."""
 
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -312,6 +314,7 @@ class TrainerConfig:
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     activation_checkpointing: bool = False
     fsdp: bool = False
+    compile: bool = True
     fused_kernels: bool = True
 
     def __post_init__(self):
@@ -320,7 +323,7 @@ class TrainerConfig:
             raise ValueError(f"trainer.advantage: must be grpo or rloo, got {self.advantage!r}")
         if self.param_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"trainer.param_dtype: must be float32 or bfloat16, got {self.param_dtype!r}")
-        for name in ("activation_checkpointing", "fsdp", "fused_kernels"):
+        for name in ("activation_checkpointing", "fsdp", "compile", "fused_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"trainer.{name}: must be true or false, got {getattr(self, name)!r}")
 

@@ -7,6 +7,7 @@ import io
 import multiprocessing
 import queue
 import random
+import shutil
 import socket
 import time
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from tandem.config import LossConfig, TrainerConfig
 from tandem.model.loader import build_model
+from tandem.model.qwen3 import attention_inputs
 from tandem.trainer import parallel
 from tandem.trainer.trainer import Trainer
 from tandem.types import Episode, Group
@@ -138,6 +140,56 @@ def test_logits_only_for_policy_tokens_give_the_loss_over_every_row():
         assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
+def test_compiled_layers_capture_one_graph_per_region_for_every_layer_and_length():
+    """`compile_layers`: dynamo captures each region around attention once (dynamic shapes: no recompilation for
+    another layer or another batch's length), and the captured graphs give the eager model's gradients."""
+    graphs = []
+
+    def backend(gm, example_inputs):  # records what dynamo captured, runs it as captured
+        graphs.append(gm)
+        return gm.forward
+
+    def gradients(seed):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return batch_gradients(trainer, make_groups(seed))
+
+    trainer = make_trainer()
+    expected = [gradients(seed) for seed in range(3)]
+    trainer.model.compile_layers(backend)
+    for seed in range(3):  # three batches of different lengths
+        got = gradients(seed)
+        for name, g in got.items():
+            torch.testing.assert_close(g, expected[seed][name], rtol=1e-5, atol=1e-7)
+        assert len(graphs) == 2, f"batch {seed}: {len(graphs)} graphs captured, expected the two regions once"
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on a CPU needs a C++ compiler")
+def test_layers_compiled_by_inductor_give_the_eager_gradients():
+    trainer = make_trainer()
+    expected = batch_gradients(trainer, make_groups())
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.model.compile_layers("inductor")
+    for name, g in batch_gradients(trainer, make_groups()).items():
+        torch.testing.assert_close(g, expected[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_compiled_layers_on_cuda_give_the_eager_gradients(dtype):
+    """The trainer's default on CUDA: compiled layers (inductor), against the eager PyTorch ops."""
+    groups = make_groups()
+    grads = {}
+    for on in (False, True):
+        trainer = Trainer(build_model("tiny", dtype="float32", seed=0).cuda(),
+                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, compile=on, fused_kernels=False),
+                          LossConfig())
+        assert (trainer.model.model.layers[0].regions[0] is not attention_inputs) == on
+        grads[on] = batch_gradients(trainer, groups)
+    tol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=0.1, atol=2e-3)
+    for name, g in grads[True].items():
+        torch.testing.assert_close(g, grads[False][name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_kernels_on_cuda_give_the_pytorch_gradients(dtype):
@@ -147,7 +199,8 @@ def test_fused_kernels_on_cuda_give_the_pytorch_gradients(dtype):
     grads = {}
     for on in (False, True):
         trainer = Trainer(build_model("tiny", dtype="float32", seed=0).cuda(),
-                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, fused_kernels=on), LossConfig())
+                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, compile=False, fused_kernels=on),
+                          LossConfig())
         assert (trainer.model.model.norm.kernel is not None) == on
         grads[on] = batch_gradients(trainer, groups)
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=0.1, atol=2e-3)

@@ -7,6 +7,8 @@ back; where each token's keys and values come from and go to is the `AttentionCo
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -78,13 +80,13 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rope = apply_rope
 
-    def forward(self, x_TE, cos, sin, ctx: AttentionContext):
+    def qkv(self, x_TE, cos, sin):
+        """Queries, keys (normalised, rotated) and values, [T, heads, D] each."""
         T = x_TE.shape[0]
         q = self.q_norm(self.q_proj(x_TE).view(T, self.num_heads, self.head_dim))
         k = self.k_norm(self.k_proj(x_TE).view(T, self.num_kv_heads, self.head_dim))
         v = self.v_proj(x_TE).view(T, self.num_kv_heads, self.head_dim)
-        o_THD = ctx.attend(self.layer, self.rope(q, cos, sin), self.rope(k, cos, sin), v)
-        return self.o_proj(o_THD.reshape(T, -1))
+        return self.rope(q, cos, sin), self.rope(k, cos, sin), v
 
 
 class Qwen3MLP(nn.Module):
@@ -100,6 +102,25 @@ class Qwen3MLP(nn.Module):
         return self.down_proj(self.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
+def attention_inputs(layer: Qwen3DecoderLayer, x_TE, cos, sin):
+    """A decoder layer up to its attention: the queries, keys and values of `layer.self_attn.qkv`."""
+    return layer.self_attn.qkv(layer.input_layernorm(x_TE), cos, sin)
+
+
+def attention_output_and_mlp(layer: Qwen3DecoderLayer, x_TE, o_THD):
+    """A decoder layer after its attention (output `o_THD`): the layer's output."""
+    x_TE = x_TE + layer.self_attn.o_proj(o_THD.reshape(x_TE.shape[0], -1))
+    return x_TE + layer.mlp(layer.post_attention_layernorm(x_TE))
+
+
+@functools.cache
+def compiled_regions(backend: str = "inductor") -> tuple:
+    """The two regions around attention compiled (`torch.compile`, dynamic shapes), once per process. The layer
+    is an argument whose parameters become graph inputs, so one graph serves every layer."""
+    return tuple(torch.compile(fn, dynamic=True, backend=backend) for fn in (attention_inputs,
+                                                                           attention_output_and_mlp))
+
+
 class Qwen3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, tp: TPGroup = SINGLE):
         super().__init__()
@@ -107,10 +128,12 @@ class Qwen3DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.regions = (attention_inputs, attention_output_and_mlp)  # see `Qwen3ForCausalLM.compile_layers`
 
-    def forward(self, x, cos, sin, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, ctx: AttentionContext):
+        before, after = self.regions
+        q, k, v = before(self, x, cos, sin)
+        return after(self, x, ctx.attend(self.self_attn.layer, q, k, v))
 
 
 class Qwen3Model(nn.Module):
@@ -176,6 +199,15 @@ class Qwen3ForCausalLM(nn.Module):
                 module.rope = training.apply_rope
             elif isinstance(module, Qwen3MLP):
                 module.silu_mul = training.silu_mul
+        return self
+
+    def compile_layers(self, backend: str = "inductor") -> Qwen3ForCausalLM:
+        """Run each decoder layer's two regions around attention compiled (for training: inductor fuses the
+        norms, RoPE and SiLU-and-multiply with their backward passes, and a layer's forward is three calls on the
+        host instead of dozens). Attention stays eager: its context holds per-batch Python values (sequence
+        lengths) that a compiled graph would have to guard on."""
+        for layer in self.model.layers:
+            layer.regions = compiled_regions(backend)
         return self
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: AttentionContext):
