@@ -36,7 +36,9 @@ for part in $parts; do
             timeout 240 python3 benchmarks/tp_overhead.py --device cuda --model qwen3-0.6b --batch 64 --steps 200 ;;
         tp_tests) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
                 -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs ;;
-        trainer) timeout 150 python3 benchmarks/trainer_step.py --model qwen3-0.6b --profile ;;
+        trainer) timeout 150 python3 benchmarks/trainer_step.py --model qwen3-0.6b --profile &&
+                 for o in trainer.compile=false "trainer.compile=false trainer.fused_kernels=true"; do
+                     timeout 100 python3 benchmarks/trainer_step.py --model qwen3-0.6b $o; done ;;
         async) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2 \
                    --pause-modes retract in_place ;;

@@ -1,7 +1,9 @@
 """The trainer's fused elementwise ops on CUDA, with their backward passes: RMSNorm, RoPE and SiLU-and-multiply
 as autograd Functions. In PyTorch each is a chain of small kernels forward and a longer one backward (an RMSNorm
 is about seven forward and ten backward); a Qwen3-0.6B step on 3.7k tokens launched about 10k kernels, and those
-chains took about half of its device time (`benchmarks/trainer_step.py --profile`).
+chains took about half of its device time (`benchmarks/trainer_step.py --profile`). Their launches from Python
+cost the host more than that, though, and the trainer is host-bound: `TrainerConfig.fused_kernels` is off by
+default, and compiled layers (`TrainerConfig.compile`) fuse the same ops for less.
 
 Forward passes are the inference kernels of `tandem.kernels.fused` (same rounding contract: fp32 math, rounded
 to the activation dtype where the PyTorch model rounds). Backward kernels compute in fp32 from the saved inputs and
