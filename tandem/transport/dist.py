@@ -49,6 +49,7 @@ from tandem.transport.weights import (
 )
 
 HELLO, DONE = 1, 2  # point-to-point tags on the control group
+POLL_S = 5e-5  # how often a wait for a bucket's data checks whether it has landed
 
 
 # ---- buckets ---------------------------------------------------------------------------------------------------
@@ -228,10 +229,11 @@ class _DistEnd:
             raise self._timed_out(what, bucket, e) from e
         self._complete(work, what, bucket)
 
-    def _complete(self, work: dist.Work, what: str, bucket: int | None = None) -> None:
+    def _complete(self, work: dist.Work, what: str, bucket: int | None = None,
+                  timeout: timedelta | None = None) -> None:
         """Wait for a started operation at most the timeout."""
         try:
-            work.wait(self.timeout)
+            work.wait(timeout or self.timeout)
         except RuntimeError as e:
             raise self._timed_out(what, bucket, e) from e
 
@@ -254,10 +256,15 @@ class _DistEnd:
 
     def _land(self, in_flight: list, keep: int = 0) -> None:
         """Wait for the oldest data broadcasts in `in_flight` ((work, ..., bucket index) each, oldest first) until
-        only the newest `keep` remain."""
+        only the newest `keep` remain. Polls each one's completion: NCCL's own wait with a timeout sleeps in steps
+        of a millisecond or more, which cost every bucket that much on each end."""
         while len(in_flight) > keep:
             work, *_, index = in_flight.pop(0)
-            self._complete(work, "data", index)
+            deadline = time.monotonic() + self.timeout_s
+            while not work.is_completed() and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+            # at once when it completed; otherwise a last short wait that fails with the backend's own error
+            self._complete(work, "data", index, timedelta(seconds=max(deadline - time.monotonic(), 2e-3)))
 
     def _meta(self, meta: BucketMeta | None, index: int) -> BucketMeta:
         """Broadcast one bucket's metadata from rank 0 (its length, then its bytes); `meta` is None on receivers."""
