@@ -7,8 +7,9 @@ One transfer over the group, every step bounded by `timeout_s`:
    A gloo send completes only once the peer has posted its receive, so an engine fails here too, naming rank 0,
    when the trainer does not start the transfer.
 2. buckets: tensors grouped by dtype into flat buckets of about `bucket_bytes`. Per bucket, its metadata as JSON is
-   broadcast on the control group (always gloo, so it also works beside NCCL), then its flat tensor in ONE broadcast
-   on the data group (the chosen backend). Never a collective per tensor: that is the classic slow weight sync.
+   broadcast on the control group in one fixed-size frame (a second broadcast only for what does not fit; always gloo,
+   so it also works beside NCCL), then its flat tensor in ONE broadcast on the data group (the chosen backend).
+   Never a collective per tensor: that is the classic slow weight sync.
    Pipelined: the sender starts a bucket's data broadcast without waiting for it, gathers and flattens the next
    bucket while it travels (on CUDA the broadcast runs on NCCL's stream, the flattening copies on the current one),
    sends that bucket's metadata and starts its broadcast behind the first, and only then waits for the first. The
@@ -50,6 +51,8 @@ from tandem.transport.weights import (
 
 HELLO, DONE = 1, 2  # point-to-point tags on the control group
 POLL_S = 5e-5  # how often a wait for a bucket's data checks whether it has landed
+META_BYTES = 64 << 10  # a bucket's metadata frame: its length and up to this much JSON (~700 tensors) in one broadcast
+MAX_META_BYTES = 1 << 30  # a longer metadata length is a corrupt frame
 
 
 # ---- buckets ---------------------------------------------------------------------------------------------------
@@ -268,20 +271,27 @@ class _DistEnd:
             self._complete(work, "data", index, timedelta(seconds=max(deadline - time.monotonic(), 2e-3)))
 
     def _meta(self, meta: BucketMeta | None, index: int) -> BucketMeta:
-        """Broadcast one bucket's metadata from rank 0 (its length, then its bytes); `meta` is None on receivers."""
+        """Broadcast one bucket's metadata from rank 0 (`meta` is None on receivers): a frame of `META_BYTES`, its
+        length and as much of it as fits, then the rest only if it did not fit. One gloo operation per bucket, not
+        two: each is a round trip between the two ends' Python threads."""
+        frame, fits = torch.empty(META_BYTES, dtype=torch.uint8), META_BYTES - 8
         if meta is not None:
-            payload = torch.frombuffer(bytearray(meta.to_bytes()), dtype=torch.uint8)
-            length = torch.tensor([payload.numel()])
-        else:
-            length = torch.zeros(1, dtype=torch.int64)
-        self._broadcast(length, self.control, "metadata length", index)
-        if meta is None:
-            payload = torch.empty(int(length), dtype=torch.uint8)
-        self._broadcast(payload, self.control, "metadata", index)
+            payload = meta.to_bytes()
+            frame[:8] = torch.tensor([len(payload)]).view(torch.uint8)
+            frame[8:8 + min(len(payload), fits)] = torch.frombuffer(bytearray(payload[:fits]), dtype=torch.uint8)
+        self._broadcast(frame, self.control, "metadata", index)
+        length = int(frame[:8].view(torch.int64))
+        if not 0 < length <= MAX_META_BYTES:
+            raise self._fail(f"unreadable metadata of bucket {index}: length {length}", [0], index)
+        rest = torch.empty(0, dtype=torch.uint8)
+        if length > fits:
+            rest = (torch.frombuffer(bytearray(payload[fits:]), dtype=torch.uint8) if meta is not None
+                    else torch.empty(length - fits, dtype=torch.uint8))
+            self._broadcast(rest, self.control, "metadata", index)
         if meta is not None:
             return meta
         try:
-            return BucketMeta.from_bytes(payload.numpy().tobytes())
+            return BucketMeta.from_bytes(frame[8:8 + min(length, fits)].numpy().tobytes() + rest.numpy().tobytes())
         except (ValueError, TypeError) as e:
             raise self._fail(f"unreadable metadata of bucket {index}: {e}", [0], index) from e
 
