@@ -9,7 +9,9 @@ would not fit one GPU (8B: 16 GB of weights, 128 GB with fp32 masters and Adam) 
 "trainer" is cuda:0 and the engine cuda:1; on a CPU both use gloo. `--busy N`: N requests keep generating (long
 outputs, random prompts) through every sync, so the transfer competes with the engine's loop as in a run.
 Prints, per sync: the transfer (until the engine holds every bucket), of it the wait for the engine's HTTP call,
-the pause (generation excluded), and the sync as the trainer waited for it.
+the same transfer as the engine's receiver timed it (its hello to its last bucket), the pause (generation
+excluded), the sync as the trainer waited for it, and the rest of that wait (the sync less the transfer and the
+pause: the engine's thread hops and its HTTP reply).
 """
 
 from __future__ import annotations
@@ -81,11 +83,13 @@ def main() -> None:
     torch.manual_seed(0)
     named = [(name, torch.randn(shape, device=trainer_device, dtype=dtype) * 0.02) for name, shape, _ in shapes]
     stats, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
-    print("| sync | transfer ms (waiting for the engine) | GB/s | pause ms | sync ms |")
-    print("|---|---|---|---|---|")
+    print("| sync | transfer ms (waiting for the engine) | the engine's receive ms | GB/s | pause ms | sync ms | "
+          "rest ms |")
+    print("|---|---|---|---|---|---|---|")
     for i, s in enumerate(stats, 1):
-        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | "
-              f"{1e3 * s.sync_s:.1f} |")
+        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {1e3 * s.receive_s:.1f} | "
+              f"{s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | {1e3 * s.sync_s:.1f} | "
+              f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} |")
     median = statistics.median(s.transfer_s for s in stats)
     print(f"\nmedian transfer {1e3 * median:.1f} ms = {num_bytes / median / 1e9:.3g} GB/s; one plain {backend} "
           f"broadcast of the same bytes in this run: {plain_gb_s:.3g} GB/s ({1e3 * num_bytes / plain_gb_s / 1e9:.1f} "
