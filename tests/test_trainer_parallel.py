@@ -173,35 +173,28 @@ def test_layers_compiled_by_inductor_give_the_eager_gradients():
         torch.testing.assert_close(g, expected[name], rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_layers_on_cuda_give_the_eager_gradients(dtype):
-    """The trainer's default on CUDA: compiled layers (inductor), against the eager PyTorch ops."""
-    groups = make_groups()
-    grads = {}
-    for on in (False, True):
-        trainer = Trainer(build_model("tiny", dtype="float32", seed=0).cuda(),
-                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, compile=on, fused_kernels=False),
-                          LossConfig())
-        assert (trainer.model.model.layers[0].regions[0] is not attention_inputs) == on
-        grads[on] = batch_gradients(trainer, groups)
-    tol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=0.1, atol=2e-3)
-    for name, g in grads[True].items():
-        torch.testing.assert_close(g, grads[False][name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+ON_CUDA = {  # option -> (its config with it off and on, whether a trainer's model really uses it)
+    "compile": (lambda on: dict(compile=on, fused_kernels=False),
+                lambda model: model.model.layers[0].regions[0] is not attention_inputs),
+    "fused_kernels": (lambda on: dict(compile=False, fused_kernels=on),
+                      lambda model: model.model.norm.kernel is not None),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_kernels_on_cuda_give_the_pytorch_gradients(dtype):
-    """On CUDA the trainer's norms, RoPE and SiLU-and-multiply run fused Triton kernels with their own backward
-    passes; the batch's gradients equal the PyTorch ops' (bf16: within a few roundings)."""
+@pytest.mark.parametrize("option", list(ON_CUDA))
+def test_the_trainers_cuda_options_give_the_pytorch_gradients(option, dtype):
+    """On CUDA the trainer compiles its layers (inductor; the default), or runs its norms, RoPE and
+    SiLU-and-multiply through fused Triton kernels with their own backward passes; either way the batch's gradients
+    equal the eager PyTorch ops' (bf16: within a few roundings)."""
+    config, used = ON_CUDA[option]
     groups = make_groups()
     grads = {}
     for on in (False, True):
         trainer = Trainer(build_model("tiny", dtype="float32", seed=0).cuda(),
-                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, compile=False, fused_kernels=on),
-                          LossConfig())
-        assert (trainer.model.model.norm.kernel is not None) == on
+                          TrainerConfig(micro_batch_tokens=MICRO, param_dtype=dtype, **config(on)), LossConfig())
+        assert used(trainer.model) == on
         grads[on] = batch_gradients(trainer, groups)
     tol = dict(rtol=1e-4, atol=1e-6) if dtype == "float32" else dict(rtol=0.1, atol=2e-3)
     for name, g in grads[True].items():
