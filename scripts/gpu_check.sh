@@ -34,7 +34,7 @@ for part in $parts; do
         tp) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
                 -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs &&
             timeout 240 python3 benchmarks/tp_overhead.py --device cuda --model qwen3-0.6b --batch 64 --steps 200 ;;
-        tp_tests) TANDEM_TP_BACKEND=nccl timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
+        tp_tests) TANDEM_TP_BACKEND=nccl timeout 450 python3 -m pytest -q -p no:cacheprovider tests/test_tp.py \
                 -k "(generates or never_diverge or names_the_diverging or graphs) and not 3" -rs ;;
         trainer) timeout 150 python3 benchmarks/trainer_step.py --model qwen3-0.6b --profile &&
                  for o in trainer.compile=false "trainer.compile=false trainer.fused_kernels=true"; do
