@@ -124,7 +124,11 @@ def _flatten(bucket: list[tuple[str, Tensor]], meta: BucketMeta, device: torch.d
         meta.numel += tensor.numel()
     if not bucket:
         return torch.empty(0, dtype=torch.uint8, device=device)
-    return torch.cat([tensor.detach().reshape(-1).to(device) for _, tensor in bucket])
+    with torch.no_grad():  # (a per-tensor detach and move cost a 0.6B transfer ~0.4 ms before its first bucket)
+        flat = [tensor.reshape(-1) for _, tensor in bucket]
+        if {t.device for t in flat} != {device}:
+            flat = [t.to(device) for t in flat]
+        return torch.cat(flat)
 
 
 def _unflatten(meta: BucketMeta, flat_N: Tensor) -> dict[str, Tensor]:
