@@ -197,6 +197,25 @@ def test_pause_abort_returns_partial_outputs():
     assert stats.num_running == 0 and stats.pages_free + stats.pages_cached == stats.pages_total
 
 
+def test_arriving_requests_do_not_wait_for_the_step_in_flight():
+    """A new request only joins the queue: adding it must not drain the step in flight (the device would idle while
+    the host builds the next step), unlike a command that needs every sampled token, such as a stats snapshot."""
+    with Engine("tiny") as engine:
+        async def go():
+            long = [asyncio.create_task(engine.generate(p, LONG)) for p in prompts(2, 512, seed=3)]
+            await _wait_tokens(engine, 4)
+            before = (await engine.get_stats()).command_waits
+            for p in prompts(10, 512, seed=4):  # one at a time, each while the long ones decode
+                await engine.generate(p, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
+            after = await engine.get_stats()
+            assert after.num_running >= 2, "the long requests should still be decoding"
+            await asyncio.gather(*long)
+            return after.command_waits - before
+
+        waits = asyncio.run(go())
+    assert waits == 1, f"{waits} commands waited for the step in flight; only the last snapshot should have"
+
+
 def _perturbed_weights(model, seed):
     gen = torch.Generator().manual_seed(seed)
     return {name: p.detach() + 0.05 * torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}

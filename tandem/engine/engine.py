@@ -73,7 +73,9 @@ class EngineError(RuntimeError):
 
 # commands that only read state: rank 0 runs them without publishing them to the other TP ranks
 _LOCAL_COMMANDS = {"_snapshot", "<lambda>"}
-_DRAINING_ITSELF = {"_load_paused"}  # commands that wait for the step in flight only when they need its tokens
+# commands that need not wait for the step in flight: a load waits only when it needs its tokens; a new request only
+# joins the queue, so arrivals (many a second in an agent run) keep the host a step ahead of the device
+_DRAINING_ITSELF = {"_load_paused", "_add_request"}
 
 
 class Engine:
@@ -277,7 +279,8 @@ class Engine:
                 with self.recorder.engine_step(self.stats.num_steps + 1):
                     self._step()
             else:
-                if message[1] not in _DRAINING_ITSELF:
+                if message[1] not in _DRAINING_ITSELF and self._inflight is not None:
+                    self.stats.command_waits += 1
                     self._drain()  # commands see every sampled token
                 self._run_command(*(cmd or (getattr(self, message[1]), message[2], None)))
         except Exception as e:  # an engine bug must not hang every client: fail them, keep serving
@@ -286,8 +289,7 @@ class Engine:
             if isinstance(e, LockstepError):  # the ranks disagree: stop, leaving the evidence
                 self._fatal, self._stop = e, True
                 self.watchdog.dump(str(e))
-            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(req, FinishReason("abort", message=f"engine error: {e!r}"))
+            self._abort_all(f"engine error: {e!r}")
 
     def _run_command(self, fn, args, fut: Future | None) -> None:
         if fut is not None and not fut.set_running_or_notify_cancel():
@@ -428,14 +430,13 @@ class Engine:
         if req is not None:
             self._finish(req, FinishReason("abort", message=message))
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, message: str = "aborted by request") -> None:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-            self._finish(req, FinishReason("abort", message="aborted by request"))
+            self._finish(req, FinishReason("abort", message=message))
 
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":
-            for req in list(self.scheduler.running) + list(self.scheduler.waiting):
-                self._finish(req, FinishReason("abort", message=PAUSED_ABORT))
+            self._abort_all(PAUSED_ABORT)
         elif mode == "retract":
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.retract(req)
@@ -474,8 +475,7 @@ class Engine:
         return time.perf_counter() - t0
 
     def _flush_cache(self) -> None:
-        holders = len(self.scheduler.running)
-        if holders:
+        if holders := len(self.scheduler.running):
             raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
                               "or pause with mode abort/retract first")
         if self.cache is not None:
