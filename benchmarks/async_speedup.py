@@ -20,9 +20,10 @@ trained token" column shows what the recompute costs. Likewise per batch order (
 order they were admitted, so a long episode holds its batch, and through the bound the engine's admissions, back.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
-idle fractions, the engine's steps (what one costs, the share that only decode, requests running and waiting per
-step), the weight sync per update (transfer ms and GB/s, engine pause ms), staleness (mean, max, and the share of
-trained tokens at each), prefix-cache reuse, and the reward of the first and last quarter of the steps. With
+idle fractions, the engine's steps (what one costs, the share that only decode, the commands that made the engine
+wait for its step in flight, requests running and waiting per step), the weight sync per update (transfer ms and
+GB/s, engine pause ms), staleness (mean, max, and the share of trained tokens at each), prefix-cache reuse, and the
+reward of the first and last quarter of the steps. With
 `separate`, also a plain broadcast of one update's bytes between the same two devices with the same backend,
 measured in the same run: what the sync could reach.
 """
@@ -52,7 +53,7 @@ from tandem.transport.dist import DistReceiver, DistSender
 
 # the loop's engine_* counters reported per engine step
 ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "schedule_s", "prepare_s", "postprocess_s", "decode_steps",
-                        "running_request_steps", "waiting_request_steps")
+                        "running_request_steps", "waiting_request_steps", "command_waits")
 
 
 def measure(overrides: list[str], warmup: int) -> dict:
@@ -228,12 +229,12 @@ def main() -> None:
           "warm-up); reward over all steps; each row printed as soon as it is measured\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
           "engine idle | engine ms / step (forward) | host ms / step: schedule, inputs, results | "
-          "decode-only steps | requests / step (waiting) | "
+          "decode-only steps | commands waiting for a step / step | requests / step (waiting) | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
           "pause ms / update | staleness mean / max | tokens at staleness 0 / 1 / ... (%) | cache hit | "
           "reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 23 + "|", flush=True)
+    print("|---" * 24 + "|", flush=True)
     rows = []
     variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]]
@@ -247,7 +248,7 @@ def main() -> None:
               f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
               f"{r['engine_idle']:.0%} | {1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
               f"{1e3 * r['schedule_s']:.2f}, {1e3 * r['prepare_s']:.2f}, {1e3 * r['postprocess_s']:.2f} | "
-              f"{r['decode_steps']:.0%} | "
+              f"{r['decode_steps']:.0%} | {r['command_waits']:.2f} | "
               f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | {r['sync_ms']:.1f} | "

@@ -122,6 +122,7 @@ class Run:
                     engine_steps=stats.num_steps, engine_decode_steps=stats.decode_steps,
                     engine_running_request_steps=stats.running_request_steps,
                     engine_waiting_request_steps=stats.waiting_request_steps, engine_busy_s=stats.busy_seconds,
+                    engine_command_waits=stats.command_waits,
                     engine_forward_s=stats.forward_seconds, engine_schedule_s=stats.schedule_seconds,
                     engine_prepare_s=stats.prepare_seconds, engine_postprocess_s=stats.postprocess_seconds,
                     rollout_tokens_per_s=stats.generated_tokens / wall,
