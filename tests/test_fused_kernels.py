@@ -100,6 +100,18 @@ def check_qk_norm_rope(positions, H, K, D, dtype):
     # RoPE's `x1 * cos - x2 * sin` may cancel: an ulp of a normalised input is an absolute error in the output
     assert_matches(out_q, want_q, bf16_atol=2**-6)
     assert_matches(out_k, want_k, bf16_atol=2**-6)
+    # keys and values straight into a KV cache, at rows out of order: the same keys, the values as they were
+    v = qkv[:, (H + K) * D:].view(T, K, D)
+    caches = torch.zeros(2, 2 * T + 3, K, D, dtype=dtype, device=DEVICE)
+    slots = torch.randperm(2 * T + 3, generator=torch.Generator().manual_seed(T))[:T].to(DEVICE)
+    with torch.no_grad():
+        cached_q, no_k = qk_norm_rope(q, k, q_norm.weight, k_norm.weight, positions, THETA, EPS,
+                                      kv_cache=(v, caches[0], caches[1], slots))
+    assert no_k is None and torch.equal(cached_q, out_q)
+    assert torch.equal(caches[0][slots], out_k) and torch.equal(caches[1][slots], v)
+    untouched = torch.ones(2 * T + 3, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not caches[:, untouched].any(), "a row no slot names was written"
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -286,3 +286,57 @@ def test_engine_steps_in_the_fixed_mixed_buffers_equal_the_reference_path(monkey
     for (ids, lps, cached), (ids_s, lps_s, cached_s) in zip(ref, got, strict=True):
         assert ids_s == ids and cached_s == cached
         assert lps_s == pytest.approx(lps, abs=1e-4)
+
+
+def test_the_fused_model_writes_keys_and_values_into_the_cache_as_the_contexts_did(monkeypatch):
+    """With fused kernels the q/k-norm + RoPE kernel writes each step's keys and values straight into the KV cache
+    (decode and prefill contexts, fixed buffers) instead of the contexts' own copies after it: the same tokens and
+    logprobs bit for bit, and the reference path's within rounding."""
+    import asyncio
+
+    from tandem.config import EngineConfig, ModelConfig
+    from tandem.engine import model_runner
+    from tandem.engine.engine import Engine
+    from tandem.kernels import fused
+    from tandem.model.attention import BlockTableDecode, BlockTablePrefill, paged_decode_reference
+    from tandem.types import SamplingParams
+
+    shape = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                        rope_theta=10_000.0, eos_token_id=1)  # a head dim the fused kernel takes
+    prefix = list(range(3, 40))
+    prompts = [prefix + [50, 51], prefix + [60], list(range(100, 131)), [7, 8, 9]]
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    config = EngineConfig(page_size=8, num_pages=64, max_prefill_tokens=24, max_running_requests=8, device=DEVICE,
+                          prefill_graph_max_tokens=20)
+    calls = {"to the cache": 0, "returned": 0}
+    qk_norm_rope = fused.qk_norm_rope
+
+    def counted(*args, kv_cache=None):
+        calls["returned" if kv_cache is None else "to the cache"] += 1
+        return qk_norm_rope(*args, kv_cache=kv_cache)
+
+    def run(fuse: bool):
+        with Engine(shape, config) as engine:
+            if fuse:
+                engine.model.use_fused_kernels()
+
+            async def go():
+                first = await engine.generate(prompts[0], sp)
+                return [first] + list(await asyncio.gather(*[engine.generate(p, sp) for p in prompts[1:]]))
+            return [(o.output_ids, o.output_logprobs, o.cached_tokens) for o in asyncio.run(go())]
+
+    reference_outs = run(fuse=False)
+    monkeypatch.setattr(model_runner, "_kernels", lambda device, enabled: (paged_decode_reference,
+                                                                           paged_prefill_attention))
+    monkeypatch.setattr(fused, "qk_norm_rope", counted)
+    direct = run(fuse=True)
+    assert calls["to the cache"] > 0 and calls["returned"] == 0, calls
+    for context in (BlockTableDecode, BlockTablePrefill):
+        monkeypatch.setattr(context, "kv_destination", lambda self, layer: None)
+    via_contexts = run(fuse=True)
+    assert calls["returned"] > 0, calls
+    assert direct == via_contexts
+    for (ids, lps, cached), (ids_f, lps_f, cached_f) in zip(reference_outs, direct, strict=True):
+        assert ids_f == ids and cached_f == cached
+        assert lps_f == pytest.approx(lps, abs=1e-4)

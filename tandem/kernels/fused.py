@@ -123,9 +123,10 @@ def fused_add_rmsnorm(x_TE: torch.Tensor, residual_TE: torch.Tensor, weight_E: t
 
 
 @triton.jit
-def _norm_rope_heads(x_ptr, w_ptr, out_ptr, t, stride_xt, stride_xh, num_heads, cos, sin, eps,
+def _norm_rope_heads(x_ptr, w_ptr, out_ptr, t, out_row, stride_xt, stride_xh, num_heads, cos, sin, eps,
                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
-    """RMSNorm then rotate-half RoPE of one token's [num_heads, 2 * HALF] heads; out is contiguous [T, heads, D]."""
+    """RMSNorm then rotate-half RoPE of token t's [num_heads, 2 * HALF] heads, into row `out_row` of out
+    (contiguous [rows, heads, D])."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HALF)
     mask = (offs_h < num_heads)[:, None]
@@ -139,25 +140,34 @@ def _norm_rope_heads(x_ptr, w_ptr, out_ptr, t, stride_xt, stride_xh, num_heads, 
     # the model rounds the normalised heads to the activation dtype; RoPE then runs in fp32 (cos/sin are fp32)
     x1 = _round(_round(x1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
     x2 = _round(_round(x2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
-    dst = out_ptr + (t * num_heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
+    dst = out_ptr + (out_row * num_heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
     tl.store(dst, _round(x1 * cos - x2 * sin, dtype, INTERPRET), mask=mask)
     tl.store(dst + HALF, _round(x2 * cos + x1 * sin, dtype, INTERPRET), mask=mask)
 
 
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
-                         stride_qt, stride_qh, stride_kt, stride_kh, H, K, eps,
-                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         v_ptr, v_out_ptr, slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                         stride_vh, H, K, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_K: tl.constexpr, TO_CACHE: tl.constexpr, INTERPRET: tl.constexpr):
+    """TO_CACHE: k and v go to row slots[t] of k_out and v_out (the KV cache), v unchanged; else k to row t."""
     t = tl.program_id(0).to(tl.int64)
     # rope_cos_sin's arithmetic: freq = float(position) * inv_freq, then cos / sin, all in fp32
     freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, HEAD_DIM // 2))
     cos, sin = _cos_sin(freq, INTERPRET)
     cos, sin = cos[None, :], sin[None, :]
-    _norm_rope_heads(q_ptr, q_w_ptr, q_out_ptr, t, stride_qt, stride_qh, H, cos, sin, eps, HEAD_DIM // 2, BLOCK_H,
-                     INTERPRET)
-    _norm_rope_heads(k_ptr, k_w_ptr, k_out_ptr, t, stride_kt, stride_kh, K, cos, sin, eps, HEAD_DIM // 2, BLOCK_K,
-                     INTERPRET)
+    row = t
+    if TO_CACHE:
+        row = tl.load(slots_ptr + t).to(tl.int64)
+    _norm_rope_heads(q_ptr, q_w_ptr, q_out_ptr, t, t, stride_qt, stride_qh, H, cos, sin, eps, HEAD_DIM // 2,
+                     BLOCK_H, INTERPRET)
+    _norm_rope_heads(k_ptr, k_w_ptr, k_out_ptr, t, row, stride_kt, stride_kh, K, cos, sin, eps, HEAD_DIM // 2,
+                     BLOCK_K, INTERPRET)
+    if TO_CACHE:
+        offs_h, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, HEAD_DIM)
+        mask = (offs_h < K)[:, None]
+        v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(v_out_ptr + (row * K + offs_h[:, None]) * HEAD_DIM + offs_d[None, :], v, mask=mask)
 
 
 @functools.cache
@@ -171,7 +181,8 @@ def rope_inv_freq(head_dim: int, theta: float, device: torch.device) -> torch.Te
 
 
 def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Tensor, k_weight_D: torch.Tensor,
-                 positions_T: torch.Tensor, theta: float, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 positions_T: torch.Tensor, theta: float, eps: float,
+                 kv_cache: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)` with `cos, sin = rope_cos_sin(positions)`,
     in one kernel (one program per token, all its q and k heads).
 
@@ -179,7 +190,10 @@ def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Ten
     positions_T: integer positions; cos/sin are computed from them in fp32 inside the kernel, from the inverse
       frequencies of `rope_inv_freq` (a cached [D / 2] table; the first call per (D, theta, device) must not be
       under CUDA-graph capture).
-    Returns new contiguous (q [T, H, D], k [T, K, D]); the inputs are not modified."""
+    kv_cache: optional (v_TKD, k_cache_SKD, v_cache_SKD, slots_T): the keys (normalised, rotated) and the values
+      then go straight into the caches (contiguous, the activations' dtype) at rows `slots_T`, as the attention
+      contexts' `index_copy_` would put them, and no k is returned: two kernels fewer per layer.
+    Returns new contiguous (q [T, H, D], k [T, K, D] or None); the inputs are not modified."""
     T, H, D = q_THD.shape
     inv_freq_F = rope_inv_freq(D, theta, q_THD.device)
     assert k_TKD.shape[0] == T and k_TKD.shape[2] == D and k_TKD.dtype == q_THD.dtype, (q_THD.shape, k_TKD.shape)
@@ -189,17 +203,25 @@ def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Ten
     assert k_weight_D.is_contiguous() and positions_T.shape == (T,) and not positions_T.is_floating_point()
     K = k_TKD.shape[1]
     q_out = torch.empty(T, H, D, dtype=q_THD.dtype, device=q_THD.device)
-    k_out = torch.empty(T, K, D, dtype=k_TKD.dtype, device=k_TKD.device)
-    if T == 0:
-        return q_out, k_out
-    block_h, block_k = triton.next_power_of_2(H), triton.next_power_of_2(K)
-    _qk_norm_rope_kernel[(T,)](
-        q_THD, k_TKD, q_weight_D, k_weight_D, positions_T, inv_freq_F, q_out, k_out,
-        q_THD.stride(0), q_THD.stride(1), k_TKD.stride(0), k_TKD.stride(1), H, K, eps,
-        HEAD_DIM=D, BLOCK_H=block_h, BLOCK_K=block_k, INTERPRET=_interpreted(),
-        num_warps=_row_warps(block_h * D), enable_fp_fusion=False,  # x * cos - x2 * sin without FMA, as PyTorch
-    )
-    return q_out, k_out
+    if kv_cache is None:
+        v_TKD = q_THD  # (not read)
+        k_out = v_out = torch.empty(T, K, D, dtype=k_TKD.dtype, device=k_TKD.device)
+        slots_T = positions_T  # (not read)
+    else:
+        v_TKD, k_out, v_out, slots_T = kv_cache
+        assert v_TKD.shape == k_TKD.shape and v_TKD.stride(2) == 1 and slots_T.shape == (T,), (v_TKD.shape, T)
+        for cache in (k_out, v_out):
+            assert cache.shape[1:] == (K, D) and cache.is_contiguous() and cache.dtype == k_TKD.dtype, cache.shape
+    if T:
+        block_h, block_k = triton.next_power_of_2(H), triton.next_power_of_2(K)
+        _qk_norm_rope_kernel[(T,)](
+            q_THD, k_TKD, q_weight_D, k_weight_D, positions_T, inv_freq_F, q_out, k_out, v_TKD, v_out, slots_T,
+            q_THD.stride(0), q_THD.stride(1), k_TKD.stride(0), k_TKD.stride(1), v_TKD.stride(0), v_TKD.stride(1),
+            H, K, eps, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_K=block_k, TO_CACHE=kv_cache is not None,
+            INTERPRET=_interpreted(),
+            num_warps=_row_warps(block_h * D), enable_fp_fusion=False,  # x * cos - x2 * sin without FMA, as PyTorch
+        )
+    return q_out, (k_out if kv_cache is None else None)
 
 
 # ------------------------------------------------------------------------------------------------------- SiLU * up

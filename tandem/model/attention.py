@@ -28,6 +28,11 @@ class AttentionContext:
     def attend(self, layer: int, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def kv_destination(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(k_cache_SKD, v_cache_SKD, slots_T): where `attend` would write this step's keys and values, for a caller
+        that writes them itself and then passes k and v as None; None when `attend` must be given them."""
+        return None
+
 
 def _sdpa(q_BHQD, k_BKLD, v_BKLD, mask_BQL):
     num_groups = q_BHQD.shape[1] // k_BKLD.shape[1]
@@ -202,9 +207,13 @@ class BlockTableDecode(AttentionContext):
     page_size: int
     kernel: object = paged_decode_reference
 
+    def kv_destination(self, layer):
+        return self.k_cache[layer], self.v_cache[layer], self.slots_B
+
     def attend(self, layer, q_THD, k_TKD, v_TKD):
-        self.k_cache[layer].index_copy_(0, self.slots_B, k_TKD.to(self.k_cache.dtype))
-        self.v_cache[layer].index_copy_(0, self.slots_B, v_TKD.to(self.v_cache.dtype))
+        if k_TKD is not None:
+            self.k_cache[layer].index_copy_(0, self.slots_B, k_TKD.to(self.k_cache.dtype))
+            self.v_cache[layer].index_copy_(0, self.slots_B, v_TKD.to(self.v_cache.dtype))
         return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.seq_lens_B,
                            self.page_size, q_THD.shape[-1] ** -0.5)
 
@@ -226,8 +235,12 @@ class BlockTablePrefill(AttentionContext):
     max_q_len: int
     kernel: object
 
+    def kv_destination(self, layer):
+        return self.k_cache[layer], self.v_cache[layer], self.new_slots_T
+
     def attend(self, layer, q_THD, k_TKD, v_TKD):
-        self.k_cache[layer].index_copy_(0, self.new_slots_T, k_TKD.to(self.k_cache.dtype))
-        self.v_cache[layer].index_copy_(0, self.new_slots_T, v_TKD.to(self.v_cache.dtype))
+        if k_TKD is not None:
+            self.k_cache[layer].index_copy_(0, self.new_slots_T, k_TKD.to(self.k_cache.dtype))
+            self.v_cache[layer].index_copy_(0, self.new_slots_T, v_TKD.to(self.v_cache.dtype))
         return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.q_starts_B1,
                            self.kv_lens_B, self.page_size, q_THD.shape[-1] ** -0.5, self.max_q_len)

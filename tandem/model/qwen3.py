@@ -233,8 +233,12 @@ class Qwen3ForCausalLM(nn.Module):
             q, k, v = F.linear(h, attn.qkv_weight).split(  # views: the kernels take any row stride
                 [attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], dim=-1)
             q, k, v = q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D)
-            q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps)
-            o = attn.o_proj(ctx.attend(attn.layer, q, k, v).reshape(T, -1))
+            dest = ctx.kv_destination(attn.layer)  # the keys and values straight into the KV cache, if it has one
+            if dest is not None and dest[0].dtype != q.dtype:
+                dest = None  # (a cache of another dtype: `attend` converts them)
+            q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps,
+                                  kv_cache=None if dest is None else (v, *dest))
+            o = attn.o_proj(ctx.attend(attn.layer, q, k, None if dest else v).reshape(T, -1))
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
             gate, up = F.linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
