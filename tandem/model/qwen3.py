@@ -238,7 +238,7 @@ class Qwen3ForCausalLM(nn.Module):
                 dest = None  # (a cache of another dtype: `attend` converts them)
             q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps,
                                   kv_cache=None if dest is None else (v, *dest))
-            o = attn.o_proj(ctx.attend(attn.layer, q, k, None if dest else v).reshape(T, -1))
+            o = attn.o_proj(ctx.attend(attn.layer, q, k, v if dest is None else None).reshape(T, -1))
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
             gate, up = F.linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
