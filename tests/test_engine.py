@@ -213,7 +213,7 @@ def test_arriving_requests_do_not_wait_for_the_step_in_flight():
             return after.command_waits - before
 
         waits = asyncio.run(go())
-    assert waits == 1, f"{waits} commands waited for the step in flight; only the last snapshot should have"
+    assert waits <= 1, f"{waits} commands waited for the step in flight; at most the last snapshot should have"
 
 
 def _perturbed_weights(model, seed):
