@@ -23,9 +23,8 @@ Prints a markdown table: wall time per trained token, trained tokens/s and the s
 idle fractions, the engine's steps (what one costs, the share that only decode, the commands that made the engine
 wait for its step in flight, requests running and waiting per step), the weight sync per update (transfer ms and
 GB/s, engine pause ms), staleness (mean, max, and the share of trained tokens at each), prefix-cache reuse, and the
-reward of the first and last quarter of the steps. With
-`separate`, also a plain broadcast of one update's bytes between the same two devices with the same backend,
-measured in the same run: what the sync could reach.
+reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes
+between the same two devices with the same backend, measured in the same run: what the sync could reach.
 """
 
 from __future__ import annotations

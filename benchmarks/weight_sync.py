@@ -87,7 +87,8 @@ def main() -> None:
           "rest ms |")
     print("|---|---|---|---|---|---|---|")
     for i, s in enumerate(stats, 1):
-        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {1e3 * s.receive_s:.1f} | "
+        receive = "-" if s.receive_s is None else f"{1e3 * s.receive_s:.1f}"  # (unknown for weight_transport=ipc)
+        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {receive} | "
               f"{s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | {1e3 * s.sync_s:.1f} | "
               f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} |")
     median = statistics.median(s.transfer_s for s in stats)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64] [async17b]
-#                        [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b] [buckets]
+#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
+#                        [async17b] [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b] [buckets]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, learn, sync8b and
 # buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU

@@ -225,6 +225,51 @@ def test_dist_timeouts_name_the_peer():
     assert after_stall["ranks"] == (1,) and after_stall["bucket"] in (1, 2), after_stall
 
 
+class _NeverLands:
+    """A started data broadcast that never completes (a trainer that stopped sending mid-transfer); its own wait
+    fails as a backend's does on a timeout."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        raise RuntimeError(f"Timed out after {timeout}")
+
+
+def data_stall_worker(rank: int, results, port: int):
+    """The engine's receive of bucket 0's data never completes; each side reports its error."""
+    torch.set_num_threads(1)
+    init, out, t0 = f"tcp://127.0.0.1:{port}", {}, time.monotonic()
+    try:
+        if rank == 0:
+            with DistSender(init, 2, timeout_s=TIMEOUT_S, label="trainer") as end:
+                t0 = time.monotonic()
+                end.send([("w", torch.ones(4))], version=1)
+        else:
+            with DistReceiver(init, 2, rank, timeout_s=TIMEOUT_S, label=ENGINE_LABEL) as end:
+                start = end._start_broadcast
+                end._start_broadcast = lambda tensor, group, what, bucket: (
+                    _NeverLands() if what == "data" else start(tensor, group, what, bucket))
+                t0 = time.monotonic()
+                end.receive()
+    except TransportError as e:
+        out = failure(e, t0)
+    except BaseException as e:
+        out = {"unexpected": failure(e, t0)}
+    results.put((rank, out))
+
+
+def test_a_bucket_whose_data_never_lands_fails_within_the_timeout_naming_the_trainer():
+    """The wait for a bucket's data polls for its completion, and gives up at the timeout."""
+    out = run_pair(data_stall_worker, free_port())
+    stalled = out[1]
+    assert "error" in stalled, out
+    assert stalled["ranks"] == (0,) and stalled["bucket"] == 0, stalled
+    assert "data of bucket 0 with rank 0 (trainer)" in stalled["error"], stalled
+    assert TIMEOUT_S * 0.9 <= stalled["elapsed"] < TIMEOUT_S + 1.5, stalled
+    assert "error" in out[0] and out[0]["ranks"] == (1,), out[0]  # the engine never confirmed the transfer
+
+
 def test_in_process_roundtrip_copies_and_times_out():
     model = mixed_model(seed=0)
     receiver = InProcessReceiver(timeout_s=10)

@@ -204,9 +204,8 @@ def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Ten
     K = k_TKD.shape[1]
     q_out = torch.empty(T, H, D, dtype=q_THD.dtype, device=q_THD.device)
     if kv_cache is None:
-        v_TKD = q_THD  # (not read)
+        v_TKD, slots_T = q_THD, positions_T  # (neither read, nor v_out written)
         k_out = v_out = torch.empty(T, K, D, dtype=k_TKD.dtype, device=k_TKD.device)
-        slots_T = positions_T  # (not read)
     else:
         v_TKD, k_out, v_out, slots_T = kv_cache
         assert v_TKD.shape == k_TKD.shape and v_TKD.stride(2) == 1 and slots_T.shape == (T,), (v_TKD.shape, T)

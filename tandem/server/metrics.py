@@ -37,8 +37,8 @@ _COUNTERS = [
     ("num_steps", "Engine steps run", lambda s: s.num_steps),
     ("num_decode_steps", "Engine steps of one token per request (decode)", lambda s: s.decode_steps),
     ("running_request_steps", "Requests in each step, summed over steps", lambda s: s.running_request_steps),
-    ("command_waits", "Commands that waited for the step in flight", lambda s: s.command_waits),
     ("waiting_request_steps", "Requests waiting at each step, summed over steps", lambda s: s.waiting_request_steps),
+    ("command_waits", "Commands that waited for the step in flight", lambda s: s.command_waits),
 ]
 
 
