@@ -20,11 +20,13 @@ trained token" column shows what the recompute costs. Likewise per batch order (
 order they were admitted, so a long episode holds its batch, and through the bound the engine's admissions, back.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
-idle fractions, the engine's steps (what one costs, the share that only decode, the commands that made the engine
-wait for its step in flight, requests running and waiting per step), the weight sync per update (transfer ms and
-GB/s, engine pause ms), staleness (mean, max, and the share of trained tokens at each), prefix-cache reuse, and the
-reward of the first and last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes
-between the same two devices with the same backend, measured in the same run: what the sync could reach.
+idle fractions (the engine's: nothing to run, or paused; in brackets, its thread between steps: commands and its loop,
+while the device may still run the step in flight), the engine's steps (what one costs, the share that only decode,
+the commands that made the engine wait for its step in flight, requests running and waiting per step), the weight
+sync per update (transfer ms and GB/s, engine pause ms), staleness (mean, max, and the share of trained tokens at
+each), prefix-cache reuse, and the reward of the first and last quarter of the steps. With `separate`, also a plain
+broadcast of one update's bytes between the same two devices with the same backend, measured in the same run: what
+the sync could reach.
 """
 
 from __future__ import annotations
@@ -64,16 +66,20 @@ def measure(overrides: list[str], warmup: int) -> dict:
     episodes = [e for _, groups in trained for g in groups for e in g.episodes]
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
     first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step
-        ["wall_s", "prefill_tokens_computed", *(f"engine_{k}" for k in ENGINE_STEP_COUNTERS), "engine_steps"], 0)
+        ["wall_s", "prefill_tokens_computed", "engine_idle_s", *(f"engine_{k}" for k in ENGINE_STEP_COUNTERS),
+         "engine_steps"], 0)
     steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
-    busy = last["engine_busy_s"] - first["engine_busy_s"]
+    busy, idle = (last[f"engine_{k}_s"] - first[f"engine_{k}_s"] for k in ("busy", "idle"))
     tokens = sum(h["tokens_trained"] for h in steady)
     steps = max(1, last["engine_steps"] - first["engine_steps"])
     return {
         "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall, "us_per_token": 1e6 * wall / tokens,
-        "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": 1 - busy / wall,
+        # the engine idle: nothing to run (or paused); between steps: its thread ran commands and its loop, while
+        # the device may still run the step in flight
+        "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": idle / wall,
+        "engine_between": 1 - (busy + idle) / wall,
         "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
         # the engine's prefill work per trained token: grows when updates make it recompute in-flight KV
         "prefill_per_token": (last["prefill_tokens_computed"] - first["prefill_tokens_computed"]) / tokens,
@@ -227,7 +233,7 @@ def main() -> None:
     print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
           "warm-up); reward over all steps; each row printed as soon as it is measured\n")
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
-          "engine idle | engine ms / step (forward) | host ms / step: schedule, inputs, results | "
+          "engine idle (between steps) | engine ms / step (forward) | host ms / step: schedule, inputs, results | "
           "decode-only steps | commands waiting for a step / step | requests / step (waiting) | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
@@ -245,7 +251,8 @@ def main() -> None:
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
               f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
-              f"{r['engine_idle']:.0%} | {1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
+              f"{r['engine_idle']:.0%} ({r['engine_between']:.0%}) | "
+              f"{1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
               f"{1e3 * r['schedule_s']:.2f}, {1e3 * r['prepare_s']:.2f}, {1e3 * r['postprocess_s']:.2f} | "
               f"{r['decode_steps']:.0%} | {r['command_waits']:.2f} | "
               f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | "

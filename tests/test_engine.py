@@ -2,6 +2,7 @@
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -214,6 +215,30 @@ def test_arriving_requests_do_not_wait_for_the_step_in_flight():
 
         waits = asyncio.run(go())
     assert waits <= 1, f"{waits} commands waited for the step in flight; at most the last snapshot should have"
+
+
+def test_idle_time_counts_only_time_with_nothing_to_run():
+    """The engine's idle time (the async benchmark's engine idle) grows while it has no request or is paused, and not
+    while it generates, however much time its thread spends between steps."""
+    with Engine("tiny") as engine:
+        async def go():
+            t0, start = time.perf_counter(), await engine.get_stats()
+            await asyncio.sleep(0.3)
+            rested, t1 = await engine.get_stats(), time.perf_counter()
+            await asyncio.gather(*[engine.generate(p, SamplingParams(max_new_tokens=64, ignore_eos=True))
+                                   for p in prompts(4, 512, seed=5)])
+            t2, generated = time.perf_counter(), await engine.get_stats()
+            await engine.pause("in_place")
+            await asyncio.sleep(0.2)
+            await engine.resume()
+            paused = await engine.get_stats()
+            return (rested.idle_seconds - start.idle_seconds, t1 - t0,
+                    generated.idle_seconds - rested.idle_seconds, t2 - t1, paused.idle_seconds - generated.idle_seconds)
+
+        rested, rested_wall, generating, generating_wall, paused = asyncio.run(go())
+    assert 0.25 <= rested <= rested_wall
+    assert generating < 0.1 * generating_wall, f"idle {generating:.3f} s of {generating_wall:.3f} s generating"
+    assert paused >= 0.15
 
 
 def _perturbed_weights(model, seed):

@@ -49,6 +49,7 @@ def test_records_carry_flight_recorder_fields_states_and_the_calling_site(tmp_pa
     assert done["time_created_ns"] <= done["time_discovered_completed_ns"]
     assert (failed["state"], failed["error"]) == ("failed", "ValueError: boom")
     assert (step["kind"], step["info"], step["state"]) == ("step", {"step": 7, "batch": 2}, "completed")
+    assert step["frames"] == []  # an engine step's call site never varies: no stack walk per step
     site = done["frames"][0]
     assert Path(site["filename"]).name == "test_flight_recorder.py"
     assert site["name"] == "test_records_carry_flight_recorder_fields_states_and_the_calling_site"

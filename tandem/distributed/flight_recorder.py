@@ -177,10 +177,11 @@ class FlightRecorder:
     @contextlib.contextmanager
     def recorded(self, group: dist.ProcessGroup | str | None, op: str, inputs: Sequence[torch.Tensor] = (),
                  outputs: Sequence[torch.Tensor] | None = None, *, kind: str = "collective",
-                 info: dict | None = None) -> Iterator[dict]:
+                 info: dict | None = None, frames: bool = True) -> Iterator[dict]:
         """Record the block as one `op` on `group`: "scheduled" on entry, "completed" on exit, "failed" (with the
-        error) when it raises. Yields the entry. For blocking calls only: an async work handle would complete later."""
-        entry = self._begin(group, op, inputs, inputs if outputs is None else outputs, kind, info)
+        error) when it raises. Yields the entry. For blocking calls only: an async work handle would complete later.
+        `frames`: with the caller's stack (False: the call site never varies and the walk is not worth its cost)."""
+        entry = self._begin(group, op, inputs, inputs if outputs is None else outputs, kind, info, frames)
         try:
             yield entry
         except BaseException as e:
@@ -190,10 +191,10 @@ class FlightRecorder:
 
     def engine_step(self, step: int, **info) -> contextlib.AbstractContextManager[dict]:
         """Record one engine step (`info`: small JSON-able fields, e.g. batch size) on the pseudo group "engine"."""
-        return self.recorded(ENGINE_GROUP, "step", kind="step", info={"step": step, **info})
+        return self.recorded(ENGINE_GROUP, "step", kind="step", info={"step": step, **info}, frames=False)
 
-    def _begin(self, group, op, inputs, outputs, kind, info) -> dict:
-        pg, frames, now = self.group_info(group), _calling_frames(), time.time_ns()
+    def _begin(self, group, op, inputs, outputs, kind, info, frames: bool = True) -> dict:
+        pg, frames, now = self.group_info(group), _calling_frames() if frames else [], time.time_ns()
         with self._lock:
             seq = self._next_seq.get(pg["name"], 0)
             self._next_seq[pg["name"]] = seq + 1

@@ -267,8 +267,11 @@ class Engine:
         """Nothing to run: wait for a command, and tell the watchdogs (ours and the followers') it is no hang."""
         if self.lockstep is not None:
             self.lockstep.publish(("idle",))
+        t0 = time.perf_counter()
         with self.watchdog.idle():
-            return self._commands.get()
+            cmd = self._commands.get()
+        self.stats.idle_seconds += time.perf_counter() - t0
+        return cmd
 
     def _apply(self, message, cmd=None) -> None:
         """Run one step, or one command (`cmd` on rank 0; followers rebuild it from the message)."""
@@ -483,18 +486,15 @@ class Engine:
         self.ideal.reset()
 
     def _snapshot(self) -> EngineStats:
-        s = self.stats
-        s.num_running, s.num_queued = len(self.scheduler.running), len(self.scheduler.waiting)
+        s, sched = self.stats, self.scheduler
+        s.num_running, s.num_queued = len(sched.running), len(sched.waiting)
         s.num_paused = s.num_running + s.num_queued if self.paused else 0
-        s.num_retractions = self.scheduler.num_retractions
-        s.prefill_tokens_cached = self.scheduler.num_cached_tokens
-        s.prefill_tokens_host = self.scheduler.num_host_tokens
-        s.prompt_tokens = self.scheduler.num_prompt_tokens
-        s.prompt_tokens_cached = self.scheduler.num_prompt_cached_tokens
-        s.prompt_tokens_ideal = self.scheduler.num_ideal_tokens
+        s.num_retractions = sched.num_retractions
+        s.prefill_tokens_cached, s.prefill_tokens_host = sched.num_cached_tokens, sched.num_host_tokens
+        s.prompt_tokens, s.prompt_tokens_cached = sched.num_prompt_tokens, sched.num_prompt_cached_tokens
+        s.prompt_tokens_ideal = sched.num_ideal_tokens
         if self.tier is not None:
             s.host_pages_total, s.host_pages_free = self.tier.num_pages, self.tier.num_free
             s.host_pages_loaded, s.host_pages_backed_up = self.tier.pages_loaded, self.tier.pages_backed_up
-        s.pages_free = self.pool.num_free
-        s.pages_cached = self.cache.num_pages if self.cache else 0
+        s.pages_free, s.pages_cached = self.pool.num_free, self.cache.num_pages if self.cache else 0
         return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})

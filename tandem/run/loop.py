@@ -87,7 +87,7 @@ class Run:
             await self.placement.disconnect()  # the client's connections belong to this event loop
             raise
         start = time.perf_counter()
-        busy0 = (await self.engine.get_stats()).busy_seconds
+        idle0 = (await self.engine.get_stats()).idle_seconds
         runner = asyncio.create_task(self.manager.run())
         monitor = asyncio.create_task(self.placement.monitor())
         waited = trained = 0.0
@@ -115,13 +115,14 @@ class Run:
                     wait_s=t1 - t0, train_s=t2 - t1, transfer_s=sync.transfer_s, transfer_wait_s=sync.wait_s,
                     pause_s=sync.pause_s,
                     sync_s=sync.sync_s, sync_bytes=sync.num_bytes, sync_gb_per_s=sync.gb_per_s,
-                    trainer_idle_frac=waited / wall, engine_idle_frac=1 - (stats.busy_seconds - busy0) / wall,
+                    trainer_idle_frac=waited / wall, engine_idle_frac=(stats.idle_seconds - idle0) / wall,
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
                                           + metrics["tokens_trained"]) / wall,
                     generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
                     engine_steps=stats.num_steps, engine_decode_steps=stats.decode_steps,
                     engine_running_request_steps=stats.running_request_steps,
                     engine_waiting_request_steps=stats.waiting_request_steps, engine_busy_s=stats.busy_seconds,
+                    engine_idle_s=stats.idle_seconds,
                     engine_command_waits=stats.command_waits,
                     engine_forward_s=stats.forward_seconds, engine_schedule_s=stats.schedule_seconds,
                     engine_prepare_s=stats.prepare_seconds, engine_postprocess_s=stats.postprocess_seconds,
