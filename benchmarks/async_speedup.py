@@ -3,8 +3,10 @@
     python benchmarks/async_speedup.py [section.key=value ...] [--model qwen3-0.6b] [--placement separate]
                                        [--task random] [--steps 12] [--staleness 1 2 4]
                                        [--pause-modes retract in_place] [--batch-orders deadline admission]
+                                       [--cache-max-ages 0 2]
 
-(overrides first: `--staleness`, `--pause-modes` and `--batch-orders` take every word after them)
+(overrides first: `--staleness`, `--pause-modes`, `--batch-orders` and `--cache-max-ages` take every word after
+them)
 
 Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate`
 runs the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL;
@@ -18,6 +20,8 @@ the config's, `retract`): `retract` drops in-flight KV at every update and recom
 trained token" column shows what the recompute costs. Likewise per batch order (default: the config's, `deadline`):
 `deadline` lets short groups overtake a long one within the staleness bound, `admission` trains groups in the
 order they were admitted, so a long episode holds its batch, and through the bound the engine's admissions, back.
+And per prefix-cache age (`engine.prefix_cache_max_age`, default 0): N > 0 keeps KV up to N updates old in the
+prefix cache, so an episode's next turn need not prefill its history again after every update.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
 idle fractions (the engine's: nothing to run, or paused; in brackets, its thread between steps: commands and its loop,
@@ -202,6 +206,8 @@ def main() -> None:
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--pause-modes", nargs="+", default=None, help="default: the config's rollout.pause_mode")
     parser.add_argument("--batch-orders", nargs="+", default=None, help="default: the config's rollout.batch_order")
+    parser.add_argument("--cache-max-ages", type=int, nargs="+", default=None,
+                        help="default: the config's engine.prefix_cache_max_age")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of rates and fractions")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -241,13 +247,15 @@ def main() -> None:
           "reuse vs ideal | reward first -> last quarter |")
     print("|---" * 24 + "|", flush=True)
     rows = []
-    variants = [(mode, order) for mode in args.pause_modes or [cfg.rollout.pause_mode]
-                for order in args.batch_orders or [cfg.rollout.batch_order]]
-    for s, (mode, order) in [(0, variants[0])] + [(s, v) for v in variants for s in args.staleness]:
+    variants = [(mode, order, age) for mode in args.pause_modes or [cfg.rollout.pause_mode]
+                for order in args.batch_orders or [cfg.rollout.batch_order]
+                for age in args.cache_max_ages or [cfg.engine.prefix_cache_max_age]]
+    for s, (mode, order, age) in [(0, variants[0])] + [(s, v) for v in variants for s in args.staleness]:
         t0 = time.perf_counter()
         r = measure([*base, f"rollout.max_staleness={s}", f"rollout.pause_mode={mode}", f"rollout.batch_order={order}",
-                     f"out_dir={out}/{s}{mode}{order}"], args.warmup)
-        rows.append((f"async, max_staleness={s}, {mode}, {order} order" if s else "sync", r))
+                     f"engine.prefix_cache_max_age={age}", f"out_dir={out}/{s}{mode}{order}{age}"], args.warmup)
+        kept = f", KV kept {age} update{'s' * (age > 1)}" if age else ""
+        rows.append((f"async, max_staleness={s}, {mode}, {order} order{kept}" if s else "sync", r))
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
               f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "

@@ -139,6 +139,9 @@ class EngineConfig:
     max_batch_requests: int = 256  # largest batch a single /generate may carry
     max_context_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
+    # KV reuse across weight updates: 0 empties the prefix cache at every update; N keeps KV up to N updates old
+    # (the async loop's prefill then skips what the update would have recomputed; see tandem.engine.engine)
+    prefix_cache_max_age: int = 0
     # host tier under the prefix cache: "off", "write_through" (back up pages as the cache takes them) or
     # "write_back" (back up as they are evicted); host_cache_pages 0: twice the device pool
     host_cache: str = "off"
@@ -183,6 +186,9 @@ class EngineConfig:
                              f"{self.host_cache!r}")
         if self.host_cache != "off" and not self.enable_prefix_cache:
             raise ValueError("engine config: host_cache needs enable_prefix_cache")
+        if not isinstance(self.prefix_cache_max_age, int) or self.prefix_cache_max_age < 0:
+            raise ValueError(f"engine config: prefix_cache_max_age must be an integer >= 0, got "
+                             f"{self.prefix_cache_max_age!r}")
         if self.host_cache_pages < 0:
             raise ValueError(f"engine config: host_cache_pages must be >= 0, got {self.host_cache_pages}")
 

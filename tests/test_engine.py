@@ -386,6 +386,41 @@ def test_a_weight_update_does_not_cache_the_kv_it_replaces(mode):
         assert all(o.weight_versions[-1] == 1 for o in outs)
 
 
+def test_prefix_cache_max_age_reuses_kv_up_to_that_many_updates_old():
+    """With prefix_cache_max_age 2, KV computed before one or two updates is reused and the third update empties
+    the cache; a request running across that update is never shared afterwards, one running across an update that
+    kept the cache is."""
+    prompt, other = prompts(2, 512, 30, 31, seed=11)
+    greedy = SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True)
+    with Engine("tiny", EngineConfig(page_size=4, prefix_cache_max_age=2)) as engine:
+        async def update(seed):
+            await engine.load_paused(_perturbed_weights(engine.model, seed).items(), None, "in_place")
+
+        async def across_update(p, seed):  # a request running while an update lands in place
+            task = asyncio.create_task(engine.generate(p, LONG))
+            await _wait_tokens(engine, (await engine.get_stats()).generated_tokens + 5)
+            await update(seed)
+            return await task
+
+        async def go():
+            await engine.generate(prompt, greedy)
+            hits = []
+            for seed in (20, 21):  # ages 1 and 2: kept
+                await update(seed)
+                hits.append((await engine.generate(prompt, greedy)).cached_tokens)
+            kept = await across_update(other, 22)  # age 3: emptied, with `other` running
+            hits.append((await engine.generate(prompt, greedy)).cached_tokens)
+            hits.append((await engine.generate(other + kept.output_ids, greedy)).cached_tokens)
+            running = await across_update(other[:-1], 23)  # age 1: kept, with it running
+            hits.append((await engine.generate(other[:-1] + running.output_ids, greedy)).cached_tokens)
+            return hits
+
+        hits = asyncio.run(go())
+    assert hits[:2] == [len(prompt) - 1] * 2  # all but the last token, which is computed to sample
+    assert hits[2:4] == [0, 0]
+    assert hits[4] > len(other)
+
+
 def test_abort_and_cancellation_free_pages():
     with Engine("tiny") as engine:
         async def go():

@@ -4,10 +4,12 @@ Every call from the caller's side only validates and enqueues a command; all eng
 the engine thread alone, so the caller's event loop never blocks on the engine and commands (pause,
 weight updates, aborts) are ordered with steps. Many concurrent `generate` calls batch together.
 
-Weight updates and the prefix cache: `update_weights` is allowed only while paused. It always empties
-the prefix cache, so no request ever reuses KV computed with older weights. Requests frozen by
-`pause("in_place")` keep their own old KV (the documented trade-off: their next tokens attend to KV of
-the previous weights) and never share it with anyone.
+Weight updates and the prefix cache: `update_weights` is allowed only while paused. By default it empties
+the prefix cache, so no request reuses KV computed with older weights; requests frozen by `pause("in_place")` keep
+their own old KV (the documented trade-off: their next tokens attend to KV of the previous weights) and never
+share it with anyone. With `prefix_cache_max_age` N > 0 the cache is emptied only when an update would leave KV
+in it (or in a running request that may share it) computed more than N updates ago: KV up to N updates old is
+reused, as PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the stale computation.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.distributed.watchdog import Watchdog
 from tandem.engine.host_tier import HostTier
-from tandem.engine.kv_pool import KVPool
+from tandem.engine.kv_pool import KVPool, plan_kv_pages
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.radix_cache import PrefixLog, RadixCache
 from tandem.engine.request import Request, Status, validate_request
@@ -51,20 +53,6 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 def _check_pause_mode(mode) -> None:
     if mode not in PAUSE_MODES:
         raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")
-
-
-def plan_kv_pages(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
-    """Pages that fit in `kv_memory_fraction` of the GPU memory free after the weights (the rest is left for
-    activations, CUDA graphs and the sampler)."""
-    if not engine_config.device.startswith("cuda"):
-        raise ValueError("engine config: num_pages 0 (size from free memory) needs a CUDA device")
-    free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
-    per_page = (2 * config.num_hidden_layers * engine_config.page_size * config.num_key_value_heads
-                * config.head_dim * dtype.itemsize)
-    num_pages = int(free * engine_config.kv_memory_fraction) // per_page - 1  # minus the scratch page
-    log.info("KV pool: %d pages of %d tokens (%.1f GiB of %.1f GiB free)", num_pages, engine_config.page_size,
-             num_pages * per_page / 2**30, free / 2**30)
-    return num_pages
 
 
 class EngineError(RuntimeError):
@@ -124,6 +112,7 @@ class Engine:
                  f" GiB, {self.tier.policy})" if self.tier else "")
         self.runner = ModelRunner(self.model, self.pool, self.max_context_len, self.config)
         self.weight_version = 0
+        self._cache_age = 0  # weight updates since the prefix cache was last emptied
         self.paused: PauseMode | None = None
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         self._requests: dict[str, Request] = {}
@@ -454,11 +443,10 @@ class Engine:
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
         self.loader.load(named.items())  # checks every tensor before it loads any
-        for req in self.scheduler.running:  # frozen in place: their KV is from the old weights
-            req.kv_stale = True
-        if self.cache is not None:
-            self.cache.reset()
-        self.ideal.reset()  # nothing computed before is reusable now
+        self._cache_age += 1
+        if self._cache_age > self.config.prefix_cache_max_age:  # the KV computed before is too old to reuse
+            self._mark_stale()
+            self._empty_cache()
         self.stats.weight_version = self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
@@ -467,8 +455,8 @@ class Engine:
         if mode != "in_place":  # in place, the copies queue behind the step in flight; its tokens keep their version
             self._drain()
         if not already_paused:
-            for req in self.scheduler.running:  # KV of the weights being replaced: retracting or aborting must not
-                req.kv_stale = True  # insert it into the prefix cache, which the update empties anyway
+            if self._cache_age + 1 > self.config.prefix_cache_max_age:  # the update empties the cache: retracting
+                self._mark_stale()  # or aborting must not insert KV of the weights being replaced
             self._pause(mode)
         try:
             self._update_weights(named, version)
@@ -481,9 +469,17 @@ class Engine:
         if holders := len(self.scheduler.running):
             raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
                               "or pause with mode abort/retract first")
+        self._empty_cache()
+
+    def _mark_stale(self) -> None:
+        for req in self.scheduler.running:  # (frozen in place: they keep it, and never share it)
+            req.kv_stale = True
+
+    def _empty_cache(self) -> None:
         if self.cache is not None:
             self.cache.reset()
-        self.ideal.reset()
+        self.ideal.reset()  # nothing computed before is reusable now
+        self._cache_age = 0
 
     def _snapshot(self) -> EngineStats:
         s, sched = self.stats, self.scheduler

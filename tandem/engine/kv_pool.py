@@ -8,9 +8,13 @@ free list when its last reference is dropped.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from tandem.config import ModelConfig
+from tandem.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
 
 
 class PageAllocator:
@@ -73,3 +77,17 @@ class KVPool(PageAllocator):
         table = torch.tensor(pages, dtype=torch.long)
         slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
         return slots.to(device or self.k_cache.device, non_blocking=True)
+
+
+def plan_kv_pages(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:
+    """Pages that fit in `kv_memory_fraction` of the GPU memory free after the weights (the rest is left for
+    activations, CUDA graphs and the sampler)."""
+    if not engine_config.device.startswith("cuda"):
+        raise ValueError("engine config: num_pages 0 (size from free memory) needs a CUDA device")
+    free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
+    per_page = (2 * config.num_hidden_layers * engine_config.page_size * config.num_key_value_heads
+                * config.head_dim * dtype.itemsize)
+    num_pages = int(free * engine_config.kv_memory_fraction) // per_page - 1  # minus the scratch page
+    log.info("KV pool: %d pages of %d tokens (%.1f GiB of %.1f GiB free)", num_pages, engine_config.page_size,
+             num_pages * per_page / 2**30, free / 2**30)
+    return num_pages
