@@ -257,7 +257,7 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
         stats = group.receiver.last_stats
         return {"success": True, "message": f"loaded {stats.num_tensors} tensors from weight group {name!r}",
                 "weight_version": sent_version, "transfer_s": stats.seconds, "pause_s": pause_s,
-                "num_bytes": stats.num_bytes, "num_buckets": stats.num_buckets}
+                "num_bytes": stats.num_bytes, "num_buckets": stats.num_buckets, "receive_phases": stats.phases}
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request):

@@ -406,8 +406,11 @@ class DistReceiver(_DistEnd, WeightReceiver):
         tensors: dict[str, Tensor] = {}
         num_bytes = 0
         receiving: list[tuple[dist.Work, int]] = []  # started, not yet waited for (the sender has them queued)
+        phases = dict.fromkeys(["hello", "metadata", "post", "land", "ack"], 0.0)
+        t = phases["hello"] = time.perf_counter() - t0
         for index in itertools.count():
             meta = self._meta(None, index)
+            phases["metadata"] += -t + (t := time.perf_counter() - t0)
             if meta.error is not None:
                 self._land(receiving)  # what was sent before the error: the group stays in step
                 raise TransportError(f"weights (rank {self.rank}): {self._who([0])} aborted the transfer of "
@@ -420,12 +423,15 @@ class DistReceiver(_DistEnd, WeightReceiver):
                 receiving.append((self._start_broadcast(flat_N, self.data, "data", index), index))
             tensors.update(_unflatten(meta, flat_N))
             num_bytes += flat_N.numel() * flat_N.element_size()
+            phases["post"] += -t + (t := time.perf_counter() - t0)  # allocating, starting, unflattening
             if meta.is_last:
                 break
         self._land(receiving)
         if self.stream is not None:
             self.stream.synchronize()
+        phases["land"] = -t + (t := time.perf_counter() - t0)
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
+        phases["ack"] = time.perf_counter() - t0 - t
         self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors),
-                                        time.perf_counter() - t0)
+                                        time.perf_counter() - t0, phases=phases)
         return meta.weight_version, tensors

@@ -12,7 +12,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -32,7 +32,8 @@ class TransportError(RuntimeError):
 @dataclass
 class TransferStats:
     """One transfer as one end saw it; `seconds` from the hello to the last acknowledgement, of which `wait_s`
-    waiting for the other end(s) to start (the sender: until every engine said hello)."""
+    waiting for the other end(s) to start (the sender: until every engine said hello). `phases`: where a
+    receiver's time went (seconds by phase, in order), where it knows."""
 
     version: int
     num_bytes: int
@@ -40,6 +41,7 @@ class TransferStats:
     num_tensors: int
     seconds: float
     wait_s: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def gb_per_s(self) -> float:
