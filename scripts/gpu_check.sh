@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
-#                        [async17b] [prefill] [graphs] [staleness] [learn] [shared] [pause] [sync8b] [buckets]
-# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, learn, sync8b and
-# buckets need two GPUs).
+#                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
+#                        [sync06b] [buckets]
+# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
+# and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -66,6 +67,10 @@ for part in $parts; do
         shared) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement shared --steps 10 --warmup 2 --staleness 2 \
                    --pause-modes retract in_place ;;
+        kv_reuse) timeout 400 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2 4 \
+                   --pause-modes in_place --cache-max-ages 0 2 ;;
+        sync06b) timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
         learn) timeout 150 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --task target_tokens --steps 16 --warmup 2 \
                    --staleness 2 --pause-modes in_place ;;
