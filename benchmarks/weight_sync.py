@@ -10,8 +10,8 @@ would not fit one GPU (8B: 16 GB of weights, 128 GB with fp32 masters and Adam) 
 outputs, random prompts) through every sync, so the transfer competes with the engine's loop as in a run.
 Prints, per sync: the transfer (until the engine holds every bucket), of it the wait for the engine's HTTP call,
 the same transfer as the engine's receiver timed it (its hello to its last bucket) and where that went (the hello;
-waiting for each bucket's metadata; allocating, starting and unflattening each bucket; waiting for the data to land;
-the acknowledgement), the pause (generation
+waiting for each bucket's metadata; allocating and starting each bucket; the tensors' views and waiting for the
+data to land; the acknowledgement), the pause (generation
 excluded), the sync as the trainer waited for it, and the rest of that wait (the sync less the transfer and the
 pause: the engine's thread hops and its HTTP reply).
 """

@@ -406,6 +406,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
         tensors: dict[str, Tensor] = {}
         num_bytes = 0
         receiving: list[tuple[dist.Work, int]] = []  # started, not yet waited for (the sender has them queued)
+        posted: list[tuple[BucketMeta, Tensor]] = []
         phases = dict.fromkeys(["hello", "metadata", "post", "land", "ack"], 0.0)
         t = phases["hello"] = time.perf_counter() - t0
         for index in itertools.count():
@@ -421,11 +422,13 @@ class DistReceiver(_DistEnd, WeightReceiver):
             flat_N = torch.empty(meta.numel, dtype=dtype, device=self.device)
             if meta.numel:
                 receiving.append((self._start_broadcast(flat_N, self.data, "data", index), index))
-            tensors.update(_unflatten(meta, flat_N))
+            posted.append((meta, flat_N))
             num_bytes += flat_N.numel() * flat_N.element_size()
-            phases["post"] += -t + (t := time.perf_counter() - t0)  # allocating, starting, unflattening
+            phases["post"] += -t + (t := time.perf_counter() - t0)  # allocating, starting
             if meta.is_last:
                 break
+        for bucket_meta, flat_N in posted:  # views of every bucket while the data lands, not between buckets: the
+            tensors.update(_unflatten(bucket_meta, flat_N))  # sender's next metadata waits for this end's thread
         self._land(receiving)
         if self.stream is not None:
             self.stream.synchronize()
