@@ -9,11 +9,12 @@ would not fit one GPU (8B: 16 GB of weights, 128 GB with fp32 masters and Adam) 
 "trainer" is cuda:0 and the engine cuda:1; on a CPU both use gloo. `--busy N`: N requests keep generating (long
 outputs, random prompts) through every sync, so the transfer competes with the engine's loop as in a run.
 Prints, per sync: the transfer (until the engine holds every bucket), of it the wait for the engine's HTTP call,
+and where the trainer's side went (the hello; gathering and flattening buckets; their metadata; starting their data;
+waiting for a bucket's data before its memory is reused; the last buckets' data; the engines' confirmation),
 the same transfer as the engine's receiver timed it (its hello to its last bucket) and where that went (the hello;
 waiting for each bucket's metadata; allocating and starting each bucket; the tensors' views and waiting for the
-data to land; the acknowledgement), the pause (generation
-excluded), the sync as the trainer waited for it, and the rest of that wait (the sync less the transfer and the
-pause: the engine's thread hops and its HTTP reply).
+data to land; the acknowledgement), the pause (generation excluded), the sync as the trainer waited for it, and the
+rest of that wait (the sync less the transfer and the pause: the engine's thread hops and its HTTP reply).
 """
 
 from __future__ import annotations
@@ -85,13 +86,15 @@ def main() -> None:
     torch.manual_seed(0)
     named = [(name, torch.randn(shape, device=trainer_device, dtype=dtype) * 0.02) for name, shape, _ in shapes]
     stats, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
-    print("| sync | transfer ms (waiting for the engine) | the engine's receive ms | of it: hello, metadata, post, "
-          "land, ack ms | GB/s | pause ms | sync ms | rest ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| sync | transfer ms (waiting for the engine) | of it: hello, flatten, metadata, post, reuse, land, done "
+          "ms | the engine's receive ms | of it: hello, metadata, post, land, ack ms | GB/s | pause ms | sync ms | "
+          "rest ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for i, s in enumerate(stats, 1):
         receive = "-" if s.receive_s is None else f"{1e3 * s.receive_s:.1f}"  # (unknown for weight_transport=ipc)
-        phases = ", ".join(f"{1e3 * v:.1f}" for v in (s.receive_phases or {}).values()) or "-"
-        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {receive} | {phases} | "
+        sent, received = (", ".join(f"{1e3 * v:.1f}" for v in (p or {}).values()) or "-"
+                          for p in (s.send_phases, s.receive_phases))
+        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {sent} | {receive} | {received} | "
               f"{s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | {1e3 * s.sync_s:.1f} | "
               f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} |")
     median = statistics.median(s.transfer_s for s in stats)

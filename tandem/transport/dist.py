@@ -333,14 +333,22 @@ class DistSender(_DistEnd, WeightSender):
         wait_s = time.perf_counter() - t0
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
+        # where the time went: the hello, gathering and flattening buckets, their metadata, starting their data,
+        # waiting for the data of the one before last (its memory is reused), the last ones' data, the confirmation
+        phases = dict.fromkeys(["hello", "flatten", "metadata", "post", "reuse", "land", "done"], 0.0)
+        t = phases["hello"] = wait_s
         try:
             # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
             # overlap the broadcast in flight
             for bucket, is_last in _mark_last(_buckets(named_tensors, self.bucket_bytes)):
+                phases["flatten"] += -t + (t := time.perf_counter() - t0)
                 self._land(in_flight, keep=1)  # the one before the last: its memory goes to the next flat bucket
+                phases["reuse"] += -t + (t := time.perf_counter() - t0)
                 meta = BucketMeta(num_buckets, version, is_last=is_last)
                 flat_N = _flatten(bucket, meta, self.device)
+                phases["flatten"] += -t + (t := time.perf_counter() - t0)
                 self._meta(meta, num_buckets)
+                phases["metadata"] += -t + (t := time.perf_counter() - t0)
                 if meta.numel:
                     in_flight.append((self._start_broadcast(flat_N, self.data, "data", num_buckets), flat_N,
                                       num_buckets))
@@ -348,7 +356,9 @@ class DistSender(_DistEnd, WeightSender):
                         self._land(in_flight)
                 num_buckets, num_tensors = num_buckets + 1, num_tensors + len(bucket)
                 num_bytes += flat_N.numel() * flat_N.element_size()
+                phases["post"] += -t + (t := time.perf_counter() - t0)
             self._land(in_flight)
+            phases["land"] = -t + (t := time.perf_counter() - t0)
         except TransportError:
             raise
         except Exception as e:
@@ -357,7 +367,8 @@ class DistSender(_DistEnd, WeightSender):
             self._meta(BucketMeta(num_buckets, version, is_last=True, error=f"{type(e).__name__}: {e}"), num_buckets)
             raise
         self._gather(DONE, "confirm the transfer")
-        return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0, wait_s)
+        phases["done"] = time.perf_counter() - t0 - t
+        return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0, wait_s, phases)
 
     def _gather(self, tag: int, what: str) -> None:
         """One message from every receiver, all within one timeout; names every rank that did not send."""

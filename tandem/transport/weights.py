@@ -32,8 +32,8 @@ class TransportError(RuntimeError):
 @dataclass
 class TransferStats:
     """One transfer as one end saw it; `seconds` from the hello to the last acknowledgement, of which `wait_s`
-    waiting for the other end(s) to start (the sender: until every engine said hello). `phases`: where a
-    receiver's time went (seconds by phase, in order), where it knows."""
+    waiting for the other end(s) to start (the sender: until every engine said hello). `phases`: where
+    this end's time went (seconds by phase, in order), where the transport times it."""
 
     version: int
     num_bytes: int
