@@ -5,6 +5,7 @@ in-process hand-off."""
 import hashlib
 import queue
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -115,11 +116,14 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
                     aborted = failure(e, t0)
                 before = digest(model.named_parameters())
                 calls = count_broadcasts(receiver)
+                inner, switch = receiver._receive, []
+                receiver._receive = lambda: switch.append(sys.getswitchinterval()) or inner()
                 version, tensors = receiver.receive()
+                switch.append(sys.getswitchinterval())
                 load_weights(model, tensors.items(), strict=True)
                 results.put((1, {"aborted": aborted, "version": version, "received": digest(tensors.items()),
                                  "before": before, "after": digest(model.named_parameters()),
-                                 "stats": receiver.last_stats, "calls": calls}))
+                                 "stats": receiver.last_stats, "calls": calls, "switch": switch}))
     except BaseException as e:
         results.put((rank, failure(e, 0.0)))
 
@@ -160,6 +164,8 @@ def test_dist_roundtrip_is_bit_identical_and_bucketed(meta_frame):
     frames = 1 if meta_frame == "fits" else 2
     expected = {"metadata": frames * stats.num_buckets, "data": stats.num_buckets}
     assert dict(sent["calls"]) == expected and dict(got["calls"]) == expected
+    # the receiving thread gets the GIL within a short switch interval while it receives, the default after
+    assert got["switch"] == pytest.approx([transport_dist.RECEIVE_SWITCH_S, sys.getswitchinterval()])
 
 
 def timeout_worker(rank: int, results, ports: list[int], events: list):
