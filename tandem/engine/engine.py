@@ -412,8 +412,7 @@ class Engine:
         req.finish_reason = reason
         self._requests.pop(req.rid, None)
         self.stats.num_finished += 1
-        if reason.type == "abort":
-            self.stats.num_aborted += 1
+        self.stats.num_aborted += reason.type == "abort"
         if req.future is not None and not req.future.done():
             req.future.set_result(req.output(self.weight_version))
 
@@ -443,10 +442,11 @@ class Engine:
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
         self.loader.load(named.items())  # checks every tensor before it loads any
-        self._cache_age += 1
-        if self._cache_age > self.config.prefix_cache_max_age:  # the KV computed before is too old to reuse
+        if self._update_empties_cache():
             self._mark_stale()
             self._empty_cache()
+        else:
+            self._cache_age += 1
         self.stats.weight_version = self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
@@ -455,8 +455,8 @@ class Engine:
         if mode != "in_place":  # in place, the copies queue behind the step in flight; its tokens keep their version
             self._drain()
         if not already_paused:
-            if self._cache_age + 1 > self.config.prefix_cache_max_age:  # the update empties the cache: retracting
-                self._mark_stale()  # or aborting must not insert KV of the weights being replaced
+            if self._update_empties_cache():  # retracting or aborting must not insert KV of the weights replaced
+                self._mark_stale()
             self._pause(mode)
         try:
             self._update_weights(named, version)
@@ -470,6 +470,10 @@ class Engine:
             raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
                               "or pause with mode abort/retract first")
         self._empty_cache()
+
+    def _update_empties_cache(self) -> bool:
+        """Whether the next weight update would age the KV computed before it past `prefix_cache_max_age`."""
+        return self._cache_age + 1 > self.config.prefix_cache_max_age
 
     def _mark_stale(self) -> None:
         for req in self.scheduler.running:  # (frozen in place: they keep it, and never share it)
