@@ -174,6 +174,7 @@ BAD_CONTROL = [
     ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]},
      "names: tandem's sender puts"),
     ("/update_weights_from_distributed", {"pause_mode": "nap"}, "pause_mode: must be one of"),
+    ("/update_weights_from_distributed", {"flush_cache": False}, "flush_cache: the engine's prefix_cache_max_age"),
     ("/destroy_weights_update_group", {"group_name": "g"}, "group_name: no weight group 'g'"),
 ]
 

@@ -236,7 +236,8 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
                 raise ValueError(f"{key}: tandem's sender puts each bucket's names, dtypes and shapes in the group; "
                                  "omit them")
         if body.get("flush_cache", True) is not True:
-            raise ValueError("flush_cache: a weight update always empties the prefix cache; omit it or send true")
+            raise ValueError("flush_cache: the engine's prefix_cache_max_age decides which updates empty the prefix "
+                             "cache; omit it or send true")
         version, mode = body.get("weight_version"), body.get("pause_mode", "retract")
         if version is not None and (not isinstance(version, int) or isinstance(version, bool)):
             raise ValueError(f"weight_version: must be an integer, got {version!r}")
