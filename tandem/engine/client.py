@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import urllib.error
 import urllib.request
 
 import aiohttp
+import pydantic_core
 
 from tandem.config import ModelConfig
 from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
+
+JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class EngineClientError(RuntimeError):
@@ -123,7 +125,9 @@ class EngineClient:
         what = f"{method} {path}"
         timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s, sock_read=timeout_s)
         try:
-            async with self._client().request(method, self.url + path, json=body, timeout=timeout) as reply:
+            data = None if body is None else pydantic_core.to_json(body)  # (Rust: see tandem.server.http._json)
+            async with self._client().request(method, self.url + path, data=data, timeout=timeout,
+                                              headers=JSON_HEADERS if data is not None else None) as reply:
                 status, content = reply.status, await reply.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._unreachable(what, e) from e
@@ -134,9 +138,9 @@ class EngineClient:
 
     def _check(self, what: str, status: int, content: bytes) -> dict:
         if status == 200:
-            return json.loads(content) if content else {}
+            return pydantic_core.from_json(content) if content else {}
         try:
-            message = json.loads(content)["error"]["message"]
+            message = pydantic_core.from_json(content)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = content[:500].decode(errors="replace")
         if status == 400:
