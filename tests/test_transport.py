@@ -104,8 +104,12 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
                 with pytest.raises(ValueError, match="given twice"):
                     sender.send(bad(), version=6)
                 calls = count_broadcasts(sender)
+                inner, switch = sender._send, []
+                sender._send = lambda *args: switch.append(sys.getswitchinterval()) or inner(*args)
                 stats = sender.send(model.named_parameters(), version=7)
-                results.put((0, {"stats": stats, "calls": calls, "digest": digest(model.named_parameters())}))
+                switch.append(sys.getswitchinterval())
+                results.put((0, {"stats": stats, "calls": calls, "digest": digest(model.named_parameters()),
+                                 "switch": switch}))
         else:
             with DistReceiver(init, 2, rank, timeout_s=30, label=ENGINE_LABEL) as receiver:
                 t0 = time.monotonic()
@@ -164,8 +168,9 @@ def test_dist_roundtrip_is_bit_identical_and_bucketed(meta_frame):
     frames = 1 if meta_frame == "fits" else 2
     expected = {"metadata": frames * stats.num_buckets, "data": stats.num_buckets}
     assert dict(sent["calls"]) == expected and dict(got["calls"]) == expected
-    # the receiving thread gets the GIL within a short switch interval while it receives, the default after
-    assert got["switch"] == pytest.approx([transport_dist.RECEIVE_SWITCH_S, sys.getswitchinterval()])
+    # both ends' threads get the GIL within a short switch interval during the transfer, the default after
+    for end in (sent, got):
+        assert end["switch"] == pytest.approx([transport_dist.SWITCH_S, sys.getswitchinterval()])
 
 
 def timeout_worker(rank: int, results, ports: list[int], events: list):

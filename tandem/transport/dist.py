@@ -54,8 +54,8 @@ HELLO, DONE = 1, 2  # point-to-point tags on the control group
 POLL_S = 5e-5  # how often a wait for a bucket's data checks whether it has landed
 META_BYTES = 64 << 10  # a bucket's metadata frame: its length and up to this much JSON (~700 tensors) in one broadcast
 MAX_META_BYTES = 1 << 30  # a longer metadata length is a corrupt frame
-# the interpreter's thread switch interval while a receiver receives (Python's default: 5 ms); see `DistReceiver`
-RECEIVE_SWITCH_S = 2e-4
+# the interpreter's thread switch interval during a transfer, at both ends (Python's default: 5 ms); see `_switching`
+SWITCH_S = 2e-4
 
 
 # ---- buckets ---------------------------------------------------------------------------------------------------
@@ -144,6 +144,21 @@ def _dtype(name: str) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise TransportError(f"weights: unknown dtype {name!r} in bucket metadata", ranks=(0,))
     return dtype
+
+
+@contextlib.contextmanager
+def _switching() -> Iterator[None]:
+    """The process's thread switch interval at `SWITCH_S` for the block. A transfer's thread wakes about ten times (the
+    hello, each bucket's metadata, the landing, the acknowledgement), and each time it needs the GIL, which another
+    thread may hold: an engine's while it builds steps, a trainer's event loop while it runs the agents. At Python's
+    5 ms each wake-up may wait that long. (Two H200s, 64 requests generating, a 0.6B transfer's median: 10.1 ms
+    without, 9.3-9.9 ms with it on the receiving end only; 7.4 ms with 0.2 ms all the time in both processes.)"""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(min(previous, SWITCH_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(previous)
 
 
 # ---- torch.distributed -----------------------------------------------------------------------------------------
@@ -331,6 +346,10 @@ class DistSender(_DistEnd, WeightSender):
 
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         self._begin()
+        with _switching():
+            return self._send(named_tensors, version)
+
+    def _send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         t0 = time.perf_counter()
         self._gather(HELLO, "start receiving")
         wait_s = time.perf_counter() - t0
@@ -410,19 +429,9 @@ class DistReceiver(_DistEnd, WeightReceiver):
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     def receive(self) -> tuple[int, dict[str, Tensor]]:
-        """Receive one transfer. Meanwhile the process's thread switch interval is `RECEIVE_SWITCH_S`: the receiving
-        thread wakes about ten times a transfer (the hello, each bucket's metadata, the landing, the acknowledgement),
-        and each time it needs the GIL, which an engine's thread holds while it builds steps. At Python's 5 ms each
-        wake-up may wait that long. (Two H200s, 64 requests generating, a 0.6B transfer's median: 10.1 ms without,
-        9.3-9.9 ms with; 7.4 ms with 0.2 ms all the time in both processes.)"""
         self._begin()
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(min(previous, RECEIVE_SWITCH_S))
-        try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                return self._receive()
-        finally:
-            sys.setswitchinterval(previous)
+        with _switching(), torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            return self._receive()
 
     def _receive(self) -> tuple[int, dict[str, Tensor]]:
         t0 = time.perf_counter()
