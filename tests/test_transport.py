@@ -104,7 +104,7 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
                 with pytest.raises(ValueError, match="given twice"):
                     sender.send(bad(), version=6)
                 calls = count_broadcasts(sender)
-                inner, switch = sender._send, []
+                inner, switch = sender._send, [sys.getswitchinterval()]
                 sender._send = lambda *args: switch.append(sys.getswitchinterval()) or inner(*args)
                 stats = sender.send(model.named_parameters(), version=7)
                 switch.append(sys.getswitchinterval())
@@ -120,7 +120,7 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
                     aborted = failure(e, t0)
                 before = digest(model.named_parameters())
                 calls = count_broadcasts(receiver)
-                inner, switch = receiver._receive, []
+                inner, switch = receiver._receive, [sys.getswitchinterval()]
                 receiver._receive = lambda: switch.append(sys.getswitchinterval()) or inner()
                 version, tensors = receiver.receive()
                 switch.append(sys.getswitchinterval())
@@ -168,9 +168,23 @@ def test_dist_roundtrip_is_bit_identical_and_bucketed(meta_frame):
     frames = 1 if meta_frame == "fits" else 2
     expected = {"metadata": frames * stats.num_buckets, "data": stats.num_buckets}
     assert dict(sent["calls"]) == expected and dict(got["calls"]) == expected
-    # both ends' threads get the GIL within a short switch interval during the transfer, the default after
+    # both ends' threads get the GIL within a short switch interval during the transfer, as before after it
     for end in (sent, got):
-        assert end["switch"] == pytest.approx([transport_dist.SWITCH_S, sys.getswitchinterval()])
+        before, during, after = end["switch"]
+        assert during == pytest.approx(transport_dist.SWITCH_S) and after == before > during
+
+
+def test_overlapping_transfers_restore_the_switch_interval_when_the_last_ends():
+    """Both ends of a group in one process (or two groups) overlap without nesting: the first to end must not restore
+    the interval under the other, the last must restore the one from before."""
+    before = sys.getswitchinterval()
+    first, second = transport_dist._switching(), transport_dist._switching()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == pytest.approx(transport_dist.SWITCH_S)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
 
 
 def timeout_worker(rank: int, results, ports: list[int], events: list):

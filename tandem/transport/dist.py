@@ -30,6 +30,7 @@ import itertools
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, fields
@@ -146,19 +147,35 @@ def _dtype(name: str) -> torch.dtype:
     return dtype
 
 
-@contextlib.contextmanager
-def _switching() -> Iterator[None]:
-    """The process's thread switch interval at `SWITCH_S` for the block. A transfer's thread wakes about ten times (the
-    hello, each bucket's metadata, the landing, the acknowledgement), and each time it needs the GIL, which another
-    thread may hold: an engine's while it builds steps, a trainer's event loop while it runs the agents. At Python's
-    5 ms each wake-up may wait that long. (Two H200s, 64 requests generating, a 0.6B transfer's median: 10.1 ms
-    without, 9.3-9.9 ms with it on the receiving end only; 7.4 ms with 0.2 ms all the time in both processes.)"""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, SWITCH_S))
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
+class _Switching:
+    """`with _switching():` keeps the process's thread switch interval at `SWITCH_S` while any transfer of the
+    process runs (transfers may overlap: both ends in one process, several groups), then restores it. A transfer's
+    thread wakes about ten times (the hello, each bucket's metadata, the landing, the acknowledgement), and each time
+    it needs the GIL, which another thread may hold: an engine's while it builds steps, a trainer's event loop while
+    it runs the agents. At Python's 5 ms each wake-up may wait that long. (Two H200s, 64 requests generating, a 0.6B
+    transfer's median: 10.1 ms without, 9.3-9.9 ms with it on the receiving end only; 7.4 ms with 0.2 ms all the time
+    in both processes.)"""
+
+    def __init__(self):
+        self.lock, self.users, self.saved = threading.Lock(), 0, 0.0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self.lock:
+            if not self.users:
+                self.saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.saved, SWITCH_S))
+            self.users += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.users -= 1
+                if not self.users:
+                    sys.setswitchinterval(self.saved)
+
+
+_switching = _Switching()
 
 
 # ---- torch.distributed -----------------------------------------------------------------------------------------
