@@ -178,6 +178,24 @@ class _Switching:
 _switching = _Switching()
 
 
+class _Laps:
+    """Where one end's transfer time went: `lap(phase)` adds the time since the previous lap (or the start) to
+    `phase`; `phases` in the order given, `seconds` since the start."""
+
+    def __init__(self, *phases: str):
+        self.phases = dict.fromkeys(phases, 0.0)
+        self.start = self.last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase] += now - self.last
+        self.last = now
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+
 # ---- torch.distributed -----------------------------------------------------------------------------------------
 
 
@@ -367,27 +385,25 @@ class DistSender(_DistEnd, WeightSender):
             return self._send(named_tensors, version)
 
     def _send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
-        t0 = time.perf_counter()
+        # the hello, gathering and flattening buckets, their metadata, starting their data, waiting for the data of
+        # the one before last (its memory is reused), the last ones' data, the confirmation
+        laps = _Laps("hello", "flatten", "metadata", "post", "reuse", "land", "done")
         self._gather(HELLO, "start receiving")
-        wait_s = time.perf_counter() - t0
+        laps.lap("hello")
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
-        # where the time went: the hello, gathering and flattening buckets, their metadata, starting their data,
-        # waiting for the data of the one before last (its memory is reused), the last ones' data, the confirmation
-        phases = dict.fromkeys(["hello", "flatten", "metadata", "post", "reuse", "land", "done"], 0.0)
-        t = phases["hello"] = wait_s
         try:
             # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
             # overlap the broadcast in flight
             for bucket, is_last in _mark_last(_buckets(named_tensors, self.bucket_bytes)):
-                phases["flatten"] += -t + (t := time.perf_counter() - t0)
+                laps.lap("flatten")
                 self._land(in_flight, keep=1)  # the one before the last: its memory goes to the next flat bucket
-                phases["reuse"] += -t + (t := time.perf_counter() - t0)
+                laps.lap("reuse")
                 meta = BucketMeta(num_buckets, version, is_last=is_last)
                 flat_N = _flatten(bucket, meta, self.device)
-                phases["flatten"] += -t + (t := time.perf_counter() - t0)
+                laps.lap("flatten")
                 self._meta(meta, num_buckets)
-                phases["metadata"] += -t + (t := time.perf_counter() - t0)
+                laps.lap("metadata")
                 if meta.numel:
                     in_flight.append((self._start_broadcast(flat_N, self.data, "data", num_buckets), flat_N,
                                       num_buckets))
@@ -395,9 +411,9 @@ class DistSender(_DistEnd, WeightSender):
                         self._land(in_flight)
                 num_buckets, num_tensors = num_buckets + 1, num_tensors + len(bucket)
                 num_bytes += flat_N.numel() * flat_N.element_size()
-                phases["post"] += -t + (t := time.perf_counter() - t0)
+                laps.lap("post")
             self._land(in_flight)
-            phases["land"] = -t + (t := time.perf_counter() - t0)
+            laps.lap("land")
         except TransportError:
             raise
         except Exception as e:
@@ -406,8 +422,9 @@ class DistSender(_DistEnd, WeightSender):
             self._meta(BucketMeta(num_buckets, version, is_last=True, error=f"{type(e).__name__}: {e}"), num_buckets)
             raise
         self._gather(DONE, "confirm the transfer")
-        phases["done"] = time.perf_counter() - t0 - t
-        return TransferStats(version, num_bytes, num_buckets, num_tensors, time.perf_counter() - t0, wait_s, phases)
+        laps.lap("done")
+        return TransferStats(version, num_bytes, num_buckets, num_tensors, laps.seconds, laps.phases["hello"],
+                             laps.phases)
 
     def _gather(self, tag: int, what: str) -> None:
         """One message from every receiver, all within one timeout; names every rank that did not send."""
@@ -451,17 +468,16 @@ class DistReceiver(_DistEnd, WeightReceiver):
             return self._receive()
 
     def _receive(self) -> tuple[int, dict[str, Tensor]]:
-        t0 = time.perf_counter()
+        laps = _Laps("hello", "metadata", "post", "land", "ack")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
+        laps.lap("hello")
         tensors: dict[str, Tensor] = {}
         num_bytes = 0
         receiving: list[tuple[dist.Work, int]] = []  # started, not yet waited for (the sender has them queued)
         posted: list[tuple[BucketMeta, Tensor]] = []
-        phases = dict.fromkeys(["hello", "metadata", "post", "land", "ack"], 0.0)
-        t = phases["hello"] = time.perf_counter() - t0
         for index in itertools.count():
             meta = self._meta(None, index)
-            phases["metadata"] += -t + (t := time.perf_counter() - t0)
+            laps.lap("metadata")
             if meta.error is not None:
                 self._land(receiving)  # what was sent before the error: the group stays in step
                 raise TransportError(f"weights (rank {self.rank}): {self._who([0])} aborted the transfer of "
@@ -474,7 +490,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
                 receiving.append((self._start_broadcast(flat_N, self.data, "data", index), index))
             posted.append((meta, flat_N))
             num_bytes += flat_N.numel() * flat_N.element_size()
-            phases["post"] += -t + (t := time.perf_counter() - t0)  # allocating, starting
+            laps.lap("post")  # allocating, starting
             if meta.is_last:
                 break
         for bucket_meta, flat_N in posted:  # views of every bucket while the data lands, not between buckets: the
@@ -482,9 +498,9 @@ class DistReceiver(_DistEnd, WeightReceiver):
         self._land(receiving)
         if self.stream is not None:
             self.stream.synchronize()
-        phases["land"] = -t + (t := time.perf_counter() - t0)
+        laps.lap("land")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
-        phases["ack"] = time.perf_counter() - t0 - t
-        self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors),
-                                        time.perf_counter() - t0, phases=phases)
+        laps.lap("ack")
+        self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors), laps.seconds,
+                                        phases=laps.phases)
         return meta.weight_version, tensors
