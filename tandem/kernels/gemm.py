@@ -52,9 +52,9 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
             x, w = x.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(x, tl.trans(w))
     out = (rows[:, None] < M) & (cols[None, :] < N)
-    y_ptrs, dtype = y_ptr + rows[:, None] * stride_ym + cols[None, :], y_ptr.dtype.element_ty
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     if SPLIT_K == 1:
-        tl.store(y_ptrs, _round(acc, dtype, INTERPRET), mask=out)
+        tl.store(y_ptrs, _round(acc, y_ptr.dtype.element_ty, INTERPRET), mask=out)
     else:
         tile = rows[:, None] * N + cols[None, :]
         tl.store(part_ptr + pid_k * M * N + tile, acc, mask=out)
@@ -64,7 +64,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm,
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in range(SPLIT_K):
                 total += tl.load(part_ptr + s * M * N + tile, mask=out, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptrs, _round(total, dtype, INTERPRET), mask=out)
+            tl.store(y_ptrs, _round(total, y_ptr.dtype.element_ty, INTERPRET), mask=out)
             tl.atomic_xchg(count_ptr + pid_n, 0)
 
 
