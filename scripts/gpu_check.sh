@@ -75,7 +75,7 @@ for part in $parts; do
                    --model qwen3-0.6b --placement separate --task target_tokens --steps 16 --warmup 2 \
                    --staleness 2 --pause-modes in_place ;;
         gemm) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemm.py tests/test_fused_model.py \
-                  tests/test_engine_gpu.py -rs &&
+                  tests/test_engine_gpu.py -rs
               timeout 200 python3 benchmarks/decode_gemm.py --rows 1 8 16 32 64 &&
               timeout 150 python3 benchmarks/decode_gemm.py --rows 16 --sweep &&
               timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --num-seqs 64 \
