@@ -1,15 +1,12 @@
 """Engine throughput on a GPU, with its references measured in the same run.
 
     python benchmarks/engine_throughput.py [--models qwen3-0.6b qwen3-8b] [--hf] [--num-seqs 256]
-                                           [--gemms triton cublas]
 
 (a) nano-vllm's workload: `--num-seqs` sequences, prompt and output lengths uniform in [100, 1024],
     ignore_eos, random bf16 weights: output tokens per second through `Engine.generate`.
 (b) decode sweep at context 1024, batch 1 / 64 / 256: one decode step (the captured graph) timed with CUDA
     events; achieved bandwidth = (weight bytes + KV bytes read) / step time, against a device-to-device copy
     measured in the same run.
-`--gemms`: run (a) and (b) once per choice of decode's projection GEMMs (`engine.skinny_gemm`: tandem's Triton
-    split-K GEMM, or cuBLAS), one engine after the other in the same run.
 (c) with `--hf`: workload (a) through Hugging Face `generate` (all sequences in one left-padded batch, greedy,
     max_new_tokens = the longest output; only each sequence's requested tokens count), and the ratio.
 """
@@ -112,23 +109,22 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--hf", action="store_true")
-    parser.add_argument("--gemms", nargs="+", default=["triton"], choices=["triton", "cublas"])
     args = parser.parse_args()
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s\n")
     prompts, outputs = workload(args.num_seqs)
-    for name, gemm in [(name, gemm) for name in args.models for gemm in args.gemms]:
+    for name in args.models:
         cfg = PRESETS[name]
         t0 = time.perf_counter()
         engine = Engine(name, EngineConfig(device="cuda", num_pages=0, page_size=16, max_running_requests=256,
-                                           max_prefill_tokens=8192, skinny_gemm=gemm == "triton"), dtype="bfloat16")
+                                           max_prefill_tokens=8192), dtype="bfloat16")
         startup = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
-        print(f"### {name}, decode GEMMs by {gemm}: {weight_bytes / 1e9:.2f} GB of weights, {kv_per_token // 1024} "
-              f"KiB KV per token, {engine.pool.num_pages} pages, start-up (weights, pool, graphs) {startup:.1f} s\n")
+        print(f"### {name}: {weight_bytes / 1e9:.2f} GB of weights, {kv_per_token // 1024} KiB KV per token, "
+              f"{engine.pool.num_pages} pages, start-up (weights, pool, graphs) {startup:.1f} s\n")
         # warm-up on the same workload: Triton compiles a kernel per new constexpr signature (batch-dependent split
         # counts, block sizes), which must not be timed
         asyncio.run(run_workload(engine, prompts, outputs))
@@ -150,7 +146,7 @@ def main() -> None:
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
-        if args.hf and gemm == args.gemms[-1]:
+        if args.hf:
             hf = hf_tokens_per_s(name, prompts, outputs)
             print(f"\n(c) Hugging Face generate, same workload: {hf:,.0f} output tok/s; "
                   f"tandem / HF = {tok_s / hf:.1f}x")

@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
-#                        [sync06b] [buckets] [gemm]
+#                        [sync06b] [buckets]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -26,7 +26,7 @@ for part in $parts; do
         tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
                    tests/test_prefill_kernel.py tests/test_fused_kernels.py tests/test_fused_model.py \
                    tests/test_engine_gpu.py tests/test_host_tier.py tests/test_placement.py tests/test_transport.py \
-                   tests/test_trainer_parallel.py tests/test_gemm.py -rs -s &&
+                   tests/test_trainer_parallel.py -rs -s &&
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
@@ -74,12 +74,6 @@ for part in $parts; do
         learn) timeout 150 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --task target_tokens --steps 16 --warmup 2 \
                    --staleness 2 --pause-modes in_place ;;
-        gemm) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gemm.py tests/test_fused_model.py \
-                  tests/test_engine_gpu.py -rs
-              timeout 200 python3 benchmarks/decode_gemm.py --rows 1 8 16 32 64 &&
-              timeout 150 python3 benchmarks/decode_gemm.py --rows 16 --sweep &&
-              timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --num-seqs 64 \
-                  --batches 1 8 16 32 64 --gemms cublas triton ;;
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"

@@ -153,8 +153,6 @@ class EngineConfig:
     prefill_graph_max_tokens: int = 4096
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
     fused_kernels: bool = True  # on CUDA: Triton attention kernels, fused RMSNorm/RoPE/SiLU (off: PyTorch)
-    # with fused_kernels: projections of up to 64 rows (decode) through tandem's split-K Triton GEMM (off: cuBLAS)
-    skinny_gemm: bool = True
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True

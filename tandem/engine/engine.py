@@ -91,7 +91,7 @@ class Engine:
             self.model = build_model(model, device=self.config.device, dtype=dtype or "float32", seed=seed, tp=tp)
         self.model_config = self.model.config
         if self.config.fused_kernels and next(self.model.parameters()).is_cuda:
-            self.model.use_fused_kernels(self.config.skinny_gemm)
+            self.model.use_fused_kernels()
         self.loader = WeightLoader(self.model)
         self.max_context_len = self.config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())

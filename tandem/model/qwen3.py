@@ -168,22 +168,17 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     fused = None  # tandem.kernels.fused when `use_fused_kernels()` was called (GPU inference)
-    linear = staticmethod(F.linear)  # the fused path's projections
 
-    def use_fused_kernels(self, skinny_gemm: bool = True) -> Qwen3ForCausalLM:
+    def use_fused_kernels(self) -> Qwen3ForCausalLM:
         """Run inference through fused Triton kernels (RMSNorm with the residual add, q/k norm with RoPE,
         SiLU-and-multiply) and fused projections (q, k and v in one matrix multiply, gate and up in another):
         the same maths in a dozen kernels per layer instead of dozens. Each layer's q/k/v weights (and gate/up)
         become views of one concatenated matrix, so loading a parameter by name still writes the matrix the
-        fused path reads. `skinny_gemm`: decode's projections (few rows) through `tandem.kernels.gemm`'s split-K
-        GEMM instead of cuBLAS. For inference: no autograd, and no `.to()` afterwards (it would copy the views
-        apart)."""
-        from tandem.kernels import fused, gemm
+        fused path reads. For inference: no autograd, and no `.to()` afterwards (it would copy the views apart)."""
+        from tandem.kernels import fused
 
         if self.config.head_dim in (64, 128, 256):  # what the q/k-norm + RoPE kernel handles
             self.fused = fused
-            if skinny_gemm:
-                self.linear = gemm.linear
             for layer in self.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
                 attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
@@ -228,14 +223,14 @@ class Qwen3ForCausalLM(nn.Module):
     def _forward_fused(self, input_ids_T, positions_T, ctx):
         """`forward` with the residual stream carried beside the hidden state, as fused kernels want it:
         each norm also adds the sublayer's output into the residual."""
-        f, linear, cfg, eps = self.fused, self.linear, self.config, self.config.rms_norm_eps
+        f, cfg, eps = self.fused, self.config, self.config.rms_norm_eps
         residual = self.model.embed_tokens(input_ids_T)
         layers = self.model.layers
         h = f.rmsnorm(residual, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             T, D = h.shape[0], attn.head_dim
-            q, k, v = linear(h, attn.qkv_weight).split(  # views: the kernels take any row stride
+            q, k, v = F.linear(h, attn.qkv_weight).split(  # views: the kernels take any row stride
                 [attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], dim=-1)
             q, k, v = q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D)
             dest = ctx.kv_destination(attn.layer)  # the keys and values straight into the KV cache, if it has one
@@ -243,11 +238,11 @@ class Qwen3ForCausalLM(nn.Module):
                 dest = None  # (a cache of another dtype: `attend` converts them)
             q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps,
                                   kv_cache=None if dest is None else (v, *dest))
-            o = attn.o_proj(ctx.attend(attn.layer, q, k, v if dest is None else None).reshape(T, -1), linear)
+            o = attn.o_proj(ctx.attend(attn.layer, q, k, v if dest is None else None).reshape(T, -1))
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
-            gate, up = linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
-            out = mlp.down_proj(f.silu_mul(gate, up), linear)
+            gate, up = F.linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
+            out = mlp.down_proj(f.silu_mul(gate, up))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = f.fused_add_rmsnorm(out, residual, norm.weight, eps)
         return h
