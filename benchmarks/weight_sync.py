@@ -12,9 +12,10 @@ Prints, per sync: the transfer (until the engine holds every bucket), of it the 
 and where the trainer's side went (the hello; gathering and flattening buckets; their metadata; starting their data;
 waiting for a bucket's data before its memory is reused; the last buckets' data; the engines' confirmation),
 the same transfer as the engine's receiver timed it (its hello to its last bucket) and where that went (the hello;
-waiting for each bucket's metadata; allocating and starting each bucket; the tensors' views and waiting for the
-data to land; the acknowledgement), the pause (generation excluded), the sync as the trainer waited for it, and the
-rest of that wait (the sync less the transfer and the pause: the engine's thread hops and its HTTP reply).
+waiting for each bucket's metadata; allocating and starting each bucket; the tensors' views; waiting for the data
+to land; the acknowledgement), the pause (generation excluded), the sync as the trainer waited for it, and the
+rest of that wait (the sync less the transfer and the pause: the engine's thread hops and its HTTP reply; in
+brackets, of it the load's wait for the engine's thread to take it).
 """
 
 from __future__ import annotations
@@ -87,8 +88,8 @@ def main() -> None:
     named = [(name, torch.randn(shape, device=trainer_device, dtype=dtype) * 0.02) for name, shape, _ in shapes]
     stats, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
     print("| sync | transfer ms (waiting for the engine) | of it: hello, flatten, metadata, post, reuse, land, done "
-          "ms | the engine's receive ms | of it: hello, metadata, post, land, ack ms | GB/s | pause ms | sync ms | "
-          "rest ms |")
+          "ms | the engine's receive ms | of it: hello, metadata, post, views, land, ack ms | GB/s | pause ms | "
+          "sync ms | rest ms (of it: the load's wait for the engine's thread) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, s in enumerate(stats, 1):
         receive = "-" if s.receive_s is None else f"{1e3 * s.receive_s:.1f}"  # (unknown for weight_transport=ipc)
@@ -96,7 +97,8 @@ def main() -> None:
                           for p in (s.send_phases, s.receive_phases))
         print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {sent} | {receive} | {received} | "
               f"{s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | {1e3 * s.sync_s:.1f} | "
-              f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} |")
+              f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} "
+              f"({'-' if s.load_s is None else f'{1e3 * (s.load_s - s.pause_s):.1f}'}) |")
     median = statistics.median(s.transfer_s for s in stats)
     print(f"\nmedian transfer {1e3 * median:.1f} ms = {num_bytes / median / 1e9:.3g} GB/s; one plain {backend} "
           f"broadcast of the same bytes in this run: {plain_gb_s:.3g} GB/s ({1e3 * num_bytes / plain_gb_s / 1e9:.1f} "

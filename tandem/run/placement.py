@@ -55,6 +55,7 @@ class SyncStats:
     receive_s: float | None = None  # the engine's side of the transfer (its hello to its last bucket), where known
     receive_phases: dict | None = None  # where the engine's side went (`TransferStats.phases`), where known
     send_phases: dict | None = None  # where the trainer's side went, where known
+    load_s: float | None = None  # the engine's load: its pause and its wait for the engine's thread, where known
 
     @property
     def gb_per_s(self) -> float:
@@ -169,7 +170,8 @@ class Separate(Placement):
         loaded = self.engine.update_weights_from_distributed(GROUP, version, self.cfg.rollout.pause_mode)
         transfer, reply = await self._both(sent, loaded, f"weight sync of version {version}")
         return SyncStats(transfer.seconds, reply["pause_s"], time.perf_counter() - t0, transfer.num_bytes,
-                         transfer.wait_s, reply["transfer_s"], reply.get("receive_phases"), transfer.phases)
+                         transfer.wait_s, reply["transfer_s"], reply.get("receive_phases"), transfer.phases,
+                         reply.get("load_s"))
 
     async def _both(self, trainer_side, engine_side, what: str) -> list:
         """Await both sides of one step (each bounded by its timeout). If either fails, raise one TransportError

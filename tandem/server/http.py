@@ -249,6 +249,7 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
                 sent_version, named = await asyncio.to_thread(group.receiver.receive)
             except TransportError as e:
                 return _error(500, str(e), "TransportError", extra={"success": False, "message": str(e)})
+            t0 = time.perf_counter()
             try:
                 if version is not None and version != sent_version:
                     raise ValueError(f"weight_version: the request says {version}, the transfer carries {sent_version}")
@@ -258,6 +259,7 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
         stats = group.receiver.last_stats
         return {"success": True, "message": f"loaded {stats.num_tensors} tensors from weight group {name!r}",
                 "weight_version": sent_version, "transfer_s": stats.seconds, "pause_s": pause_s,
+                "load_s": time.perf_counter() - t0,  # the pause and the wait for the engine's thread to take the load
                 "num_bytes": stats.num_bytes, "num_buckets": stats.num_buckets, "receive_phases": stats.phases}
 
     @app.post("/destroy_weights_update_group")

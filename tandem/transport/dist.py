@@ -468,7 +468,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
             return self._receive()
 
     def _receive(self) -> tuple[int, dict[str, Tensor]]:
-        laps = _Laps("hello", "metadata", "post", "land", "ack")
+        laps = _Laps("hello", "metadata", "post", "views", "land", "ack")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         laps.lap("hello")
         tensors: dict[str, Tensor] = {}
@@ -495,6 +495,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
                 break
         for bucket_meta, flat_N in posted:  # views of every bucket while the data lands, not between buckets: the
             tensors.update(_unflatten(bucket_meta, flat_N))  # sender's next metadata waits for this end's thread
+        laps.lap("views")
         self._land(receiving)
         if self.stream is not None:
             self.stream.synchronize()
