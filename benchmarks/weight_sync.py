@@ -12,8 +12,8 @@ Prints, per sync: the transfer (until the engine holds every bucket), of it the 
 and where the trainer's side went (the hello; gathering and flattening buckets; their metadata; starting their data;
 waiting for a bucket's data before its memory is reused; the last buckets' data; the engines' confirmation),
 the same transfer as the engine's receiver timed it (its hello to its last bucket) and where that went (the hello;
-waiting for each bucket's metadata; allocating and starting each bucket; the tensors' views; waiting for the data
-to land; the acknowledgement), the pause (generation excluded), the sync as the trainer waited for it, and the
+waiting for each bucket's metadata; allocating and starting each bucket; waiting for the data to land; the
+acknowledgement), the pause (generation excluded), the sync as the trainer waited for it, and the
 rest of that wait (the sync less the transfer and the pause: the engine's thread hops and its HTTP reply; in
 brackets, of it the load's wait for the engine's thread to take it).
 """
@@ -88,7 +88,7 @@ def main() -> None:
     named = [(name, torch.randn(shape, device=trainer_device, dtype=dtype) * 0.02) for name, shape, _ in shapes]
     stats, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
     print("| sync | transfer ms (waiting for the engine) | of it: hello, flatten, metadata, post, reuse, land, done "
-          "ms | the engine's receive ms | of it: hello, metadata, post, views, land, ack ms | GB/s | pause ms | "
+          "ms | the engine's receive ms | of it: hello, metadata, post, land, ack ms | GB/s | pause ms | "
           "sync ms | rest ms (of it: the load's wait for the engine's thread) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, s in enumerate(stats, 1):

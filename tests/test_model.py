@@ -5,7 +5,8 @@ import torch
 from hf_ref import SHAPES, hf_model, tandem_twin
 
 from tandem.model.attention import PackedCausal
-from tandem.model.loader import build_model, load_weights
+from tandem.model.loader import WeightLoader, build_model, load_weights
+from tandem.transport.weights import FlatTensors
 
 
 def rel_err(a, b):
@@ -64,6 +65,54 @@ def test_load_weights_rejects_bad_tensors_and_changes_nothing():
         load_weights(model, [("model.norm.weight", torch.zeros(3))])
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def flat_buckets(named: list[tuple[str, torch.Tensor]], sizes: list[int]) -> FlatTensors:
+    """The tensors packed back to back into buckets of `sizes` tensors each, as a transport delivers them."""
+    buckets, start = [], 0
+    for size in sizes:
+        part = named[start:start + size]
+        buckets.append(([n for n, _ in part], [list(t.shape) for _, t in part],
+                        torch.cat([t.reshape(-1) for _, t in part])))
+        start += size
+    return FlatTensors(buckets)
+
+
+def test_flat_tensors_load_as_their_named_tensors_do_checked_before_any_copy():
+    """A transport's flat buckets are copied piece by piece into flat views of the parameters (no per-tensor view);
+    the result equals loading the same tensors by name, a tied head included, and a bad tensor changes nothing."""
+    new = list(build_model("small", seed=5).named_parameters()) + [("lm_head.weight", None)]
+    new[-1] = ("lm_head.weight", new[0][1])  # tied in this shape: given, not copied
+    flat = flat_buckets([(n, t.detach()) for n, t in new], [3, len(new) - 3])
+    assert len(flat) == len(new) and all(torch.equal(flat[n], t) for n, t in new)
+    by_flat, by_name = build_model("small", seed=1), build_model("small", seed=1)
+    assert WeightLoader(by_flat).load(flat, strict=True) == load_weights(by_name, flat.items(), strict=True)
+    for (name, a), b in zip(by_flat.named_parameters(), by_name.parameters(), strict=True):
+        assert torch.equal(a, b) and torch.equal(a, flat[name]), name
+
+    model = build_model("small", seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    named = [(n, t.detach()) for n, t in new[:-1]]
+    for bad, match in [(("model.nope", named[0][1]), "unknown parameter 'model.nope'"),
+                       ((named[-1][0], torch.zeros(3)), f"{named[-1][0]} has shape")]:
+        with pytest.raises(ValueError, match=match):  # the bad tensor comes last, in the second bucket
+            WeightLoader(model).load(flat_buckets(named[:-1] + [bad], [3, len(named) - 3]))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_flat_load_follows_a_parameter_given_new_storage():
+    """The flat views are kept between loads: one made before the parameter got new storage (as fused kernels
+    concatenate q/k/v) must not receive the next load."""
+    model = build_model("tiny", seed=1)
+    loader = WeightLoader(model)
+    named = [(n, t.detach()) for n, t in build_model("tiny", seed=2).named_parameters()]
+    loader.load(flat_buckets(named, [len(named)]))
+    norm = model.model.norm.weight
+    norm.data = torch.zeros_like(norm)  # new storage
+    named = [(n, t.detach()) for n, t in build_model("tiny", seed=3).named_parameters()]
+    loader.load(flat_buckets(named, [len(named)]))
+    assert torch.equal(norm, dict(named)["model.norm.weight"])
 
 
 def test_presets_and_random_init_are_reproducible():

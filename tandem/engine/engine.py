@@ -22,7 +22,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Literal
 
@@ -42,6 +42,7 @@ from tandem.engine.scheduler import PENDING, Scheduler
 from tandem.engine.tp import Lockstep, LockstepError, stable_hash
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.transport.weights import NamedWeights, as_mapping
 from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -173,20 +174,19 @@ class Engine:
     async def resume(self) -> None:
         await self._call(self._resume)
 
-    async def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                             version: int | None = None) -> int:
+    async def update_weights(self, named_tensors: NamedWeights, version: int | None = None) -> int:
         """Load full (unsharded) tensors by Hugging Face name while paused; returns the new weight version
         (`version`, or the current one plus 1). All tensors are checked before any is loaded. Empties
-        the prefix cache (see the module docstring)."""
-        return await self._call(self._update_weights, dict(named_tensors), version)
+        the prefix cache (see the module docstring). An iterable is read here, a mapping (a transport's
+        `FlatTensors`) by the engine's thread."""
+        return await self._call(self._update_weights, as_mapping(named_tensors), version)
 
-    async def load_paused(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None,
-                          pause_mode: PauseMode) -> float:
+    async def load_paused(self, named_tensors: NamedWeights, version: int | None, pause_mode: PauseMode) -> float:
         """`update_weights` inside a pause in `pause_mode` (one already paused loads and stays paused), as one command.
         In place it does not wait for the step in flight: the copies queue behind it (its tokens keep the old
         version), so the tensors must not change until the device ran them. Returns the seconds paused."""
         _check_pause_mode(pause_mode)
-        return await self._call(self._load_paused, dict(named_tensors), version, pause_mode)
+        return await self._call(self._load_paused, as_mapping(named_tensors), version, pause_mode)
 
     async def flush_cache(self) -> None:
         """Empty the prefix cache. Refused (EngineError) while requests hold KV pages."""
@@ -436,12 +436,12 @@ class Engine:
     def _resume(self) -> None:
         self.paused = None
 
-    def _update_weights(self, named: dict[str, torch.Tensor], version: int | None) -> int:
+    def _update_weights(self, named: Mapping[str, torch.Tensor], version: int | None) -> int:
         if self.paused is None:
             raise EngineError("update_weights: the engine must be paused first (pause_generation)")
         if version is not None and (not isinstance(version, int) or version < 0):
             raise ValueError(f"weight_version: must be a non-negative integer, got {version!r}")
-        self.loader.load(named.items())  # checks every tensor before it loads any
+        self.loader.load(named)  # checks every tensor before it loads any
         if self._update_empties_cache():
             self._mark_stale()
             self._empty_cache()
@@ -450,7 +450,7 @@ class Engine:
         self.stats.weight_version = self.weight_version = self.weight_version + 1 if version is None else version
         return self.weight_version
 
-    def _load_paused(self, named: dict[str, torch.Tensor], version: int | None, mode: PauseMode) -> float:
+    def _load_paused(self, named: Mapping[str, torch.Tensor], version: int | None, mode: PauseMode) -> float:
         t0, already_paused = time.perf_counter(), self.paused is not None
         if mode != "in_place":  # in place, the copies queue behind the step in flight; its tokens keep their version
             self._drain()

@@ -5,7 +5,8 @@ in-place weight updates, so it validates names and shapes before touching any pa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import math
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from safetensors import safe_open
 from tandem.config import ModelConfig, resolve_model
 from tandem.distributed.parallel import SINGLE, TPGroup, layouts, shard
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.transport.weights import FlatTensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,44 +42,68 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 class WeightLoader:
     """Copies full (unsharded) tensors into `model` by Hugging Face name (a tensor-parallel rank keeps its slice).
     The model's parameters and their layouts are looked up once, here: an engine loads every weight update inside
-    its pause, and re-deriving them took most of a load's host time (1.7 of 2.1 ms for the 0.6B shape)."""
+    its pause, and re-deriving them took most of a load's host time (1.7 of 2.1 ms for the 0.6B shape). Tensors
+    that arrive in flat buffers (`FlatTensors`, from a transport) are copied from pieces of those buffers into flat
+    views of the parameters: no per-tensor view is made on either side."""
 
     def __init__(self, model: Qwen3ForCausalLM):
         self.model, self.params, self.layout = model, dict(model.named_parameters()), layouts(model)
+        self.flat: dict[str, torch.Tensor] = {}  # name -> a flat view of the parameter, made at its first flat load
+
+    def _check(self, name: str, shape: tuple[int, ...], floating: bool) -> bool:
+        """Raise ValueError if the tensor does not fit; whether it is copied (a tied head is the embedding)."""
+        if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
+            return False
+        if name not in self.params:
+            raise ValueError(f"weights: unknown parameter {name!r}")
+        if shape != self.layout[name][1]:
+            raise ValueError(f"weights: {name} has shape {shape}, the model expects {self.layout[name][1]}")
+        if not floating:
+            raise ValueError(f"weights: {name} is not floating-point")
+        return True
 
     def check(self, named: dict[str, torch.Tensor]) -> None:
         """Raise ValueError naming the first tensor that does not fit; mutates nothing."""
         for name, tensor in named.items():
-            if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
-                continue  # tied: the embedding is the head
-            if name not in self.params:
-                raise ValueError(f"weights: unknown parameter {name!r}")
-            if tuple(tensor.shape) != self.layout[name][1]:
-                raise ValueError(f"weights: {name} has shape {tuple(tensor.shape)}, the model expects "
-                                 f"{self.layout[name][1]}")
-            if not (tensor.is_floating_point()):
-                raise ValueError(f"weights: {name} has dtype {tensor.dtype}, expected a floating-point tensor")
+            self._check(name, tuple(tensor.shape), tensor.is_floating_point())
 
     @torch.no_grad()
-    def load(self, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> list[str]:
+    def load(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+             strict: bool = False) -> list[str]:
         """All tensors are checked before any is copied, so a bad update leaves the model untouched. `strict`:
         every parameter must be given. Returns the names given, sorted."""
-        named, params = dict(named), self.params
-        self.check(named)
-        if strict:
-            missing = sorted(set(params) - set(named))
-            if missing:
-                raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-        loaded = [name for name in named if name in params]
-        # one call for every copy: a weight update inside an engine's pause is a few hundred tensors
-        torch._foreach_copy_([params[name] for name in loaded],
-                             [shard(named[name], self.layout[name][0], self.model.tp) for name in loaded])
+        if isinstance(named, FlatTensors) and self.model.tp.size == 1:
+            given, dests, sources = self._plan_flat(named)
+        else:
+            named = named if isinstance(named, Mapping) else dict(named)
+            self.check(named)
+            given, loaded = list(named), [name for name in named if name in self.params]
+            dests = [self.params[name] for name in loaded]
+            sources = [shard(named[name], self.layout[name][0], self.model.tp) for name in loaded]
+        if strict and (missing := sorted(set(self.params) - set(given))):
+            raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        torch._foreach_copy_(dests, sources)  # one call for every copy: an update is a few hundred tensors
         # sources made on another stream (a transport's buckets) may be freed and reused there once the caller
         # drops them: not before this stream's copy has read them (once per storage: a bucket holds many views)
-        storages = {t.untyped_storage().data_ptr(): t for t in map(named.get, loaded) if t.is_cuda}
+        storages = {t.untyped_storage().data_ptr(): t for t in sources if t.is_cuda}
         for t in storages.values():
             t.record_stream(torch.cuda.current_stream(t.device))
-        return sorted(named)
+        return sorted(given)
+
+    def _plan_flat(self, named: FlatTensors) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        """(names given, flat parameter views, pieces of the buffers to copy into them), every tensor checked."""
+        given, dests, sources = [], [], []
+        for names, shapes, flat_N in named.buckets:
+            pieces = torch.split(flat_N, [math.prod(shape) for shape in shapes])
+            for name, shape, piece in zip(names, shapes, pieces, strict=True):
+                if self._check(name, tuple(shape), flat_N.is_floating_point()):
+                    p, flat = self.params[name], self.flat.get(name)
+                    if flat is None or flat.data_ptr() != p.data_ptr():  # (re)made if the parameter was re-pointed
+                        flat = self.flat[name] = p.view(-1) if p.is_contiguous() else None
+                    dests.append(p if flat is None else flat)
+                    sources.append(piece.view(shape) if flat is None else piece)
+            given += names
+        return given, dests, sources
 
 
 def load_weights(model: Qwen3ForCausalLM, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False):

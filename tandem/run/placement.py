@@ -110,7 +110,7 @@ class Colocated(Placement):
         received = asyncio.create_task(asyncio.to_thread(self.receiver.receive))
         transfer = await asyncio.to_thread(self.sender.send, named_weights, version)
         version, tensors = await received
-        pause_s = await self.engine.load_paused(tensors.items(), version, self.pause_mode)
+        pause_s = await self.engine.load_paused(tensors, version, self.pause_mode)
         return SyncStats(transfer.seconds, pause_s, time.perf_counter() - t0, transfer.num_bytes)
 
     def check(self) -> None:

@@ -253,7 +253,7 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
             try:
                 if version is not None and version != sent_version:
                     raise ValueError(f"weight_version: the request says {version}, the transfer carries {sent_version}")
-                pause_s = await engine.load_paused(named.items(), sent_version, mode)
+                pause_s = await engine.load_paused(named, sent_version, mode)
             except (ValueError, EngineError) as e:
                 return _error(400, str(e), extra={"success": False, "message": str(e)})
         stats = group.receiver.last_stats

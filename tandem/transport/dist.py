@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tandem.transport.weights import (
+    FlatTensors,
     NamedTensors,
     TransferStats,
     TransportError,
@@ -135,9 +136,16 @@ def _flatten(bucket: list[tuple[str, Tensor]], meta: BucketMeta, device: torch.d
         return torch.cat(flat)
 
 
-def _unflatten(meta: BucketMeta, flat_N: Tensor) -> dict[str, Tensor]:
-    return {name: flat_N[offset:offset + math.prod(shape)].view(shape)
-            for name, shape, offset in zip(meta.names, meta.shapes, meta.offsets, strict=True)}
+def _back_to_back(meta: BucketMeta) -> bool:
+    """Whether the bucket's tensors fill it back to back in their order (what `FlatTensors` reads)."""
+    if not len(meta.names) == len(meta.shapes) == len(meta.offsets):
+        return False
+    end = 0
+    for shape, offset in zip(meta.shapes, meta.offsets, strict=True):
+        if offset != end:
+            return False
+        end += math.prod(shape)
+    return end == meta.numel
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -462,17 +470,16 @@ class DistReceiver(_DistEnd, WeightReceiver):
         # engine's stream that meant waiting for every step queued there (a whole graph replay at a time)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def receive(self) -> tuple[int, dict[str, Tensor]]:
+    def receive(self) -> tuple[int, FlatTensors]:
         self._begin()
         with _switching(), torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             return self._receive()
 
-    def _receive(self) -> tuple[int, dict[str, Tensor]]:
-        laps = _Laps("hello", "metadata", "post", "views", "land", "ack")
+    def _receive(self) -> tuple[int, FlatTensors]:
+        laps = _Laps("hello", "metadata", "post", "land", "ack")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         laps.lap("hello")
-        tensors: dict[str, Tensor] = {}
-        num_bytes = 0
+        num_bytes = num_tensors = 0
         receiving: list[tuple[dist.Work, int]] = []  # started, not yet waited for (the sender has them queued)
         posted: list[tuple[BucketMeta, Tensor]] = []
         for index in itertools.count():
@@ -484,24 +491,24 @@ class DistReceiver(_DistEnd, WeightReceiver):
                                      f"version {meta.weight_version} at bucket {index}: {meta.error}", [0], index)
             if meta.index != index:
                 raise self._fail(f"expected bucket {index}, got bucket {meta.index}", [0], index)
+            if not _back_to_back(meta):
+                raise self._fail(f"bucket {index}: its tensors' offsets and shapes do not fill its {meta.numel} "
+                                 "elements back to back", [0], index)
             dtype = _dtype(meta.dtypes[0]) if meta.dtypes else torch.uint8
             flat_N = torch.empty(meta.numel, dtype=dtype, device=self.device)
             if meta.numel:
                 receiving.append((self._start_broadcast(flat_N, self.data, "data", index), index))
-            posted.append((meta, flat_N))
-            num_bytes += flat_N.numel() * flat_N.element_size()
+            posted.append((meta.names, meta.shapes, flat_N))
+            num_bytes, num_tensors = num_bytes + flat_N.numel() * flat_N.element_size(), num_tensors + len(meta.names)
             laps.lap("post")  # allocating, starting
             if meta.is_last:
                 break
-        for bucket_meta, flat_N in posted:  # views of every bucket while the data lands, not between buckets: the
-            tensors.update(_unflatten(bucket_meta, flat_N))  # sender's next metadata waits for this end's thread
-        laps.lap("views")
         self._land(receiving)
         if self.stream is not None:
             self.stream.synchronize()
         laps.lap("land")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
         laps.lap("ack")
-        self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, len(tensors), laps.seconds,
+        self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, num_tensors, laps.seconds,
                                         phases=laps.phases)
-        return meta.weight_version, tensors
+        return meta.weight_version, FlatTensors(posted)

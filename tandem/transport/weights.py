@@ -11,12 +11,49 @@ import math
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor
 
 NamedTensors = Iterable[tuple[str, Tensor]]
+NamedWeights = Mapping[str, Tensor] | NamedTensors
+
+
+def as_mapping(named: NamedWeights) -> Mapping[str, Tensor]:
+    """A mapping as it is (a `FlatTensors` keeps its buffers), pairs read into a dict."""
+    return named if isinstance(named, Mapping) else dict(named)
+
+
+class FlatTensors(Mapping[str, Tensor]):
+    """Named tensors as a transport received them: `buckets` holds (names, shapes, flat_N) per flat buffer, its
+    tensors back to back in their order. A consumer that copies whole buffers (`WeightLoader`) reads `buckets` and
+    makes no per-tensor view; as a mapping, each tensor's view is made when first asked for. (Making the 310 views of
+    the 0.6B shape took its receive 1 ms, and 6-7 ms beside an engine busy generating.)"""
+
+    def __init__(self, buckets: list[tuple[list[str], list[list[int]], Tensor]]):
+        self.buckets = buckets
+        self._where: dict[str, tuple[Tensor, int, list[int]]] | None = None
+
+    def _index(self) -> dict[str, tuple[Tensor, int, list[int]]]:
+        if self._where is None:
+            self._where = {}
+            for names, shapes, flat_N in self.buckets:
+                offset = 0
+                for name, shape in zip(names, shapes, strict=True):
+                    self._where[name] = (flat_N, offset, shape)
+                    offset += math.prod(shape)
+        return self._where
+
+    def __getitem__(self, name: str) -> Tensor:
+        flat_N, offset, shape = self._index()[name]
+        return flat_N[offset:offset + math.prod(shape)].view(shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._index())
+
+    def __len__(self) -> int:
+        return len(self._index())
 
 
 class TransportError(RuntimeError):
@@ -77,11 +114,12 @@ class WeightReceiver(_Transport):
     """The engine's end."""
 
     @abstractmethod
-    def receive(self) -> tuple[int, dict[str, Tensor]]:
+    def receive(self) -> tuple[int, Mapping[str, Tensor]]:
         """Block until the sender's next `send` has fully arrived; return (version, {name: tensor}), ready for
-        `load_weights` or `Engine.update_weights`. The tensors belong to the receiver (never aliases of the
-        sender's; several may be views of one flat buffer). Raises TransportError when the sender does not start,
-        stalls past the timeout, or aborts the transfer."""
+        `load_weights` or `Engine.update_weights` (pass the mapping itself: `FlatTensors` load buffer by buffer).
+        The tensors belong to the receiver (never aliases of the sender's; several may be views of one flat
+        buffer). Raises TransportError when the sender does not start, stalls past the timeout, or aborts the
+        transfer."""
 
 
 # ---- in-process ------------------------------------------------------------------------------------------------
