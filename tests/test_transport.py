@@ -97,6 +97,9 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
     try:
         if rank == 0:
             with DistSender(init, 2, timeout_s=30, bucket_bytes=BUCKET_BYTES, label="trainer") as sender:
+                with pytest.raises(ValueError, match="given twice"):  # caught before the hello: in the first bucket
+                    sender.send([("w", torch.zeros(2)), ("w", torch.zeros(2))], version=5)
+
                 def bad():  # a duplicate name after two buckets' worth of tensors: caught mid-transfer
                     yield from list(model.named_parameters())[:6]
                     yield "lm_head.weight", model.lm_head.weight
@@ -112,12 +115,14 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
                                  "switch": switch}))
         else:
             with DistReceiver(init, 2, rank, timeout_s=30, label=ENGINE_LABEL) as receiver:
-                t0 = time.monotonic()
-                try:
-                    receiver.receive()
-                    aborted = None
-                except TransportError as e:
-                    aborted = failure(e, t0)
+                aborts = []
+                for _ in range(2):
+                    t0 = time.monotonic()
+                    try:
+                        receiver.receive()
+                        aborts.append(None)
+                    except TransportError as e:
+                        aborts.append(failure(e, t0))
                 before = digest(model.named_parameters())
                 calls = count_broadcasts(receiver)
                 inner, switch = receiver._receive, [sys.getswitchinterval()]
@@ -125,7 +130,7 @@ def roundtrip_worker(rank: int, results, port: int, meta_bytes: int):
                 version, tensors = receiver.receive()
                 switch.append(sys.getswitchinterval())
                 load_weights(model, tensors, strict=True)  # the flat buckets, copied piece by piece
-                results.put((1, {"aborted": aborted, "version": version, "received": digest(tensors.items()),
+                results.put((1, {"aborted": aborts, "version": version, "received": digest(tensors.items()),
                                  "before": before, "after": digest(model.named_parameters()),
                                  "stats": receiver.last_stats, "calls": calls, "switch": switch}))
     except BaseException as e:
@@ -139,9 +144,11 @@ def test_dist_roundtrip_is_bit_identical_and_bucketed(meta_frame):
     assert "error" not in out[0] and "error" not in out[1], out
     sent, got = out[0], out[1]
 
-    # the bad transfer reached the engine as an abort naming the trainer and the reason, and the group survived
-    assert got["aborted"] is not None and got["aborted"]["ranks"] == (0,)
-    assert "rank 0 (trainer) aborted" in got["aborted"]["error"] and "given twice" in got["aborted"]["error"]
+    # each bad transfer reached the engine as an abort naming the trainer and the reason, and the group survived
+    for aborted, version in zip(got["aborted"], (5, 6), strict=True):
+        assert aborted is not None and aborted["ranks"] == (0,)
+        assert f"rank 0 (trainer) aborted the transfer of version {version}" in aborted["error"]
+        assert "given twice" in aborted["error"]
 
     # bit-identical: what arrived, and the engine's model after load_weights (it started from another seed)
     assert got["version"] == 7

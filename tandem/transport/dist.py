@@ -5,7 +5,8 @@ One transfer over the group, every step bounded by `timeout_s`:
 1. hello: each engine sends HELLO to rank 0, which waits for all of them and names those that did not come.
    Without it a missing engine goes unnoticed: a gloo broadcast returns on the root once its bytes are buffered.
    A gloo send completes only once the peer has posted its receive, so an engine fails here too, naming rank 0,
-   when the trainer does not start the transfer.
+   when the trainer does not start the transfer. The sender gathers and flattens its first bucket before it waits
+   for the hellos: that work overlaps the engines' start (an HTTP call away).
 2. buckets: tensors grouped by dtype into flat buckets of about `bucket_bytes`. Per bucket, its metadata as JSON is
    broadcast on the control group in one fixed-size frame (a second broadcast only for what does not fit; always gloo,
    so it also works beside NCCL), then its flat tensor in ONE broadcast on the data group (the chosen backend).
@@ -396,8 +397,7 @@ class DistSender(_DistEnd, WeightSender):
         # the hello, gathering and flattening buckets, their metadata, starting their data, waiting for the data of
         # the one before last (its memory is reused), the last ones' data, the confirmation
         laps = _Laps("hello", "flatten", "metadata", "post", "reuse", "land", "done")
-        self._gather(HELLO, "start receiving")
-        laps.lap("hello")
+        greeted = False  # the first bucket is gathered and flattened while the engines' hellos arrive
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
         try:
@@ -410,6 +410,10 @@ class DistSender(_DistEnd, WeightSender):
                 meta = BucketMeta(num_buckets, version, is_last=is_last)
                 flat_N = _flatten(bucket, meta, self.device)
                 laps.lap("flatten")
+                if not greeted:
+                    self._gather(HELLO, "start receiving")
+                    greeted = True
+                    laps.lap("hello")
                 self._meta(meta, num_buckets)
                 laps.lap("metadata")
                 if meta.numel:
@@ -426,6 +430,8 @@ class DistSender(_DistEnd, WeightSender):
             raise
         except Exception as e:
             # bad input: tell the engines now rather than let them time out; the group stays in step
+            if not greeted:
+                self._gather(HELLO, "start receiving")
             self._land(in_flight)
             self._meta(BucketMeta(num_buckets, version, is_last=True, error=f"{type(e).__name__}: {e}"), num_buckets)
             raise
