@@ -26,7 +26,8 @@ prefix cache, so an episode's next turn need not prefill its history again after
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
 idle fractions (the engine's: nothing to run, or paused; in brackets, its thread between steps: commands and its loop,
 while the device may still run the step in flight), the engine's steps (what one costs, the share that only decode,
-the commands that made the engine wait for its step in flight, requests running and waiting per step), the weight
+the commands that made the engine wait for its step in flight, requests running and waiting per step), the
+episodes in flight on average (admitted, not ended: those not in the engine are between turns), the weight
 sync per update (transfer ms and GB/s, engine pause ms), staleness (mean, max, and the share of trained tokens at
 each), prefix-cache reuse, and the reward of the first and last quarter of the steps. With `separate`, also a plain
 broadcast of one update's bytes between the same two devices with the same backend, measured in the same run: what
@@ -71,7 +72,7 @@ def measure(overrides: list[str], warmup: int) -> dict:
     ideal = sum(e.ideal_cached_tokens for e in episodes)  # 0 for single-turn tasks: nothing to reuse
     first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step
         ["wall_s", "prefill_tokens_computed", "engine_idle_s", *(f"engine_{k}" for k in ENGINE_STEP_COUNTERS),
-         "engine_steps"], 0)
+         "engine_steps", "episode_seconds"], 0)
     steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
@@ -83,6 +84,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
         # the engine idle: nothing to run (or paused); between steps: its thread ran commands and its loop, while
         # the device may still run the step in flight
         "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": idle / wall,
+        # episodes admitted and not yet ended, on average (the engine runs or queues some; the rest are between turns)
+        "episodes": (last["episode_seconds"] - first["episode_seconds"]) / wall,
         "engine_between": 1 - (busy + idle) / wall,
         "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
         # the engine's prefill work per trained token: grows when updates make it recompute in-flight KV
@@ -241,11 +244,12 @@ def main() -> None:
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
           "engine idle (between steps) | engine ms / step (forward) | host ms / step: schedule, inputs, results | "
           "decode-only steps | commands waiting for a step / step | requests / step (waiting) | "
+          "episodes in flight | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
           "pause ms / update | staleness mean / max | tokens at staleness 0 / 1 / ... (%) | cache hit | "
           "reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 24 + "|", flush=True)
+    print("|---" * 25 + "|", flush=True)
     rows = []
     variants = [(mode, order, age) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]
@@ -263,7 +267,7 @@ def main() -> None:
               f"{1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
               f"{1e3 * r['schedule_s']:.2f}, {1e3 * r['prepare_s']:.2f}, {1e3 * r['postprocess_s']:.2f} | "
               f"{r['decode_steps']:.0%} | {r['command_waits']:.2f} | "
-              f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | "
+              f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | {r['episodes']:.1f} | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | {r['sync_ms']:.1f} | "
               f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "

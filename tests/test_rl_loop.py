@@ -5,7 +5,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tandem.config import RunConfig
+from tandem.config import RolloutConfig, RunConfig
+from tandem.rollout import manager as manager_module
 from tandem.run.loop import run_recording as record
 
 
@@ -69,6 +70,8 @@ def test_accounting_and_staleness_under_weight_updates(tmp_path_factory, stalene
         "random_agent.max_context=256"])
     check_accounting(run, trained, staleness)
     assert all(h["staleness_max"] <= staleness for h in history)
+    slots = run.cfg.rollout.num_in_flight
+    assert all(0 < h["episode_seconds"] <= slots * h["wall_s"] for h in history[1:])
     # the distribution: trained tokens per staleness, every one counted once
     assert all(len(h["staleness_tokens"]) <= staleness + 1 and sum(h["staleness_tokens"]) == h["tokens_trained"]
                for h in history)
@@ -105,3 +108,16 @@ def test_checkpoint_resume_loses_nothing_and_keeps_the_bound(tmp_path, order):
         for g in groups:
             for e in g.episodes:
                 assert all(version - v <= 2 for v, m in zip(e.versions, e.loss_mask, strict=True) if m)
+
+
+def test_episodes_in_flight_are_integrated_over_time(monkeypatch):
+    """The manager's episode-seconds: two episodes for 1 s, then one for 2 s, make 4 (each change first adds the
+    time at the old count)."""
+    now = [10.0]
+    monkeypatch.setattr(manager_module.time, "perf_counter", lambda: now[0])
+    m = manager_module.RolloutManager(None, None, RolloutConfig(group_size=2), 64, 0, lambda: 0)
+    m._count(2)
+    now[0] = 11.0
+    m._count(-1)
+    now[0] = 13.0
+    assert m.summary()["episode_seconds"] == 4.0 and m.summary()["in_flight_episodes"] == 1

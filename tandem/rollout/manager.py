@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -81,6 +82,9 @@ class RolloutManager:
         self._dropped_pending: dict[int, int] = {}  # dropped groups not yet counted in a batch -> start version
         self._readmit: list[int] = []  # numbers of groups to run again (in flight when a checkpoint was taken)
         self.num_in_flight_episodes = 0
+        # episodes in flight integrated over time (episode-seconds): over a window, / its length = how many were in
+        # flight on average; less the engine's requests per step, how many were between turns, on the agents' side
+        self._episode_seconds, self._counted_at = 0.0, time.perf_counter()
         self._tasks: set[asyncio.Task] = set()
         self._admit_wake = asyncio.Event()
         self._batch_wake = asyncio.Event()
@@ -126,13 +130,18 @@ class RolloutManager:
                                                    self.cfg.temperature, self.cfg.top_p))
             self._tasks.add(task)
             task.add_done_callback(lambda t, g=group: self._episode_done(g, t))
-        self.num_in_flight_episodes += self.cfg.group_size
+        self._count(self.cfg.group_size)
+
+    def _count(self, change: int) -> None:
+        now = time.perf_counter()
+        self._episode_seconds += self.num_in_flight_episodes * (now - self._counted_at)
+        self.num_in_flight_episodes, self._counted_at = self.num_in_flight_episodes + change, now
 
     def _episode_done(self, group: _InFlight, task: asyncio.Task) -> None:
         self._tasks.discard(task)
         if task.cancelled():
             return  # shutdown: the group stays in `in_flight` and is re-run from a checkpoint
-        self.num_in_flight_episodes -= 1
+        self._count(-1)
         exc = task.exception()
         if exc is not None:
             log.warning("episode of group %d failed: %r", group.index, exc)
@@ -201,5 +210,7 @@ class RolloutManager:
         self._dropped_pending = {int(i): v for i, v in state.get("dropped_pending", {}).items()}
 
     def summary(self) -> dict:
-        return {"in_flight_episodes": self.num_in_flight_episodes, "buffered_groups": len(self.buffer),
-                "admitted_groups": self.next_index, "dropped_groups": sum(self.dropped.values())}
+        self._count(0)
+        return {"in_flight_episodes": self.num_in_flight_episodes, "episode_seconds": self._episode_seconds,
+                "buffered_groups": len(self.buffer), "admitted_groups": self.next_index,
+                "dropped_groups": sum(self.dropped.values())}
