@@ -186,7 +186,7 @@ def pipeline_worker(rank: int, results, port: int):
             results.put((1, got))
             return
         with DistSender(init, 2, timeout_s=30, bucket_bytes=512) as sender:
-            events, flatten, land, start = [], weights_dist._flatten, sender._land, sender._start_broadcast
+            events, flatten, land, start = [], weights_dist.flatten, sender._land, sender._start_broadcast
 
             def logged_flatten(bucket, meta, device):
                 events.append(("flatten", meta.index))
@@ -200,7 +200,7 @@ def pipeline_worker(rank: int, results, port: int):
                 events.append(("start", bucket))
                 return start(tensor_N, group, what, bucket)
 
-            weights_dist._flatten, sender._land, sender._start_broadcast = logged_flatten, logged_land, logged_start
+            weights_dist.flatten, sender._land, sender._start_broadcast = logged_flatten, logged_land, logged_start
             logs, stats = {}, {}
             for pipeline in (True, False):
                 sender.pipeline = pipeline

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from tandem.model.loader import build_model, load_weights
 from tandem.transport import dist as transport_dist
+from tandem.transport.buckets import back_to_back
 from tandem.transport.dist import BucketMeta, DistReceiver, DistSender
 from tandem.transport.weights import InProcessReceiver, InProcessSender, TransportError
 
@@ -377,9 +378,9 @@ def test_a_receiver_reads_only_buckets_filled_back_to_back():
     def meta(offsets, numel):
         return BucketMeta(0, 1, names=["a", "b"], dtypes=["float32"] * 2, shapes=[[2, 3], [4]], offsets=offsets,
                           numel=numel)
-    assert transport_dist._back_to_back(meta([0, 6], 10))
+    assert back_to_back(meta([0, 6], 10))
     for offsets, numel in [([0, 7], 11), ([6, 0], 10), ([0, 6], 12), ([0], 10)]:
-        assert not transport_dist._back_to_back(meta(offsets, numel)), (offsets, numel)
+        assert not back_to_back(meta(offsets, numel)), (offsets, numel)
 
 
 def nccl_worker(rank: int, results, port: int):

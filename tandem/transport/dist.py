@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
-import math
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -42,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tandem.transport.buckets import BucketMeta, back_to_back, buckets, flatten, mark_last, torch_dtype
 from tandem.transport.weights import (
     FlatTensors,
     NamedTensors,
@@ -50,7 +48,6 @@ from tandem.transport.weights import (
     WeightReceiver,
     WeightSender,
     check_timeout,
-    validated,
 )
 
 HELLO, DONE = 1, 2  # point-to-point tags on the control group
@@ -59,101 +56,6 @@ META_BYTES = 64 << 10  # a bucket's metadata frame: its length and up to this mu
 MAX_META_BYTES = 1 << 30  # a longer metadata length is a corrupt frame
 # the interpreter's thread switch interval during a transfer, at both ends (Python's default: 5 ms); see `_switching`
 SWITCH_S = 2e-4
-
-
-# ---- buckets ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class BucketMeta:
-    """The header of one bucket: a flat tensor of `numel` elements of one dtype, tensor i at element `offsets[i]`.
-    `names`, `dtypes` (one per tensor, all equal), `shapes` and `weight_version` are SGLang's field names."""
-
-    index: int
-    weight_version: int
-    names: list[str] = field(default_factory=list)
-    dtypes: list[str] = field(default_factory=list)
-    shapes: list[list[int]] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    numel: int = 0
-    is_last: bool = False
-    error: str | None = None  # set when the sender aborts the transfer; no data follows
-
-    def sglang_request(self, group_name: str, flush_cache: bool = True) -> dict:
-        """This bucket's tensors as the body of SGLang's `POST /update_weights_from_distributed`. The fields match;
-        SGLang's default receiver then expects one broadcast per tensor, not this flat bucket."""
-        return {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes, "group_name": group_name,
-                "flush_cache": flush_cache, "weight_version": str(self.weight_version)}
-
-    def to_bytes(self) -> bytes:
-        # a shallow dict: `asdict` deep-copies every list, which cost a 0.6B transfer ~2 ms before its first bucket
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}).encode()
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> BucketMeta:
-        return cls(**json.loads(data))
-
-
-def _buckets(named_tensors: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, Tensor]]]:
-    """Group by dtype, in arrival order, into buckets of at most `bucket_bytes` (a bigger tensor travels alone).
-    Yields each bucket as soon as it is full, the partly filled ones at the end."""
-    filling: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
-    filled_bytes: dict[torch.dtype, int] = {}
-    for name, tensor in validated(named_tensors):
-        dtype, num_bytes = tensor.dtype, tensor.numel() * tensor.element_size()
-        if filling.get(dtype) and filled_bytes[dtype] + num_bytes > bucket_bytes:
-            yield filling.pop(dtype)
-        if dtype not in filling:
-            filling[dtype], filled_bytes[dtype] = [], 0
-        filling[dtype].append((name, tensor))
-        filled_bytes[dtype] += num_bytes
-    yield from filling.values()
-
-
-def _mark_last(buckets: Iterator[list]) -> Iterator[tuple[list, bool]]:
-    """(bucket, is_last) pairs; one empty bucket when there are none, so a receiver still learns the version."""
-    previous = None
-    for bucket in buckets:
-        if previous is not None:
-            yield previous, False
-        previous = bucket
-    yield (previous if previous is not None else []), True
-
-
-def _flatten(bucket: list[tuple[str, Tensor]], meta: BucketMeta, device: torch.device) -> Tensor:
-    """Fill `meta` and return the bucket's flat tensor flat_N (a copy on `device`)."""
-    for name, tensor in bucket:
-        meta.names.append(name)
-        meta.dtypes.append(str(tensor.dtype).removeprefix("torch."))
-        meta.shapes.append(list(tensor.shape))
-        meta.offsets.append(meta.numel)
-        meta.numel += tensor.numel()
-    if not bucket:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    with torch.no_grad():  # (a per-tensor detach and move cost a 0.6B transfer ~0.4 ms before its first bucket)
-        flat = [tensor.reshape(-1) for _, tensor in bucket]
-        if {t.device for t in flat} != {device}:
-            flat = [t.to(device) for t in flat]
-        return torch.cat(flat)
-
-
-def _back_to_back(meta: BucketMeta) -> bool:
-    """Whether the bucket's tensors fill it back to back in their order (what `FlatTensors` reads)."""
-    if not len(meta.names) == len(meta.shapes) == len(meta.offsets):
-        return False
-    end = 0
-    for shape, offset in zip(meta.shapes, meta.offsets, strict=True):
-        if offset != end:
-            return False
-        end += math.prod(shape)
-    return end == meta.numel
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransportError(f"weights: unknown dtype {name!r} in bucket metadata", ranks=(0,))
-    return dtype
 
 
 class _Switching:
@@ -401,14 +303,14 @@ class DistSender(_DistEnd, WeightSender):
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
         try:
-            # taking the next bucket from the generator gathers its tensors, then `_flatten` copies them: both
+            # taking the next bucket from the generator gathers its tensors, then `flatten` copies them: both
             # overlap the broadcast in flight
-            for bucket, is_last in _mark_last(_buckets(named_tensors, self.bucket_bytes)):
+            for bucket, is_last in mark_last(buckets(named_tensors, self.bucket_bytes)):
                 laps.lap("flatten")
                 self._land(in_flight, keep=1)  # the one before the last: its memory goes to the next flat bucket
                 laps.lap("reuse")
                 meta = BucketMeta(num_buckets, version, is_last=is_last)
-                flat_N = _flatten(bucket, meta, self.device)
+                flat_N = flatten(bucket, meta, self.device)
                 laps.lap("flatten")
                 if not greeted:
                     self._gather(HELLO, "start receiving")
@@ -497,10 +399,10 @@ class DistReceiver(_DistEnd, WeightReceiver):
                                      f"version {meta.weight_version} at bucket {index}: {meta.error}", [0], index)
             if meta.index != index:
                 raise self._fail(f"expected bucket {index}, got bucket {meta.index}", [0], index)
-            if not _back_to_back(meta):
+            if not back_to_back(meta):
                 raise self._fail(f"bucket {index}: its tensors' offsets and shapes do not fill its {meta.numel} "
                                  "elements back to back", [0], index)
-            dtype = _dtype(meta.dtypes[0]) if meta.dtypes else torch.uint8
+            dtype = torch_dtype(meta.dtypes[0]) if meta.dtypes else torch.uint8
             flat_N = torch.empty(meta.numel, dtype=dtype, device=self.device)
             if meta.numel:
                 receiving.append((self._start_broadcast(flat_N, self.data, "data", index), index))
