@@ -39,7 +39,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.radix_cache import PrefixLog, RadixCache
 from tandem.engine.request import Request, Status, validate_request
 from tandem.engine.scheduler import PENDING, Scheduler
-from tandem.engine.tp import Lockstep, LockstepError, stable_hash
+from tandem.engine.tp import Lockstep, LockstepError, stable_hash, step_digest
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.transport.weights import NamedWeights, as_mapping
@@ -336,18 +336,8 @@ class Engine:
             self._drain()
         if self.lockstep is not None and self.config.lockstep_sentinel:
             t_check = time.perf_counter()
-            self._check_lockstep(chunks)
+            self.lockstep.check(step_digest(self, chunks))
             self.stats.busy_seconds += time.perf_counter() - t_check
-
-    def _check_lockstep(self, chunks) -> None:
-        self.lockstep.check({
-            "step": self.stats.num_steps,
-            "membership": stable_hash([r.rid for r in self.scheduler.running]),
-            "chunks": stable_hash([(c.req.rid, c.start, c.num_tokens) for c in chunks]),
-            "tokens": self._applied_digest,
-            "finished": self.stats.num_finished,
-            "tier": stable_hash((self.tier.num_free, self.tier.in_flight)) if self.tier else 0,
-        })
 
     def _drain(self) -> None:
         """Wait for the step in flight and apply its sampled tokens."""

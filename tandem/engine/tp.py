@@ -73,6 +73,18 @@ class Lockstep:
                                     f"{field!r} ({[int(row[i]) for row in rows]})")
 
 
+def step_digest(engine, chunks) -> dict[str, int]:
+    """What the sentinel compares after a step (`DIGEST_FIELDS`) of `engine`, whose step ran `chunks`."""
+    return {
+        "step": engine.stats.num_steps,
+        "membership": stable_hash([r.rid for r in engine.scheduler.running]),
+        "chunks": stable_hash([(c.req.rid, c.start, c.num_tokens) for c in chunks]),
+        "tokens": engine._applied_digest,
+        "finished": engine.stats.num_finished,
+        "tier": stable_hash((engine.tier.num_free, engine.tier.in_flight)) if engine.tier else 0,
+    }
+
+
 def run_follower(engine) -> None:
     """The loop of a rank > 0: apply what rank 0 publishes until it publishes a stop, or until the ranks fall
     out of lockstep (every rank sees the same gathered digests, so all stop together)."""
