@@ -28,10 +28,10 @@ idle fractions (the engine's: nothing to run, or paused; in brackets, its thread
 while the device may still run the step in flight), the engine's steps (what one costs, the share that only decode,
 the commands that made the engine wait for its step in flight, requests running and waiting per step), the
 episodes in flight on average (admitted, not ended: those not in the engine are between turns), the weight
-sync per update (transfer ms and GB/s, engine pause ms), staleness (mean, max, and the share of trained tokens at
-each), prefix-cache reuse, and the reward of the first and last quarter of the steps. With `separate`, also a plain
-broadcast of one update's bytes between the same two devices with the same backend, measured in the same run: what
-the sync could reach.
+sync per update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause ms), staleness (mean,
+max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and last quarter of
+the steps. With `separate`, also a plain broadcast of one update's bytes between the same two devices with the same
+backend, measured in the same run: what the sync could reach.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
         "sync_ms": 1e3 * statistics.mean(h["sync_s"] for h in steady),  # the trainer's wait: transfer, load, reply
+        "sync_max_ms": 1e3 * max(h["sync_s"] for h in steady),
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
         "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in steady),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
@@ -246,7 +247,7 @@ def main() -> None:
           "decode-only steps | commands waiting for a step / step | requests / step (waiting) | "
           "episodes in flight | "
           "prefill computed / trained token | train ms / step | "
-          "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update | "
+          "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update (longest) | "
           "pause ms / update | staleness mean / max | tokens at staleness 0 / 1 / ... (%) | cache hit | "
           "reuse vs ideal | reward first -> last quarter |")
     print("|---" * 25 + "|", flush=True)
@@ -269,8 +270,9 @@ def main() -> None:
               f"{r['decode_steps']:.0%} | {r['command_waits']:.2f} | "
               f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | {r['episodes']:.1f} | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
-              f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | {r['sync_ms']:.1f} | "
-              f"{r['pause_ms']:.1f} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
+              f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | "
+              f"{r['sync_ms']:.1f} ({r['sync_max_ms']:.1f}) | {r['pause_ms']:.1f} | "
+              f"{r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
               f"{r['stale_dist']} | "
               f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",
               flush=True)

@@ -62,7 +62,7 @@ for part in $parts; do
                    --model qwen3-1.7b --placement separate --steps 10 --warmup 2 --staleness 2 \
                    --pause-modes in_place ;;
         staleness) timeout 480 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 1 2 4 \
+                   --model qwen3-0.6b --placement separate --steps 20 --warmup 2 --staleness 1 2 4 \
                    --pause-modes in_place ;;
         shared) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement shared --steps 10 --warmup 2 --staleness 2 \
