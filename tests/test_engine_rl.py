@@ -257,3 +257,21 @@ def test_prefix_cache_max_age_reuses_kv_up_to_that_many_updates_old():
     assert hits[:2] == [len(prompt) - 1] * 2  # all but the last token, which is computed to sample
     assert hits[2:4] == [0, 0]
     assert hits[4] > len(other)
+
+
+def test_a_step_or_command_that_stalls_the_engine_is_logged_naming_it(caplog, monkeypatch):
+    """Every request waits for a slow iteration of the engine's loop; the log names what it was (a step with its
+    size, or a command), so a stall is never silent."""
+    import tandem.engine.engine as engine_module
+
+    with Engine("tiny") as engine:
+        with caplog.at_level("WARNING", logger="tandem.engine.engine"):
+            asyncio.run(engine.generate([1, 2, 3], GREEDY))
+            assert not caplog.records  # a tiny model's steps are far below the threshold
+            monkeypatch.setattr(engine_module, "SLOW_ITERATION_S", 0.0)
+            asyncio.run(engine.generate([9, 8, 7, 6, 5], SamplingParams(max_new_tokens=2, temperature=0)))
+            asyncio.run(engine.get_stats())
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("(requests 1, tokens 5) took" in m for m in logged), logged  # the prefill
+    assert any("(requests 1, tokens 1) took" in m for m in logged), logged  # the decode step
+    assert any(m.startswith("engine: command _snapshot took") for m in logged), logged

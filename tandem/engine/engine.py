@@ -65,6 +65,7 @@ _LOCAL_COMMANDS = {"_snapshot", "<lambda>"}
 # commands that need not wait for the step in flight: a load waits only when it needs its tokens; a new request only
 # joins the queue, so arrivals (many a second in an agent run) keep the host a step ahead of the device
 _DRAINING_ITSELF = {"_load_paused", "_add_request"}
+SLOW_ITERATION_S = 0.2  # a step or command this long is logged: every request (and command) waited for it
 
 
 class Engine:
@@ -122,6 +123,7 @@ class Engine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = False
         self._inflight = None  # the launched step whose sampled tokens are not applied yet
+        self._last_chunks: list = []  # what the last step scheduled (named if it was slow)
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
         self._fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -264,6 +266,7 @@ class Engine:
 
     def _apply(self, message, cmd=None) -> None:
         """Run one step, or one command (`cmd` on rank 0; followers rebuild it from the message)."""
+        t0 = time.perf_counter()
         try:
             if message[0] == "step":
                 if self.tier is not None:
@@ -282,6 +285,11 @@ class Engine:
                 self._fatal, self._stop = e, True
                 self.watchdog.dump(str(e))
             self._abort_all(f"engine error: {e!r}")
+        if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
+            chunks = self._last_chunks if message[0] == "step" else []
+            what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens {sum(c.num_tokens for c in chunks)})"
+                    if message[0] == "step" else f"command {message[1]}")
+            log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
 
     def _run_command(self, fn, args, fut: Future | None) -> None:
         if fut is not None and not fut.set_running_or_notify_cancel():
@@ -300,7 +308,7 @@ class Engine:
     def _step(self) -> None:
         """Schedule and launch step n+1, then finish the bookkeeping of step n while the device runs n+1."""
         t0 = time.perf_counter()
-        chunks = self.scheduler.schedule()
+        chunks = self._last_chunks = self.scheduler.schedule()
         if not chunks:
             self._drain()
             return
