@@ -131,6 +131,33 @@ def test_tp_generates_what_tp1_generates(size):
         assert lps_tp == pytest.approx(lps, abs=1e-4)
 
 
+def _updated_then_generate(engine, requests):
+    """Load another model's weights in place from flat buckets, as a weight transport delivers them (every TP rank
+    gets them through rank 0's published command and keeps its slice), then generate."""
+    from tandem.model.loader import build_model
+    from tandem.transport.weights import FlatTensors
+
+    named = [(n, p.detach().to(engine.pool.k_cache.device)) for n, p in build_model(CONFIG, seed=7).named_parameters()]
+    halves = [named[:5], named[5:]]
+    flat = FlatTensors([([n for n, _ in h], [list(t.shape) for _, t in h], torch.cat([t.reshape(-1) for _, t in h]))
+                        for h in halves])
+    asyncio.run(engine.load_paused(flat, 1, "in_place"))
+    return generate(engine, requests)
+
+
+def test_tp_loads_flat_weight_buckets_as_tp1_does():
+    """A weight update received as flat buckets (`FlatTensors`): TP=2 splits them across its ranks and then
+    generates what TP=1 generates after the same update (whose loader copies whole buckets piece by piece)."""
+    if BACKEND == "nccl":
+        pytest.skip("the reference below runs on the CPU")
+    with Engine(CONFIG, SMALL_POOL) as engine:
+        expected, _ = _updated_then_generate(engine, mixed_requests())
+    got, _ = run_tp(2, mixed_requests, work=_updated_then_generate)
+    with Engine(CONFIG, SMALL_POOL) as engine:  # the update really changed what is generated
+        before, _ = generate(engine, mixed_requests())
+    assert [ids for ids, _, _ in got] == [ids for ids, _, _ in expected] != [ids for ids, _, _ in before]
+
+
 def test_tp_with_a_host_tier_generates_what_tp1_generates():
     """Every rank takes the same tier decisions (the reap point comes from rank 0, the sentinel compares the
     tier's state every step), so the ranks' page tables stay the same and the outputs equal TP=1's."""
