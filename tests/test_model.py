@@ -63,6 +63,8 @@ def test_load_weights_rejects_bad_tensors_and_changes_nothing():
         load_weights(model, [("model.norm.weight", good), ("model.nope", good)])
     with pytest.raises(ValueError, match="model.norm.weight has shape"):
         load_weights(model, [("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(ValueError, match="model.norm.weight has dtype torch.int64, expected a floating-point"):
+        load_weights(model, [("model.norm.weight", good.long())])
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -97,6 +99,8 @@ def test_flat_tensors_load_as_their_named_tensors_do_checked_before_any_copy():
                        ((named[-1][0], torch.zeros(3)), f"{named[-1][0]} has shape")]:
         with pytest.raises(ValueError, match=match):  # the bad tensor comes last, in the second bucket
             WeightLoader(model).load(flat_buckets(named[:-1] + [bad], [3, len(named) - 3]))
+    with pytest.raises(ValueError, match="has dtype torch.int64, expected a floating-point"):  # an integer bucket
+        WeightLoader(model).load(flat_buckets([(n, t.long()) for n, t in named], [3, len(named) - 3]))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 

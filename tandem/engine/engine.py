@@ -286,9 +286,9 @@ class Engine:
                 self.watchdog.dump(str(e))
             self._abort_all(f"engine error: {e!r}")
         if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
-            chunks = self._last_chunks if message[0] == "step" else []
-            what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens {sum(c.num_tokens for c in chunks)})"
-                    if message[0] == "step" else f"command {message[1]}")
+            chunks = self._last_chunks
+            what = (f"command {message[1]}" if message[0] != "step" else
+                    f"step {self.stats.num_steps} (requests {len(chunks)}, tokens {sum(c.num_tokens for c in chunks)})")
             log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
 
     def _run_command(self, fn, args, fut: Future | None) -> None:

@@ -50,7 +50,7 @@ class WeightLoader:
         self.model, self.params, self.layout = model, dict(model.named_parameters()), layouts(model)
         self.flat: dict[str, torch.Tensor] = {}  # name -> a flat view of the parameter, made at its first flat load
 
-    def _check(self, name: str, shape: tuple[int, ...], floating: bool) -> bool:
+    def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Raise ValueError if the tensor does not fit; whether it is copied (a tied head is the embedding)."""
         if name == "lm_head.weight" and self.model.config.tie_word_embeddings:
             return False
@@ -58,14 +58,14 @@ class WeightLoader:
             raise ValueError(f"weights: unknown parameter {name!r}")
         if shape != self.layout[name][1]:
             raise ValueError(f"weights: {name} has shape {shape}, the model expects {self.layout[name][1]}")
-        if not floating:
-            raise ValueError(f"weights: {name} is not floating-point")
+        if not dtype.is_floating_point:
+            raise ValueError(f"weights: {name} has dtype {dtype}, expected a floating-point tensor")
         return True
 
     def check(self, named: dict[str, torch.Tensor]) -> None:
         """Raise ValueError naming the first tensor that does not fit; mutates nothing."""
         for name, tensor in named.items():
-            self._check(name, tuple(tensor.shape), tensor.is_floating_point())
+            self._check(name, tuple(tensor.shape), tensor.dtype)
 
     @torch.no_grad()
     def load(self, named: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -96,7 +96,7 @@ class WeightLoader:
         for names, shapes, flat_N in named.buckets:
             pieces = torch.split(flat_N, [math.prod(shape) for shape in shapes])
             for name, shape, piece in zip(names, shapes, pieces, strict=True):
-                if self._check(name, tuple(shape), flat_N.is_floating_point()):
+                if self._check(name, tuple(shape), flat_N.dtype):
                     p, flat = self.params[name], self.flat.get(name)
                     if flat is None or flat.data_ptr() != p.data_ptr():  # (re)made if the parameter was re-pointed
                         flat = self.flat[name] = p.view(-1) if p.is_contiguous() else None
