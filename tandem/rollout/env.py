@@ -42,5 +42,6 @@ class Environment(abc.ABC):
         return 0.0
 
 
-# (group_seed, sample index within the group) -> a fresh environment for one episode
+# (group_seed, sample index within the group) -> a fresh environment for one episode; a run's task builds one
+# (`tandem.rollout.registry`)
 EnvFactory = Callable[[int, int], Environment]
