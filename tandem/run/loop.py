@@ -27,10 +27,8 @@ import torch
 
 from tandem.config import RunConfig
 from tandem.model.loader import build_model
-from tandem.rollout.env import EnvFactory
 from tandem.rollout.manager import RolloutManager
-from tandem.rollout.random_agent import RandomAgentEnv
-from tandem.rollout.tasks import GuessNumberEnv, TargetTokensEnv
+from tandem.rollout.registry import make_env_factory
 from tandem.run.placement import place
 from tandem.trainer.trainer import Trainer
 from tandem.types import Group
@@ -38,14 +36,6 @@ from tandem.types import Group
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
-
-
-def make_env_factory(cfg: RunConfig, vocab_size: int) -> EnvFactory:
-    if cfg.task == "random":
-        return lambda group_seed, j: RandomAgentEnv(cfg.random_agent, vocab_size, group_seed, j)
-    if cfg.task == "target_tokens":
-        return lambda group_seed, j: TargetTokensEnv(vocab_size, group_seed, j)
-    return lambda group_seed, j: GuessNumberEnv(vocab_size, group_seed, j)
 
 
 class Run:
