@@ -11,7 +11,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
 
 
 @dataclass(frozen=True, slots=True)
