@@ -31,7 +31,8 @@ from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import ClientDisconnect
 
-from tandem.engine.engine import PAUSE_MODES, Engine, EngineError
+from tandem.config import PAUSE_MODES
+from tandem.engine.engine import Engine, EngineError
 from tandem.model.loader import iter_safetensors
 from tandem.server.metrics import MetricsExporter
 from tandem.transport.dist import DistReceiver
