@@ -11,31 +11,58 @@ from rich.live import Live
 from rich.table import Table
 
 from tandem.config import RunConfig
+from tandem.rollout.registry import resolve_task
 from tandem.run.loop import Run
 
-COLUMNS = [("step", "step", "{:.0f}"), ("version", "ver", "{:.0f}"), ("in_flight_episodes", "in flight", "{:.0f}"),
-           ("buffered_groups", "buffer", "{:.0f}"), ("reward_mean", "reward", "{:+.3f}"),
-           ("staleness_mean", "stale", "{:.2f}"), ("staleness_max", "max", "{:.0f}"),
-           ("trained_tokens_per_s", "train tok/s", "{:.0f}"), ("rollout_tokens_per_s", "gen tok/s", "{:.0f}"),
-           ("cache_hit_rate", "cache hit", "{:.0%}"), ("cache_reuse_vs_ideal", "of ideal", "{:.0%}"),
-           ("mismatch_kl", "mism. KL", "{:+.1e}"),
-           ("clip_frac", "clip", "{:.2f}"), ("transfer_s", "sync ms", "{:.1f}"), ("pause_s", "pause ms", "{:.1f}"),
-           ("wait_s", "wait s", "{:.2f}")]
-MILLISECONDS = {"transfer_s", "pause_s"}
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Column:
+    key: str  # in the step's record
+    header: str
+    fmt: str
+    rank: int  # 1: always shown; on a narrow console the highest ranks go first
+    scale: float = 1.0
 
 
-def _table(records: list[dict], last: int = 12) -> Table:
-    table = Table(title="tandem run", expand=False)
-    for _, title, _ in COLUMNS:
-        table.add_column(title, justify="right")
-    for r in records[-last:]:
-        cells = []
-        for key, _, fmt in COLUMNS:
-            value = r.get(key)
-            value = value * 1e3 if key in MILLISECONDS and value is not None else value
-            cells.append(fmt.format(value) if value is not None else "-")
-        table.add_row(*cells)
-    return table
+COLUMNS = [Column("step", "step", "{:.0f}", 1), Column("version", "version", "{:.0f}", 3),
+           Column("in_flight_episodes", "in flight", "{:.0f}", 3), Column("buffered_groups", "buffer", "{:.0f}", 4),
+           Column("reward_mean", "reward", "{:+.3f}", 1), Column("staleness_mean", "stale", "{:.2f}", 2),
+           Column("staleness_max", "max stale", "{:.0f}", 4),
+           Column("trained_tokens_per_s", "train tok/s", "{:.0f}", 2),
+           Column("rollout_tokens_per_s", "gen tok/s", "{:.0f}", 2), Column("cache_hit_rate", "cache hit", "{:.0%}", 4),
+           Column("cache_reuse_vs_ideal", "reuse/ideal", "{:.0%}", 5), Column("mismatch_kl", "mism. KL", "{:+.1e}", 4),
+           Column("clip_frac", "clip", "{:.2f}", 5), Column("transfer_s", "sync ms", "{:.1f}", 3, 1e3),
+           Column("pause_s", "pause ms", "{:.1f}", 3, 1e3), Column("wait_s", "wait s", "{:.2f}", 5)]
+
+
+class RunTable:
+    """The last `last` steps as a table with as many columns as the console's width holds: the least important
+    (highest rank, rightmost first) are dropped rather than squeezed. Rendered anew at each refresh, so it follows
+    the records list and the terminal's width."""
+
+    def __init__(self, records: list[dict], last: int = 12):
+        self.records, self.last = records, last
+
+    def __rich_console__(self, console, options):
+        records = self.records[-self.last:]
+        cells = {c.key: [_cell(r.get(c.key), c) for r in records] for c in COLUMNS}
+        # a column takes its widest cell or header, one space each side and one border (and the table one more)
+        width = {c.key: max([len(c.header), *map(len, cells[c.key])]) + 3 for c in COLUMNS}
+        shown = list(COLUMNS)
+        for column in sorted(reversed(COLUMNS), key=lambda c: -c.rank):
+            if column.rank == 1 or 1 + sum(width[c.key] for c in shown) <= options.max_width:
+                break
+            shown.remove(column)
+        table = Table(title="tandem run", expand=False)
+        for c in shown:
+            table.add_column(c.header, justify="right", no_wrap=True)
+        for i in range(len(records)):
+            table.add_row(*(cells[c.key][i] for c in shown))
+        yield table
+
+
+def _cell(value: float | None, column: Column) -> str:
+    return "-" if value is None else column.fmt.format(value * column.scale)
 
 
 def _tensorboard(cfg: RunConfig):
@@ -54,16 +81,17 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
                   f"max_staleness={cfg.rollout.max_staleness} pause_mode={cfg.rollout.pause_mode} "
                   f"placement={cfg.placement} (trainer on {cfg.trainer_device or cfg.engine.device}, engine on "
                   f"{cfg.engine.device}) out_dir={cfg.out_dir}")
+    resolve_task(cfg.task)  # a bad task is an error before the engine starts
     writer = _tensorboard(cfg)
     run = Run(cfg)
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     records: list[dict] = []
     try:
-        with Live(_table(records), console=console, refresh_per_second=4) as live:
+        with Live(RunTable(records), console=console, refresh_per_second=4) as live:
             def on_step(record):
                 records.append(record)
-                live.update(_table(records))
+                live.refresh()
                 for key, value in record.items():
                     if writer is not None and isinstance(value, int | float):
                         writer.add_scalar(key, value, record["step"])
