@@ -1,50 +1,133 @@
 """Typed configuration shared by every role. Importable without torch.
 
-`ModelConfig` reads a Hugging Face `config.json` (Qwen3 dense); `EngineConfig` holds the engine's knobs.
-User mistakes raise `ValueError` naming the field.
+`ModelConfig` reads a Hugging Face `config.json` (Qwen3 dense); `EngineConfig` holds the engine's knobs; `RunConfig`
+everything `tandem run` needs. Each field's annotation is its contract, checked when the config is made: its type
+(`int`, `float`, `bool`, a non-empty `str`, `X | None`, a nested config), the `Literal` choices it allows, and bounds
+declared as `Annotated[..., Range(...)]`. A value that breaks it raises `ValueError` naming `section.field`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+import re
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
+# ---- the choices, each declared once (their tuples via get_args) ----------------------------------------------
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
+Placement = Literal["colocated", "separate"]
+WeightTransport = Literal["auto", "group", "ipc"]
+BatchOrder = Literal["deadline", "admission"]
+Advantage = Literal["grpo", "rloo"]
+BehavMode = Literal["truncate", "mask"]
+Aggregation = Literal["token_mean", "seq_mean"]
+HostCache = Literal["off", "write_through", "write_back"]
+WatchdogAction = Literal["wait", "abort"]
+Dtype = Literal["float32", "bfloat16", "float16"]
+RunDtype = Literal["float32", "bfloat16"]  # what an RL run computes in (float16 would need loss scaling)
+
+
+# ---- declared bounds and the validator ------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Bounds of a number field, declared as `Annotated[float, Range(gt=0, lt=1)]`; None: no bound on that side."""
+
+    gt: float | None = None
+    ge: float | None = None
+    lt: float | None = None
+    le: float | None = None
+
+    def __contains__(self, x) -> bool:
+        return ((self.gt is None or x > self.gt) and (self.ge is None or x >= self.ge)
+                and (self.lt is None or x < self.lt) and (self.le is None or x <= self.le))
+
+    def __str__(self) -> str:
+        if self == Range(gt=0):
+            return "positive"
+        bounds = zip(("> ", ">= ", "< ", "<= "), (self.gt, self.ge, self.lt, self.le), strict=True)
+        return " and ".join(f"{op}{bound}" for op, bound in bounds if bound is not None)
+
+
+PositiveInt = Annotated[int, Range(gt=0)]
+NonNegativeInt = Annotated[int, Range(ge=0)]
+PositiveFloat = Annotated[float, Range(gt=0)]
+NonNegativeFloat = Annotated[float, Range(ge=0)]
+
+
+def _section(cls) -> str:
+    """The name a config's fields go by in errors and in TOML: `RandomAgentConfig` -> `random_agent`."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", cls.__name__.removesuffix("Config")).lower()
+
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _violation(value, hint) -> str | None:
+    """What `value` must be to satisfy the annotation `hint`, or None when it does."""
+    origin, args = typing.get_origin(hint), get_args(hint)
+    if origin is Annotated:
+        wrong = _violation(value, args[0])
+        range_ = next((a for a in args[1:] if isinstance(a, Range)), None)
+        return wrong or (None if range_ is None or value in range_ else str(range_))
+    if origin in (typing.Union, types.UnionType):  # only `X | None` in these configs
+        return None if value is None else _violation(value, next(a for a in args if a is not type(None)))
+    if origin is Literal:  # (string choices only)
+        return None if isinstance(value, str) and value in args else f"{', '.join(args[:-1])} or {args[-1]}"
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value)
+        return None if ok else "a number"
+    if hint is str:
+        return None if isinstance(value, str) and value else "a non-empty string"
+    if dataclasses.is_dataclass(hint):
+        return None if isinstance(value, hint) else f"an instance of {hint.__name__}"
+    raise TypeError(f"config fields cannot be annotated {hint!r}")
+
+
+def check_fields(config) -> None:
+    """Check every field of the dataclass `config` against its annotation; ValueError naming `section.field`."""
+    for name, hint in _hints(type(config)).items():
+        value = getattr(config, name)
+        wrong = _violation(value, hint)
+        if wrong:
+            raise ValueError(f"{_section(type(config))}.{name}: must be {wrong}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int = 40960
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
+    vocab_size: PositiveInt
+    hidden_size: PositiveInt
+    intermediate_size: PositiveInt
+    num_hidden_layers: PositiveInt
+    num_attention_heads: PositiveInt
+    num_key_value_heads: PositiveInt
+    head_dim: PositiveInt
+    max_position_embeddings: PositiveInt = 40960
+    rope_theta: PositiveFloat = 1_000_000.0
+    rms_norm_eps: PositiveFloat = 1e-6
     tie_word_embeddings: bool = False
-    eos_token_id: int | None = None
-    dtype: str = "float32"
+    eos_token_id: NonNegativeInt | None = None
+    dtype: Dtype = "float32"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        check_fields(self)
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("model config: num_attention_heads must be a multiple of num_key_value_heads, "
-                             f"got {self.num_attention_heads} and {self.num_key_value_heads}")
+            raise ValueError("model.num_attention_heads: must be a multiple of num_key_value_heads "
+                             f"({self.num_key_value_heads}), got {self.num_attention_heads}")
         if self.head_dim % 2:
-            raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"model config: dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise ValueError(f"model.head_dim: must be even for RoPE, got {self.head_dim}")
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
@@ -130,30 +213,29 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
 class EngineConfig:
     """Engine knobs. Sizes are in tokens unless named otherwise."""
 
-    page_size: int = 16
-    num_pages: int = 512  # KV pool size; 0: size it from free GPU memory (kv_memory_fraction of it)
-    kv_memory_fraction: float = 0.8
-    max_running_requests: int = 64
-    # per-step token budget for prefill chunks (chunked prefill); 512 suits a CPU (engine_throughput.py: 8192 on GPU)
-    max_prefill_tokens: int = 512
+    page_size: PositiveInt = 16
+    num_pages: NonNegativeInt = 512  # KV pool size; 0: size it from free GPU memory (kv_memory_fraction of it)
+    kv_memory_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.8
+    max_running_requests: PositiveInt = 64
+    max_prefill_tokens: PositiveInt = 512  # per-step token budget for prefill chunks (chunked prefill)
     # while requests decode, hold new admissions back up to this many steps, so that several prefills share one
-    # step (a step that prefills costs more than a decode-only one; not shown to help yet); 0: at once
-    prefill_delay_steps: int = 0
-    max_batch_requests: int = 256  # largest batch a single /generate may carry
-    max_context_len: int | None = None  # default: the model's max_position_embeddings
+    # step (a step that prefills costs more than a decode-only one); 0: at once
+    prefill_delay_steps: NonNegativeInt = 0
+    max_batch_requests: PositiveInt = 256  # largest batch a single /generate may carry
+    max_context_len: PositiveInt | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     # KV reuse across weight updates: 0 empties the prefix cache at every update; N keeps KV up to N updates old
     # (the async loop's prefill then skips what the update would have recomputed; see tandem.engine.engine)
-    prefix_cache_max_age: int = 0
+    prefix_cache_max_age: NonNegativeInt = 0
     # host tier under the prefix cache: "off", "write_through" (back up pages as the cache takes them) or
     # "write_back" (back up as they are evicted); host_cache_pages 0: twice the device pool
-    host_cache: str = "off"
-    host_cache_pages: int = 0
+    host_cache: HostCache = "off"
+    host_cache_pages: NonNegativeInt = 0
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     # steps that prefill replay CUDA graphs too, up to this many tokens (padded up a ladder of sizes; eager, such
     # steps are launch-bound); 0: they run eagerly
-    prefill_graph_max_tokens: int = 4096
+    prefill_graph_max_tokens: NonNegativeInt = 4096
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
     fused_kernels: bool = True  # on CUDA: Triton attention kernels, fused RMSNorm/RoPE/SiLU (off: PyTorch)
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
@@ -164,36 +246,14 @@ class EngineConfig:
     # directory); the watchdog dumps when the engine loop makes no progress for watchdog_timeout_s (0: off),
     # then keeps waiting ("wait") or exits the process ("abort")
     dump_dir: str | None = None
-    watchdog_timeout_s: float = 300.0
-    watchdog_action: str = "wait"
+    watchdog_timeout_s: NonNegativeFloat = 300.0
+    watchdog_action: WatchdogAction = "wait"
     seed: int = 0  # seeds requests that carry no seed of their own
 
     def __post_init__(self):
-        if self.num_pages < 0:
-            raise ValueError(f"engine config: num_pages must be >= 0 (0 = size from GPU memory), got {self.num_pages}")
-        if not 0 < self.kv_memory_fraction < 1:
-            raise ValueError(f"engine config: kv_memory_fraction must be in (0, 1), got {self.kv_memory_fraction}")
-        for name in ("page_size", "max_running_requests", "max_prefill_tokens", "max_batch_requests"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"engine config: {name} must be positive, got {getattr(self, name)}")
-        if self.prefill_graph_max_tokens < 0:
-            raise ValueError(f"engine config: prefill_graph_max_tokens must be >= 0, got "
-                             f"{self.prefill_graph_max_tokens}")
-        if not isinstance(self.prefill_delay_steps, int) or self.prefill_delay_steps < 0:
-            raise ValueError(f"engine config: prefill_delay_steps must be an integer >= 0, got "
-                             f"{self.prefill_delay_steps!r}")
-        if self.max_context_len is not None and self.max_context_len <= 0:
-            raise ValueError(f"engine config: max_context_len must be positive, got {self.max_context_len}")
-        if self.host_cache not in ("off", "write_through", "write_back"):
-            raise ValueError("engine config: host_cache must be off, write_through or write_back, got "
-                             f"{self.host_cache!r}")
+        check_fields(self)
         if self.host_cache != "off" and not self.enable_prefix_cache:
-            raise ValueError("engine config: host_cache needs enable_prefix_cache")
-        if not isinstance(self.prefix_cache_max_age, int) or self.prefix_cache_max_age < 0:
-            raise ValueError(f"engine config: prefix_cache_max_age must be an integer >= 0, got "
-                             f"{self.prefix_cache_max_age!r}")
-        if self.host_cache_pages < 0:
-            raise ValueError(f"engine config: host_cache_pages must be >= 0, got {self.host_cache_pages}")
+            raise ValueError(f"engine.host_cache: {self.host_cache} needs enable_prefix_cache")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,43 +264,17 @@ class LossConfig:
     token still counts in the denominator). `tis_cap`: truncated importance sampling's cap. A cap of `math.inf`
     disables it. `kl_coef`: weight of the k3 KL penalty to the reference policy (needs `ref_logprobs`)."""
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    behav_cap: float = 5.0
-    behav_mode: Literal["truncate", "mask"] = "truncate"
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    eps_low: Annotated[float, Range(ge=0, lt=1)] = 0.2
+    eps_high: Annotated[float, Range(ge=0, lt=math.inf)] = 0.2
+    # a cap below 1 would down-weight tokens that are exactly on-policy (w = 1)
+    behav_cap: Annotated[float, Range(ge=1)] = 5.0
+    behav_mode: BehavMode = "truncate"
+    tis_cap: Annotated[float, Range(ge=1)] = 2.0
+    kl_coef: Annotated[float, Range(ge=0, lt=math.inf)] = 0.0
+    aggregation: Aggregation = "token_mean"
 
     def __post_init__(self):
-        def bad(name, why):
-            raise ValueError(f"loss config: {name} {why}, got {getattr(self, name)!r}")
-
-        for name in ("eps_low", "eps_high", "behav_cap", "tis_cap", "kl_coef"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
-                bad(name, "must be a number")
-        if not 0 <= self.eps_low < 1:
-            bad("eps_low", "must be in [0, 1)")
-        if not 0 <= self.eps_high < math.inf:
-            bad("eps_high", "must be finite and >= 0")
-        # A cap below 1 would down-weight tokens that are exactly on-policy (w = 1).
-        for name in ("behav_cap", "tis_cap"):
-            if getattr(self, name) < 1:
-                bad(name, "must be >= 1 (math.inf disables it)")
-        if not 0 <= self.kl_coef < math.inf:
-            bad("kl_coef", "must be finite and >= 0")
-        if self.behav_mode not in ("truncate", "mask"):
-            bad("behav_mode", "must be 'truncate' or 'mask'")
-        if self.aggregation not in ("token_mean", "seq_mean"):
-            bad("aggregation", "must be 'token_mean' or 'seq_mean'")
-
-
-def _check_positive(section: str, obj, names) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-            raise ValueError(f"{section}.{name}: must be positive, got {value!r}")
+        check_fields(self)
 
 
 @dataclass(slots=True)
@@ -249,26 +283,24 @@ class RandomAgentConfig:
     clipped: most short, a few very long), random tool output of `obs_ratio` x the response length, optional
     simulated tool latency, and a reward uniform in [-1, 1]. Token ids are drawn from [0, vocab_size)."""
 
-    prompt_len_min: int = 16
-    prompt_len_max: int = 128
-    turns_min: int = 1
-    turns_max: int = 4
-    response_len_median: float = 12.0
-    response_len_sigma: float = 1.0  # log-normal sigma: 1.0 puts ~5% of turns above 5x the median
-    response_len_max: int = 256
-    obs_ratio: float = 3.0
-    obs_len_max: int = 256
-    tool_latency_s: float = 0.0  # mean of an exponential delay before each observation
-    max_context: int = 2048
+    prompt_len_min: PositiveInt = 16
+    prompt_len_max: PositiveInt = 128
+    turns_min: PositiveInt = 1
+    turns_max: PositiveInt = 4
+    response_len_median: PositiveFloat = 12.0
+    response_len_sigma: NonNegativeFloat = 1.0  # log-normal sigma: 1.0 puts ~5% of turns above 5x the median
+    response_len_max: PositiveInt = 256
+    obs_ratio: NonNegativeFloat = 3.0
+    obs_len_max: NonNegativeInt = 256
+    tool_latency_s: NonNegativeFloat = 0.0  # mean of an exponential delay before each observation
+    max_context: PositiveInt = 2048
 
     def __post_init__(self):
-        _check_positive("random_agent", self, ("prompt_len_min", "prompt_len_max", "turns_min", "turns_max",
-                                               "response_len_median", "response_len_max", "max_context"))
-        if self.prompt_len_max < self.prompt_len_min or self.turns_max < self.turns_min:
-            raise ValueError("random_agent: *_max must be >= *_min")
-        if self.response_len_sigma < 0 or self.obs_ratio < 0 or self.tool_latency_s < 0 or self.obs_len_max < 0:
-            raise ValueError("random_agent: response_len_sigma, obs_ratio, obs_len_max and tool_latency_s "
-                             "must be >= 0")
+        check_fields(self)
+        for low, high in (("prompt_len_min", "prompt_len_max"), ("turns_min", "turns_max")):
+            if getattr(self, high) < getattr(self, low):
+                raise ValueError(f"random_agent.{high}: must be >= {low} ({getattr(self, low)}), "
+                                 f"got {getattr(self, high)}")
         if self.prompt_len_max >= self.max_context:
             raise ValueError(f"random_agent.max_context: must exceed prompt_len_max ({self.prompt_len_max}), "
                              f"got {self.max_context}")
@@ -282,26 +314,20 @@ class RolloutConfig:
     groups due soonest, so short episodes overtake long ones within the bound; "admission" trains groups in the
     order they were admitted (see `tandem.rollout.manager`)."""
 
-    group_size: int = 4
-    batch_groups: int = 4
-    max_staleness: int = 2
-    num_in_flight: int = 48  # episodes generating at once (slots); admission also obeys max_staleness
-    temperature: float = 1.0
-    top_p: float = 1.0
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
-    batch_order: Literal["deadline", "admission"] = "deadline"
+    group_size: PositiveInt = 4
+    batch_groups: PositiveInt = 4
+    max_staleness: NonNegativeInt = 2
+    num_in_flight: PositiveInt = 48  # episodes generating at once (slots); admission also obeys max_staleness
+    temperature: PositiveFloat = 1.0
+    top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
+    pause_mode: PauseMode = "retract"
+    batch_order: BatchOrder = "deadline"
 
     def __post_init__(self):
-        _check_positive("rollout", self, ("group_size", "batch_groups", "num_in_flight", "temperature", "top_p"))
-        if not isinstance(self.max_staleness, int) or self.max_staleness < 0:
-            raise ValueError(f"rollout.max_staleness: must be an integer >= 0, got {self.max_staleness!r}")
+        check_fields(self)
         if self.num_in_flight < self.group_size:
             raise ValueError(f"rollout.num_in_flight: must hold at least one group ({self.group_size}), "
                              f"got {self.num_in_flight}")
-        if self.pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"rollout.pause_mode: must be abort, retract or in_place, got {self.pause_mode!r}")
-        if self.batch_order not in ("deadline", "admission"):
-            raise ValueError(f"rollout.batch_order: must be deadline or admission, got {self.batch_order!r}")
 
 
 @dataclass(slots=True)
@@ -310,38 +336,32 @@ class TrainerConfig:
     master weights. `activation_checkpointing`: recompute each decoder layer in the backward pass (less memory,
     about one more forward). `fsdp`: shard the model with FSDP2 over all ranks of the initialised default process
     group, each rank training on its share of every batch. `compile`: on CUDA without FSDP, each decoder layer's
-    regions around attention through `torch.compile` (`Qwen3ForCausalLM.compile_layers`; the first steps compile,
-    for seconds). `fused_kernels` (when not compiling): on CUDA without FSDP, RMSNorm, RoPE and SiLU-and-multiply
-    through Triton kernels with backward passes (`tandem.kernels.training`); off by default, as their launches cost
-    the host more than they save the device (a 0.6B step on an H200: compiled 137 ms, eager 163 ms, these 201 ms)."""
+    regions around attention through `torch.compile` (`Qwen3ForCausalLM.compile_layers`; the first steps compile).
+    `fused_kernels` (when not compiling): on CUDA without FSDP, RMSNorm, RoPE and SiLU-and-multiply through Triton
+    kernels with backward passes (`tandem.kernels.training`); off by default (BENCHMARKS.md: slower than compiling
+    and than eager)."""
 
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_tokens: int = 4096  # micro-batches are packed up to this many tokens; gradients accumulate
-    advantage: Literal["grpo", "rloo"] = "grpo"
+    lr: PositiveFloat = 1e-3
+    weight_decay: NonNegativeFloat = 0.0
+    grad_clip: PositiveFloat = 1.0
+    micro_batch_tokens: PositiveInt = 4096  # micro-batches are packed up to this many tokens; gradients accumulate
+    advantage: Advantage = "grpo"
     loss: str = "decoupled_ppo"  # a name in tandem.trainer.losses.LOSSES
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: RunDtype = "float32"
     activation_checkpointing: bool = False
     fsdp: bool = False
     compile: bool = True
     fused_kernels: bool = False
 
     def __post_init__(self):
-        _check_positive("trainer", self, ("lr", "grad_clip", "micro_batch_tokens"))
-        if self.advantage not in ("grpo", "rloo"):
-            raise ValueError(f"trainer.advantage: must be grpo or rloo, got {self.advantage!r}")
-        if self.param_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"trainer.param_dtype: must be float32 or bfloat16, got {self.param_dtype!r}")
-        for name in ("activation_checkpointing", "fsdp", "compile", "fused_kernels"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"trainer.{name}: must be true or false, got {getattr(self, name)!r}")
+        check_fields(self)
 
 
 @dataclass(slots=True)
 class RunConfig:
     """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU.
 
+    `task`: a registered task name or `package.module:factory` (checked by `tandem.rollout.registry`).
     Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory;
     "separate" runs the engine in a process of its own behind its HTTP server. Its weights, by `weight_transport`:
     "group", broadcast over a torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of
@@ -354,43 +374,33 @@ class RunConfig:
     unanswered."""
 
     model: str = "tiny"
-    task: str = "random"  # random | target_tokens | guess_number
-    steps: int = 20
+    task: str = "random"
+    steps: PositiveInt = 20
     seed: int = 0
     out_dir: str = "runs/latest"
-    checkpoint_every: int = 0  # 0: only at the end (and on Ctrl-C)
+    checkpoint_every: NonNegativeInt = 0  # 0: only at the end (and on Ctrl-C)
     resume: bool = False
     tensorboard: bool = False  # also write scalars for TensorBoard to out_dir (needs the tensorboard package)
     compare_sync: bool = False  # afterwards, run synchronous RL (max_staleness 0) on the same seed and compare
-    placement: Literal["colocated", "separate"] = "colocated"
+    placement: Placement = "colocated"
     trainer_device: str | None = None
-    engine_dtype: Literal["float32", "bfloat16"] = "float32"  # the engine's weights and KV (the trainer's: trainer)
-    weight_transport: Literal["auto", "group", "ipc"] = "auto"
-    weight_bucket_bytes: int = 512 << 20
-    weight_sync_timeout_s: float = 120.0
-    engine_timeout_s: float = 300.0
+    engine_dtype: RunDtype = "float32"  # the engine's weights and KV (the trainer's: trainer.param_dtype)
+    weight_transport: WeightTransport = "auto"
+    weight_bucket_bytes: PositiveInt = 512 << 20
+    weight_sync_timeout_s: PositiveFloat = 120.0
+    engine_timeout_s: PositiveFloat = 300.0
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    loss: LossConfig = dataclasses.field(default_factory=lambda: LossConfig())
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
     random_agent: RandomAgentConfig = dataclasses.field(default_factory=RandomAgentConfig)
 
     def __post_init__(self):
-        _check_positive("run", self, ("steps", "weight_bucket_bytes", "weight_sync_timeout_s", "engine_timeout_s"))
-        if self.task not in ("random", "target_tokens", "guess_number"):
-            raise ValueError(f"run.task: must be random, target_tokens or guess_number, got {self.task!r}")
-        if self.engine_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"run.engine_dtype: must be float32 or bfloat16, got {self.engine_dtype!r}")
-        if self.placement not in ("colocated", "separate"):
-            raise ValueError(f"run.placement: must be colocated or separate, got {self.placement!r}")
-        if self.trainer_device is not None and not isinstance(self.trainer_device, str):
-            raise ValueError(f"run.trainer_device: must be a device name such as cuda:0, got {self.trainer_device!r}")
+        check_fields(self)
         trainer, engine = self.trainer_device or self.engine.device, self.engine.device
         if self.placement == "separate" and trainer.startswith("cuda") != engine.startswith("cuda"):
             raise ValueError(f"run.trainer_device: with placement separate the trainer ({trainer}) and the engine "
                              f"({engine}) must both be on CUDA (NCCL) or both on the CPU (gloo)")
-        if self.weight_transport not in ("auto", "group", "ipc"):
-            raise ValueError(f"run.weight_transport: must be auto, group or ipc, got {self.weight_transport!r}")
         if self.weight_transport != "auto" and self.placement != "separate":
             raise ValueError(f"run.weight_transport: {self.weight_transport} is for placement separate (colocated "
                              "hands weights over in memory)")
@@ -440,20 +450,15 @@ class RunConfig:
 
 
 def _build(cls, data: dict, where: str):
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    """`cls` from a TOML table: nested tables become the nested configs; unknown keys are an error."""
+    hints = _hints(cls)
     kwargs = {}
     for key, value in data.items():
-        if key not in fields:
-            raise ValueError(f"{where}: unknown field {key!r}; known: {sorted(fields)}")
-        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
-        sub_cls = type(sub()) if sub else None
-        if sub_cls is not None and dataclasses.is_dataclass(sub_cls):
+        if key not in hints:
+            raise ValueError(f"{where}: unknown field {key!r}; known: {sorted(hints)}")
+        if dataclasses.is_dataclass(hints[key]):
             if not isinstance(value, dict):
-                raise ValueError(f"{where}.{key}: must be a section")
-            kwargs[key] = _build(sub_cls, value, key)
-        else:
-            kwargs[key] = value
-    try:
-        return cls(**kwargs)
-    except TypeError as e:
-        raise ValueError(f"{where}: {e}") from None
+                raise ValueError(f"{where}.{key}: must be a section, got {value!r}")
+            value = _build(hints[key], value, key)
+        kwargs[key] = value
+    return cls(**kwargs)
