@@ -1,11 +1,13 @@
 """The model against Hugging Face's Qwen3ForCausalLM on the same random weights (fp32)."""
 
+import dataclasses
+
 import pytest
 import torch
 from hf_ref import SHAPES, hf_model, tandem_twin
 
 from tandem.model.attention import PackedCausal
-from tandem.model.loader import WeightLoader, build_model, load_weights
+from tandem.model.loader import WeightLoader, build_model, iter_safetensors, load_weights
 from tandem.transport.weights import FlatTensors
 
 
@@ -124,3 +126,32 @@ def test_presets_and_random_init_are_reproducible():
     c = build_model("tiny", seed=4)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert not torch.equal(a.model.embed_tokens.weight, c.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_padded_vocabulary_loads_and_round_trips_on_every_tp_rank(tmp_path, tied):
+    """Vocabulary 50,257 over 3 ranks: each rank's embedding and head hold cdiv(V, 3) rows. Loaded from a Hugging
+    Face safetensors checkpoint (full tensors), the ranks' real rows put back together are the checkpoint's
+    tensors, and every padding row is zero; an in-place update (full tensors again) round-trips the same way."""
+    from tandem.distributed.parallel import TPGroup, cdiv
+
+    config = dataclasses.replace(SHAPES["gqa2_tied"], vocab_size=50_257, hidden_size=8, intermediate_size=12,
+                                 num_hidden_layers=1, num_attention_heads=3, num_key_value_heads=3, head_dim=4,
+                                 tie_word_embeddings=tied)
+    hf_model(config).save_pretrained(tmp_path / "ckpt")
+    full = dict(iter_safetensors(tmp_path / "ckpt"))
+    size, rows = 3, cdiv(config.vocab_size, 3)
+    ranks = [build_model(str(tmp_path / "ckpt"), dtype="float32", tp=TPGroup(r, size)) for r in range(size)]
+    update = {n: torch.randn_like(t) for n, t in full.items()}
+    for expected in (full, update):
+        if expected is update:
+            for model in ranks:
+                load_weights(model, update.items())
+        for name in ("model.embed_tokens.weight", "lm_head.weight"):
+            weights = [dict(model.named_parameters(remove_duplicate=False))[name] for model in ranks]
+            assert all(w.shape == (rows, config.hidden_size) for w in weights)
+            real = torch.cat(weights)[:config.vocab_size]
+            source = "model.embed_tokens.weight" if tied else name
+            assert torch.equal(real, expected[source]), name
+            assert not torch.cat(weights)[config.vocab_size:].any(), "padding rows must stay zero"
+    assert all(model.lm_head.weight is model.model.embed_tokens.weight for model in ranks) == tied

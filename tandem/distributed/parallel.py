@@ -4,11 +4,14 @@
 - `RowParallelLinear`: input features split; partial products summed with one all-reduce.
 - `VocabParallelEmbedding` / `VocabParallelHead`: the vocabulary split; the embedding sums the ranks' rows
   (each rank contributes only the ids it owns), the head all-gathers the logits so every rank sees them all.
+  Any vocabulary size: each rank holds `cdiv(vocab_size, tp)` rows, the last ranks' rows past the vocabulary are
+  padding (zero, never loaded, their logits dropped).
 
 Every sharded layer records `tp_dim` (the dimension of the full weight it slices) and `tp_full_shape` (on the
 module: a parameter's own attributes do not survive materialising a model built on the meta device), so weights
-load from full (unsharded) tensors by name: `layouts(model)` says how each is cut and `shard` cuts this rank's
-slice. A trainer therefore sends the same full tensors to a TP engine as to a single-GPU one.
+load from full (unsharded) tensors by name: `layouts(model)` says how each is cut, `shard` cuts this rank's
+slice and `shard_into` pairs it with the part of the parameter it fills. A trainer therefore sends the same full
+tensors to a TP engine as to a single-GPU one.
 """
 
 from __future__ import annotations
@@ -41,11 +44,35 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def real_rows(n: int, rank: int, size: int) -> tuple[int, int]:
+    """(first row, number of rows) of a length-`n` dimension that rank `rank` of `size` holds: blocks of
+    `cdiv(n, size)` rows, the last ones cut short (or empty) at n. A padded layer holds `cdiv(n, size)` rows on
+    every rank; those past the count are padding."""
+    rows = cdiv(n, size)
+    start = min(rank * rows, n)
+    return start, min(rows, n - start)
+
+
 def shard(full: torch.Tensor, dim: int | None, tp: TPGroup) -> torch.Tensor:
-    """This rank's slice of a full tensor split along `dim` (None: not split, the tensor itself)."""
+    """This rank's slice of a full tensor split along `dim` (None: not split, the tensor itself): its
+    `real_rows`, so fewer rows than a padded parameter holds where the split is uneven."""
     if dim is None or tp.size == 1:
         return full
-    return full.chunk(tp.size, dim)[tp.rank]
+    return full.narrow(dim, *real_rows(full.shape[dim], tp.rank, tp.size))
+
+
+def shard_into(param: torch.Tensor, full: torch.Tensor, dim: int | None,
+               tp: TPGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the view of this rank's `param` that its slice of `full` fills, that slice), to copy one into the other:
+    all of `param`, except in a padded layer, whose padding rows are left as they are (zero)."""
+    part = shard(full, dim, tp)
+    if part.shape == param.shape:
+        return param, part
+    return param.narrow(dim, 0, part.shape[dim]), part
 
 
 def layouts(model: nn.Module) -> dict[str, tuple[int | None, tuple[int, ...]]]:
@@ -76,27 +103,49 @@ class RowParallelLinear(nn.Linear):
         return y
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabShard:
+    """What the two vocabulary-parallel layers share: this rank holds `cdiv(vocab_size, tp)` rows of the
+    [vocab_size, dim] weight, of which `num_real` from vocabulary id `start` on are real, the rest padding."""
+
+    def _shard_vocab(self, vocab_size: int, dim: int, tp: TPGroup) -> None:
+        self.tp_dim, self.tp_full_shape, self.tp = 0, (vocab_size, dim), tp
+        self.start, self.num_real = real_rows(vocab_size, tp.rank, tp.size)
+        self.zero_padding()
+
+    @torch.no_grad()
+    def zero_padding(self) -> None:
+        self.weight[self.num_real:].zero_()
+
+
+def zero_padding(model: nn.Module) -> None:
+    """Zero the padding rows of every vocabulary-parallel layer (after `to_empty`, which leaves them garbage)."""
+    for module in model.modules():
+        if isinstance(module, VocabShard):
+            module.zero_padding()
+
+
+class VocabParallelEmbedding(nn.Embedding, VocabShard):
     def __init__(self, vocab_size: int, dim: int, tp: TPGroup):
-        super().__init__(tp.split(vocab_size, "vocab_size"), dim)
-        self.tp_dim, self.tp_full_shape = 0, (vocab_size, dim)
-        self.tp, self.start = tp, tp.rank * self.num_embeddings
+        super().__init__(cdiv(vocab_size, tp.size), dim)
+        self._shard_vocab(vocab_size, dim, tp)
 
     def forward(self, ids):
         if self.tp.size == 1:
             return super().forward(ids)
         local = ids - self.start
-        mine = (local >= 0) & (local < self.num_embeddings)
+        mine = (local >= 0) & (local < self.num_real)
         y = F.embedding(torch.where(mine, local, 0), self.weight) * mine[:, None].to(self.weight.dtype)
         collectives.all_reduce(y, group=self.tp.group)
         return y
 
 
-class VocabParallelHead(nn.Linear):
+class VocabParallelHead(nn.Linear, VocabShard):
+    """`forward(x_NE)` -> logits [N, vocab_size] on every rank (the padding columns dropped)."""
+
     def __init__(self, dim: int, vocab_size: int, tp: TPGroup):
-        super().__init__(dim, tp.split(vocab_size, "vocab_size"), bias=False)
-        self.tp_dim, self.tp_full_shape = 0, (vocab_size, dim)
-        self.tp = tp
+        super().__init__(dim, cdiv(vocab_size, tp.size), bias=False)
+        self._shard_vocab(vocab_size, dim, tp)
+        self.num_real_per_rank = [real_rows(vocab_size, r, tp.size)[1] for r in range(tp.size)]
 
     def forward(self, x):
         y_NV = F.linear(x, self.weight)
@@ -104,4 +153,4 @@ class VocabParallelHead(nn.Linear):
             return y_NV
         parts = [torch.empty_like(y_NV) for _ in range(self.tp.size)]
         collectives.all_gather(parts, y_NV.contiguous(), group=self.tp.group)
-        return torch.cat(parts, dim=-1)
+        return torch.cat([part[..., :n] for part, n in zip(parts, self.num_real_per_rank, strict=True)], dim=-1)

@@ -14,6 +14,7 @@ Shapes: T tokens in the flat batch, H query heads, K key/value heads, D head dim
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -42,9 +43,11 @@ def _sdpa(q_BHQD, k_BKLD, v_BKLD, mask_BQL):
     return F.scaled_dot_product_attention(q_BHQD, k_BKLD, v_BKLD, attn_mask=mask_BQL[:, None])
 
 
-def _varlen_attention():
+@functools.cache
+def varlen_attention():
     """PyTorch's variable-length flash attention with its causal and GQA options, across the two forms its
-    signature has had: `(fn, causal kwargs, takes GQA)`, or None where it is missing."""
+    signature has had: `(fn, causal kwargs, takes GQA)`, or None where it is missing. Looked up at first use:
+    importing it imports torch's compiler stack (seconds), which CPU-only processes never need."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -57,7 +60,10 @@ def _varlen_attention():
     return None
 
 
-VARLEN = _varlen_attention()
+def __getattr__(name: str):
+    if name == "VARLEN":  # (the lookup's result under its former module-level name)
+        return varlen_attention()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -72,7 +78,8 @@ class PackedCausal(AttentionContext):
     _cu_seqlens: torch.Tensor | None = field(default=None, repr=False)
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
-        if self.fused and VARLEN is not None and q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16):
+        if (self.fused and q_THD.is_cuda and q_THD.dtype in (torch.bfloat16, torch.float16)
+                and varlen_attention() is not None):
             return self._varlen(q_THD, k_TKD, v_TKD)
         outs, start = [], 0
         for n in self.seq_lens:
@@ -83,7 +90,7 @@ class PackedCausal(AttentionContext):
         return torch.cat(outs)
 
     def _varlen(self, q_THD, k_TKD, v_TKD):
-        fn, causal, gqa = VARLEN
+        fn, causal, gqa = varlen_attention()
         if self._cu_seqlens is None:  # once per batch, shared by every layer
             lens = torch.tensor([0, *self.seq_lens], dtype=torch.int32)
             self._cu_seqlens = lens.cumsum(0, dtype=torch.int32).to(q_THD.device, non_blocking=True)

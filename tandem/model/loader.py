@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from tandem.config import ModelConfig, resolve_model
-from tandem.distributed.parallel import SINGLE, TPGroup, layouts, shard
+from tandem.distributed.parallel import SINGLE, TPGroup, layouts, shard_into, zero_padding
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.transport.weights import FlatTensors
 
@@ -78,8 +78,9 @@ class WeightLoader:
             named = named if isinstance(named, Mapping) else dict(named)
             self.check(named)
             given, loaded = list(named), [name for name in named if name in self.params]
-            dests = [self.params[name] for name in loaded]
-            sources = [shard(named[name], self.layout[name][0], self.model.tp) for name in loaded]
+            pairs = [shard_into(self.params[name], named[name], self.layout[name][0], self.model.tp)
+                     for name in loaded]
+            dests, sources = [d for d, _ in pairs], [s for _, s in pairs]
         if strict and (missing := sorted(set(self.params) - set(given))):
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         torch._foreach_copy_(dests, sources)  # one call for every copy: an update is a few hundred tensors
@@ -125,6 +126,7 @@ def build_model(model: str | ModelConfig, device: str | torch.device = "cpu", dt
     net = net.to_empty(device=device).to(torch_dtype)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight  # to_empty unties; tie again
+    zero_padding(net)  # (rows that no load writes: a padded vocabulary's)
     if weights_dir is None:
         net.init_random(seed)
     else:

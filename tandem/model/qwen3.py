@@ -22,7 +22,7 @@ from tandem.distributed.parallel import (
     VocabParallelEmbedding,
     VocabParallelHead,
     layouts,
-    shard,
+    shard_into,
 )
 from tandem.model.attention import AttentionContext
 
@@ -263,5 +263,7 @@ class Qwen3ForCausalLM(nn.Module):
                     p.fill_(1.0)
                 else:
                     dim, shape = layout[name]
-                    p.copy_(shard(torch.randn(shape, generator=gen, device=device, dtype=p.dtype) * std, dim, self.tp))
+                    full = torch.randn(shape, generator=gen, device=device, dtype=p.dtype) * std
+                    dest, part = shard_into(p, full, dim, self.tp)
+                    dest.copy_(part)
         return self
