@@ -21,8 +21,7 @@ import sys
 import torch
 
 from tandem.config import EngineConfig
-from tandem.engine.engine import Engine
-from tandem.engine.tp import init_tp, run_follower
+from tandem.run.tp import engine_or_follow, init_tp
 from tandem.types import SamplingParams
 
 
@@ -32,9 +31,9 @@ def _rank(rank, size, port, model, config, batch, steps, results):
         torch.cuda.set_device(rank)
     backend = "nccl" if config.device.startswith("cuda") else "gloo"
     tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", backend)
-    engine = Engine(model, config, dtype="bfloat16" if backend == "nccl" else None, tp=tp)
-    if rank:
-        return run_follower(engine)
+    engine = engine_or_follow(model, config, tp, dtype="bfloat16" if backend == "nccl" else None)
+    if engine is None:
+        return
     sp = SamplingParams(max_new_tokens=steps, temperature=1.0, ignore_eos=True)
 
     async def go():

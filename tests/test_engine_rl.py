@@ -200,17 +200,17 @@ def test_a_weight_update_does_not_cache_the_kv_it_replaces(mode):
     cache first: the update empties it, and with many requests running the inserts were most of the pause."""
     with Engine("tiny") as engine:
         inserted, during = [], []
-        insert, load_paused = engine.cache.insert, engine._load_paused
+        insert, load_weights = engine.cache.insert, engine.core._load_weights
         engine.cache.insert = lambda tokens, pages: inserted.append(len(tokens)) or insert(tokens, pages)
 
         def counted(*args):  # the inserts made by the update's command (the engine's steps insert prompts too)
             before = len(inserted)
             try:
-                return load_paused(*args)
+                return load_weights(*args)
             finally:
                 during.extend(inserted[before:])
 
-        engine._load_paused = counted
+        engine.core._load_weights = counted
 
         async def go():
             tasks = [asyncio.create_task(engine.generate(p, LONG)) for p in prompts(4, 512, seed=3)]
@@ -262,16 +262,16 @@ def test_prefix_cache_max_age_reuses_kv_up_to_that_many_updates_old():
 def test_a_step_or_command_that_stalls_the_engine_is_logged_naming_it(caplog, monkeypatch):
     """Every request waits for a slow iteration of the engine's loop; the log names what it was (a step with its
     size, or a command), so a stall is never silent."""
-    import tandem.engine.engine as engine_module
+    import tandem.engine.core as core_module
 
     with Engine("tiny") as engine:
-        with caplog.at_level("WARNING", logger="tandem.engine.engine"):
+        with caplog.at_level("WARNING", logger="tandem.engine.core"):
             asyncio.run(engine.generate([1, 2, 3], GREEDY))
             assert not caplog.records  # a tiny model's steps are far below the threshold
-            monkeypatch.setattr(engine_module, "SLOW_ITERATION_S", 0.0)
+            monkeypatch.setattr(core_module, "SLOW_ITERATION_S", 0.0)
             asyncio.run(engine.generate([9, 8, 7, 6, 5], SamplingParams(max_new_tokens=2, temperature=0)))
             asyncio.run(engine.get_stats())
     logged = [r.getMessage() for r in caplog.records]
     assert any("(requests 1, tokens 5) took" in m for m in logged), logged  # the prefill
     assert any("(requests 1, tokens 1) took" in m for m in logged), logged  # the decode step
-    assert any(m.startswith("engine: command _snapshot took") for m in logged), logged
+    assert any(m.startswith("engine: command Snapshot took") for m in logged), logged

@@ -1,6 +1,6 @@
 """The scheduler driven directly, with no model: random arrivals, shared prefixes, a pool small enough to force
-retractions, and aborts. Each simulated step does what `Engine._step` does (advance `num_computed`, append a
-token when a chunk samples, finish at `max_new_tokens`) and also plays the model's part on the KV pool: it
+retractions, and aborts. Each simulated step does the scheduler's own bookkeeping as the engine core does
+(`advance`, `resolve`, `finish`) and also plays the model's part on the KV pool: it
 checks that the KV a chunk attends to holds exactly its request's tokens, then writes the chunk's own KV
 (token + 1000 * position in the key, a digest of the prefix in the value, as in test_radix_cache).
 
@@ -84,12 +84,11 @@ class Sim:
             torch.cuda._sleep(self.stall_cycles)
         for c in chunks:
             self.write_kv(c)
-            c.req.num_computed += c.num_tokens
-            if c.sample:
-                c.req.tokens.append(self.rng.randrange(self.alphabet))
-                if c.req.num_generated >= c.req.sampling.max_new_tokens:
-                    self.sched.remove(c.req)
-        self.sched.after_step(chunks)
+        self.sched.advance(chunks)
+        for c in chunks:  # the model's samples, as the engine applies them
+            if c.sample and (reason := self.sched.resolve(c.req, len(c.req.tokens) - 1,
+                                                          self.rng.randrange(self.alphabet), 0.0, 0)):
+                self.sched.finish(c.req, reason)
         self.num_steps += 1
         self.check_accounting()
         return chunks
@@ -323,7 +322,7 @@ def test_a_request_switched_to_the_trees_pages_reads_them_from_its_page_array():
     twin.pages, twin.num_computed, twin.status = sim.pool.alloc(4), 12, Status.RUNNING
     sim.sched.running.append(twin)
     before = list(twin.page_array())  # built while its own duplicates were its pages
-    sim.sched.after_step([Chunk(twin, 0, 12)])
+    sim.sched._publish_prefixes([Chunk(twin, 0, 12)])
     assert twin.pages[:3] != before[:3] and owner.status is Status.FINISHED  # it did switch to the tree's pages
     assert list(twin.page_array()) == twin.pages
 

@@ -20,7 +20,7 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import faults
 from tandem.distributed.parallel import TPGroup
 from tandem.engine.engine import Engine
-from tandem.engine.tp import init_tp, run_follower
+from tandem.run.tp import engine_or_follow, init_tp
 from tandem.types import SamplingParams
 
 # divisible by 2 and 3 where TP splits: heads, KV heads, intermediate size, vocabulary
@@ -83,12 +83,10 @@ def _rank_main(rank, size, port, make_requests, config, plan, results, work=gene
                                 timeout=datetime.timedelta(seconds=60))
         tp = TPGroup(rank, size)
     faults.configure(plan)
-    engine = Engine(CONFIG, config, tp=tp)
-    if rank == 0:
+    engine = engine_or_follow(CONFIG, config, tp)
+    if engine is not None:
         results.put(work(engine, make_requests()))
         engine.shutdown()
-    else:
-        run_follower(engine)
     dist.destroy_process_group()
 
 
@@ -235,11 +233,9 @@ def _hang_rank_main(rank, size, port, dump_dir, plan):
                  dist.new_group(backend="gloo", group_desc="ctrl"))
     config = EngineConfig(page_size=4, num_pages=600, dump_dir=str(dump_dir), watchdog_timeout_s=WATCHDOG_S,
                           watchdog_action="abort")
-    engine = Engine(CONFIG, config, tp=tp)
-    if rank == 0:
+    engine = engine_or_follow(CONFIG, config, tp)
+    if engine is not None:
         generate(engine, long_requests())  # never returns: the watchdog ends the process
-    else:
-        run_follower(engine)
 
 
 WATCHDOG_S = 1.0

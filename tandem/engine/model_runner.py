@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 MIXED_SIZES = [16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192]
 
 
+class StepInputError(RuntimeError):
+    """A step's inputs could not be built from its requests (`ModelRunner.check_inputs` names the request)."""
+
+
 @dataclass
 class Launched:
     """A step on its way: the sampled ids and logprobs of its sampling chunks, in chunk order, on the device
@@ -148,6 +152,11 @@ class ModelRunner:
         only the chunks' new slots of the KV pool (and, for padding rows of a decode batch, the pool's scratch
         page). Sets `last_prepare_seconds`: host time spent building inputs before the forward pass."""
         self._t0 = time.perf_counter()
+        sampling_reqs = [c.req for c in chunks if c.sample]
+        try:
+            sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+            raise StepInputError(f"the step's sampling parameters: {e}") from e
         if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
             logits = self._decode(chunks, prev)
         elif self.mixed_sizes and sum(c.num_tokens for c in chunks) <= self.mixed_sizes[-1]:
@@ -157,7 +166,7 @@ class ModelRunner:
         launched = Launched(chunks)
         if logits is None:
             return launched
-        launched.tokens, launched.logprobs = sample(logits, self._sampling_batch([c.req for c in chunks if c.sample]))
+        launched.tokens, launched.logprobs = sample(logits, sampling)
         if self.tp.size > 1:
             self._agree(launched)
         if self.device.type == "cuda":
@@ -368,12 +377,30 @@ class ModelRunner:
             ctx.decode_block_table = self._to_device(_block_table([c.req for c in decodes], width))
         return ctx
 
+    def check_inputs(self, req: Request) -> str | None:
+        """What makes `req`'s own step inputs unbuildable (its sampling parameters as tensors, its token ids), or
+        None. Used to find which requests failed a step, so that only they fail."""
+        try:
+            self._sampling_tensors([req])
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+            return f"sampling parameters: {e}"
+        vocab = self.model.config.vocab_size
+        if bad := [t for t in req.tokens if t != PENDING and not (isinstance(t, int) and 0 <= t < vocab)]:
+            return f"token ids {bad[:3]} outside [0, {vocab})"
+        return None
+
+    @staticmethod
+    def _sampling_tensors(reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-request sampling parameters on the host: floats [3, B] and integers [3, B]."""
+        floats = torch.tensor([[r.sampling.temperature for r in reqs], [r.sampling.top_p for r in reqs],
+                               [r.sampling.min_p for r in reqs]], dtype=torch.float32)
+        ints = torch.tensor([[r.sampling.top_k for r in reqs], [r.seed for r in reqs],
+                             [r.num_generated for r in reqs]], dtype=torch.int64)
+        return floats, ints
+
     def _sampling_batch(self, reqs) -> SamplingBatch:
         """Per-request sampling parameters on the device: two host-to-device copies (floats, integers)."""
-        floats = self._to_device([[r.sampling.temperature for r in reqs], [r.sampling.top_p for r in reqs],
-                                  [r.sampling.min_p for r in reqs]], torch.float32)
-        ints = self._to_device([[r.sampling.top_k for r in reqs], [r.seed for r in reqs],
-                                [r.num_generated for r in reqs]], torch.int64)
+        floats, ints = map(self._to_device, self._sampling_tensors(reqs))
         return SamplingBatch(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2], top_ks=ints[0], seeds=ints[1],
             positions=ints[2],

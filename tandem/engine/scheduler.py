@@ -23,6 +23,7 @@ from tandem.config import EngineConfig
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.radix_cache import Match, PrefixLog, RadixCache, lcp
 from tandem.engine.request import Request, Status
+from tandem.types import FinishReason
 
 PENDING = -1  # a sampled token whose value is still on the device (see model_runner)
 
@@ -40,9 +41,11 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig,
-                 ideal: PrefixLog | None = None):
-        """`ideal`: a log of every prefix computed, to measure each request's ideally reusable tokens."""
+                 ideal: PrefixLog | None = None, eos_token_id: int | None = None):
+        """`ideal`: a log of every prefix computed, to measure each request's ideally reusable tokens.
+        `eos_token_id`: ends a request that samples it (unless it ignores EOS)."""
         self.pool, self.cache, self.config, self.ideal = pool, cache, config, ideal
+        self.eos_token_id = eos_token_id
         self.tier = cache.tier if cache is not None else None
         self.P = pool.page_size
         self.waiting: deque[Request] = deque()
@@ -211,7 +214,48 @@ class Scheduler:
             need -= 1
         return True
 
-    def after_step(self, chunks: list[Chunk]) -> None:
+    def advance(self, chunks: list[Chunk]) -> int:
+        """The bookkeeping of a step launched over `chunks`: their tokens count as computed, each sampling chunk's
+        request gets a `PENDING` token (`pending_row`: its index among the step's samples, in chunk order) that
+        `resolve` fills in, and fresh prefixes go to the cache. Returns the prefill tokens the step computes."""
+        num_prefill = num_samples = 0
+        for c in chunks:
+            req = c.req
+            req.num_computed += c.num_tokens
+            if c.num_tokens > 1 or req.num_generated == 0:
+                req.prefill_tokens += c.num_tokens
+                num_prefill += c.num_tokens
+            if c.sample:
+                req.tokens.append(PENDING)
+                req.pending_row, num_samples = num_samples, num_samples + 1
+        self._publish_prefixes(chunks)
+        return num_prefill
+
+    def resolve(self, req: Request, index: int, token: int, logprob: float, version: int) -> FinishReason | None:
+        """Fill in the sampled token at `index` (the request's oldest `PENDING` one), sampled under weight
+        `version`; returns why the request ends there (a stop or EOS token, `max_new_tokens`), or None."""
+        assert req.tokens[index] == PENDING, "sampled tokens resolve in order"
+        req.tokens[index] = token
+        req.output_logprobs.append(logprob)
+        req.weight_versions.append(version)
+        sp = req.sampling
+        generated = index + 1 - req.prompt_len  # resolved so far (the next one may already be in flight)
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token == self.eos_token_id):
+            return FinishReason("stop", matched=token)
+        if generated >= sp.max_new_tokens:
+            return FinishReason("length", length=generated)
+        return None
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request for good: a token sampled after the one that ended it (still in flight) is dropped, its
+        pages go (its KV to the cache), and it leaves the queues."""
+        if PENDING in req.tokens:
+            del req.tokens[req.tokens.index(PENDING):]
+            req.num_computed = min(req.num_computed, len(req.tokens))
+        self.remove(req)
+        req.finish_reason = reason
+
+    def _publish_prefixes(self, chunks: list[Chunk]) -> None:
         """Publish freshly prefilled prefixes to the cache so that waiting siblings can share them."""
         if self.cache is None:
             return

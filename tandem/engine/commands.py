@@ -1,0 +1,125 @@
+"""The typed commands that drive an engine core (`tandem.engine.core.EngineCore.apply`).
+
+Whoever drives a core (the async facade's thread, a tensor-parallel follower, later an expert-parallel rank or a
+prefill/decode server) sends these and nothing else: no method names cross a process boundary. Rank 0 of a
+tensor-parallel engine publishes every command whose `published` is true to the other ranks before applying it,
+so all ranks apply the same sequence; a command that only reads state (`Snapshot`) stays local.
+
+`drains`: the command needs every sampled token of the step in flight applied before it runs (it reads or changes
+request state). A new request only joins the queue, and a weight load in place queues its copies behind the step
+in flight, so those two do not wait for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from tandem.config import PAUSE_MODES, PauseMode
+from tandem.types import SamplingParams
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    published: ClassVar[bool] = True
+    drains: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, slots=True)
+class AddRequest(Command):
+    """Queue a request (validated by the caller). Its output arrives through `EngineCore.take_finished`."""
+
+    drains: ClassVar[bool] = False
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Command):
+    """Finish one request with finish reason abort (nothing if it is not in the engine)."""
+
+    rid: str
+    message: str = "aborted by request"
+
+
+@dataclass(frozen=True, slots=True)
+class AbortAll(Command):
+    message: str = "aborted by request"
+
+
+@dataclass(frozen=True, slots=True)
+class Pause(Command):
+    """`abort`: every request returns now; `retract`: running requests drop their KV and requeue; `in_place`: they
+    freeze with their KV. Requests arriving while paused queue until `Resume`."""
+
+    mode: PauseMode
+
+    def __post_init__(self):
+        check_pause_mode(self.mode)
+
+
+@dataclass(frozen=True, slots=True)
+class Resume(Command):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class LoadWeights(Command):
+    """Load full (unsharded) tensors by Hugging Face name. `pause_mode` None: the engine must be paused already
+    (`EngineError` otherwise) and stays paused. A mode: pause in that mode, load, resume (an engine already
+    paused loads and stays paused); in place the copies queue behind the step in flight, whose tokens keep the
+    old version. Returns the new version (`version`, or the current one plus 1) and the seconds paused."""
+
+    drains: ClassVar[bool] = False
+    named: Mapping[str, Tensor]
+    version: int | None = None
+    pause_mode: PauseMode | None = None
+
+    def __post_init__(self):
+        if self.pause_mode is not None:
+            check_pause_mode(self.pause_mode)
+        if self.version is not None and (not isinstance(self.version, int) or isinstance(self.version, bool)
+                                         or self.version < 0):
+            raise ValueError(f"weight_version: must be a non-negative integer, got {self.version!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class FlushCache(Command):
+    """Empty the prefix cache; refused (`EngineError`) while requests hold KV pages."""
+
+
+@dataclass(frozen=True, slots=True)
+class Step(Command):
+    """Run one step. `tier_ready`: the host-tier copy up to which every rank reaps (rank 0 decides it)."""
+
+    drains: ClassVar[bool] = False
+    tier_ready: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Idle(Command):
+    """Rank 0 has nothing to run and waits for a command: the followers' wait is no hang."""
+
+    drains: ClassVar[bool] = False
+
+
+@dataclass(frozen=True, slots=True)
+class Stop(Command):
+    """The engine stops; followers leave their loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot(Command):
+    """A copy of the engine's counters (`EngineStats`). Local to rank 0."""
+
+    published: ClassVar[bool] = False
+
+
+def check_pause_mode(mode) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"mode: must be one of {PAUSE_MODES}, got {mode!r}")

@@ -1,0 +1,360 @@
+"""The engine core: the state machine that owns every piece of engine state, driven by typed commands.
+
+`apply(command)` is the whole interface (`tandem.engine.commands`); requests that end come out of
+`take_finished()`. It does not block on anyone and owns no thread: the async facade (`tandem.engine.engine`) drives
+it from its thread on rank 0, and a tensor-parallel follower (`tandem.run.tp`) applies the commands rank 0
+published, in the same order, to its own core.
+
+A step schedules (`Scheduler.schedule`), launches the model on the chunks (`ModelRunner.launch`, which returns
+before the device finishes), does the scheduler's bookkeeping, and then applies the previous step's sampled tokens
+while the device runs this one (overlap).
+
+Weight updates and the prefix cache: loading is allowed only while paused. By default it empties the prefix cache,
+so no request reuses KV computed with older weights; requests frozen by an `in_place` pause keep their own old KV
+(the documented trade-off: their next tokens attend to KV of the previous weights) and never share it with
+anyone. With `prefix_cache_max_age` N > 0 the cache is emptied only when an update would leave KV in it (or in a
+running request that may share it) computed more than N updates ago: KV up to N updates old is reused, as
+PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the stale computation.
+
+Isolation: a request whose inputs make a step fail (a value the validation let through) is identified and
+finished with an abort naming the error; the step's other requests are not touched and run in the next step. Only
+a failure no single request explains fails every request (and is logged as an engine error).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tandem.config import EngineConfig, ModelConfig
+from tandem.distributed import collectives
+from tandem.distributed.flight_recorder import FlightRecorder
+from tandem.distributed.parallel import SINGLE, TPGroup
+from tandem.engine.commands import (
+    Abort,
+    AbortAll,
+    AddRequest,
+    Command,
+    FlushCache,
+    Idle,
+    LoadWeights,
+    Pause,
+    Resume,
+    Snapshot,
+    Step,
+    Stop,
+)
+from tandem.engine.host_tier import HostTier
+from tandem.engine.kv_pool import KVPool, plan_kv_pages
+from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
+from tandem.engine.model_runner import Launched, ModelRunner, StepInputError
+from tandem.engine.radix_cache import PrefixLog, RadixCache
+from tandem.engine.request import Request, Status
+from tandem.engine.scheduler import Chunk, Scheduler
+from tandem.model.loader import WeightLoader, build_model
+from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput
+
+log = logging.getLogger(__name__)
+
+SLOW_ITERATION_S = 0.2  # a step or command this long is logged: every request (and command) waited for it
+
+
+class EngineError(RuntimeError):
+    """A request the engine refuses in its current state (not a malformed input: that is ValueError)."""
+
+
+class EngineCore:
+    """`tp`: this rank's tensor-parallel group. On rank 0 of a TP engine, `lockstep` publishes each command."""
+
+    def __init__(self, model: str | ModelConfig | Qwen3ForCausalLM = "tiny", config: EngineConfig | None = None,
+                 dtype: str | None = None, seed: int = 0, tp: TPGroup = SINGLE):
+        self.config = config = config or EngineConfig()
+        self.tp = tp
+        self.lockstep = Lockstep(tp) if tp.size > 1 else None
+        # always on: the last collectives and steps of this rank (the watchdog dumps them when the loop stalls)
+        self.recorder = FlightRecorder(tp.rank, config.dump_dir, world_size=tp.size)
+        collectives.set_recorder(self.recorder)
+        if isinstance(model, Qwen3ForCausalLM):
+            self.model = model.eval()
+        else:
+            self.model = build_model(model, device=config.device, dtype=dtype or "float32", seed=seed, tp=tp)
+        self.model_config = self.model.config
+        if config.fused_kernels and next(self.model.parameters()).is_cuda:
+            self.model.use_fused_kernels()
+        self.loader = WeightLoader(self.model)
+        self.max_context_len = config.max_context_len or self.model_config.max_position_embeddings
+        param = next(self.model.parameters())
+        num_pages = config.num_pages or plan_kv_pages(self.model_config, config, param.dtype)
+        self.pool = KVPool(self.model_config, num_pages, config.page_size, param.dtype, param.device,
+                           num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads)
+        self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache) \
+            if config.host_cache != "off" else None
+        self.cache = RadixCache(self.pool, self.tier) if config.enable_prefix_cache else None
+        # the ideal to measure the cache against: every prefix computed, up to 4x what both tiers hold
+        pool_tokens = (num_pages + (self.tier.num_pages if self.tier else 0)) * config.page_size
+        self.ideal = PrefixLog(config.page_size, max(4 * pool_tokens, 1 << 20))
+        self.scheduler = Scheduler(self.pool, self.cache, config, self.ideal, self.model_config.eos_token_id)
+        per_page = 2 * self.pool.k_cache[:, :config.page_size].numel() * param.element_size()
+        log.info("KV cache: %d device pages of %d tokens (%.2f GiB)%s", num_pages, config.page_size,
+                 num_pages * per_page / 2**30, f", {self.tier.num_pages} host pages ({self.tier.bytes / 2**30:.2f}"
+                 f" GiB, {self.tier.policy})" if self.tier else "")
+        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, config)
+        self.weight_version = 0
+        self.paused: str | None = None  # the pause mode while paused
+        self.stats = EngineStats(pages_total=self.pool.num_pages)
+        self.fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
+        self._cache_age = 0  # weight updates since the prefix cache was last emptied
+        self._requests: dict[str, Request] = {}
+        self._finished: list[GenerateOutput] = []
+        self._rng = random.Random(config.seed)
+        self._arrival = itertools.count()
+        self._inflight: Launched | None = None  # the launched step whose sampled tokens are not applied yet
+        self._last_chunks: list[Chunk] = []  # what the last step scheduled (named if it was slow)
+        self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
+        if self.lockstep is not None:
+            self.lockstep.ready()
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step would do anything (not paused, requests in the engine)."""
+        return self.paused is None and bool(self.scheduler.running or self.scheduler.waiting)
+
+    def take_finished(self) -> list[GenerateOutput]:
+        """The outputs of the requests that ended since the last call (finished, stopped or aborted)."""
+        finished, self._finished = self._finished, []
+        return finished
+
+    # ---- commands ------------------------------------------------------------------------------------------
+    def apply(self, command: Command) -> Any:
+        """Apply one command and return its result. A command's own refusal (ValueError, EngineError) is raised to
+        the caller and changes nothing (a step raises nothing). An error of the engine itself is logged and fails
+        every request in it (a bug must not leave clients waiting); ranks out of lockstep also set `fatal`: the
+        engine must stop."""
+        t0 = time.perf_counter()
+        try:
+            if command.drains and self._inflight is not None:
+                self.stats.command_waits += 1
+                self._drain()  # commands see every sampled token
+            match command:
+                case Step(tier_ready=ready):
+                    with self.recorder.engine_step(self.stats.num_steps + 1):
+                        self._step(ready)
+                case AddRequest():
+                    self._add_request(command)
+                case Abort(rid=rid, message=message):
+                    if (req := self._requests.get(rid)) is not None:
+                        self._finish(req, FinishReason("abort", message=message))
+                case AbortAll(message=message):
+                    self._abort_all(message)
+                case Pause(mode=mode):
+                    self._pause(mode)
+                case Resume():
+                    self.paused = None
+                case LoadWeights():
+                    return self._load_weights(command)
+                case FlushCache():
+                    self._flush_cache()
+                case Snapshot():
+                    return self._snapshot()
+                case Idle() | Stop():
+                    pass
+                case _:
+                    raise TypeError(f"not an engine command: {command!r}")
+        except Exception as e:
+            if isinstance(e, ValueError | EngineError) and not isinstance(command, Step):
+                raise  # the command's own refusal
+            self._engine_error(e)
+        finally:
+            if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
+                chunks = self._last_chunks
+                what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "
+                        f"{sum(c.num_tokens for c in chunks)})" if isinstance(command, Step)
+                        else f"command {type(command).__name__}")
+                log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
+
+    def _engine_error(self, error: Exception) -> None:
+        log.error("engine step failed", exc_info=error)
+        self._inflight = None
+        if isinstance(error, LockstepError):  # the ranks disagree: stop, leaving the evidence
+            self.fatal = error
+        self._abort_all(f"engine error: {error!r}")
+
+    def _add_request(self, cmd: AddRequest) -> None:
+        if cmd.rid in self._requests:
+            raise ValueError(f"rid: {cmd.rid!r} is already in flight")
+        sampling = cmd.sampling
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        req = Request(cmd.rid, list(cmd.input_ids), len(cmd.input_ids), sampling, seed, next(self._arrival))
+        self._requests[cmd.rid] = req
+        self.scheduler.waiting.append(req)
+        if sampling.max_new_tokens == 0:
+            self._finish(req, FinishReason("length", length=0))
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self._requests.pop(req.rid, None)
+        self.stats.num_finished += 1
+        self.stats.num_aborted += reason.type == "abort"
+        self._finished.append(req.output(self.weight_version))
+
+    def _abort_all(self, message: str) -> None:
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self._finish(req, FinishReason("abort", message=message))
+
+    def _pause(self, mode: str) -> None:
+        if mode == "abort":
+            self._abort_all(PAUSED_ABORT)
+        elif mode == "retract":
+            for req in reversed(list(self.scheduler.running)):
+                self.scheduler.retract(req)
+        self.paused = mode
+
+    def _load_weights(self, cmd: LoadWeights) -> tuple[int, float]:
+        t0, mode = time.perf_counter(), cmd.pause_mode
+        if mode is None and self.paused is None:
+            raise EngineError("update_weights: the engine must be paused first (pause_generation)")
+        pausing = mode is not None and self.paused is None
+        if mode != "in_place":  # in place, the copies queue behind the step in flight; its tokens keep their version
+            self._drain()
+        if pausing:
+            if self._update_empties_cache():  # retracting or aborting must not insert KV of the weights replaced
+                self._mark_stale()
+            self._pause(mode)
+        try:
+            self._update_weights(cmd.named, cmd.version)
+        finally:
+            if pausing:
+                self.paused = None
+        return self.weight_version, time.perf_counter() - t0
+
+    def _update_weights(self, named: Mapping[str, torch.Tensor], version: int | None) -> None:
+        self.loader.load(named)  # checks every tensor before it loads any
+        if self._update_empties_cache():
+            self._mark_stale()
+            self._empty_cache()
+        else:
+            self._cache_age += 1
+        self.stats.weight_version = self.weight_version = self.weight_version + 1 if version is None else version
+
+    def _flush_cache(self) -> None:
+        if holders := len(self.scheduler.running):
+            raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
+                              "or pause with mode abort/retract first")
+        self._empty_cache()
+
+    def _update_empties_cache(self) -> bool:
+        """Whether the next weight update would age the KV computed before it past `prefix_cache_max_age`."""
+        return self._cache_age + 1 > self.config.prefix_cache_max_age
+
+    def _mark_stale(self) -> None:
+        for req in self.scheduler.running:  # (frozen in place: they keep it, and never share it)
+            req.kv_stale = True
+
+    def _empty_cache(self) -> None:
+        if self.cache is not None:
+            self.cache.reset()
+        self.ideal.reset()  # nothing computed before is reusable now
+        self._cache_age = 0
+
+    # ---- the step ------------------------------------------------------------------------------------------
+    def _step(self, tier_ready: int) -> None:
+        """Schedule and launch step n+1, then apply step n's tokens while the device runs n+1."""
+        if self.tier is not None:
+            self.tier.reap(tier_ready)
+        t0 = time.perf_counter()
+        chunks = self._last_chunks = self.scheduler.schedule()
+        if not chunks:
+            self._drain()
+            return
+        t1 = time.perf_counter()
+        try:
+            launched = self.runner.launch(chunks, self._inflight)
+        except StepInputError as e:
+            self._fail_culprits(chunks, e)
+            return
+        launched.version, t2 = self.weight_version, time.perf_counter()
+        issued = self.tier.issued if self.tier is not None else 0
+        num_prefill = self.scheduler.advance(chunks)
+        self._drain()
+        if self.tier is not None:  # every step before this one has finished now
+            self.tier.settled_upto = issued
+        self._inflight = launched
+        if not self.config.overlap:
+            self._drain()
+        self._record_step(chunks, num_prefill, t0, t1, t2)
+        if self.lockstep is not None and self.config.lockstep_sentinel:
+            t_check = time.perf_counter()
+            tier = (self.tier.num_free, self.tier.in_flight) if self.tier else None
+            self.lockstep.check(step_digest(
+                self.stats.num_steps, [r.rid for r in self.scheduler.running],
+                [(c.req.rid, c.start, c.num_tokens) for c in chunks], self._applied_digest, self.stats.num_finished,
+                tier))
+            self.stats.busy_seconds += time.perf_counter() - t_check
+
+    def _fail_culprits(self, chunks: list[Chunk], error: StepInputError) -> None:
+        """A step's inputs could not be built: finish the requests whose own inputs fail (the same on every rank),
+        leave the others for the next step. If no request fails on its own, it is the engine's error."""
+        culprits = [c.req for c in chunks if self.runner.check_inputs(c.req) is not None]
+        if not culprits:
+            raise error
+        for req in culprits:
+            log.warning("engine: request %s failed its step's inputs (%s); the other requests go on", req.rid,
+                        self.runner.check_inputs(req))
+            self._finish(req, FinishReason("abort", message=f"invalid request: {self.runner.check_inputs(req)}"))
+
+    def _record_step(self, chunks: list[Chunk], num_prefill: int, t0: float, t1: float, t2: float) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.decode_steps += all(c.num_tokens == 1 for c in chunks)
+        s.prefill_tokens_computed += num_prefill
+        s.running_request_steps += len(chunks)
+        s.waiting_request_steps += len(self.scheduler.waiting)
+        s.schedule_seconds += t1 - t0
+        s.prepare_seconds += self.runner.last_prepare_seconds
+        s.forward_seconds += t2 - t1 - self.runner.last_prepare_seconds
+        s.busy_seconds += time.perf_counter() - t0
+
+    def _drain(self) -> None:
+        """Wait for the step in flight and apply its sampled tokens."""
+        launched, self._inflight = self._inflight, None
+        if launched is None:
+            return
+        t0 = time.perf_counter()
+        tokens, logprobs = launched.result()
+        t1 = time.perf_counter()
+        sampled = iter(zip(tokens, logprobs, strict=True))
+        for c in launched.chunks:
+            if c.sample:
+                token, logprob = next(sampled)
+                if c.req.status is not Status.FINISHED:
+                    self.stats.generated_tokens += 1
+                    reason = self.scheduler.resolve(c.req, c.start + c.num_tokens, token, logprob, launched.version)
+                    if reason is not None:
+                        self._finish(c.req, reason)
+        if self.lockstep is not None:
+            self._applied_digest = stable_hash(tokens)
+        self.stats.pages_free = self.pool.num_free
+        self.stats.forward_seconds += t1 - t0
+        self.stats.postprocess_seconds += time.perf_counter() - t1
+        self.stats.busy_seconds += time.perf_counter() - t0
+
+    def _snapshot(self) -> EngineStats:
+        s, sched = self.stats, self.scheduler
+        s.num_running, s.num_queued = len(sched.running), len(sched.waiting)
+        s.num_paused = s.num_running + s.num_queued if self.paused else 0
+        s.num_retractions = sched.num_retractions
+        s.prefill_tokens_cached, s.prefill_tokens_host = sched.num_cached_tokens, sched.num_host_tokens
+        s.prompt_tokens, s.prompt_tokens_cached = sched.num_prompt_tokens, sched.num_prompt_cached_tokens
+        s.prompt_tokens_ideal = sched.num_ideal_tokens
+        if self.tier is not None:
+            s.host_pages_total, s.host_pages_free = self.tier.num_pages, self.tier.num_free
+            s.host_pages_loaded, s.host_pages_backed_up = self.tier.pages_loaded, self.tier.pages_backed_up
+        s.pages_free, s.pages_cached = self.pool.num_free, self.cache.num_pages if self.cache else 0
+        return EngineStats(**{f: getattr(s, f) for f in s.__dataclass_fields__})
