@@ -4,15 +4,18 @@ finish reasons. Plain dataclasses, importable without torch. Field names follow 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """Per-request sampling. `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those
-    filters. `seed` makes sampling reproducible: the same seed, prompt and weights give the same tokens
-    whatever else is batched alongside (the noise is a function of seed and position only)."""
+    """Per-request sampling. `temperature == 0` is greedy; otherwise it is at least `MIN_TEMPERATURE` (below it
+    the scaled logits overflow). `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes sampling
+    reproducible: the same seed, prompt and weights give the same tokens whatever else is batched alongside (the
+    noise is a function of seed and position only). Every integer is bounded so that it fits the engine's
+    tensors; token ids are checked against the vocabulary when a request is submitted."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -27,27 +30,24 @@ class SamplingParams:
         def bad(name, why):
             raise ValueError(f"sampling_params.{name}: {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool):
-            bad("max_new_tokens", "must be an integer")
-        if self.max_new_tokens < 0:
-            bad("max_new_tokens", "must be >= 0")
-        if not _is_number(self.temperature) or self.temperature < 0:
-            bad("temperature", "must be a number >= 0")
+        if not _is_int(self.max_new_tokens) or not 0 <= self.max_new_tokens < INT32:
+            bad("max_new_tokens", "must be an integer in [0, 2**31)")
+        t = self.temperature
+        if not _is_number(t) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            bad("temperature", f"must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
-            bad("top_k", "must be an integer (<= 0 disables it)")
+        if not _is_int(self.top_k) or not -INT32 <= self.top_k < INT32:
+            bad("top_k", "must be an integer in [-2**31, 2**31) (<= 0 disables it)")
         if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
             bad("min_p", "must be in [0, 1)")
         if not isinstance(self.ignore_eos, bool):
             bad("ignore_eos", "must be a boolean")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", "must be an integer in [0, 2**63)")
         ids = self.stop_token_ids
-        if not isinstance(ids, tuple | list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                        for t in ids):
-            bad("stop_token_ids", "must be a list of integers")
+        if not isinstance(ids, tuple | list) or not all(_is_int(t) and 0 <= t < INT32 for t in ids):
+            bad("stop_token_ids", "must be a list of integers in [0, 2**31)")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
 
     @classmethod
@@ -67,6 +67,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+INT32 = 2**31
+MIN_TEMPERATURE = 1e-5
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_number(x) -> bool:
