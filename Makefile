@@ -15,7 +15,7 @@ run: .venv/.installed
 	.venv/bin/tandem run $(ARGS)
 
 test: .venv/.installed
-	$(PY) -m ruff check tandem tests benchmarks
+	$(PY) -m ruff check tandem tests benchmarks examples
 	$(PY) -m pytest -q $(ARGS)
 
 .PHONY: run test

@@ -52,12 +52,13 @@ class Run:
             policy = build_model(cfg.model, device=cfg.trainer_device or cfg.engine.device, dtype="float32",
                                  seed=cfg.seed)
             self.trainer = Trainer(policy, cfg.trainer, cfg.loss, cfg.rollout.temperature)
+            env_factory = make_env_factory(cfg, self.engine.model_config.vocab_size)
         except BaseException:
             self.placement.shutdown()
             raise
         max_context = min(cfg.random_agent.max_context, self.engine.max_context_len)
-        self.manager = RolloutManager(self.engine, make_env_factory(cfg, self.engine.model_config.vocab_size),
-                                      cfg.rollout, max_context, cfg.seed, version=lambda: self.engine.weight_version)
+        self.manager = RolloutManager(self.engine, env_factory, cfg.rollout, max_context, cfg.seed,
+                                      version=lambda: self.engine.weight_version)
         self.out_dir = Path(cfg.out_dir)
         self.history: list[dict] = []
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
