@@ -69,7 +69,7 @@ class Trainer:
             self._accumulate_grads_in_masters()
         if not cfg.fsdp and next(model.parameters()).is_cuda:
             for m in (m for m in (self.model, self.ref_model) if m is not None):
-                if cfg.compile:  # without it a 0.6B step on an H200 was host-bound: ~190 ms for ~75 ms of device work
+                if cfg.compile:  # eager layers leave the step host-bound (BENCHMARKS.md, trainer step)
                     m.compile_layers()
                 elif cfg.fused_kernels:
                     m.use_training_kernels()
@@ -78,7 +78,7 @@ class Trainer:
         if cfg.fsdp:  # the sharded float32 parameters are the masters; FSDP casts its gathered copies
             self.model = self.master = parallel.shard_model(self.master, self.param_dtype)
         self.device = next(self.master.parameters()).device
-        # on CUDA one fused kernel per step (the default, foreach, took 11.7 ms of a 0.6B step on an H200)
+        # on CUDA one fused optimizer kernel per step instead of foreach's many (BENCHMARKS.md, trainer step)
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda" or None)
         self.version = 0  # optimizer steps taken = the weight version of the current parameters
