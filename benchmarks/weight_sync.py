@@ -92,13 +92,11 @@ def main() -> None:
           "sync ms | rest ms (of it: the load's wait for the engine's thread) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for i, s in enumerate(stats, 1):
-        receive = "-" if s.receive_s is None else f"{1e3 * s.receive_s:.1f}"  # (unknown for weight_transport=ipc)
-        sent, received = (", ".join(f"{1e3 * v:.1f}" for v in (p or {}).values()) or "-"
-                          for p in (s.send_phases, s.receive_phases))
-        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {sent} | {receive} | {received} | "
-              f"{s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | {1e3 * s.sync_s:.1f} | "
-              f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} "
-              f"({'-' if s.load_s is None else f'{1e3 * (s.load_s - s.pause_s):.1f}'}) |")
+        sent, received = (", ".join(f"{1e3 * v:.1f}" for v in phases.values()) or "-"
+                          for phases in (s.sent.phases, s.reply.receive_phases))
+        print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {sent} | {1e3 * s.reply.transfer_s:.1f} | "
+              f"{received} | {s.gb_per_s:.3g} | {1e3 * s.pause_s:.1f} | {1e3 * s.sync_s:.1f} | "
+              f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} ({1e3 * (s.reply.load_s - s.pause_s):.1f}) |")
     median = statistics.median(s.transfer_s for s in stats)
     print(f"\nmedian transfer {1e3 * median:.1f} ms = {num_bytes / median / 1e9:.3g} GB/s; one plain {backend} "
           f"broadcast of the same bytes in this run: {plain_gb_s:.3g} GB/s ({1e3 * num_bytes / plain_gb_s / 1e9:.1f} "

@@ -1,13 +1,16 @@
 """Placement "separate": the engine in a process of its own behind HTTP, weights over a gloo group (NCCL's CPU
-stand-in) or by reference through the pipe to its process (shared memory here, CUDA IPC on one GPU), a few steps
+stand-in) or by reference through a pipe to its process (shared memory here, CUDA IPC on one GPU), a few steps
 of the random agent end to end; failures of the engine's process reach the trainer as errors naming it, within the
-timeouts; and the pipelined sender delivers exactly what the unpipelined one does."""
+timeouts; and the pipelined sender delivers exactly what the unpipelined one does. Placement "colocated": a refused
+push and the next one."""
 
 import asyncio
 import copy
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -251,3 +254,35 @@ def test_ipc_handoff_of_bad_weights_is_an_error_naming_them_and_the_engine_keeps
         assert asyncio.run(go()) == (1, 1, 4)  # still version 1 on both sides, and generating
     finally:
         placement.shutdown()
+
+
+def test_colocated_push_of_bad_weights_is_refused_at_once_and_the_next_push_loads():
+    """The in-process receiver hears of the abort (it does not wait out its timeout), the engine keeps its weights,
+    and the next push goes through the same transport."""
+    placement = place(RunConfig.load(None, ["weight_sync_timeout_s=10"]))
+    model = build_model("tiny", seed=1)
+
+    async def go():
+        first = await placement.start(model.named_parameters(), 1)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError, match="given twice"):
+            await placement.push([*model.named_parameters(), ("model.norm.weight", model.model.norm.weight)], 2)
+        refused_s, kept = time.monotonic() - t0, (await placement.engine.get_stats()).weight_version
+        second = await placement.push(model.named_parameters(), 3)
+        return first, refused_s, kept, second, (await placement.engine.get_stats()).weight_version
+
+    try:
+        first, refused_s, kept, second, version = asyncio.run(go())
+    finally:
+        placement.shutdown()
+    assert first.reply.weight_version == 1 and kept == 1 and refused_s < 5
+    assert second.reply.weight_version == version == 3 and second.reply.num_tensors == len(list(model.parameters()))
+    assert second.num_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < second.transfer_s < second.sync_s and 0 < second.pause_s < second.sync_s
+
+
+def test_the_engine_client_imports_no_torch():
+    """The client reads sync replies (`tandem.transport.sync`) without pulling torch into a process that only
+    talks to an engine."""
+    code = "import sys, tandem.engine.client; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -9,9 +9,8 @@ once, and one that stalls is the business of a health monitor (`tandem.run.place
 by `timeout_s`.
 
 The client is aiohttp's: a run keeps one generate open per episode in flight (hundreds), and its connection pool
-costs the same per request however many are open. httpx's (httpcore 1.0) scans every pooled connection, polling
-each idle socket, on every request and every reply: with 128 episodes in flight that scan was most of the CPU time
-of the rollout's event loop, which shares its process with the trainer.
+costs the same per request however many are open (httpcore's scans every pooled connection on every request and
+reply, in the event loop the rollout shares with the trainer).
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import aiohttp
 import pydantic_core
 
 from tandem.config import ModelConfig
+from tandem.transport.sync import SyncReply
 from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
 
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -104,13 +104,13 @@ class EngineClient:
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
             "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s})
 
-    async def update_weights_from_distributed(self, group_name: str, weight_version: int, pause_mode: str) -> dict:
+    async def update_weights_from_distributed(self, group_name: str, weight_version: int,
+                                              pause_mode: str) -> SyncReply:
         """Have the engine receive one transfer from the group's sender (which must send meanwhile) and load it
-        as `weight_version`, pausing with `pause_mode` only to load. Returns the engine's reply: `transfer_s`,
-        `pause_s`, `num_bytes`, `num_buckets`, `weight_version`."""
-        reply = await self._post("/update_weights_from_distributed", {
-            "group_name": group_name, "weight_version": weight_version, "pause_mode": pause_mode})
-        self.weight_version = reply["weight_version"]
+        as `weight_version`, pausing with `pause_mode` only to load. Returns the engine's reply."""
+        reply = SyncReply.from_dict(await self._post("/update_weights_from_distributed", {
+            "group_name": group_name, "weight_version": weight_version, "pause_mode": pause_mode}))
+        self.weight_version = reply.weight_version
         return reply
 
     async def destroy_weights_update_group(self, group_name: str) -> None:

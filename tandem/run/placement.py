@@ -7,12 +7,14 @@
   engine join with `/init_weights_update_group` once, then per update calls `/update_weights_from_distributed`
   while its `DistSender` broadcasts the buckets (pipelined, see `tandem.transport.dist`). Never a call per tensor.
 - "ipc" (the default when both share one GPU, where NCCL cannot run two ranks): the trainer's tensors go to the
-  engine's process by reference through the pipe that spawned it (CUDA IPC handles, or shared memory on a CPU),
-  and the engine copies them in during its pause (`EngineProcess.load_weights`).
+  engine's process by reference (`IpcSender`: CUDA IPC handles, or shared memory on a CPU) through a pipe of its
+  own, and per update the trainer asks the engine's process to receive and load them (`EngineProcess.update_weights`).
 
-In both, what excludes generation is only the load: the engine receives the new weights into a staging copy while
-it keeps generating, then pauses (the run's pause mode), copies the staging tensors into its parameters
-(`Engine.update_weights`), and resumes. `SyncStats` measures the transfer and that pause separately.
+Every sync is the same two sides run together: the trainer's `WeightSender.send`, and the engine's
+`receive_and_load` (its receiver's `receive`, the load, `release`), which replies with a `SyncReply`. What excludes
+generation is only the load: the engine receives the new weights while it keeps generating (into a staging copy, or
+by reference), then pauses (the run's pause mode), copies them into its parameters, and resumes. `SyncStats`
+measures the transfer and that pause separately.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
 from tandem.run.engine_process import EngineProcess
 from tandem.transport.dist import DistSender
-from tandem.transport.weights import InProcessReceiver, InProcessSender, TransportError, validated
+from tandem.transport.inprocess import InProcessReceiver, InProcessSender
+from tandem.transport.ipc import IpcSender
+from tandem.transport.sync import SyncReply, receive_and_load
+from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 MONITOR_S = 1.0  # how often the monitor looks at the engine
@@ -42,20 +47,30 @@ GROUP = "tandem-weights"
 
 @dataclass(frozen=True, slots=True)
 class SyncStats:
-    """One weight sync. `transfer_s`: the trainer's send, until every engine holds a full copy (the engine keeps
-    generating meanwhile; with weight transport "ipc", handing over the references: `sync_s - pause_s`);
-    `pause_s`: generation excluded (pause, load into the parameters, resume); `sync_s`: the whole sync as the
-    trainer waited for it."""
+    """One weight sync, `sync_s` as the trainer waited for it: its own send (`sent`) and the engine's reply
+    (`reply`). `transfer_s`: the send, until the engine holds the weights (it keeps generating meanwhile), of it
+    `wait_s` until the engine started receiving, where the transport can tell; `pause_s`: generation excluded (pause,
+    load into the parameters, resume)."""
 
-    transfer_s: float
-    pause_s: float
+    sent: TransferStats
+    reply: SyncReply
     sync_s: float
-    num_bytes: int
-    wait_s: float = 0.0  # of transfer_s: until the engine started receiving (its HTTP call arriving)
-    receive_s: float | None = None  # the engine's side of the transfer (its hello to its last bucket), where known
-    receive_phases: dict | None = None  # where the engine's side went (`TransferStats.phases`), where known
-    send_phases: dict | None = None  # where the trainer's side went, where known
-    load_s: float | None = None  # the engine's load: its pause and its wait for the engine's thread, where known
+
+    @property
+    def transfer_s(self) -> float:
+        return self.sent.seconds
+
+    @property
+    def wait_s(self) -> float:
+        return self.sent.wait_s
+
+    @property
+    def pause_s(self) -> float:
+        return self.reply.pause_s
+
+    @property
+    def num_bytes(self) -> int:
+        return self.sent.num_bytes
 
     @property
     def gb_per_s(self) -> float:
@@ -107,11 +122,13 @@ class Colocated(Placement):
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        received = asyncio.create_task(asyncio.to_thread(self.receiver.receive))
-        transfer = await asyncio.to_thread(self.sender.send, named_weights, version)
-        version, tensors = await received
-        pause_s = await self.engine.load_paused(tensors, version, self.pause_mode)
-        return SyncStats(transfer.seconds, pause_s, time.perf_counter() - t0, transfer.num_bytes)
+        results = await asyncio.gather(asyncio.to_thread(self.sender.send, named_weights, version),
+                                       receive_and_load(self.receiver, self.engine, version, self.pause_mode),
+                                       return_exceptions=True)  # both sides end before this returns or raises
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return SyncStats(*results, time.perf_counter() - t0)
 
     def check(self) -> None:
         if not self.engine.is_alive():
@@ -130,10 +147,10 @@ class Separate(Placement):
         self.cfg = cfg
         self.device = cfg.trainer_device or cfg.engine.device
         self.backend = "nccl" if self.device.startswith("cuda") else "gloo"
-        self.sender: DistSender | None = None
+        self.sender: WeightSender | None = None
         self.ipc = cfg.resolved_weight_transport == "ipc"
         self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_timeout_s, cfg.engine_dtype,
-                                     share_gpu=self.ipc)
+                                     ipc_timeout_s=cfg.weight_sync_timeout_s if self.ipc else None)
         try:
             self.engine = EngineClient(self.process.url, cfg.engine_timeout_s).connect()
         except BaseException:
@@ -141,12 +158,13 @@ class Separate(Placement):
             raise
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        timeout_s = self.cfg.weight_sync_timeout_s
         if self.ipc:
+            self.sender = IpcSender(self.process.weights_conn, timeout_s, str(self.process))
             return await self.push(named_weights, version)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        timeout_s = self.cfg.weight_sync_timeout_s
         joined = self.engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, self.backend, timeout_s)
         sender = asyncio.to_thread(DistSender, f"tcp://127.0.0.1:{port}", 2, 0, self.backend, timeout_s,
                                    self.cfg.weight_bucket_bytes, f"trainer pid {os.getpid()}",
@@ -156,22 +174,19 @@ class Separate(Placement):
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        if self.ipc:
-            named = [(name, tensor.detach()) for name, tensor in validated(named_weights)]
-            try:
-                pause_s = await asyncio.to_thread(self.process.load_weights, named, version,
-                                                  self.cfg.rollout.pause_mode, self.cfg.weight_sync_timeout_s)
-            except (ValueError, EngineUnreachable) as e:
-                raise TransportError(f"weight sync of version {version} failed: {e}", ranks=(1,)) from e
-            self.engine.weight_version = version  # what the group route's reply sets on the client
-            sync_s = time.perf_counter() - t0
-            return SyncStats(sync_s - pause_s, pause_s, sync_s, sum(t.numel() * t.element_size() for _, t in named))
         sent = asyncio.to_thread(self.sender.send, named_weights, version)
-        loaded = self.engine.update_weights_from_distributed(GROUP, version, self.cfg.rollout.pause_mode)
-        transfer, reply = await self._both(sent, loaded, f"weight sync of version {version}")
-        return SyncStats(transfer.seconds, reply["pause_s"], time.perf_counter() - t0, transfer.num_bytes,
-                         transfer.wait_s, reply["transfer_s"], reply.get("receive_phases"), transfer.phases,
-                         reply.get("load_s"))
+        sent, reply = await self._both(sent, self._receive_and_load(version), f"weight sync of version {version}")
+        return SyncStats(sent, reply, time.perf_counter() - t0)
+
+    async def _receive_and_load(self, version: int) -> SyncReply:
+        """Have the engine receive the transfer and load it: over HTTP for a group, through its process's pipe for
+        ipc (then the client's `weight_version` is set here, as the group route's reply sets it)."""
+        mode = self.cfg.rollout.pause_mode
+        if not self.ipc:
+            return await self.engine.update_weights_from_distributed(GROUP, version, mode)
+        reply = await asyncio.to_thread(self.process.update_weights, version, mode, self.cfg.weight_sync_timeout_s)
+        self.engine.weight_version = reply.weight_version
+        return reply
 
     async def _both(self, trainer_side, engine_side, what: str) -> list:
         """Await both sides of one step (each bounded by its timeout). If either fails, raise one TransportError

@@ -47,6 +47,7 @@ from tandem.transport.weights import (
     TransportError,
     WeightReceiver,
     WeightSender,
+    aborted,
     check_timeout,
 )
 
@@ -63,9 +64,7 @@ class _Switching:
     process runs (transfers may overlap: both ends in one process, several groups), then restores it. A transfer's
     thread wakes about ten times (the hello, each bucket's metadata, the landing, the acknowledgement), and each time
     it needs the GIL, which another thread may hold: an engine's while it builds steps, a trainer's event loop while
-    it runs the agents. At Python's 5 ms each wake-up may wait that long. (Two H200s, 64 requests generating, a 0.6B
-    transfer's median: 10.1 ms without, 9.3-9.9 ms with it on the receiving end only; 7.4 ms with 0.2 ms all the time
-    in both processes.)"""
+    it runs the agents. At Python's 5 ms each wake-up may wait that long."""
 
     def __init__(self):
         self.lock, self.users, self.saved = threading.Lock(), 0, 0.0
@@ -265,8 +264,8 @@ class _DistEnd:
 
     def close(self) -> None:
         if self.backend == "nccl" and getattr(self, "data", None) is not None:
-            # abort, not shutdown: on the H200 machine a clean shutdown of this group blocked for minutes at the end
-            # of a run (the peer tears its end down on its own schedule); nothing is in flight here any more
+            # abort, not shutdown: a clean shutdown can block until the peer tears its end down, on its own
+            # schedule; nothing is in flight here any more
             self.data.abort()
         self.control = self.data = self.store = None
         self._failed_works = []
@@ -395,8 +394,8 @@ class DistReceiver(_DistEnd, WeightReceiver):
             laps.lap("metadata")
             if meta.error is not None:
                 self._land(receiving)  # what was sent before the error: the group stays in step
-                raise TransportError(f"weights (rank {self.rank}): {self._who([0])} aborted the transfer of "
-                                     f"version {meta.weight_version} at bucket {index}: {meta.error}", [0], index)
+                message = aborted(self._who([0]), meta.weight_version, meta.error)
+                raise TransportError(f"weights (rank {self.rank}): {message} (at bucket {index})", [0], index)
             if meta.index != index:
                 raise self._fail(f"expected bucket {index}, got bucket {meta.index}", [0], index)
             if not back_to_back(meta):

@@ -1,15 +1,16 @@
 """Weight transport: how a new policy travels from the trainer to the engine(s).
 
-One tiny interface, `WeightSender` (trainer) and `WeightReceiver` (engine), with two implementations:
-`InProcessSender`/`InProcessReceiver` here, a one-slot hand-off between threads of one process, and
-`DistSender`/`DistReceiver` (`tandem.transport.dist`), bucketed broadcasts over a dedicated torch.distributed group.
+One tiny interface, `WeightSender` (trainer) and `WeightReceiver` (engine), with three implementations:
+`InProcessSender`/`InProcessReceiver` (`tandem.transport.inprocess`), a one-slot hand-off of copies between threads
+of one process; `IpcSender`/`IpcReceiver` (`tandem.transport.ipc`), the tensors by reference to another process of
+the host (CUDA IPC, or shared memory on a CPU); `DistSender`/`DistReceiver` (`tandem.transport.dist`), bucketed
+broadcasts over a dedicated torch.distributed group. The engine's end of a whole sync (receive, load, release) is
+`tandem.transport.sync.receive_and_load`, the same for all three.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -28,8 +29,7 @@ def as_mapping(named: NamedWeights) -> Mapping[str, Tensor]:
 class FlatTensors(Mapping[str, Tensor]):
     """Named tensors as a transport received them: `buckets` holds (names, shapes, flat_N) per flat buffer, its
     tensors back to back in their order. A consumer that copies whole buffers (`WeightLoader`) reads `buckets` and
-    makes no per-tensor view; as a mapping, each tensor's view is made when first asked for. (Making the 310 views of
-    the 0.6B shape took its receive 1 ms, and 6-7 ms beside an engine busy generating.)"""
+    makes no per-tensor view; as a mapping, each tensor's view is made when first asked for."""
 
     def __init__(self, buckets: list[tuple[list[str], list[list[int]], Tensor]]):
         self.buckets = buckets
@@ -57,8 +57,8 @@ class FlatTensors(Mapping[str, Tensor]):
 
 
 class TransportError(RuntimeError):
-    """A transfer failed: a peer is missing, died, timed out or aborted. `ranks`: the peers concerned;
-    `bucket`: the bucket index, None outside the buckets."""
+    """A transfer failed: a peer is missing, died, timed out or aborted. `ranks`: the peers concerned (0: the
+    sender, 1..N: the receivers); `bucket`: the bucket index, None outside the buckets."""
 
     def __init__(self, message: str, ranks: Iterable[int] = (), bucket: int | None = None):
         super().__init__(message)
@@ -68,9 +68,9 @@ class TransportError(RuntimeError):
 
 @dataclass
 class TransferStats:
-    """One transfer as one end saw it; `seconds` from the hello to the last acknowledgement, of which `wait_s`
-    waiting for the other end(s) to start (the sender: until every engine said hello). `phases`: where
-    this end's time went (seconds by phase, in order), where the transport times it."""
+    """One transfer as one end saw it; `seconds` from its start to the other end's last acknowledgement, of which
+    `wait_s` waiting for the other end(s) to start, where the transport can tell. `phases`: where this end's time
+    went (seconds by phase, in order, summing to `seconds`), where the transport times it."""
 
     version: int
     num_bytes: int
@@ -86,7 +86,8 @@ class TransferStats:
 
 
 class _Transport(ABC):
-    """Either end: closed on leaving a `with` block."""
+    """Either end: closed on leaving a `with` block. After a TransportError other than an abort (a timeout, a dead
+    peer) an end may refuse further transfers: close it and build a new one."""
 
     @abstractmethod
     def close(self) -> None:
@@ -104,75 +105,31 @@ class WeightSender(_Transport):
 
     @abstractmethod
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
-        """Send full (unsharded) tensors by Hugging Face name as weight `version`. Blocks until every receiver holds
-        all of them; raises TransportError when a receiver is missing, dies or stalls past the timeout, ValueError
-        on bad input (a duplicate name, a non-tensor). Reads the tensors and never mutates them; once it returns
-        they may change, the receivers hold copies. `named_tensors` may be a generator (consumed once)."""
+        """Send full (unsharded) tensors by Hugging Face name as weight `version`. Blocks until the tensors may change
+        again: every receiver holds a copy, or (by reference, ipc) has released them. Reads the tensors and never
+        mutates them. `named_tensors` may be a generator (consumed once).
+        Raises ValueError on bad input (a duplicate name, a non-tensor), after telling the receivers, whose `receive`
+        then raises a TransportError saying the transfer of `version` was aborted (nothing of it is loaded).
+        Raises TransportError naming the receiver when one is missing, dies or stalls past the timeout."""
 
 
 class WeightReceiver(_Transport):
-    """The engine's end."""
+    """The engine's end. `last_stats`: the last completed `receive` as this end saw it."""
+
+    last_stats: TransferStats | None = None
 
     @abstractmethod
     def receive(self) -> tuple[int, Mapping[str, Tensor]]:
         """Block until the sender's next `send` has fully arrived; return (version, {name: tensor}), ready for
-        `load_weights` or `Engine.update_weights` (pass the mapping itself: `FlatTensors` load buffer by buffer).
-        The tensors belong to the receiver (never aliases of the sender's; several may be views of one flat
-        buffer). Raises TransportError when the sender does not start, stalls past the timeout, or aborts the
-        transfer."""
+        `load_weights` or `Engine.load_paused` (pass the mapping itself: `FlatTensors` load buffer by buffer).
+        The tensors are valid until `release`: copies owned by the receiver (several may be views of one flat
+        buffer), or (ipc) the sender's own memory, which it keeps unchanged until then. Raises TransportError naming
+        the sender when it does not start, stalls past the timeout, or aborts the transfer."""
 
-
-# ---- in-process ------------------------------------------------------------------------------------------------
-
-
-class InProcessReceiver(WeightReceiver):
-    """The engine's end of a one-slot, queue-free hand-off between threads of one process:
-    `InProcessSender.send` puts a transfer in the slot and waits until `receive` takes it."""
-
-    def __init__(self, timeout_s: float = 60.0):
-        self.timeout_s = check_timeout(timeout_s)
-        self._cond = threading.Condition()
-        self._slot: tuple[int, dict[str, Tensor]] | None = None
-
-    def receive(self) -> tuple[int, dict[str, Tensor]]:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._slot is not None, self.timeout_s):
-                raise TransportError(f"weights: the in-process sender sent nothing within timeout_s={self.timeout_s:g}")
-            transfer, self._slot = self._slot, None
-            self._cond.notify_all()
-        return transfer
-
-    def close(self) -> None:
-        pass
-
-    def _hand_over(self, version: int, tensors: dict[str, Tensor], timeout_s: float) -> None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._slot is None, timeout_s):
-                raise TransportError("weights: the in-process receiver has not taken the previous transfer")
-            self._slot = offered = (version, tensors)
-            self._cond.notify_all()
-            if not self._cond.wait_for(lambda: self._slot is not offered, timeout_s):
-                self._slot = None  # withdrawn: a late receive must not get a transfer the sender reported as failed
-                raise TransportError(f"weights: the in-process receiver took nothing within timeout_s={timeout_s:g}")
-
-
-class InProcessSender(WeightSender):
-    """The trainer's end of the in-process hand-off: one bucket of copies, so the engine never aliases the
-    trainer's parameters (the optimizer mutates them in place)."""
-
-    def __init__(self, receiver: InProcessReceiver, timeout_s: float = 60.0):
-        self.receiver = receiver
-        self.timeout_s = check_timeout(timeout_s)
-
-    def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
-        t0 = time.perf_counter()
-        tensors = {name: tensor.detach().clone() for name, tensor in validated(named_tensors)}
-        self.receiver._hand_over(version, tensors, self.timeout_s)
-        num_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
-        return TransferStats(version, num_bytes, 1, len(tensors), time.perf_counter() - t0)
-
-    def close(self) -> None:
-        pass
+    def release(self) -> None:  # noqa: B027 (the copying transports have nothing to release)
+        """Done reading the tensors of the last `receive`. Call it once they are loaded, also when loading failed.
+        A transport by reference waits for this process's device work to finish reading them, then lets the
+        sender's `send` return; the copying transports need nothing."""
 
 
 def validated(named_tensors: NamedTensors) -> Iterator[tuple[str, Tensor]]:
@@ -186,6 +143,12 @@ def validated(named_tensors: NamedTensors) -> Iterator[tuple[str, Tensor]]:
             raise ValueError(f"named_tensors: {name!r} is given twice")
         seen.add(name)
         yield name, tensor
+
+
+def aborted(who: str, version: int, error: BaseException | str) -> str:
+    """The message of a receiver whose sender aborted the transfer (the same words in every transport)."""
+    reason = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return f"{who} aborted the transfer of version {version}: {reason}"
 
 
 def check_timeout(timeout_s: float) -> float:
