@@ -23,6 +23,7 @@ import time
 import torch
 
 from tandem.config import PRESETS, EngineConfig
+from tandem.distributed.parallel import cdiv
 from tandem.engine.engine import Engine
 from tandem.types import SamplingParams
 
@@ -61,7 +62,7 @@ def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: 
     """Time one graph replay of a decode batch whose every row attends over `context` positions."""
     runner, pool = engine.runner, engine.pool
     P = pool.page_size
-    pages_per_row = -(-context // P)
+    pages_per_row = cdiv(context, P)
     assert batch * pages_per_row <= pool.num_pages, "KV pool too small for the sweep"
     table = torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
     runner.block_table_BP[:batch, :pages_per_row].copy_(table)

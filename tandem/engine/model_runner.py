@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed import collectives, faults
+from tandem.distributed.parallel import cdiv
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
 from tandem.engine.sampler import SamplingBatch, sample
@@ -116,7 +117,7 @@ class ModelRunner:
         if self.prefill_kernel is not None and max_graph_tokens > 0:
             self.mixed_sizes = [t for t in MIXED_SIZES if t < max_graph_tokens] + [max_graph_tokens]
         T = max([self.batch_sizes[-1], *self.mixed_sizes])
-        B, P = max(self.batch_sizes[-1], S + 1), -(-max_context_len // pool.page_size)
+        B, P = max(self.batch_sizes[-1], S + 1), cdiv(max_context_len, pool.page_size)  # (P: pages of a request)
         self.ids_B = torch.zeros(T, dtype=torch.long, device=self.device)  # (T: tokens of a decode or mixed step)
         self.positions_B = torch.zeros(T, dtype=torch.long, device=self.device)
         self.slots_B = torch.zeros(T, dtype=torch.long, device=self.device)
@@ -223,8 +224,8 @@ class ModelRunner:
     def _decode(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor:
         n = len(chunks)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        P = self.pool.page_size
-        width = max(-(-(c.start + 1) // P) for c in chunks)
+        page_size = self.pool.page_size
+        width = max(cdiv(c.start + 1, page_size) for c in chunks)
         # only the columns in use: entries past a row's length are never read (its seq_len bounds the kernel)
         table = _block_table([c.req for c in chunks], width, bs)
         starts = [c.start for c in chunks]
@@ -234,7 +235,8 @@ class ModelRunner:
         self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:bs])
         host = {
             "positions": torch.tensor(starts + [0] * pad),
-            "slots": torch.tensor([c.req.pages[s // P] * P + s % P for c, s in zip(chunks, starts, strict=True)]
+            "slots": torch.tensor([c.req.pages[s // page_size] * page_size + s % page_size
+                                   for c, s in zip(chunks, starts, strict=True)]
                                   + [self.pool.scratch_slot] * pad),
             "seq_lens": torch.tensor([s + 1 for s in starts] + [0] * pad, dtype=torch.int32),
         }
@@ -348,10 +350,11 @@ class ModelRunner:
     def _chunk_layout(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], torch.Tensor]:
         """For the prefill kernel: the chunks' new slots, query starts (cumulative, from 0), KV lengths, and block
         table (as many columns as the longest needs)."""
-        P = self.pool.page_size
-        new_slots = [c.req.pages[p // P] * P + p % P for c in chunks for p in range(c.start, c.start + c.num_tokens)]
+        page_size = self.pool.page_size
+        new_slots = [c.req.pages[p // page_size] * page_size + p % page_size
+                     for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         q_starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
-        width = max(-(-(c.start + c.num_tokens) // P) for c in chunks)
+        width = max(cdiv(c.start + c.num_tokens, page_size) for c in chunks)
         kv_lens = [c.start + c.num_tokens for c in chunks]
         return new_slots, q_starts, kv_lens, _block_table([c.req for c in chunks], width)
 
@@ -372,7 +375,7 @@ class ModelRunner:
                              kv_slots=kv_slots)
         decodes = [c for c in chunks if c.num_tokens == 1]
         if decodes and self.kernel is not paged_decode_reference:  # GPU: no gather of every decode's context
-            width = max(-(-(c.start + 1) // self.pool.page_size) for c in decodes)
+            width = max(cdiv(c.start + 1, self.pool.page_size) for c in decodes)
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
             ctx.decode_block_table = self._to_device(_block_table([c.req for c in decodes], width))
         return ctx

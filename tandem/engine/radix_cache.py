@@ -22,6 +22,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from tandem.distributed.parallel import cdiv
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool, PageAllocator
 
@@ -160,7 +161,7 @@ class RadixCache:
         them (`RadixCache.adopt`), or its duplicates would sit under the tree's copies and pin them."""
         P, now = self.P, next(self._clock)
         n = len(tokens)
-        pages = pages[:-(-n // P)]
+        pages = pages[:cdiv(n, P)]
         node, i, held = self.root, 0, []
         while i < n:
             child, c = self._best_child(node, tokens[i:i + P])
@@ -421,7 +422,7 @@ class PrefixLog:
         self.tree = RadixCache(self.ids)
 
     def add(self, tokens: list[int]) -> None:
-        pages = self.ids.alloc(-(-len(tokens) // self.ids.page_size))
+        pages = self.ids.alloc(cdiv(len(tokens), self.ids.page_size))
         self.tree.insert(tokens, pages)
         self.ids.decref(pages)
         over = self.ids.num_used - self.max_pages

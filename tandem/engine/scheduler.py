@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tandem.config import EngineConfig
+from tandem.distributed.parallel import cdiv
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.radix_cache import Match, PrefixLog, RadixCache, lcp
 from tandem.engine.request import Request, Status
@@ -47,7 +48,7 @@ class Scheduler:
         self.pool, self.cache, self.config, self.ideal = pool, cache, config, ideal
         self.eos_token_id = eos_token_id
         self.tier = cache.tier if cache is not None else None
-        self.P = pool.page_size
+        self.page_size = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is the newest
         self.num_retractions = 0
@@ -72,7 +73,7 @@ class Scheduler:
             may_retract = remaining == 1 or i == 0
             while not self._grow(req, req.num_computed + n) and may_retract and self.running[-1] is not req:
                 self.retract(self.running[-1])
-            n = min(n, len(req.pages) * self.P - req.num_computed)
+            n = min(n, len(req.pages) * self.page_size - req.num_computed)
             if n == 0 and remaining == 1:  # it is the newest and no page is left: step aside itself
                 self.retract(req)
                 continue
@@ -130,7 +131,7 @@ class Scheduler:
                     self.pool.decref([held.pop()])
                 else:
                     self.tier.decref([host.pop()])
-                match = match.without_partial(self.P)
+                match = match.without_partial(self.page_size)
                 n, fresh = self._alloc_chunk(req, match, budget, reserve)
             if fresh is None:
                 self.pool.decref(held)
@@ -165,27 +166,27 @@ class Scheduler:
             reserve += 1
 
     def _host_tokens(self, match: Match) -> int:
-        return len(match.loads) * self.P + (match.partial_len if match.partial_host is not None else 0)
+        return len(match.loads) * self.page_size + (match.partial_len if match.partial_host is not None else 0)
 
     def _alloc_chunk(self, req: Request, match: Match, budget: int, reserve: int) -> tuple[int, list[int] | None]:
         """The first chunk's length after the cached prefix, and fresh pages for it (None if they do not fit)."""
         n = min(len(req.tokens) - match.num_tokens, budget)
-        need = -(-(match.num_tokens + n) // self.P) - len(match.pages) + len(match.loads)
+        need = cdiv(match.num_tokens + n, self.page_size) - len(match.pages) + len(match.loads)
         return n, self._alloc(need, reserve)
 
     def _note_prefilling(self, req: Request, prefilling: dict) -> None:
-        if len(req.tokens) >= self.P:
-            prefilling.setdefault(tuple(req.tokens[:self.P]), []).append(req)
+        if len(req.tokens) >= self.page_size:
+            prefilling.setdefault(tuple(req.tokens[:self.page_size]), []).append(req)
 
     def _better_to_wait(self, req: Request, num_cached: int, prefilling: dict) -> bool:
         """A request sharing a longer prefix with one being prefilled right now (a GRPO sibling, the next
         turn of a running agent) waits for that prefill to land in the cache instead of recomputing it. (It
         would share at least a whole page more than it has cached, so only requests with its first page count.)"""
-        if self.cache is None or len(req.tokens) <= self.P:
+        if self.cache is None or len(req.tokens) <= self.page_size:
             return False
         limit = len(req.tokens) - 1
-        return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.P
-                   for other in prefilling.get(tuple(req.tokens[:self.P]), ()))
+        return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.page_size
+                   for other in prefilling.get(tuple(req.tokens[:self.page_size]), ()))
 
     def _alloc(self, n: int, reserve: int = 0) -> list[int] | None:
         short = n + reserve - self.pool.num_free
@@ -205,7 +206,7 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` pages for its first `num_tokens` positions, page by page as far as possible."""
-        need = -(-num_tokens // self.P) - len(req.pages)
+        need = cdiv(num_tokens, self.page_size) - len(req.pages)
         while need > 0:
             page = self._alloc(1)
             if page is None:
