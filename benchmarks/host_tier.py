@@ -70,7 +70,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     base = dict(page_size=args.page_size, device=args.device, max_running_requests=args.concurrency,
-                max_prefill_tokens=2048)
+                max_prefill_tokens=2048, measure_ideal_reuse=True)
     pages_for_all = args.concurrency * AGENT.max_context // args.page_size
     def run(**config) -> dict:
         return measure(args.model, dtype, EngineConfig(**base, **config), args.episodes, args.concurrency)

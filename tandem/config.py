@@ -225,7 +225,7 @@ class EngineConfig:
     max_context_len: PositiveInt | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True
     # KV reuse across weight updates: 0 empties the prefix cache at every update; N keeps KV up to N updates old
-    # (the async loop's prefill then skips what the update would have recomputed; see tandem.engine.engine)
+    # (the async loop's prefill then skips what the update would have recomputed; see tandem.engine.core)
     prefix_cache_max_age: NonNegativeInt = 0
     # host tier under the prefix cache: "off", "write_through" (back up pages as the cache takes them) or
     # "write_back" (back up as they are evicted); host_cache_pages 0: twice the device pool
@@ -249,6 +249,9 @@ class EngineConfig:
     watchdog_timeout_s: NonNegativeFloat = 300.0
     watchdog_action: WatchdogAction = "wait"
     seed: int = 0  # seeds requests that carry no seed of their own
+    # a measurement (benchmarks, the run's table): count what an ideal, unbounded prefix cache would have served
+    # (EngineStats.prompt_tokens_ideal); it costs a token tree beside the cache
+    measure_ideal_reuse: bool = False
 
     def __post_init__(self):
         check_fields(self)

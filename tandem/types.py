@@ -116,12 +116,10 @@ class GenerateOutput:
     weight_versions: list[int]
     finish_reason: FinishReason
     prompt_tokens: int
-    # when the request was first admitted: prompt tokens served from the prefix cache, how many of them were
-    # loaded back from the host tier (the rest came from the device), and the longest prefix of the prompt the
-    # engine had ever computed (since its last weight update), which an ideal cache would have served
+    # when the request was first admitted: prompt tokens served from the prefix cache, and how many of them were
+    # loaded back from the host tier (the rest came from the device)
     cached_tokens: int
     host_cached_tokens: int = 0
-    ideal_cached_tokens: int = 0
     prefill_tokens: int = 0  # tokens this request actually computed in prefill, over all its admissions
     num_retractions: int = 0
     weight_version: int = 0  # the engine's weight version when the request finished
@@ -140,7 +138,6 @@ class GenerateOutput:
             "cached_tokens": self.cached_tokens,
             "cached_tokens_details": {"device": self.cached_tokens - self.host_cached_tokens,
                                       "host": self.host_cached_tokens},
-            "ideal_cached_tokens": self.ideal_cached_tokens,
             "prefill_tokens": self.prefill_tokens,
             "weight_version": self.weight_version,
             "output_token_weight_versions": self.weight_versions,
@@ -166,6 +163,7 @@ class EngineStats:
     prompt_tokens: int = 0
     prompt_tokens_cached: int = 0
     prompt_tokens_ideal: int = 0
+    ideal_measured: bool = False  # whether prompt_tokens_ideal is measured (EngineConfig.measure_ideal_reuse)
     num_retractions: int = 0
     num_finished: int = 0
     num_aborted: int = 0
@@ -198,13 +196,16 @@ class EngineStats:
 
     @property
     def recompute_vs_ideal(self) -> float:
-        """Prefill tokens computed / those an ideal cache would compute (each prompt minus its ideal reuse)."""
+        """Prefill tokens computed / those an ideal cache would compute (each prompt minus its ideal reuse); NaN
+        unless the engine measures the ideal (`EngineConfig.measure_ideal_reuse`)."""
         ideal = self.prompt_tokens - self.prompt_tokens_ideal
-        return self.prefill_tokens_computed / ideal if ideal else 1.0
+        return (self.prefill_tokens_computed / ideal if ideal else 1.0) if self.ideal_measured else math.nan
 
     @property
     def reuse_vs_ideal(self) -> float:
-        """Prompt tokens served from the cache / those an ideal cache would have served."""
+        """Prompt tokens served from the cache / those an ideal cache would have served; NaN unless measured."""
+        if not self.ideal_measured:
+            return math.nan
         return self.prompt_tokens_cached / self.prompt_tokens_ideal if self.prompt_tokens_ideal else 1.0
 
 
@@ -226,10 +227,6 @@ class Episode:
     start_version: int = 0  # the engine's weight version when the episode was admitted
     num_turns: int = 0
     num_resubmits: int = 0  # turns continued after an abort-mode pause (partial rollout stitched back)
-    # over continuation calls (every turn after the first, and resubmits): prompt tokens the engine served
-    # from its prefix cache, and those it could ideally have served (everything it had computed before)
-    cached_tokens: int = 0
-    ideal_cached_tokens: int = 0
     truncated: bool = False  # stopped by the context limit rather than by the environment
 
     def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None,

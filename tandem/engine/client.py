@@ -173,5 +173,5 @@ def parse_output(d: dict) -> GenerateOutput:
         finish_reason=FinishReason(reason["type"], reason.get("length"), reason.get("matched"), reason.get("message")),
         prompt_tokens=meta["prompt_tokens"], cached_tokens=meta["cached_tokens"],
         host_cached_tokens=meta.get("cached_tokens_details", {}).get("host", 0),
-        ideal_cached_tokens=meta.get("ideal_cached_tokens", 0), prefill_tokens=meta.get("prefill_tokens", 0),
+        prefill_tokens=meta.get("prefill_tokens", 0),
         weight_version=meta.get("weight_version", 0))

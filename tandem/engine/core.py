@@ -54,7 +54,8 @@ from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
 from tandem.engine.model_runner import Launched, ModelRunner, StepInputError
-from tandem.engine.radix_cache import PrefixLog, RadixCache
+from tandem.engine.observers import IdealReuse
+from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import Chunk, Scheduler
 from tandem.model.loader import WeightLoader, build_model
@@ -97,10 +98,11 @@ class EngineCore:
         self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache) \
             if config.host_cache != "off" else None
         self.cache = RadixCache(self.pool, self.tier) if config.enable_prefix_cache else None
-        # the ideal to measure the cache against: every prefix computed, up to 4x what both tiers hold
-        pool_tokens = (num_pages + (self.tier.num_pages if self.tier else 0)) * config.page_size
-        self.ideal = PrefixLog(config.page_size, max(4 * pool_tokens, 1 << 20))
-        self.scheduler = Scheduler(self.pool, self.cache, config, self.ideal, self.model_config.eos_token_id)
+        self.ideal = None  # what the cache is measured against: every prefix computed, up to 4x what both tiers hold
+        if config.measure_ideal_reuse:
+            pool_tokens = (num_pages + (self.tier.num_pages if self.tier else 0)) * config.page_size
+            self.ideal = IdealReuse(config.page_size, max(4 * pool_tokens, 1 << 20))
+        self.scheduler = Scheduler(self.pool, self.cache, config, self.model_config.eos_token_id, self.ideal)
         per_page = 2 * self.pool.k_cache[:, :config.page_size].numel() * param.element_size()
         log.info("KV cache: %d device pages of %d tokens (%.2f GiB)%s", num_pages, config.page_size,
                  num_pages * per_page / 2**30, f", {self.tier.num_pages} host pages ({self.tier.bytes / 2**30:.2f}"
@@ -260,7 +262,8 @@ class EngineCore:
     def _empty_cache(self) -> None:
         if self.cache is not None:
             self.cache.reset()
-        self.ideal.reset()  # nothing computed before is reusable now
+        if self.ideal is not None:
+            self.ideal.cache_emptied()
         self._cache_age = 0
 
     # ---- the step ------------------------------------------------------------------------------------------
@@ -352,7 +355,8 @@ class EngineCore:
         s.num_retractions = sched.num_retractions
         s.prefill_tokens_cached, s.prefill_tokens_host = sched.num_cached_tokens, sched.num_host_tokens
         s.prompt_tokens, s.prompt_tokens_cached = sched.num_prompt_tokens, sched.num_prompt_cached_tokens
-        s.prompt_tokens_ideal = sched.num_ideal_tokens
+        s.ideal_measured = self.ideal is not None
+        s.prompt_tokens_ideal = self.ideal.ideal_tokens if self.ideal is not None else 0
         if self.tier is not None:
             s.host_pages_total, s.host_pages_free = self.tier.num_pages, self.tier.num_free
             s.host_pages_loaded, s.host_pages_backed_up = self.tier.pages_loaded, self.tier.pages_backed_up

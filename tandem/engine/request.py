@@ -30,11 +30,9 @@ class Request:
     weight_versions: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)  # page table; position i lives in pages[i // page_size]
     num_computed: int = 0  # leading tokens whose KV is in `pages`
-    # on the first admission: prompt tokens served from the cache (device plus host tier), from the host tier,
-    # and the longest prefix of the prompt the engine had computed (-1 until admitted)
+    # on the first admission: prompt tokens served from the cache (device plus host tier), and from the host tier
     cached_tokens: int = 0
     host_cached_tokens: int = 0
-    ideal_cached_tokens: int = -1
     prefill_tokens: int = 0
     num_retractions: int = 0
     kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it
@@ -68,7 +66,7 @@ class Request:
             rid=self.rid, output_ids=self.output_ids, output_logprobs=list(self.output_logprobs),
             weight_versions=list(self.weight_versions), finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len, cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
-            host_cached_tokens=self.host_cached_tokens, ideal_cached_tokens=max(self.ideal_cached_tokens, 0),
+            host_cached_tokens=self.host_cached_tokens,
             num_retractions=self.num_retractions, weight_version=weight_version)
 
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from tandem.config import EngineConfig
 from tandem.distributed.parallel import cdiv
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.radix_cache import Match, PrefixLog, RadixCache, lcp
+from tandem.engine.observers import IdealReuse
+from tandem.engine.radix_cache import Match, RadixCache, lcp
 from tandem.engine.request import Request, Status
 from tandem.types import FinishReason
 
@@ -42,10 +43,10 @@ class Chunk:
 
 class Scheduler:
     def __init__(self, pool: KVPool, cache: RadixCache | None, config: EngineConfig,
-                 ideal: PrefixLog | None = None, eos_token_id: int | None = None):
-        """`ideal`: a log of every prefix computed, to measure each request's ideally reusable tokens.
-        `eos_token_id`: ends a request that samples it (unless it ignores EOS)."""
-        self.pool, self.cache, self.config, self.ideal = pool, cache, config, ideal
+                 eos_token_id: int | None = None, observer: IdealReuse | None = None):
+        """`eos_token_id`: ends a request that samples it (unless it ignores EOS). `observer`: told of every
+        first admission and every prefix computed (a measurement; the schedule does not depend on it)."""
+        self.pool, self.cache, self.config, self.observer = pool, cache, config, observer
         self.eos_token_id = eos_token_id
         self.tier = cache.tier if cache is not None else None
         self.page_size = pool.page_size
@@ -54,8 +55,8 @@ class Scheduler:
         self.num_retractions = 0
         self.num_cached_tokens = 0  # tokens served from the prefix cache, over all admissions
         self.num_host_tokens = 0  # of which loaded back from the host tier
-        # on first admissions: prompt tokens, those served from the cache, those an ideal cache would have served
-        self.num_prompt_tokens = self.num_prompt_cached_tokens = self.num_ideal_tokens = 0
+        # on first admissions: prompt tokens, and those served from the cache
+        self.num_prompt_tokens = self.num_prompt_cached_tokens = 0
         self.num_steps = 0  # schedule() calls
         self._held_since: int | None = None  # the step since which admission has been held back
 
@@ -149,12 +150,12 @@ class Scheduler:
             req.pages = table + fresh
             req.pages_replaced()
             req.num_computed = match.num_tokens
-            if req.ideal_cached_tokens < 0:  # the first admission: what the prompt as submitted reused
+            if req.num_retractions == 0:  # the first admission: what the prompt as submitted reused
                 req.cached_tokens, req.host_cached_tokens = match.num_tokens, self._host_tokens(match)
-                req.ideal_cached_tokens = self.ideal.longest(req.tokens[:-1]) if self.ideal else 0
                 self.num_prompt_tokens += len(req.tokens)
                 self.num_prompt_cached_tokens += req.cached_tokens
-                self.num_ideal_tokens += req.ideal_cached_tokens
+                if self.observer is not None:
+                    self.observer.admitted(req.tokens)
             self.num_cached_tokens += match.num_tokens
             self.num_host_tokens += self._host_tokens(match)
             req.status = Status.RUNNING
@@ -265,16 +266,16 @@ class Scheduler:
             if c.num_tokens > 1 and req.status is Status.RUNNING and not req.kv_stale:
                 self.cache.adopt(req.pages, self.cache.insert(req.tokens[:req.num_computed], req.pages))
                 req.pages_replaced()
-                if self.ideal is not None:
-                    self.ideal.add(req.tokens[:req.num_computed])
+                if self.observer is not None:
+                    self.observer.computed(req.tokens[:req.num_computed])
 
     def release(self, req: Request) -> None:
         """Drop the request's pages; its computed KV stays in the cache unless it is stale."""
         if req.pages:
             if self.cache is not None and not req.kv_stale and req.num_computed:
                 self.cache.insert(req.tokens[:req.num_computed], req.pages)
-                if self.ideal is not None:
-                    self.ideal.add(req.tokens[:req.num_computed])
+                if self.observer is not None:
+                    self.observer.computed(req.tokens[:req.num_computed])
             self.pool.decref(req.pages)
         req.pages, req.num_computed = [], 0
         req.pages_replaced()

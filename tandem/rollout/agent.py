@@ -29,7 +29,6 @@ async def run_episode(client: GenerateClient, env: Environment, episode: Episode
     abort-mode pause is resubmitted with its partial output and stitched together; every token keeps the
     weight version it was sampled under."""
     episode.add(await env.reset(), policy=False)
-    computed = 0  # tokens of this episode the engine has already run through the model
     for turn in range(max_context):
         room = max_context - len(episode.tokens)
         if room <= 0:
@@ -38,8 +37,7 @@ async def run_episode(client: GenerateClient, env: Environment, episode: Episode
         sampling = env.sampling(turn)
         sampling = dataclasses.replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room),
                                        temperature=temperature, top_p=top_p)
-        response = await _generate(client, episode, sampling, computed)
-        computed = len(episode.tokens) - 1  # the last sampled token has not been through the model yet
+        response = await _generate(client, episode, sampling)
         episode.num_turns += 1
         result = await env.step(response)
         if result.done:
@@ -50,17 +48,13 @@ async def run_episode(client: GenerateClient, env: Environment, episode: Episode
     raise AssertionError("unreachable: every turn adds at least one token")
 
 
-async def _generate(client: GenerateClient, episode: Episode, sampling: SamplingParams, computed: int) -> list[int]:
+async def _generate(client: GenerateClient, episode: Episode, sampling: SamplingParams) -> list[int]:
     response: list[int] = []
     while True:
         remaining = sampling.max_new_tokens - len(response)
         out = await client.generate(episode.tokens, dataclasses.replace(sampling, max_new_tokens=remaining))
-        if computed:  # a continuation: everything computed before could ideally be reused
-            episode.cached_tokens += out.cached_tokens
-            episode.ideal_cached_tokens += min(computed, len(episode.tokens) - 1)
         episode.add(out.output_ids, policy=True, logprobs=out.output_logprobs, versions=out.weight_versions)
         response += out.output_ids
-        computed = len(episode.tokens) - 1
         if out.finish_reason.type != "abort":
             return response
         if out.finish_reason.message != PAUSED_ABORT:

@@ -118,7 +118,8 @@ class Run:
                     engine_forward_s=stats.forward_seconds, engine_schedule_s=stats.schedule_seconds,
                     engine_prepare_s=stats.prepare_seconds, engine_postprocess_s=stats.postprocess_seconds,
                     rollout_tokens_per_s=stats.generated_tokens / wall,
-                    cache_hit_rate=stats.cache_hit_rate, cache_reuse_vs_ideal=stats.reuse_vs_ideal,
+                    cache_hit_rate=stats.cache_hit_rate,
+                    cache_reuse_vs_ideal=stats.reuse_vs_ideal if stats.ideal_measured else None,
                     dropped=dict(self.manager.dropped),
                 )
                 self.history.append(record)
