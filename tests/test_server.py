@@ -113,6 +113,14 @@ def test_single_and_batch_generate_equal_the_engine(engine, client):
     assert [o["output_ids"] for o in r.json()] == [direct[0].output_ids, direct[1].output_ids[:3]]
 
 
+def test_a_json_body_is_read_whatever_its_content_type(client):
+    """`curl -d` labels its body form-urlencoded; none at all is fine too."""
+    body = b'{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}'
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = client.post("/generate", content=body, headers=headers)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 2, r.text
+
+
 BAD_GENERATE = [
     (b"{not json", "request body: malformed JSON"),
     ([1, 2], "request body: must be a JSON object"),
@@ -137,6 +145,7 @@ BAD_GENERATE = [
     ({"input_ids": [[1], [2]], "rid": "a"}, "rid: a batch of 2 requests needs a list"),
     ({"input_ids": [1], "stream": True}, "stream: streaming is not supported yet"),
     ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
+    ({"input_ids": [1], "return_text_in_logprobs": 1}, "return_text_in_logprobs: must be a valid boolean, got 1"),
     ({"text": "hello"}, "text: tandem is token-in token-out"),
     ({"input_ids": [1], "temperature": 0}, "temperature: unknown field"),
 ]
@@ -157,9 +166,12 @@ def test_bad_generate_is_a_400_naming_the_field_and_submits_nothing(engine, clie
 
 
 BAD_CONTROL = [
-    ("/pause_generation", {"mode": "nap"}, "mode: must be one of"),
+    ("/pause_generation", {"mode": "nap"}, "mode: must be 'abort', 'retract' or 'in_place', got 'nap'"),
+    *[("/pause_generation", {"mode": mode}, f"mode: must be 'abort', 'retract' or 'in_place', got {mode!r}")
+      for mode in (0, False, "", None)],  # none of them means SGLang's default: only a missing mode does
     ("/pause_generation", {"mode": "abort", "timeout": 3}, "timeout: unknown field"),
     ("/abort_request", {}, "rid: must be a non-empty string"),
+    ("/abort_request", {"abort_all": "yes"}, "abort_all: must be a valid boolean"),
     ("/flush_cache", {"all": True}, "all: unknown field"),
     ("/update_weights_from_disk", {}, "model_path: required"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "v2"}, "weight_version"),
@@ -170,11 +182,16 @@ BAD_CONTROL = [
                                     "world_size": 2}, "backend: nccl needs the engine on a CUDA device"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
                                     "world_size": 2, "backend": "gloo"}, "rank: rank 0 is the sender"),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                    "world_size": 2, "backend": "gloo", "timeout_s": 0}, "timeout_s: must be greater"),
+    ("/init_weights_update_group", {"master_address": "", "master_port": 1, "rank_offset": 1, "world_size": 2,
+                                    "backend": "gloo"}, "master_address: must be the trainer's host name"),
     ("/update_weights_from_distributed", {"group_name": "g"}, "group_name: no weight group 'g'"),
     ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1]]},
      "names: tandem's sender puts"),
-    ("/update_weights_from_distributed", {"pause_mode": "nap"}, "pause_mode: must be one of"),
+    ("/update_weights_from_distributed", {"pause_mode": "nap"}, "pause_mode: must be 'abort', 'retract' or"),
     ("/update_weights_from_distributed", {"flush_cache": False}, "flush_cache: the engine's prefix_cache_max_age"),
+    ("/update_weights_from_distributed", {"weight_version": True}, "weight_version: must be a valid integer"),
     ("/destroy_weights_update_group", {"group_name": "g"}, "group_name: no weight group 'g'"),
 ]
 
@@ -203,7 +220,7 @@ def test_pause_abort_then_continue(engine, server, client):
     with ThreadPoolExecutor(2) as pool:
         long = post_in_background(pool, server, {"input_ids": [3, 4, 5], "sampling_params": LONG})
         wait_running(engine)
-        assert client.post("/pause_generation", json={"mode": "abort"}).json()["status"] == "ok"
+        assert client.post("/pause_generation", json={}).json()["status"] == "ok"  # no mode: SGLang's abort
         out = long.result(timeout=10)
         assert out["meta_info"]["finish_reason"]["type"] == "abort"
         assert 0 < out["meta_info"]["completion_tokens"] < 2000
