@@ -7,6 +7,9 @@ import argparse
 import logging
 import socket
 import sys
+from typing import get_args
+
+from tandem.config import Dtype, HostCache
 
 
 def _serve(args) -> None:
@@ -14,7 +17,7 @@ def _serve(args) -> None:
     from tandem.distributed.parallel import SINGLE
     from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
-    from tandem.engine.tp import init_tp, start_followers
+    from tandem.run.tp import init_tp, start_followers
     from tandem.server.http import serve
 
     config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
@@ -67,13 +70,13 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=30000)
     serve.add_argument("--device", default="cpu")
-    serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    serve.add_argument("--dtype", default="float32", choices=get_args(Dtype))
     serve.add_argument("--page-size", type=int, default=16)
     serve.add_argument("--num-pages", type=int, default=2048)
     serve.add_argument("--max-running-requests", type=int, default=64)
     serve.add_argument("--max-prefill-tokens", type=int, default=512)
     serve.add_argument("--disable-prefix-cache", action="store_true")
-    serve.add_argument("--host-cache", default="off", choices=["off", "write_through", "write_back"],
+    serve.add_argument("--host-cache", default="off", choices=get_args(HostCache),
                        help="a host-memory tier under the prefix cache")
     serve.add_argument("--host-cache-pages", type=int, default=0, help="its size in pages (0: twice the device pool)")
     serve.add_argument("--seed", type=int, default=0)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -67,3 +68,17 @@ def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
     assert b"KV cache: 64 device pages" in log and (b"128 host pages" in log) == (tp == 2)  # the start-up sizes
     bad = subprocess.run([*TANDEM, "serve", "--model", "no-such-model"], capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"neither a preset" in bad.stderr
+
+
+def test_serve_choices_are_the_configs(capsys):
+    """`--host-cache` and `--dtype` offer exactly the choices the config declares."""
+    from tandem.cli import main
+
+    for flag in ("--host-cache", "--dtype"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", flag, "bogus"])
+        assert e.value.code == 2
+    err = capsys.readouterr().err
+    for choices in (("off", "write_through", "write_back"), ("float32", "bfloat16", "float16")):
+        quoted = ", ".join(f"'?{c}'?" for c in choices)  # argparse quotes them before Python 3.12.8
+        assert re.search(rf"choose from {quoted}\)", err), err

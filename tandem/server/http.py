@@ -482,7 +482,7 @@ class ServerThread:
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a TCP
-        # socket it recognises as one, and with Nagle on every reply with a body waited ~40 ms for a delayed ACK
+        # socket it recognises as one, and with Nagle on every reply with a body waits for the client's delayed ACK
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))  # bound here, so the port is known and free before uvicorn starts
