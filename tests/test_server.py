@@ -65,6 +65,13 @@ def wait_running(engine, n=1):
     wait_until(lambda: (s := stats(engine)).num_running >= n and s.generated_tokens > 0)
 
 
+def post(client, path, body):
+    """POST `body`: JSON-encoded, or bytes as they are."""
+    if isinstance(body, bytes):
+        return client.post(path, content=body, headers={"content-type": "application/json"})
+    return client.post(path, json=body)
+
+
 def ok(client, prompt=(5, 6, 7)):
     r = client.post("/generate", json={"input_ids": list(prompt), "sampling_params": {**GREEDY, "max_new_tokens": 2}})
     assert r.status_code == 200, r.text
@@ -154,10 +161,7 @@ BAD_GENERATE = [
 @pytest.mark.parametrize("body, message", BAD_GENERATE, ids=[m for _, m in BAD_GENERATE])
 def test_bad_generate_is_a_400_naming_the_field_and_submits_nothing(engine, client, body, message):
     before = stats(engine).num_finished
-    if isinstance(body, bytes):
-        r = client.post("/generate", content=body, headers={"content-type": "application/json"})
-    else:
-        r = client.post("/generate", json=body)
+    r = post(client, "/generate", body)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["type"] == "BadRequest" and message in error["message"], error
@@ -175,6 +179,8 @@ BAD_CONTROL = [
     ("/flush_cache", {"all": True}, "all: unknown field"),
     ("/update_weights_from_disk", {}, "model_path: required"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "v2"}, "weight_version"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "7"},  # JSON types are strict
+     "weight_version: must be a valid integer, got '7'"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path: cannot load"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2,
                                     "backend": "gloo"}, "master_port: required"),
@@ -184,6 +190,9 @@ BAD_CONTROL = [
                                     "world_size": 2, "backend": "gloo"}, "rank: rank 0 is the sender"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
                                     "world_size": 2, "backend": "gloo", "timeout_s": 0}, "timeout_s: must be greater"),
+    ("/init_weights_update_group", b'{"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, '
+                                   b'"world_size": 2, "backend": "gloo", "timeout_s": Infinity}',
+     "timeout_s: must be a finite number"),
     ("/init_weights_update_group", {"master_address": "", "master_port": 1, "rank_offset": 1, "world_size": 2,
                                     "backend": "gloo"}, "master_address: must be the trainer's host name"),
     ("/update_weights_from_distributed", {"group_name": "g"}, "group_name: no weight group 'g'"),
@@ -198,7 +207,7 @@ BAD_CONTROL = [
 
 @pytest.mark.parametrize("path, body, message", BAD_CONTROL, ids=[m for _, _, m in BAD_CONTROL])
 def test_bad_control_request_is_a_400_naming_the_field(client, path, body, message):
-    r = client.post(path, json=body)
+    r = post(client, path, body)
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
     ok(client)
