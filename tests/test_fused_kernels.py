@@ -125,6 +125,12 @@ def test_qk_norm_rope_small(positions, H, K, D, dtype):
     check_qk_norm_rope(positions, H, K, D, dtype)
 
 
+@pytest.mark.parametrize("D", [64, 80, 96, 128])
+def test_qk_norm_rope_any_even_head_dim(D):
+    """Halves of heads that are not powers of two run in padded blocks whose extra lanes are masked."""
+    check_qk_norm_rope([0, 7, 300], 2, 1, D, torch.float32)
+
+
 # ------------------------------------------------------------------------------------------------------- SiLU * up
 
 

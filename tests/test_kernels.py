@@ -77,6 +77,13 @@ def test_matches_reference_small(case):
     check(*case)
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_any_even_head_dim_matches_reference(head_dim):
+    """Head dims that are not powers of two run in a padded block whose extra lanes are masked: a lane read past
+    the head would read the next head's keys or a NaN slot."""
+    check([5, 17], 2, 2, head_dim, 16, torch.float32, num_kv_splits=2)
+
+
 def test_matches_engine_paged_attention():
     """The engine's PyTorch context writes each request's new K/V, then attends; the kernel, given the cache it
     wrote, agrees (the contract of a GPU `attend`: write the new slots, then call the kernel)."""

@@ -1,6 +1,7 @@
 """The model against Hugging Face's Qwen3ForCausalLM on the same random weights (fp32)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -155,3 +156,29 @@ def test_a_padded_vocabulary_loads_and_round_trips_on_every_tp_rank(tmp_path, ti
             assert torch.equal(real, expected[source]), name
             assert not torch.cat(weights)[config.vocab_size:].any(), "padding rows must stay zero"
     assert all(model.lm_head.weight is model.model.embed_tokens.weight for model in ranks) == tied
+
+
+@pytest.mark.parametrize("field,shape", [
+    ("head_dim", dict(head_dim=288)),
+    ("num_attention_heads", dict(num_attention_heads=34, num_key_value_heads=2)),  # 17 query heads per kv head
+    ("hidden_size", dict(hidden_size=16_400)),
+])
+def test_a_shape_the_gpu_kernels_cannot_take_is_refused_as_the_engine_loads_the_model(field, shape):
+    """A GPU engine switches the model to the Triton kernels as it loads it (`use_fused_kernels`): a shape they
+    cannot take is a ValueError naming the field there, not an assertion inside a kernel at the first step.
+    The PyTorch path (CPU) takes any shape."""
+    from tandem.model.qwen3 import Qwen3ForCausalLM
+
+    config = dataclasses.replace(SHAPES["gqa2_tied"], **shape)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+        with pytest.raises(ValueError, match=field):
+            model.use_fused_kernels()
+        Qwen3ForCausalLM(SHAPES["gqa2_tied"]).use_fused_kernels()  # (a shape they take)
+
+
+def test_an_odd_head_dim_is_refused_when_a_checkpoint_loads(tmp_path):
+    config = SHAPES["gqa2_tied"].to_hf_dict() | {"head_dim": 81}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="head_dim"):
+        build_model(str(tmp_path))

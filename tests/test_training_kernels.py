@@ -48,7 +48,7 @@ def test_rmsnorm_forward_and_backward(dtype, shape):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,head_dim", [(3, 64), (1, 128)])
+@pytest.mark.parametrize("heads,head_dim", [(3, 64), (1, 128), (2, 80), (1, 96)])  # (80, 96: padded halves)
 def test_rope_forward_and_backward(dtype, heads, head_dim):
     gen = torch.Generator().manual_seed(1)
     positions = torch.tensor([0, 1, 2, 7, 300, 5]).to(DEVICE)

@@ -12,6 +12,9 @@ CUDA-graph safe: everything the launch depends on (grid, compile-time constants,
 tensor shapes and arguments, never from tensor values; the per-request work follows `seq_lens_B` on the device,
 and splits that fall past a request's end (or a whole request with seq_len 0) do no reads.
 
+Any even head dim up to 256 (`limits.py`): a head is loaded into a power-of-two block (`head_block`), the
+lanes past D masked off (zeros in, nothing out).
+
 Shapes: B requests, H query heads, K kv heads, G = H // K heads per group, D head dim, S cache slots,
 P pages per request (block table width), N splits.
 """
@@ -24,6 +27,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.limits import attention_shape_error, head_block
 
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
 MAX_KV_SPLITS = 64
@@ -52,13 +57,14 @@ def _num_sms(device: torch.device) -> int:
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
 
     seq_len = tl.load(seq_lens_ptr + b)
@@ -67,20 +73,22 @@ def _split_kernel(
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=mask_h[:, None], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for block_start in range(start, end, BLOCK_N):
         offs_n = block_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
+        mask_nd = mask_n[:, None] & mask_d[None, :]
         pages = tl.load(block_table_ptr + b * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot * stride overflows int32
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(DOT_DTYPE)
+                    mask=mask_nd, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(DOT_DTYPE)
+                    mask=mask_nd, other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block holds at least one valid token
@@ -96,28 +104,30 @@ def _split_kernel(
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
-    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None])
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + row, lse, mask=mask_h)
 
 
 @triton.jit
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
 ):
     b, head = tl.program_id(0), tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     mask_n = offs_n < num_splits
+    mask_d = offs_d < HEAD_DIM
     row = (b * tl.num_programs(1) + head) * num_splits + offs_n
     lse = tl.load(mid_lse_ptr + row, mask=mask_n, other=float("-inf"))
-    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None], other=0.0)
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                      other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
     w = tl.exp2(lse - m)
     total = tl.sum(w, 0)
     o = tl.sum(o_split * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty))
+    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
@@ -137,10 +147,10 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     """
     B, H, D = q_BHD.shape
     _, K, _ = k_cache_SKD.shape
-    assert D in (16, 32, 64, 128, 256), f"head_dim {D}: must be a power of two in [16, 256]"
-    assert H % K == 0 and 1 <= H // K <= 16, f"{H} query heads over {K} kv heads"
+    assert (error := attention_shape_error(D, H, K)) is None, error
     assert page_size > 0 and page_size & (page_size - 1) == 0, f"page_size {page_size}: must be a power of two"
     assert k_cache_SKD.shape == v_cache_SKD.shape and k_cache_SKD.dtype == v_cache_SKD.dtype
+    assert k_cache_SKD.shape[2] == D
     assert k_cache_SKD.dtype in (torch.bfloat16, torch.float32), k_cache_SKD.dtype
     assert k_cache_SKD.stride(2) == 1 and v_cache_SKD.stride(2) == 1 and q_BHD.stride(2) == 1
     assert block_table_BP.dtype == torch.int32 and seq_lens_B.dtype == torch.int32
@@ -165,11 +175,13 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
         v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
         scale * math.log2(math.e),
-        GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=4, num_stages=2,
     )
     _merge_kernel[(B, H)](
         mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-        HEAD_DIM=D, BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), num_warps=4,
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
+        num_warps=4,
     )
     return o_BHD

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-MAX_HIDDEN = 16384  # one program holds a whole row in registers
+from tandem.kernels.limits import MAX_HIDDEN
 
 
 def _interpreted() -> bool:
@@ -124,19 +124,21 @@ def fused_add_rmsnorm(x_TE: torch.Tensor, residual_TE: torch.Tensor, weight_E: t
 
 @triton.jit
 def _norm_rope_heads(x_ptr, w_ptr, out_ptr, t, out_row, stride_xt, stride_xh, num_heads, cos, sin, eps,
-                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
     """RMSNorm then rotate-half RoPE of token t's [num_heads, 2 * HALF] heads, into row `out_row` of out
-    (contiguous [rows, heads, D])."""
+    (contiguous [rows, heads, D]). Each half is a block of BLOCK_HALF (a power of two) lanes, those past HALF
+    masked."""
     offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HALF)
-    mask = (offs_h < num_heads)[:, None]
+    offs_d = tl.arange(0, BLOCK_HALF)
+    mask_d = offs_d < HALF
+    mask = (offs_h < num_heads)[:, None] & mask_d[None, :]
     dtype = out_ptr.dtype.element_ty
     src = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-    w1 = tl.load(w_ptr + offs_d).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + offs_d).to(tl.float32)[None, :]
+    w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     # the model rounds the normalised heads to the activation dtype; RoPE then runs in fp32 (cos/sin are fp32)
     x1 = _round(_round(x1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
     x2 = _round(_round(x2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
@@ -148,24 +150,28 @@ def _norm_rope_heads(x_ptr, w_ptr, out_ptr, t, out_row, stride_xt, stride_xh, nu
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, q_w_ptr, k_w_ptr, pos_ptr, inv_freq_ptr, q_out_ptr, k_out_ptr,
                          v_ptr, v_out_ptr, slots_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                         stride_vh, H, K, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_K: tl.constexpr, TO_CACHE: tl.constexpr, INTERPRET: tl.constexpr):
-    """TO_CACHE: k and v go to row slots[t] of k_out and v_out (the KV cache), v unchanged; else k to row t."""
+                         stride_vh, H, K, eps, HEAD_DIM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, TO_CACHE: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+    """TO_CACHE: k and v go to row slots[t] of k_out and v_out (the KV cache), v unchanged; else k to row t.
+    BLOCK_HALF: the next power of two of HEAD_DIM // 2."""
     t = tl.program_id(0).to(tl.int64)
     # rope_cos_sin's arithmetic: freq = float(position) * inv_freq, then cos / sin, all in fp32
-    freq = tl.load(pos_ptr + t).to(tl.float32) * tl.load(inv_freq_ptr + tl.arange(0, HEAD_DIM // 2))
+    offs_f = tl.arange(0, BLOCK_HALF)
+    inv_freq = tl.load(inv_freq_ptr + offs_f, mask=offs_f < HEAD_DIM // 2, other=0.0)
+    freq = tl.load(pos_ptr + t).to(tl.float32) * inv_freq
     cos, sin = _cos_sin(freq, INTERPRET)
     cos, sin = cos[None, :], sin[None, :]
     row = t
     if TO_CACHE:
         row = tl.load(slots_ptr + t).to(tl.int64)
     _norm_rope_heads(q_ptr, q_w_ptr, q_out_ptr, t, t, stride_qt, stride_qh, H, cos, sin, eps, HEAD_DIM // 2,
-                     BLOCK_H, INTERPRET)
+                     BLOCK_HALF, BLOCK_H, INTERPRET)
     _norm_rope_heads(k_ptr, k_w_ptr, k_out_ptr, t, row, stride_kt, stride_kh, K, cos, sin, eps, HEAD_DIM // 2,
-                     BLOCK_K, INTERPRET)
+                     BLOCK_HALF, BLOCK_K, INTERPRET)
     if TO_CACHE:
-        offs_h, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, HEAD_DIM)
-        mask = (offs_h < K)[:, None]
+        offs_h, offs_d = tl.arange(0, BLOCK_K), tl.arange(0, 2 * BLOCK_HALF)
+        mask = (offs_h < K)[:, None] & (offs_d < HEAD_DIM)[None, :]
         v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
         tl.store(v_out_ptr + (row * K + offs_h[:, None]) * HEAD_DIM + offs_d[None, :], v, mask=mask)
 
@@ -186,7 +192,8 @@ def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Ten
     """`apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)` with `cos, sin = rope_cos_sin(positions)`,
     in one kernel (one program per token, all its q and k heads).
 
-    q_THD, k_TKD: same dtype, any token/head strides (e.g. views of a fused qkv projection), last dim contiguous.
+    q_THD, k_TKD: same dtype, any token/head strides (e.g. views of a fused qkv projection), last dim contiguous;
+      any even D.
     positions_T: integer positions; cos/sin are computed from them in fp32 inside the kernel, from the inverse
       frequencies of `rope_inv_freq` (a cached [D / 2] table; the first call per (D, theta, device) must not be
       under CUDA-graph capture).
@@ -197,7 +204,7 @@ def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Ten
     T, H, D = q_THD.shape
     inv_freq_F = rope_inv_freq(D, theta, q_THD.device)
     assert k_TKD.shape[0] == T and k_TKD.shape[2] == D and k_TKD.dtype == q_THD.dtype, (q_THD.shape, k_TKD.shape)
-    assert D in (64, 128, 256), f"head_dim {D}: must be 64, 128 or 256"
+    assert D % 2 == 0, f"head_dim {D}: must be even"
     assert q_THD.stride(2) == 1 and k_TKD.stride(2) == 1, "the head dim must be contiguous"
     assert q_weight_D.shape == (D,) and k_weight_D.shape == (D,) and q_weight_D.is_contiguous()
     assert k_weight_D.is_contiguous() and positions_T.shape == (T,) and not positions_T.is_floating_point()
@@ -212,13 +219,13 @@ def qk_norm_rope(q_THD: torch.Tensor, k_TKD: torch.Tensor, q_weight_D: torch.Ten
         for cache in (k_out, v_out):
             assert cache.shape[1:] == (K, D) and cache.is_contiguous() and cache.dtype == k_TKD.dtype, cache.shape
     if T:
-        block_h, block_k = triton.next_power_of_2(H), triton.next_power_of_2(K)
+        block_h, block_k, block_half = (triton.next_power_of_2(n) for n in (H, K, D // 2))
         _qk_norm_rope_kernel[(T,)](
             q_THD, k_TKD, q_weight_D, k_weight_D, positions_T, inv_freq_F, q_out, k_out, v_TKD, v_out, slots_T,
             q_THD.stride(0), q_THD.stride(1), k_TKD.stride(0), k_TKD.stride(1), v_TKD.stride(0), v_TKD.stride(1),
-            H, K, eps, HEAD_DIM=D, BLOCK_H=block_h, BLOCK_K=block_k, TO_CACHE=kv_cache is not None,
-            INTERPRET=_interpreted(),
-            num_warps=_row_warps(block_h * D), enable_fp_fusion=False,  # x * cos - x2 * sin without FMA, as PyTorch
+            H, K, eps, HEAD_DIM=D, BLOCK_HALF=block_half, BLOCK_H=block_h, BLOCK_K=block_k,
+            TO_CACHE=kv_cache is not None, INTERPRET=_interpreted(), num_warps=_row_warps(block_h * 2 * block_half),
+            enable_fp_fusion=False,  # x * cos - x2 * sin without FMA, as PyTorch
         )
     return q_out, (k_out if kv_cache is None else None)
 

@@ -19,6 +19,9 @@ bounds, context lengths, pages) is read on the device. Or the grid is a given ti
 takes sequence tiles[0, n]'s query block tiles[1, n]. A CUDA graph captures a fixed grid for any batch that way:
 N = `max_tiles(...)` covers every chunk's blocks, the rest of the list points at an empty (padding) sequence.
 
+Any even head dim up to 256 (`limits.py`): a head is loaded into a power-of-two block (`head_block`), the
+lanes past D masked off (zeros in, nothing out).
+
 Shapes: T flat query tokens, B sequences, H query heads, K kv heads, G = H // K, D head dim, S cache slots,
 P pages per sequence (block table width).
 """
@@ -30,6 +33,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.limits import attention_shape_error, head_block
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 DEFAULT_ROWS = 128  # (query token, head) rows per program: BLOCK_M = DEFAULT_ROWS // G_PAD tokens
@@ -50,7 +55,7 @@ def choose_blocks(group: int, head_dim: int, cache_dtype: torch.dtype, block_m: 
     if block_n is None:
         block_n = 32 if cache_dtype == torch.float32 and head_dim > 64 else 64
     assert block_n >= 16 and block_n & (block_n - 1) == 0, f"block_n {block_n}: a power of two >= 16"
-    num_warps = 8 if block_m * group_pad * head_dim >= 128 * 128 else 4
+    num_warps = 8 if block_m * group_pad * head_block(head_dim) >= 128 * 128 else 4
     return block_m, block_n, num_warps
 
 
@@ -59,7 +64,8 @@ def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_starts_ptr, kv_lens_ptr, tiles_ptr, stride_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt,
     qk_scale_log2,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TILED: tl.constexpr,
 ):
@@ -76,7 +82,8 @@ def _prefill_kernel(
 
     ROWS: tl.constexpr = BLOCK_M * GROUP_PAD
     offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d[None, :] < HEAD_DIM
     tok = block_start + offs_r // GROUP_PAD  # index of the row's token within the chunk
     head = offs_r % GROUP_PAD  # index within the group
     mask_r = (tok < q_len) & (head < GROUP)
@@ -85,11 +92,11 @@ def _prefill_kernel(
     tokens = (q_start + tok).to(tl.int64)
 
     q = tl.load(q_ptr + tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_r[:, None], other=0.0)
+                mask=mask_r[:, None] & mask_d, other=0.0)
     q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
     m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + b * stride_bt
 
     # Stage 1: whole blocks before the block's first query position, visible to every row: no masks.
@@ -99,8 +106,10 @@ def _prefill_kernel(
         offs_n = kv_start + tl.arange(0, BLOCK_N)
         pages = tl.load(bt_row + offs_n // PAGE_SIZE)
         slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot * stride overflows int32
-        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :]).to(DOT_DTYPE)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :]).to(DOT_DTYPE)
+        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :], mask=mask_d,
+                    other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :], mask=mask_d,
+                    other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -119,9 +128,9 @@ def _prefill_kernel(
         pages = tl.load(bt_row + offs_n // PAGE_SIZE, mask=mask_n, other=0)
         slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE
         k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(DOT_DTYPE)
+                    mask=mask_n[:, None] & mask_d, other=0.0).to(DOT_DTYPE)
         v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :],
-                    mask=mask_n[:, None], other=0.0).to(DOT_DTYPE)
+                    mask=mask_n[:, None] & mask_d, other=0.0).to(DOT_DTYPE)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
         visible = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
@@ -135,7 +144,7 @@ def _prefill_kernel(
 
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(o_ptr + tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=mask_r[:, None])
+             o.to(o_ptr.dtype.element_ty), mask=mask_r[:, None] & mask_d)
 
 
 def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
@@ -162,8 +171,7 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_ca
     T, H, D = q_THD.shape
     _, K, _ = k_cache_SKD.shape
     B = kv_lens_B.shape[0]
-    assert D in (16, 32, 64, 128, 256), f"head_dim {D}: must be a power of two in [16, 256]"
-    assert H % K == 0 and 1 <= H // K <= 16, f"{H} query heads over {K} kv heads"
+    assert (error := attention_shape_error(D, H, K)) is None, error
     assert page_size > 0 and page_size & (page_size - 1) == 0, f"page_size {page_size}: must be a power of two"
     assert k_cache_SKD.shape == v_cache_SKD.shape and k_cache_SKD.dtype == v_cache_SKD.dtype
     assert k_cache_SKD.shape[2] == D
@@ -193,8 +201,8 @@ def paged_prefill_attention(q_THD: torch.Tensor, k_cache_SKD: torch.Tensor, v_ca
         q_THD.stride(0), q_THD.stride(1), o_THD.stride(0), o_THD.stride(1),
         k_cache_SKD.stride(0), k_cache_SKD.stride(1), v_cache_SKD.stride(0), v_cache_SKD.stride(1),
         block_table_BP.stride(0), scale * math.log2(math.e),
-        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, PAGE_SIZE=page_size,
-        BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=D, BLOCK_D=head_block(D),
+        PAGE_SIZE=page_size, BLOCK_M=block_m, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision,
         TILED=tiles_2N is not None, num_warps=num_warps, num_stages=2,
     )
     return o_THD

@@ -91,18 +91,21 @@ def rmsnorm(x: torch.Tensor, weight_E: torch.Tensor, eps: float) -> torch.Tensor
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, num_heads,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, INTERPRET: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, num_heads, HALF: tl.constexpr,
+                 BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, BACKWARD: tl.constexpr, INTERPRET: tl.constexpr):
     """Token t, heads [program_id(1) * BLOCK_H, ...): forward y1 = x1 c1 - x2 s1, y2 = x2 c2 + x1 s2 (halves of
     the head dim; the model's `x * cos + cat(-x2, x1) * sin`); backward (x = dy) the transposed rotation,
-    dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1. cos, sin: fp32 [T, 2 * HALF]; out: contiguous [T, H, D]."""
+    dx1 = dy1 c1 + dy2 s2, dx2 = dy2 c2 - dy1 s1. cos, sin: fp32 [T, 2 * HALF]; out: contiguous [T, H, D].
+    Each half is a block of BLOCK_HALF (a power of two) lanes, those past HALF masked."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs = tl.arange(0, HALF)
-    mask = (heads < num_heads)[:, None]
+    offs = tl.arange(0, BLOCK_HALF)
+    mask_d = offs < HALF
+    mask = (heads < num_heads)[:, None] & mask_d[None, :]
     dtype = out_ptr.dtype.element_ty
-    c1, c2 = tl.load(cos_ptr + t * 2 * HALF + offs), tl.load(cos_ptr + t * 2 * HALF + HALF + offs)
-    s1, s2 = tl.load(sin_ptr + t * 2 * HALF + offs), tl.load(sin_ptr + t * 2 * HALF + HALF + offs)
+    cos, sin = cos_ptr + t * 2 * HALF + offs, sin_ptr + t * 2 * HALF + offs
+    c1, c2 = tl.load(cos, mask=mask_d, other=0.0), tl.load(cos + HALF, mask=mask_d, other=0.0)
+    s1, s2 = tl.load(sin, mask=mask_d, other=0.0), tl.load(sin + HALF, mask=mask_d, other=0.0)
     x = x_ptr + t * stride_xt + heads[:, None] * stride_xh + offs[None, :]
     x1 = tl.load(x, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x + HALF, mask=mask, other=0.0).to(tl.float32)
@@ -117,13 +120,15 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, stride_xt, stride_xh, num_hea
 
 def _launch_rope(x_THD, cos_TD, sin_TD, backward: bool) -> torch.Tensor:
     T, H, D = x_THD.shape
-    assert x_THD.stride(2) == 1 and D % 2 == 0 and (D // 2) & (D // 2 - 1) == 0, x_THD.shape
+    assert x_THD.stride(2) == 1 and D % 2 == 0, x_THD.shape
     out = torch.empty(T, H, D, dtype=x_THD.dtype, device=x_THD.device)
     if T == 0:
         return out
-    block_h = min(triton.next_power_of_2(H), max(1, 2048 // D))
+    block_half = triton.next_power_of_2(D // 2)
+    block_h = min(triton.next_power_of_2(H), max(1, 1024 // block_half))
     _rope_kernel[(T, triton.cdiv(H, block_h))](
-        x_THD, cos_TD, sin_TD, out, x_THD.stride(0), x_THD.stride(1), H, HALF=D // 2, BLOCK_H=block_h,
+        x_THD, cos_TD, sin_TD, out, x_THD.stride(0), x_THD.stride(1), H, HALF=D // 2, BLOCK_HALF=block_half,
+        BLOCK_H=block_h,
         BACKWARD=backward, INTERPRET=_interpreted(), num_warps=4, enable_fp_fusion=False)  # no FMA, as PyTorch
     return out
 
@@ -142,8 +147,8 @@ class _Rope(torch.autograd.Function):
 
 
 def apply_rope(x_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The model's `apply_rope` (cos, sin as `rope_cos_sin` makes them: [T, 1, D], not differentiated), with a
-    power-of-two half head dim; differentiable in x."""
+    """The model's `apply_rope` (cos, sin as `rope_cos_sin` makes them: [T, 1, D], not differentiated), any even
+    D; differentiable in x."""
     return _Rope.apply(x_THD, cos, sin)
 
 

@@ -174,28 +174,40 @@ class Qwen3ForCausalLM(nn.Module):
         SiLU-and-multiply) and fused projections (q, k and v in one matrix multiply, gate and up in another):
         the same maths in a dozen kernels per layer instead of dozens. Each layer's q/k/v weights (and gate/up)
         become views of one concatenated matrix, so loading a parameter by name still writes the matrix the
-        fused path reads. For inference: no autograd, and no `.to()` afterwards (it would copy the views apart)."""
+        fused path reads. For inference: no autograd, and no `.to()` afterwards (it would copy the views apart).
+        An engine calls this as it loads the model onto a GPU, where attention runs through Triton kernels too:
+        a shape those kernels cannot take is refused here (`check_kernel_shapes`), before any step."""
+        self.check_kernel_shapes()
         from tandem.kernels import fused
 
-        if self.config.head_dim in (64, 128, 256):  # what the q/k-norm + RoPE kernel handles
-            self.fused = fused
-            for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
-                mlp.gate_up_weight = _concatenate_as_views(mlp.gate_proj, mlp.up_proj)
+        self.fused = fused
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
+            mlp.gate_up_weight = _concatenate_as_views(mlp.gate_proj, mlp.up_proj)
         return self
+
+    def check_kernel_shapes(self) -> None:
+        """Raise ValueError naming the config field if the inference kernels (`tandem.kernels`) cannot take this
+        model's shape (this rank's heads under tensor parallelism)."""
+        from tandem.kernels.limits import MAX_HIDDEN, attention_shape_error
+
+        attn = self.model.layers[0].self_attn
+        if error := attention_shape_error(attn.head_dim, attn.num_heads, attn.num_kv_heads):
+            raise ValueError(f"model config: {error}")
+        if self.config.hidden_size > MAX_HIDDEN:
+            raise ValueError(f"model config: hidden_size must be at most {MAX_HIDDEN} for the GPU kernels, "
+                             f"got {self.config.hidden_size}")
 
     def use_training_kernels(self) -> Qwen3ForCausalLM:
         """Train through fused Triton kernels that have backward passes (RMSNorm, RoPE, SiLU-and-multiply; see
-        `tandem.kernels.training`): the same maths, a few kernels where PyTorch launches chains of them. RoPE
-        needs a half head dim that is a power of two (else it stays PyTorch's)."""
+        `tandem.kernels.training`): the same maths, a few kernels where PyTorch launches chains of them."""
         from tandem.kernels import training
 
-        half = self.config.head_dim // 2
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.kernel = training.rmsnorm
-            elif isinstance(module, Qwen3Attention) and half & (half - 1) == 0:
+            elif isinstance(module, Qwen3Attention):
                 module.rope = training.apply_rope
             elif isinstance(module, Qwen3MLP):
                 module.silu_mul = training.silu_mul
