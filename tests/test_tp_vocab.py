@@ -17,7 +17,7 @@ from test_tp import generate
 from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed.parallel import TPGroup
 from tandem.engine.engine import Engine
-from tandem.engine.tp import run_follower
+from tandem.run.tp import engine_or_follow
 from tandem.types import SamplingParams
 
 # heads and intermediate size divisible by 2 and 3; the vocabulary by neither (ranks hold 25,129 or 16,753 rows)
@@ -45,12 +45,9 @@ def _rank_main(rank, port, results):
     for size, (data, ctrl) in groups.items():
         if rank >= size:
             continue
-        engine = Engine(CONFIG, POOL, tp=TPGroup(rank, size, data, ctrl))
-        if rank == 0:
+        engine = engine_or_follow(CONFIG, POOL, TPGroup(rank, size, data, ctrl))
+        if engine is not None:
             results.put((size, generate(engine, requests())[0]))
-            engine.shutdown()
-        else:
-            run_follower(engine)
             engine.shutdown()
     dist.destroy_process_group()
 
