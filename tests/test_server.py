@@ -140,6 +140,7 @@ BAD_GENERATE = [
     ({"input_ids": [[1, 2], []]}, "input_ids[1]: must be a non-empty list"),
     ({"input_ids": [[1]] * 5}, "max_batch_requests"),
     ({"input_ids": [1], "sampling_params": [1]}, "sampling_params: must be an object"),
+    ({"input_ids": [1], "sampling_params": [{}]}, "sampling_params: must be an object"),  # a list is for a batch
     ({"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
     ({"input_ids": [1], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
     ({"input_ids": [1], "sampling_params": {"max_tokens": 5}}, "max_tokens"),
