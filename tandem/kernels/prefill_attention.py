@@ -9,7 +9,7 @@ group at once: the block's BLOCK_M tokens x G heads are packed into the dot's M 
 r // G_PAD, head r % G_PAD), so each KV block is read once per group, not once per query head. The program runs
 flash-attention's online softmax (fp32 running max, sum and accumulator) over KV blocks of BLOCK_N positions,
 found through the block table:
-  - positions before the block's first query are visible to every row: those KV blocks need no mask at all;
+  - positions before the block's first query are visible to every row: those KV blocks need no position mask;
   - the blocks from there to the block's last query position are masked causally per row (and at the tail);
   - nothing past the block's last query position is read (the causal limit ends the loop).
 Programs whose query block starts past their sequence's chunk (the grid is sized for `max_q_len`) exit at once.
@@ -99,7 +99,7 @@ def _prefill_kernel(
     acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     bt_row = block_table_ptr + b * stride_bt
 
-    # Stage 1: whole blocks before the block's first query position, visible to every row: no masks.
+    # Stage 1: whole blocks before the block's first query position, visible to every row: no position masks.
     first_pos = prefix + block_start
     full_end = (first_pos // BLOCK_N) * BLOCK_N
     for kv_start in range(0, full_end, BLOCK_N):
