@@ -45,6 +45,7 @@ SINGLE = TPGroup()
 
 
 def cdiv(a: int, b: int) -> int:
+    """a / b rounded up (b > 0)."""
     return -(-a // b)
 
 
