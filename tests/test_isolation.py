@@ -59,7 +59,7 @@ def test_a_request_whose_inputs_fail_the_step_fails_alone(engine, alone, fields)
     async def hostile():
         loop, fut = asyncio.get_running_loop(), asyncio.Future()
         sp = _unchecked(**fields)
-        engine._commands.put((AddRequest("hostile", [1, 2, 3], sp), _bridge(loop, fut)))
+        engine._inbox.put((AddRequest("hostile", [1, 2, 3], sp), _bridge(loop, fut)))
         return await fut
 
     outs, [bad] = asyncio.run(_beside_innocent(engine, [hostile()]))

@@ -71,7 +71,7 @@ BACKEND = os.environ.get("TANDEM_TP_BACKEND", "gloo")  # "nccl" on a machine wit
 RANK_STACKS_S = 100  # a rank still running then prints every thread's stack (before run_tp gives up at 120 s)
 
 
-def _rank_main(rank, size, port, make_requests, config, plan, results, work=generate):
+def _rank_main(rank, port, results, size, make_requests, config, plan, work=generate):
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(RANK_STACKS_S, exit=True)
     if BACKEND == "nccl":  # the model's collectives on NCCL, one GPU per rank; the control channel stays gloo
@@ -90,25 +90,31 @@ def _rank_main(rank, size, port, make_requests, config, plan, results, work=gene
     dist.destroy_process_group()
 
 
-def run_tp(size, make_requests, config=SMALL_POOL, plan=None, timeout=120, work=generate):
+def run_ranks(target, num_procs, args, num_results=1, timeout=120) -> list:
+    """Spawn `target(rank, port, *args, results)` for every rank (a free port for their process group) and
+    return the first `num_results` things they put in `results`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, size, port, make_requests, config, plan, results, work))
-             for r in range(size)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, results)) for r in range(num_procs)]
     for p in procs:
         p.start()
     try:
-        return results.get(timeout=timeout)
+        return [results.get(timeout=timeout) for _ in range(num_results)]
     except queue.Empty:
-        raise AssertionError(f"TP={size} produced no result within {timeout} s") from None
+        raise AssertionError(f"{num_procs} ranks produced no result within {timeout} s") from None
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+
+
+def run_tp(size, make_requests, config=SMALL_POOL, plan=None, timeout=120, work=generate):
+    return run_ranks(functools.partial(_rank_main, size=size, make_requests=make_requests, config=config, plan=plan,
+                                       work=work), size, (), timeout=timeout)[0]
 
 
 def run_single(make_requests, config=SMALL_POOL):

@@ -5,14 +5,11 @@ engine on ranks 0-1 (CPU, gloo)."""
 import dataclasses
 import datetime
 import faulthandler
-import multiprocessing
-import queue
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_tp import generate
+from test_tp import generate, run_ranks
 
 from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed.parallel import TPGroup
@@ -53,23 +50,7 @@ def _rank_main(rank, port, results):
 
 
 def run_tp_2_and_3(timeout=120) -> dict[int, list]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, results)) for r in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        return dict(results.get(timeout=timeout) for _ in range(2))
-    except queue.Empty:
-        raise AssertionError(f"the TP engines produced no result within {timeout} s") from None
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.terminate()
+    return dict(run_ranks(_rank_main, 3, (), num_results=2, timeout=timeout))
 
 
 def test_tp2_and_tp3_generate_what_tp1_generates_at_an_indivisible_vocabulary():

@@ -36,20 +36,7 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup
-from tandem.engine.commands import (
-    Abort,
-    AbortAll,
-    AddRequest,
-    Command,
-    FlushCache,
-    Idle,
-    LoadWeights,
-    Pause,
-    Resume,
-    Snapshot,
-    Step,
-    Stop,
-)
+from tandem.engine import commands
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
@@ -134,7 +121,7 @@ class EngineCore:
         return finished
 
     # ---- commands ------------------------------------------------------------------------------------------
-    def apply(self, command: Command) -> Any:
+    def apply(self, command: commands.Command) -> Any:
         """Apply one command and return its result. A command's own refusal (ValueError, EngineError) is raised to
         the caller and changes nothing (a step raises nothing). An error of the engine itself is logged and fails
         every request in it (a bug must not leave clients waiting); ranks out of lockstep also set `fatal`: the
@@ -145,39 +132,39 @@ class EngineCore:
                 self.stats.command_waits += 1
                 self._drain()  # commands see every sampled token
             match command:
-                case Step(tier_ready=ready):
+                case commands.Step(tier_ready=ready):
                     with self.recorder.engine_step(self.stats.num_steps + 1):
                         self._step(ready)
-                case AddRequest():
+                case commands.AddRequest():
                     self._add_request(command)
-                case Abort(rid=rid, message=message):
+                case commands.Abort(rid=rid, message=message):
                     if (req := self._requests.get(rid)) is not None:
                         self._finish(req, FinishReason("abort", message=message))
-                case AbortAll(message=message):
+                case commands.AbortAll(message=message):
                     self._abort_all(message)
-                case Pause(mode=mode):
+                case commands.Pause(mode=mode):
                     self._pause(mode)
-                case Resume():
+                case commands.Resume():
                     self.paused = None
-                case LoadWeights():
+                case commands.LoadWeights():
                     return self._load_weights(command)
-                case FlushCache():
+                case commands.FlushCache():
                     self._flush_cache()
-                case Snapshot():
+                case commands.Snapshot():
                     return self._snapshot()
-                case Idle() | Stop():
+                case commands.Idle() | commands.Stop():
                     pass
                 case _:
                     raise TypeError(f"not an engine command: {command!r}")
         except Exception as e:
-            if isinstance(e, ValueError | EngineError) and not isinstance(command, Step):
+            if isinstance(e, ValueError | EngineError) and not isinstance(command, commands.Step):
                 raise  # the command's own refusal
             self._engine_error(e)
         finally:
             if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
                 chunks = self._last_chunks
                 what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "
-                        f"{sum(c.num_tokens for c in chunks)})" if isinstance(command, Step)
+                        f"{sum(c.num_tokens for c in chunks)})" if isinstance(command, commands.Step)
                         else f"command {type(command).__name__}")
                 log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
 
@@ -188,7 +175,7 @@ class EngineCore:
             self.fatal = error
         self._abort_all(f"engine error: {error!r}")
 
-    def _add_request(self, cmd: AddRequest) -> None:
+    def _add_request(self, cmd: commands.AddRequest) -> None:
         if cmd.rid in self._requests:
             raise ValueError(f"rid: {cmd.rid!r} is already in flight")
         sampling = cmd.sampling
@@ -218,7 +205,7 @@ class EngineCore:
                 self.scheduler.retract(req)
         self.paused = mode
 
-    def _load_weights(self, cmd: LoadWeights) -> tuple[int, float]:
+    def _load_weights(self, cmd: commands.LoadWeights) -> tuple[int, float]:
         t0, mode = time.perf_counter(), cmd.pause_mode
         if mode is None and self.paused is None:
             raise EngineError("update_weights: the engine must be paused first (pause_generation)")

@@ -20,20 +20,7 @@ from concurrent.futures import Future
 from tandem.config import EngineConfig, ModelConfig, PauseMode
 from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.distributed.watchdog import Watchdog
-from tandem.engine.commands import (
-    Abort,
-    AbortAll,
-    AddRequest,
-    Command,
-    FlushCache,
-    Idle,
-    LoadWeights,
-    Pause,
-    Resume,
-    Snapshot,
-    Step,
-    Stop,
-)
+from tandem.engine import commands
 from tandem.engine.core import EngineCore, EngineError
 from tandem.engine.request import validate_request
 from tandem.model.qwen3 import Qwen3ForCausalLM
@@ -64,7 +51,7 @@ class Engine:
         assert tp.rank == 0, "ranks > 0 run tandem.run.tp.run_follower over an EngineCore"
         self.core = EngineCore(model, config, dtype=dtype, seed=seed, tp=tp)
         self.watchdog = make_watchdog(self.core)
-        self._commands: queue.SimpleQueue[tuple[Command, Future | None]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[commands.Command, Future | None]] = queue.SimpleQueue()
         self._futures: dict[str, Future] = {}  # of the requests in the engine (touched by the engine thread)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
@@ -95,7 +82,7 @@ class Engine:
         self._check_alive()
         self.validate(input_ids, sampling, rid)
         fut: Future = Future()
-        self._commands.put((AddRequest(rid, list(input_ids), sampling), fut))
+        self._inbox.put((commands.AddRequest(rid, list(input_ids), sampling), fut))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
@@ -109,11 +96,11 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request if it is still running or queued (it returns with finish reason abort)."""
-        self._commands.put((Abort(rid), None))
+        self._inbox.put((commands.Abort(rid), None))
 
     def abort_all(self) -> None:
         """Abort every running and queued request."""
-        self._commands.put((AbortAll(), None))
+        self._inbox.put((commands.AbortAll(), None))
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -123,36 +110,36 @@ class Engine:
         with what they generated so far. `retract`: running requests drop their KV and go back to the
         queue, to be recomputed after `resume`. `in_place`: running requests freeze, keeping their KV.
         Requests arriving while paused queue until `resume`."""
-        await self._call(Pause(mode))
+        await self._call(commands.Pause(mode))
 
     async def resume(self) -> None:
-        await self._call(Resume())
+        await self._call(commands.Resume())
 
     async def update_weights(self, named_tensors: NamedWeights, version: int | None = None) -> int:
         """Load full (unsharded) tensors by Hugging Face name while paused; returns the new weight version
         (`version`, or the current one plus 1). All tensors are checked before any is loaded. Empties
         the prefix cache (see `tandem.engine.core`). An iterable is read here, a mapping (a transport's
         `FlatTensors`) by the engine's thread."""
-        version, _ = await self._call(LoadWeights(as_mapping(named_tensors), version))
+        version, _ = await self._call(commands.LoadWeights(as_mapping(named_tensors), version))
         return version
 
     async def load_paused(self, named_tensors: NamedWeights, version: int | None, pause_mode: PauseMode) -> float:
         """`update_weights` inside a pause in `pause_mode` (one already paused loads and stays paused), as one command.
         In place it does not wait for the step in flight: the copies queue behind it (its tokens keep the old
         version), so the tensors must not change until the device ran them. Returns the seconds paused."""
-        _, seconds = await self._call(LoadWeights(as_mapping(named_tensors), version, pause_mode))
+        _, seconds = await self._call(commands.LoadWeights(as_mapping(named_tensors), version, pause_mode))
         return seconds
 
     async def flush_cache(self) -> None:
         """Empty the prefix cache. Refused (EngineError) while requests hold KV pages."""
-        await self._call(FlushCache())
+        await self._call(commands.FlushCache())
 
     async def get_stats(self) -> EngineStats:
-        return await self._call(Snapshot())
+        return await self._call(commands.Snapshot())
 
     def shutdown(self) -> None:
         self._stop = True
-        self._commands.put((Idle(), None))  # wakes the loop
+        self._inbox.put((commands.Idle(), None))  # wakes the loop
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.watchdog.stop()
@@ -167,10 +154,10 @@ class Engine:
         if self._stop or self.core.fatal is not None or not self._thread.is_alive():
             raise EngineError(f"engine stopped{f': {self.core.fatal}' if self.core.fatal else ''}")
 
-    async def _call(self, command: Command):
+    async def _call(self, command: commands.Command):
         self._check_alive()
         fut: Future = Future()
-        self._commands.put((command, fut))
+        self._inbox.put((command, fut))
         return await asyncio.wrap_future(fut)
 
     # ---- engine thread ---------------------------------------------------------------------------------
@@ -182,10 +169,10 @@ class Engine:
         while not self._stop and core.fatal is None:
             self.watchdog.bump()
             try:  # idle: sleep until a command arrives; busy: take one if there is one, else step
-                command, fut = self._commands.get_nowait() if core.busy else self._idle_wait()
+                command, fut = self._inbox.get_nowait() if core.busy else self._idle_wait()
             except queue.Empty:
                 # with the point up to which host-tier copies are reaped: the same on every rank
-                command, fut = Step(core.tier.ready() if core.tier else 0), None
+                command, fut = commands.Step(core.tier.ready() if core.tier else 0), None
             if fut is not None and not fut.set_running_or_notify_cancel():
                 continue  # the caller cancelled before the command ran: do not run it
             if core.lockstep is not None and command.published:
@@ -194,10 +181,10 @@ class Engine:
         if core.fatal is not None:
             self.watchdog.dump(str(core.fatal))
         elif core.lockstep is not None:
-            core.lockstep.publish(Stop())
+            core.lockstep.publish(commands.Stop())
         self._refuse_queued()
 
-    def _run(self, command: Command, fut: Future | None) -> None:
+    def _run(self, command: commands.Command, fut: Future | None) -> None:
         try:
             result = self.core.apply(command)
         except Exception as e:
@@ -206,7 +193,7 @@ class Engine:
             else:
                 fut.set_exception(e)
         else:
-            if isinstance(command, AddRequest):
+            if isinstance(command, commands.AddRequest):
                 self._futures[command.rid] = fut
             elif fut is not None:
                 fut.set_result(result)
@@ -214,13 +201,13 @@ class Engine:
             if (done := self._futures.pop(out.rid, None)) is not None and not done.done():
                 done.set_result(out)
 
-    def _idle_wait(self) -> tuple[Command, Future | None]:
+    def _idle_wait(self) -> tuple[commands.Command, Future | None]:
         """Nothing to run: wait for a command, and tell the watchdogs (ours and the followers') it is no hang."""
         if self.core.lockstep is not None:
-            self.core.lockstep.publish(Idle())
+            self.core.lockstep.publish(commands.Idle())
         t0 = time.perf_counter()
         with self.watchdog.idle():
-            item = self._commands.get()
+            item = self._inbox.get()
         self.core.stats.idle_seconds += time.perf_counter() - t0
         return item
 
@@ -230,7 +217,7 @@ class Engine:
         pending = list(self._futures.values())
         while True:
             try:
-                pending.append(self._commands.get_nowait()[1])
+                pending.append(self._inbox.get_nowait()[1])
             except queue.Empty:
                 break
         for fut in pending:
