@@ -52,9 +52,9 @@ for part in $parts; do
                 timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 ;;
         buckets) for mib in 128 512 2048; do timeout 100 python3 benchmarks/weight_sync.py --model qwen3-0.6b --busy 64 \
                    weight_bucket_bytes=$((mib << 20)); done ;;
-        prefill) for delay in 0 4; do timeout 240 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
-                   weight_sync_timeout_s=60 engine.max_prefill_tokens=8192 engine.prefill_delay_steps=$delay \
-                   --model qwen3-0.6b --placement separate --steps 10 --warmup 2 --staleness 2; done ;;
+        prefill) timeout 240 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   engine.max_prefill_tokens=8192 --model qwen3-0.6b --placement separate --steps 10 --warmup 2 \
+                   --staleness 2 ;;
         graphs) for max in 0 4096; do timeout 200 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
                    weight_sync_timeout_s=60 engine.prefill_graph_max_tokens=$max --model qwen3-0.6b \
                    --placement separate --steps 10 --warmup 2 --staleness 2 --pause-modes in_place; done ;;

@@ -218,9 +218,6 @@ class EngineConfig:
     kv_memory_fraction: Annotated[float, Range(gt=0, lt=1)] = 0.8
     max_running_requests: PositiveInt = 64
     max_prefill_tokens: PositiveInt = 512  # per-step token budget for prefill chunks (chunked prefill)
-    # while requests decode, hold new admissions back up to this many steps, so that several prefills share one
-    # step (a step that prefills costs more than a decode-only one); 0: at once
-    prefill_delay_steps: NonNegativeInt = 0
     max_batch_requests: PositiveInt = 256  # largest batch a single /generate may carry
     max_context_len: PositiveInt | None = None  # default: the model's max_position_embeddings
     enable_prefix_cache: bool = True

@@ -27,8 +27,7 @@ from tandem.types import SamplingParams
 
 class Sim:
     def __init__(self, num_pages=8, page_size=4, max_prefill_tokens=8, max_running_requests=4, prefix_cache=True,
-                 seed=0, alphabet=4, host_pages=0, policy="write_through", device="cpu", stall_cycles=0,
-                 prefill_delay_steps=0):
+                 seed=0, alphabet=4, host_pages=0, policy="write_through", device="cpu", stall_cycles=0):
         """`stall_cycles` (CUDA): the device sleeps this long at the start of every step, so that copies the
         host issues while it sleeps overlap compute that has not run yet."""
         self.pool = KVPool(PRESETS["tiny"], num_pages, page_size, torch.float32, device)
@@ -45,7 +44,7 @@ class Sim:
 
         self.pool.alloc = poisoned_alloc
         self.config = EngineConfig(page_size=page_size, num_pages=num_pages, max_prefill_tokens=max_prefill_tokens,
-                                   max_running_requests=max_running_requests, prefill_delay_steps=prefill_delay_steps)
+                                   max_running_requests=max_running_requests)
         self.sched = Scheduler(self.pool, self.cache, self.config)
         self.rng, self.alphabet = random.Random(seed), alphabet
         self.arrivals, self.requests, self.num_steps = 0, [], 0
@@ -325,31 +324,3 @@ def test_a_request_switched_to_the_trees_pages_reads_them_from_its_page_array():
     sim.sched._publish_prefixes([Chunk(twin, 0, 12)])
     assert twin.pages[:3] != before[:3] and owner.status is Status.FINISHED  # it did switch to the tree's pages
     assert list(twin.page_array()) == twin.pages
-
-
-def test_random_workloads_with_admissions_held_back_still_finish_with_consistent_pages_and_kv():
-    totals = run_random_scenarios(60, headroom_pages=1, prefill_delay_steps=3)
-    assert totals["retractions"] > 20 and totals["cached_tokens"] > 500
-
-
-def test_a_prefill_delay_holds_admissions_while_others_decode_then_admits_them_together():
-    sim = Sim(num_pages=64, page_size=4, max_prefill_tokens=16, max_running_requests=8, prefill_delay_steps=3)
-    a = sim.add([1, 2, 3], 40)
-    assert [c.req for c in sim.step()] == [a]  # nothing decodes: admitted at once
-    b = sim.add([2, 3, 1], 5)
-    assert [c.req for c in sim.step()] == [a]  # held: a only decodes
-    c = sim.add([3, 1, 2], 5)
-    assert [c.req for c in sim.step()] == [a]
-    assert [c.req for c in sim.step()] == [a]
-    assert [c.req for c in sim.step()] == [a, b, c]  # the third step held was the last: both in one step
-
-
-def test_a_prefill_delay_holds_nothing_when_the_step_prefills_anyway():
-    sim = Sim(num_pages=64, page_size=4, max_prefill_tokens=16, max_running_requests=8, prefill_delay_steps=3)
-    a = sim.add([1, 2, 3], 40)
-    sim.step()
-    d = sim.add([3] * 20, 5)  # longer than the budget: 16 tokens, then 4
-    assert [[c.req for c in sim.step()] for _ in range(3)] == [[a]] * 3  # held
-    assert [(c.req, c.num_tokens) for c in sim.step()] == [(a, 1), (d, 16)]
-    e = sim.add([2, 2, 2], 5)
-    assert [(c.req, c.num_tokens) for c in sim.step()] == [(a, 1), (d, 4), (e, 3)]  # d still prefills: e joins

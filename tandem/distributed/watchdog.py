@@ -28,11 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import get_args
 
+from tandem.config import WatchdogAction
 from tandem.distributed.flight_recorder import FATAL, STACKS, FlightRecorder
 
 ABORT_EXIT_CODE = 70
-ACTIONS = ("wait", "abort")
+ACTIONS = get_args(WatchdogAction)
 _WAKE = b"\0"  # our own wake-up byte; 0 is no signal number
 
 

@@ -24,14 +24,16 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import get_args
 
 import torch
 
+from tandem.config import HostCache
 from tandem.engine.kv_pool import KVPool, PageAllocator
 
 log = logging.getLogger(__name__)
 
-POLICIES = ("off", "write_through", "write_back")
+POLICIES = get_args(HostCache)  # ("off", "write_through", "write_back")
 
 
 @dataclass(eq=False)
@@ -48,7 +50,7 @@ class CopyOp:
 class HostTier(PageAllocator):
     def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False):
         if policy not in POLICIES[1:]:
-            raise ValueError(f"engine config: host_cache must be one of {POLICIES}, got {policy!r}")
+            raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
         super().__init__(num_pages, pool.page_size)
         self.pool, self.policy, self.deferred = pool, policy, deferred
         L, _, K, D = pool.k_cache.shape

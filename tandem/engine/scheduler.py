@@ -57,8 +57,6 @@ class Scheduler:
         self.num_host_tokens = 0  # of which loaded back from the host tier
         # on first admissions: prompt tokens, and those served from the cache
         self.num_prompt_tokens = self.num_prompt_cached_tokens = 0
-        self.num_steps = 0  # schedule() calls
-        self._held_since: int | None = None  # the step since which admission has been held back
 
     def schedule(self) -> list[Chunk]:
         chunks: list[Chunk] = []
@@ -83,25 +81,8 @@ class Scheduler:
                 if remaining > 1:
                     budget -= n
             i += 1
-        self.num_steps += 1
-        if not self._hold_admission(chunks):
-            self._admit(chunks, budget)
+        self._admit(chunks, budget)
         return chunks
-
-    def _hold_admission(self, chunks: list[Chunk]) -> bool:
-        """`prefill_delay_steps`: hold waiting requests back while the step would otherwise only decode, for at
-        most that many steps from the first step held, so that the prefills arriving meanwhile share one step.
-        Nothing is held when nothing decodes or the step prefills anyway."""
-        delay = self.config.prefill_delay_steps
-        if not delay or not self.waiting or not chunks or any(c.num_tokens > 1 for c in chunks):
-            self._held_since = None
-            return False
-        if self._held_since is None:
-            self._held_since = self.num_steps
-        if self.num_steps - self._held_since < delay:
-            return True
-        self._held_since = None
-        return False
 
     def _admit(self, chunks: list[Chunk], budget: int) -> None:
         prefilling: dict[tuple[int, ...], list[Request]] = {}  # by first page: only those can share a page
