@@ -28,7 +28,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.engine.client import EngineUnreachable
-from tandem.transport.sync import SyncReply, receive_and_load
+from tandem.transport.sync import SyncReply, load_received
 from tandem.transport.weights import TransportError
 
 
@@ -174,16 +174,17 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
     receiver = None if weights_conn is None else IpcReceiver(weights_conn, ipc_timeout_s, f"trainer pid {os.getppid()}")
     conn.send(Ready(server.url))
 
-    async def load(command: LoadWeights) -> SyncReply | Failed:
-        try:
-            return await receive_and_load(receiver, engine, command.version, command.pause_mode)
+    def load(command: LoadWeights) -> SyncReply | Failed:
+        try:  # the receive on this thread, which has nothing else to do meanwhile
+            return loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
+                                                         command.pause_mode))
         except (ValueError, EngineError, TransportError) as e:
             return Failed(type(e).__name__, str(e))
 
-    loop = asyncio.new_event_loop()  # one for every sync: its worker thread (the receive) is made once
+    loop = asyncio.new_event_loop()  # one for every sync
     try:
         while not isinstance(command := conn.recv(), Stop):
-            conn.send(loop.run_until_complete(load(command)))
+            conn.send(load(command))
     except EOFError:  # the parent died
         pass
     finally:

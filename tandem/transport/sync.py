@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -55,7 +56,14 @@ async def receive_and_load(receiver: WeightReceiver, engine: Engine, version: in
     it carries `version` (None: any), load it inside a pause of `pause_mode` (`Engine.load_paused`), and release it
     (also when the load failed). Raises TransportError when the receive fails; ValueError or the engine's error when
     it refuses the weights, which then stay as they were."""
-    sent_version, tensors = await asyncio.to_thread(receiver.receive)
+    return await load_received(receiver, engine, await asyncio.to_thread(receiver.receive), version, pause_mode)
+
+
+async def load_received(receiver: WeightReceiver, engine: Engine, received: tuple[int, Mapping], version: int | None,
+                        pause_mode: str) -> SyncReply:
+    """`receive_and_load` after its receive, for a caller that ran `receiver.receive()` itself: a thread whose event
+    loop serves nothing else saves the hop to a worker thread and back."""
+    (sent_version, tensors), received = received, None
     t0 = time.perf_counter()
     try:
         if version is not None and version != sent_version:
