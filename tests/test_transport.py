@@ -238,6 +238,17 @@ def test_ipc_sender_learns_at_once_that_the_receiver_went_away_mid_transfer():
     assert time.monotonic() - t0 < 5
 
 
+def test_ipc_receiver_that_cannot_read_a_transfer_says_so_naming_the_sender():
+    """What does not unpickle here (a CUDA IPC handle this process cannot open, say) is a TransportError, not the
+    unpickler's own exception ending the engine's process."""
+    sender, receiver = ipc_pair(5.0)
+    with sender, receiver:
+        sender.conn.send_bytes(b"not a pickle")
+        with pytest.raises(TransportError, match="could not read what trainer sent: UnpicklingError") as failed:
+            receiver.receive()
+    assert failed.value.ranks == (0,)
+
+
 # ---- the engine's end of a sync, and its reply -------------------------------------------------------------------
 
 

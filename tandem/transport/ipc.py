@@ -87,6 +87,8 @@ class _IpcEnd:
             return self.conn.recv(), waited
         except (EOFError, OSError) as e:
             raise self._closed(what, e) from e
+        except Exception as e:  # unpickling: a tensor that cannot be mapped here, or not a message of ours
+            raise self._fail(f"could not read what {self.label} sent: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         self.conn.close()
