@@ -1,0 +1,116 @@
+"""The JSON bodies of the HTTP server's routes, as pydantic models with SGLang's field names.
+
+Each model refuses unknown fields (a typo must not be silently ignored) and takes JSON types strictly; a field's
+`description` is its rule, quoted by the 400 that refuses it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Self
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tandem.config import PauseMode
+
+
+class _Body(BaseModel):
+    """A JSON object body: unknown fields refused (a typo must not be silently ignored), JSON types strict (no "1"
+    for 1, no null where none is declared, no NaN). A field's `description` is its rule: a 400 for it quotes it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    @classmethod
+    async def from_request(cls, request: Request) -> Self:
+        """FastAPI dependency: the request's body validated (in one pass over the raw JSON, whatever its
+        content type); ValueError naming each field that is wrong."""
+        raw = await request.body()
+        try:
+            return cls.model_validate_json(raw if raw.strip() else b"{}")
+        except ValidationError as e:
+            raise ValueError(cls._explain(e)) from None
+
+    @classmethod
+    def _explain(cls, error: ValidationError) -> str:
+        """`field: rule, got value` for each field that is wrong, its rule the field's description or pydantic's."""
+        found: dict[str, str] = {}
+        for e in error.errors(include_url=False):
+            name = e["loc"][0] if e["loc"] else "request body"
+            info = cls.model_fields.get(name)
+            if e["type"] == "json_invalid":
+                why = f"malformed JSON ({e['ctx']['error']})"
+            elif not e["loc"]:
+                why = f"must be a JSON object, got {type(e['input']).__name__}"
+            elif info is None:
+                why = f"unknown field; this endpoint accepts {sorted(cls.model_fields)}"
+            elif e["type"] == "missing":
+                why = "required" + (f" ({info.description})" if info.description else "")
+            else:
+                why = info.description or e["msg"].replace("Input should be", "must be")
+                why += f", got {e['input']!r}" if len(e["loc"]) == 1 else ""
+            found.setdefault(name, f"{name}: {why}")
+        return "; ".join(found.values())
+
+
+class GenerateBody(_Body):
+    """SGLang's `/generate`, token ids in and out; `input_ids` a list of lists is a batch. The prompts, rids and
+    sampling params themselves are checked by `Engine.validate` and `SamplingParams.from_dict`, as for callers in
+    process."""
+
+    text: None = Field(None, description="tandem is token-in token-out; send input_ids instead")
+    input_ids: list = Field(description="must be a non-empty list of token ids, or a batch: a list of such lists")
+    sampling_params: dict | list[dict] | None = Field(
+        None, description="must be an object (a batch: one, or a list of one per request)")
+    rid: str | list[str] | None = Field(
+        None, description="must be a non-empty string (a batch: a list of one per request)")
+    return_logprob: bool | None = None
+    return_text_in_logprobs: bool | None = None  # accepted; the texts are always null (no tokenizer)
+    stream: Literal[False] | None = Field(None, description="streaming is not supported yet; send stream: false")
+    logprob_start_len: Literal[-1] | None = Field(
+        None, description="only -1 (logprobs of the output tokens) is supported")
+
+
+class PauseBody(_Body):
+    mode: PauseMode = "abort"  # SGLang's default
+
+
+class NoBody(_Body):
+    pass
+
+
+class AbortBody(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class DiskUpdateBody(_Body):
+    model_path: str = Field(min_length=1, description="must be a directory holding *.safetensors files")
+    weight_version: int | None = None
+
+
+class InitGroupBody(_Body):
+    master_address: str = Field(min_length=1, description="must be the trainer's host name or address")
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"  # gloo or nccl (checked by DistReceiver)
+    timeout_s: float = Field(60.0, gt=0)  # tandem's: bounds joining and every later collective
+
+
+_IN_BAND = "tandem's sender puts each bucket's names, dtypes and shapes in the group; omit them"
+
+
+class GroupUpdateBody(_Body):
+    group_name: str = "weight_update_group"
+    weight_version: int | None = None
+    pause_mode: PauseMode = "retract"
+    flush_cache: Literal[True] = Field(True, description="the engine's prefix_cache_max_age decides which updates "
+                                                         "empty the prefix cache; omit it or send true")
+    names: None = Field(None, description=_IN_BAND)  # SGLang sends these per call
+    dtypes: None = Field(None, description=_IN_BAND)
+    shapes: None = Field(None, description=_IN_BAND)
+
+
+class GroupBody(_Body):
+    group_name: str = "weight_update_group"
