@@ -271,14 +271,13 @@ class EngineCore:
             return
         launched.version, t2 = self.weight_version, time.perf_counter()
         issued = self.tier.issued if self.tier is not None else 0
-        num_prefill = self.scheduler.advance(chunks)
-        self._drain()
+        self._record_step(chunks, self.scheduler.advance(chunks), t0, t1, t2)
+        self._drain()  # (its time counts as busy by itself)
         if self.tier is not None:  # every step before this one has finished now
             self.tier.settled_upto = issued
         self._inflight = launched
         if not self.config.overlap:
             self._drain()
-        self._record_step(chunks, num_prefill, t0, t1, t2)
         if self.lockstep is not None and self.config.lockstep_sentinel:
             t_check = time.perf_counter()
             tier = (self.tier.num_free, self.tier.in_flight) if self.tier else None
