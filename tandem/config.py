@@ -370,8 +370,8 @@ class RunConfig:
     GPU, else group.
     The trainer runs on `trainer_device` (None: `engine.device`), the engine on `engine.device`.
     `weight_sync_timeout_s` bounds every collective of a weight sync (and joining the group); `engine_timeout_s`
-    bounds the separate engine's start-up, every HTTP call but a generate, and how long it may leave `/health`
-    unanswered."""
+    bounds every HTTP call to the separate engine but a generate, and how long it may leave `/health` unanswered;
+    `engine_start_timeout_s` its start-up (imports, weights, CUDA graph capture)."""
 
     model: str = "tiny"
     task: str = "random"
@@ -389,6 +389,7 @@ class RunConfig:
     weight_bucket_bytes: PositiveInt = 512 << 20
     weight_sync_timeout_s: PositiveFloat = 120.0
     engine_timeout_s: PositiveFloat = 300.0
+    engine_start_timeout_s: PositiveFloat = 600.0
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,6 +96,25 @@ def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_pa
         compared |= mask
     assert compared.sum() == (versions >= 0).sum()
     assert (versions >= 1).sum() > 0, "no token was sampled after an update"
+
+
+def test_an_engine_that_does_not_start_in_time_is_named_and_stopped(tmp_path):
+    """Start-up has a bound of its own (engine_start_timeout_s, not the short engine_timeout_s that detects a hung
+    engine): past it the run fails naming the engine process, which is stopped."""
+    with pytest.raises(Exception, match=r"engine process pid \d+: not serving within 0.5 s") as failure:
+        make_run(tmp_path, "engine_start_timeout_s=0.5", "engine_timeout_s=60")
+    pid = int(re.search(r"pid (\d+)", str(failure.value)).group(1))
+
+    def running() -> bool:  # (a zombie has stopped)
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running()
 
 
 @pytest.mark.parametrize("signal_name, when", [("SIGKILL", "before joining"), ("SIGKILL", "between steps"),

@@ -149,7 +149,7 @@ class Separate(Placement):
         self.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self.sender: WeightSender | None = None
         self.ipc = cfg.resolved_weight_transport == "ipc"
-        self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_timeout_s, cfg.engine_dtype,
+        self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_start_timeout_s, cfg.engine_dtype,
                                      ipc_timeout_s=cfg.weight_sync_timeout_s if self.ipc else None)
         try:
             self.engine = EngineClient(self.process.url, cfg.engine_timeout_s).connect()
