@@ -5,7 +5,7 @@ about six, RoPE about eight per tensor); at decode batch sizes their launches, n
 Rounding contract: every kernel computes in fp32 and rounds to the activation dtype exactly where the PyTorch model
 (`tandem.model.qwen3`) rounds, so in bf16 the results differ from the model's only where a reduction order (the
 sum of squares) tips a rounding, and in fp32 by that ulp. On the GPU, exp / cos / sin come from libdevice (the CUDA
-math library PyTorch's kernels call; measured bit-identical on an H200), divisions use IEEE division (`div_rn`),
+math library PyTorch's kernels call, so bit-identical on a GPU), divisions use IEEE division (`div_rn`),
 RoPE's inverse frequencies are PyTorch's own (`rope_inv_freq`) and RoPE compiles without FMA contraction, as
 PyTorch evaluates `x * cos + rotated * sin`. Under the CPU interpreter numpy's math stands in (an ulp apart).
 

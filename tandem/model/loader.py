@@ -42,7 +42,7 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 class WeightLoader:
     """Copies full (unsharded) tensors into `model` by Hugging Face name (a tensor-parallel rank keeps its slice).
     The model's parameters and their layouts are looked up once, here: an engine loads every weight update inside
-    its pause, and re-deriving them took most of a load's host time (1.7 of 2.1 ms for the 0.6B shape). Tensors
+    its pause, and re-deriving them was most of a load's host time (BENCHMARKS.md, weight sync). Tensors
     that arrive in flat buffers (`FlatTensors`, from a transport) are copied from pieces of those buffers into flat
     views of the parameters: no per-tensor view is made on either side."""
 
