@@ -5,9 +5,10 @@ int64 hash, uniforms, Gumbel noise or log-softmax.
 Each element's uniform is `hash_uniform`'s integer hash recomputed on the fly in uint32 arithmetic (its int64 form
 only ever keeps the low 32 bits), so the noise is bit-identical. On the GPU the elementwise chain the argmax sees
 (IEEE division by the temperature, libdevice's logf for the Gumbel noise, one fp32 add) is the one PyTorch's CUDA
-kernels evaluate, so the tokens equal PyTorch's exactly (tests/test_fused_kernels.py checks it on a GPU); under the CPU interpreter numpy's log stands in for libdevice and may differ by an ulp. The
-logprob, log_softmax(logits / T)[token], comes from an online max / sum-exp over the same pass, equal to PyTorch's
-within fp32 rounding.
+kernels evaluate, so the tokens equal PyTorch's exactly (tests/test_fused_kernels.py checks it on a GPU); under
+the CPU interpreter numpy's log stands in for libdevice and may differ by an ulp. The logprob,
+log_softmax(logits / T)[token], comes from an online max / sum-exp over the same pass, equal to PyTorch's within
+fp32 rounding.
 
 Two stages, like the decode-attention kernel: stage 1, one program per (row, vocabulary split), reduces its slice to
 (max, sum-exp, best key, best index); stage 2, one program per row, merges the splits. Splits let a small batch fill
