@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import socket
 import sys
 from typing import get_args
@@ -20,6 +22,7 @@ def _serve(args) -> None:
     from tandem.run.tp import init_tp, start_followers
     from tandem.server.http import serve
 
+    options = _server_options(args)
     config = EngineConfig(page_size=args.page_size, num_pages=args.num_pages,
                           max_running_requests=args.max_running_requests,
                           max_prefill_tokens=args.max_prefill_tokens, device=args.device,
@@ -42,11 +45,37 @@ def _serve(args) -> None:
     logging.info("model %s: %d layers, hidden %d, vocab %d, %.1fM parameters, %s on %s", args.model,
                  mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, params / 1e6, args.dtype, args.device)
     try:
-        serve(engine, host=args.host, port=args.port)
+        serve(engine, host=args.host, port=args.port, options=options)
     finally:
         engine.shutdown()  # tells the followers to stop
         for p in followers:
             p.join(timeout=30)
+
+
+def _server_options(args):
+    """The server's keys and limits from the arguments (keys also from TANDEM_API_KEY, TANDEM_ADMIN_API_KEY);
+    ValueError for binding beyond loopback without a key, unless allowed explicitly."""
+    from tandem.server.guard import ServerOptions
+
+    api_key = args.api_key or os.environ.get("TANDEM_API_KEY") or None
+    admin_key = args.admin_api_key or os.environ.get("TANDEM_ADMIN_API_KEY") or None
+    weight_dirs = args.weight_dir if args.weight_dir is not None else [args.model] if os.path.isdir(args.model) else []
+    if not _is_loopback(args.host) and api_key is None:
+        if not args.allow_unauthenticated:
+            raise ValueError(f"--host {args.host}: binding beyond loopback lets anyone who reaches the port pause, "
+                             "load weights or abort everything; give --api-key (or TANDEM_API_KEY), or "
+                             "--allow-unauthenticated")
+        logging.warning("serving on %s without an API key (--allow-unauthenticated): anyone who reaches the port "
+                        "controls the engine", args.host)
+    return ServerOptions(api_key=api_key, admin_api_key=admin_key, max_body_bytes=args.max_body_bytes,
+                         weight_dirs=tuple(weight_dirs))
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _run(args) -> None:
@@ -85,6 +114,15 @@ def main(argv: list[str] | None = None) -> None:
                        help="let every TP rank keep its own samples (risks divergence; the sentinel still checks)")
     serve.add_argument("--dump-dir", default=None, help="flight recorder journals and watchdog dumps go here")
     serve.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds without progress (0: off)")
+    serve.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint "
+                       "but /health (or TANDEM_API_KEY)")
+    serve.add_argument("--admin-api-key", default=None, help="required instead on the admin endpoints (pause, "
+                       "weights, weight groups, flush, abort all; or TANDEM_ADMIN_API_KEY)")
+    serve.add_argument("--allow-unauthenticated", action="store_true",
+                       help="allow --host beyond loopback without an API key")
+    serve.add_argument("--weight-dir", action="append", default=None,
+                       help="a directory /update_weights_from_disk may read (repeatable; default: --model's)")
+    serve.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
     serve.set_defaults(fn=_serve)
 
     run = sub.add_parser("run", help="run fully-async RL on the random agent (or another task)")

@@ -197,7 +197,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
     """`model` is a preset name or a directory holding `config.json` (and maybe `*.safetensors`).
-    Returns the config and the directory to load weights from (None: random weights)."""
+    Returns the config and the directory to load weights from (None: random weights, for a directory with no
+    weight files at all; one with only pickled weights is refused)."""
     if model in PRESETS:
         return PRESETS[model], None
     path = Path(model)
@@ -205,8 +206,12 @@ def resolve_model(model: str) -> tuple[ModelConfig, Path | None]:
         raise ValueError(f"model: {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory "
                          "with a config.json")
     config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    has_weights = any(path.glob("*.safetensors"))
-    return config, (path if has_weights else None)
+    if any(path.glob("*.safetensors")):
+        return config, path
+    if others := sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in path.glob(pattern)):
+        raise ValueError(f"model: {model!r} holds {others[0]} but no *.safetensors: tandem loads safetensors only "
+                         "(save them with safetensors, e.g. model.save_pretrained(dir, safe_serialization=True))")
+    return config, None
 
 
 @dataclass(slots=True)

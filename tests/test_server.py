@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from tandem.config import EngineConfig
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine
+from tandem.server.guard import ServerOptions
 from tandem.server.http import ServerThread
 from tandem.transport.dist import DistSender
 from tandem.types import SamplingParams
@@ -29,8 +30,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(engine) as s:
+def server(engine, tmp_path_factory):
+    with ServerThread(engine, options=ServerOptions(weight_dirs=(str(tmp_path_factory.getbasetemp()),))) as s:
         yield s
 
 
@@ -182,7 +183,8 @@ BAD_CONTROL = [
     ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "v2"}, "weight_version"),
     ("/update_weights_from_disk", {"model_path": "/nonexistent", "weight_version": "7"},  # JSON types are strict
      "weight_version: must be a valid integer, got '7'"),
-    ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path: cannot load"),
+    ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path: '/nonexistent' is outside the "
+                                                                  "directories this server loads weights from"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2,
                                     "backend": "gloo"}, "master_port: required"),
     ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,

@@ -43,10 +43,12 @@ class EngineClient:
     `weight_version` is then the version of the last update made through this client, which is the engine's own as
     long as this client is the only one updating it (as in a run, where the trainer owns the engine)."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0):
+    def __init__(self, url: str, timeout_s: float = 300.0, api_key: str | None = None):
+        """`api_key`: sent as `Authorization: Bearer` (the server's admin key, for a run that updates weights)."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_config: ModelConfig | None = None
         self.max_context_len = 0
         self.weight_version = 0
@@ -56,7 +58,8 @@ class EngineClient:
     def connect(self) -> EngineClient:
         what = "GET /get_model_info"
         try:
-            with urllib.request.urlopen(f"{self.url}/get_model_info", timeout=self.timeout_s) as reply:
+            request = urllib.request.Request(f"{self.url}/get_model_info", headers=self._auth)
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as reply:
                 info = self._check(what, reply.status, reply.read())
         except urllib.error.HTTPError as e:  # an error status
             info = self._check(what, e.code, e.read())
@@ -126,8 +129,9 @@ class EngineClient:
         timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s, sock_read=timeout_s)
         try:
             data = None if body is None else pydantic_core.to_json(body)  # (Rust: see tandem.server.http._json)
+            headers = {**JSON_HEADERS, **self._auth} if data is not None else self._auth
             async with self._client().request(method, self.url + path, data=data, timeout=timeout,
-                                              headers=JSON_HEADERS if data is not None else None) as reply:
+                                              headers=headers) as reply:
                 status, content = reply.status, await reply.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._unreachable(what, e) from e

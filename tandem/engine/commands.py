@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 
+MAX_VERSION = 2**53  # weight versions stay exact in JSON
+
+
 @dataclass(frozen=True, slots=True)
 class Command:
     published: ClassVar[bool] = True
@@ -73,7 +76,8 @@ class LoadWeights(Command):
     """Load full (unsharded) tensors by Hugging Face name. `pause_mode` None: the engine must be paused already
     (`EngineError` otherwise) and stays paused. A mode: pause in that mode, load, resume (an engine already
     paused loads and stays paused); in place the copies queue behind the step in flight, whose tokens keep the
-    old version. Returns the new version (`version`, or the current one plus 1) and the seconds paused."""
+    old version. Returns the new version (`version`, or the current one plus 1) and the seconds paused. Versions
+    never go backwards: one below the engine's current version is refused (ValueError) before anything loads."""
 
     drains: ClassVar[bool] = False
     named: Mapping[str, Tensor]
@@ -84,8 +88,8 @@ class LoadWeights(Command):
         if self.pause_mode is not None:
             check_pause_mode(self.pause_mode)
         if self.version is not None and (not isinstance(self.version, int) or isinstance(self.version, bool)
-                                         or self.version < 0):
-            raise ValueError(f"weight_version: must be a non-negative integer, got {self.version!r}")
+                                         or not 0 <= self.version < MAX_VERSION):
+            raise ValueError(f"weight_version: must be an integer in [0, 2**53), got {self.version!r}")
 
 
 @dataclass(frozen=True, slots=True)

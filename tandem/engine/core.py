@@ -207,6 +207,8 @@ class EngineCore:
 
     def _load_weights(self, cmd: commands.LoadWeights) -> tuple[int, float]:
         t0, mode = time.perf_counter(), cmd.pause_mode
+        if cmd.version is not None and cmd.version < self.weight_version:
+            raise ValueError(f"weight_version: {cmd.version} is older than the engine's version {self.weight_version}")
         if mode is None and self.paused is None:
             raise EngineError("update_weights: the engine must be paused first (pause_generation)")
         pausing = mode is not None and self.paused is None

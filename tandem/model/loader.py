@@ -21,7 +21,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from a checkpoint directory, one shard open at a time."""
+    """Yield (name, tensor) from a checkpoint directory, one shard open at a time. An index may name only files
+    of the directory itself (no paths out of it)."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
@@ -32,6 +33,8 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not files:
         raise ValueError(f"model: no *.safetensors files in {path}")
     for file in files:
+        if not isinstance(file, str) or (path / file).resolve().parent != path.resolve():
+            raise ValueError(f"model: the index names {file!r}, not a file of {path} (shards must lie beside it)")
         if not (path / file).is_file():
             raise ValueError(f"model: {path / file} is named by the index but missing")
         with safe_open(path / file, framework="pt") as f:

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Annotated
@@ -48,6 +50,7 @@ from tandem.server.bodies import (
     NoBody,
     PauseBody,
 )
+from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions
 from tandem.server.metrics import MetricsExporter
 from tandem.transport.dist import DistReceiver
 from tandem.transport.sync import receive_and_load
@@ -57,15 +60,17 @@ from tandem.types import GenerateOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 DISCONNECT_POLL_S = 0.05
+MAX_CONNECTIONS = 4096  # beyond it new connections get a 503 (a flood of idle connections cannot take the server)
 HEALTH_TIMEOUT_S = 5.0
 
 Job = tuple[list[int], SamplingParams, str]  # the arguments of one `engine.generate`
 
 
-def build_app(engine: Engine) -> FastAPI:
-    """A FastAPI app serving `engine`. The app owns a Prometheus registry of its own and the set of rids it
-    has in flight (a rid may not be reused while in flight); the engine is shared, not owned (the caller shuts
-    it down)."""
+def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
+    """A FastAPI app serving `engine` under `options` (keys, limits, weight directories: `tandem.server.guard`).
+    The app owns a Prometheus registry of its own and the set of rids it has in flight (a rid may not be reused
+    while in flight); the engine is shared, not owned (the caller shuts it down)."""
+    options = options or ServerOptions()
     groups: dict[str, _WeightGroup | None] = {}  # None while joining
 
     @asynccontextmanager
@@ -82,6 +87,7 @@ def build_app(engine: Engine) -> FastAPI:
     app.add_exception_handler(ValueError, _bad_request)
     app.add_exception_handler(EngineError, _bad_request)
     app.add_middleware(_InternalErrors)
+    app.add_middleware(Guard, options=options, reply=_refuse)  # outermost: before anything reads the request
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -114,10 +120,12 @@ def build_app(engine: Engine) -> FastAPI:
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/abort_request")
-    async def abort_request(body: Annotated[AbortBody, Depends(AbortBody.from_request)]):
-        """`{"rid": ...}` aborts one request; `{"abort_all": true}` every running and queued request.
-        Unknown rids are ignored (the request may just have finished)."""
+    async def abort_request(request: Request, body: Annotated[AbortBody, Depends(AbortBody.from_request)]):
+        """`{"rid": ...}` aborts one request; `{"abort_all": true}` every running and queued request (an admin's
+        call). Unknown rids are ignored (the request may just have finished)."""
         if body.abort_all:
+            if not request.scope[ADMIN]:
+                raise Refused(403, "abort_all: aborting every request needs the admin API key")
             engine.abort_all()
             return {"success": True, "message": "abort sent for all requests"}
         if not body.rid:
@@ -134,7 +142,7 @@ def build_app(engine: Engine) -> FastAPI:
     async def update_weights_from_disk(body: Annotated[DiskUpdateBody, Depends(DiskUpdateBody.from_request)]):
         """Load every `*.safetensors` tensor in `model_path` into the (paused) engine. A bad checkpoint is a
         400 that leaves the weights and their version unchanged."""
-        named = await asyncio.to_thread(_read_checkpoint, body.model_path)
+        named = await asyncio.to_thread(_read_checkpoint, options.checkpoint_dir(body.model_path), body.model_path)
         version = await engine.update_weights(named, body.weight_version)
         return {"success": True, "message": f"Loaded {len(named)} tensors from {body.model_path}.",
                 "weight_version": version}
@@ -167,7 +175,7 @@ def build_app(engine: Engine) -> FastAPI:
     async def engine_stats():
         return dataclasses.asdict(await engine.get_stats())
 
-    _add_weight_group_routes(app, engine, groups)
+    _add_weight_group_routes(app, engine, groups, options)
     return app
 
 
@@ -178,7 +186,9 @@ class _WeightGroup:
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)  # one transfer at a time
 
 
-def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _WeightGroup | None]) -> None:
+def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _WeightGroup | None],
+                             options: ServerOptions) -> None:
+    joins = ThreadPoolExecutor(1, thread_name_prefix="tandem-group-join")  # never the default pool: see below
     def group_of(name: str) -> _WeightGroup:
         if groups.get(name) is None:
             raise ValueError(f"group_name: no weight group {name!r} (init it with /init_weights_update_group)")
@@ -195,6 +205,10 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
         name, backend = body.group_name, body.backend
         if name in groups:
             raise ValueError(f"group_name: {name!r} is taken (destroy it first)")
+        if None in groups.values():  # a join waits for its peers: one at a time, on a thread of its own
+            raise ValueError("group_name: another weight group is being joined; retry when it has joined or failed")
+        if body.timeout_s > options.max_group_timeout_s:
+            raise ValueError(f"timeout_s: at most {options.max_group_timeout_s:g}, got {body.timeout_s:g}")
         if engine.tp.size > 1:
             raise ValueError("group_name: a tensor-parallel engine cannot join a weight group yet")
         if backend == "nccl" and not engine.config.device.startswith("cuda"):
@@ -202,11 +216,11 @@ def _add_weight_group_routes(app: FastAPI, engine: Engine, groups: dict[str, _We
         label = f"engine pid {os.getpid()} at {str(request.base_url).rstrip('/')}"
         groups[name] = None
         try:
-            receiver = await asyncio.to_thread(
+            receiver = await asyncio.get_running_loop().run_in_executor(joins, functools.partial(
                 DistReceiver, f"tcp://{body.master_address}:{body.master_port}", body.world_size, body.rank_offset,
-                backend, body.timeout_s, label, engine.config.device if backend == "nccl" else None)
-        except TransportError as e:
-            return _error(500, str(e), "TransportError", extra={"success": False, "message": str(e)})
+                backend, body.timeout_s, label, engine.config.device if backend == "nccl" else None))
+        except TransportError as e:  # the peers the client named did not come: its request failed, not the server
+            return _error(400, str(e), "TransportError", extra={"success": False, "message": str(e)})
         finally:
             groups.pop(name)
         groups[name] = _WeightGroup(receiver)
@@ -323,11 +337,16 @@ def _output(out: GenerateOutput, return_logprob: bool) -> dict:
 
 
 # ---- shared helpers --------------------------------------------------------------------------------------
-def _read_checkpoint(path: str) -> list:
+def _read_checkpoint(path: Path, given: str) -> list:
+    """Every tensor of the checkpoint in `path` (`given`: as the client named it), all finite."""
     try:
-        return list(iter_safetensors(Path(path)))
+        named = list(iter_safetensors(path))
     except Exception as e:  # a missing, unreadable or corrupt checkpoint is the client's input, not our bug
-        raise ValueError(f"model_path: cannot load {path!r}: {e}") from None
+        raise ValueError(f"model_path: cannot load {given!r}: {e}") from None
+    for name, tensor in named:
+        if tensor.is_floating_point() and not bool(tensor.isfinite().all()):
+            raise ValueError(f"model_path: {given!r}: tensor {name!r} holds NaN or infinite values")
+    return named
 
 
 def _json(content, status_code: int = 200) -> Response:
@@ -342,6 +361,14 @@ def _error(status: int, message: str, kind: str = "BadRequest", extra: dict | No
 
 async def _bad_request(request: Request, exc: Exception) -> Response:
     return _error(400, str(exc), extra={"success": False, "message": str(exc)})
+
+
+async def _refuse(scope, receive, send, refusal: Refused) -> None:
+    kind = {401: "Unauthorized", 403: "Forbidden", 408: "RequestTimeout", 413: "PayloadTooLarge"}[refusal.status]
+    reply = _error(refusal.status, str(refusal), kind, extra={"success": False, "message": str(refusal)})
+    if refusal.status == 401:
+        reply.headers["WWW-Authenticate"] = "Bearer"
+    await reply(scope, receive, send)
 
 
 class _InternalErrors:
@@ -362,6 +389,8 @@ class _InternalErrors:
 
         try:
             await self.app(scope, receive, send_tracking)
+        except Refused:
+            raise  # the guard replies
         except ClientDisconnect:
             if not started:
                 await Response(status_code=499)(scope, receive, send)
@@ -373,9 +402,9 @@ class _InternalErrors:
 
 
 # ---- running it ------------------------------------------------------------------------------------------
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000) -> None:
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000, options: ServerOptions | None = None) -> None:
     """Serve `engine` until interrupted (blocking)."""
-    uvicorn.run(build_app(engine), host=host, port=port, log_level="info")
+    uvicorn.run(build_app(engine, options), host=host, port=port, log_level="info", limit_concurrency=MAX_CONNECTIONS)
 
 
 class ServerThread:
@@ -386,7 +415,8 @@ class ServerThread:
 
     Exiting stops the server (in-flight requests get a few seconds, then are cancelled and aborted)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 options: ServerOptions | None = None):
         # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a TCP
         # socket it recognises as one, and with Nagle on every reply with a body waits for the client's delayed ACK
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -394,7 +424,8 @@ class ServerThread:
         self._sock.bind((host, port))  # bound here, so the port is known and free before uvicorn starts
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
-        config = uvicorn.Config(build_app(engine), log_level=log_level, timeout_graceful_shutdown=3)
+        config = uvicorn.Config(build_app(engine, options), log_level=log_level, timeout_graceful_shutdown=3,
+                                limit_concurrency=MAX_CONNECTIONS)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="tandem-http", daemon=True)
