@@ -79,9 +79,13 @@ def _is_loopback(host: str) -> bool:
 
 
 def _run(args) -> None:
+    from tandem.run.main import Interrupted
     from tandem.run.main import main as run_main
 
-    run_main(args.config, args.overrides)
+    try:
+        run_main(args.config, args.overrides)
+    except Interrupted as e:  # not a success: a script running it must see that
+        sys.exit(e.exit_code)
 
 
 def main(argv: list[str] | None = None) -> None:

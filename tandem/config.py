@@ -383,8 +383,8 @@ class RunConfig:
     steps: PositiveInt = 20
     seed: int = 0
     out_dir: str = "runs/latest"
-    checkpoint_every: NonNegativeInt = 0  # 0: only at the end (and on Ctrl-C)
-    resume: bool = False
+    checkpoint_every: NonNegativeInt = 10  # steps between checkpoints (0: only at the end, on Ctrl-C and SIGTERM)
+    resume: bool = False  # continue from out_dir's checkpoint (an error if there is none)
     tensorboard: bool = False  # also write scalars for TensorBoard to out_dir (needs the tensorboard package)
     compare_sync: bool = False  # afterwards, run synchronous RL (max_staleness 0) on the same seed and compare
     placement: Placement = "colocated"

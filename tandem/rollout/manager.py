@@ -16,7 +16,9 @@ short episodes are trained earlier than long ones.
 
 Accounting: every group admitted is, at any time, in flight, completed and buffered, handed to the trainer
 (once: a batch is popped from the buffer), or dropped with its reason counted in `dropped`. Completed
-groups beyond the current batch stay buffered for the next ones.
+groups beyond the current batch stay buffered for the next ones. A group whose episode failed because the engine
+could not be reached (`EngineUnreachable`: its process died or hangs) is not the group's fault: it is run again
+(from a checkpoint, if the run stops), and dropped only after `ENGINE_RETRIES` such failures.
 """
 
 from __future__ import annotations
@@ -31,11 +33,15 @@ from dataclasses import asdict, dataclass
 from typing import Literal
 
 from tandem.config import RolloutConfig
+from tandem.engine.client import EngineUnreachable
 from tandem.rollout.agent import GenerateClient, run_episode
 from tandem.rollout.env import EnvFactory
 from tandem.types import Episode, Group
 
 log = logging.getLogger(__name__)
+
+ENGINE_RETRIES = 3  # runs of a group that the engine's unreachability may cut short before it is dropped
+RETRY_DELAY_S = 2.0  # before the first re-run; doubled each time
 
 
 @dataclass(slots=True)
@@ -45,6 +51,7 @@ class _InFlight:
     episodes: list[Episode]
     remaining: int
     failure: str | None = None
+    engine_gone: bool = False  # an episode failed only because the engine could not be reached
 
 
 def plan_batch(batch: int, size: int, max_staleness: int, order: Literal["admission", "deadline"],
@@ -81,6 +88,9 @@ class RolloutManager:
         self._dropped_indices: set[int] = set()
         self._dropped_pending: dict[int, int] = {}  # dropped groups not yet counted in a batch -> start version
         self._readmit: list[int] = []  # numbers of groups to run again (in flight when a checkpoint was taken)
+        self._engine_failures: Counter[int] = Counter()  # group -> runs cut short by an unreachable engine
+        self._retrying: set[int] = set()  # such groups waiting out their back-off
+        self._timers: list[asyncio.TimerHandle] = []
         self.num_in_flight_episodes = 0
         # episodes in flight integrated over time (episode-seconds): over a window, / its length = how many were in
         # flight on average; less the engine's requests per step, how many were between turns, on the agents' side
@@ -143,13 +153,17 @@ class RolloutManager:
             return  # shutdown: the group stays in `in_flight` and is re-run from a checkpoint
         self._count(-1)
         exc = task.exception()
-        if exc is not None:
+        if isinstance(exc, EngineUnreachable):
+            group.engine_gone = True
+        elif exc is not None:
             log.warning("episode of group %d failed: %r", group.index, exc)
             group.failure = group.failure or f"{type(exc).__name__}: {exc}"
         group.remaining -= 1
         if group.remaining == 0:
             del self.in_flight[group.index]
-            if group.failure is not None:
+            if group.failure is None and group.engine_gone:
+                self._retry_later(group.index)
+            elif group.failure is not None:
                 self.dropped[group.failure] += 1
                 self._dropped_indices.add(group.index)
                 self._dropped_pending[group.index] = group.start_version
@@ -158,11 +172,31 @@ class RolloutManager:
             self._batch_wake.set()
         self._admit_wake.set()
 
+    def _retry_later(self, index: int) -> None:
+        """Run a group the engine's unreachability cut short again after a back-off (a run whose engine died stops
+        meanwhile, and its checkpoint lists the group for re-running); drop it after `ENGINE_RETRIES` runs."""
+        self._engine_failures[index] += 1
+        if self._engine_failures[index] >= ENGINE_RETRIES:
+            self.dropped[f"the engine could not be reached in {ENGINE_RETRIES} runs of the group"] += 1
+            self._dropped_indices.add(index)
+            self._dropped_pending[index] = self.version()
+            return
+        log.warning("group %d: the engine could not be reached; it runs again", index)
+        self._retrying.add(index)
+        delay = RETRY_DELAY_S * 2 ** (self._engine_failures[index] - 1)
+        self._timers.append(asyncio.get_running_loop().call_later(delay, self._retry_now, index))
+
+    def _retry_now(self, index: int) -> None:
+        if index in self._retrying:
+            self._retrying.discard(index)
+            self._readmit.append(index)
+            self._admit_wake.set()
+
     # ---- the trainer's side ------------------------------------------------------------------------------
     def _plan(self) -> list[int] | None:
         unconsumed = {i: g.start_version for i, g in self.in_flight.items()}
         unconsumed |= {i: g.start_version for i, g in self.buffer.items()} | self._dropped_pending
-        unconsumed |= {i: self.version() for i in self._readmit}  # they will start no earlier
+        unconsumed |= {i: self.version() for i in [*self._readmit, *self._retrying]}  # they start no earlier
         done = set(self.buffer) | set(self._dropped_pending)
         return plan_batch(self.batches_taken, self.cfg.batch_groups, self.cfg.max_staleness, self.cfg.batch_order,
                           unconsumed, done)
@@ -187,6 +221,8 @@ class RolloutManager:
         for re-running, so nothing admitted is lost across a checkpoint."""
         for task in list(self._tasks):
             task.cancel()
+        for timer in self._timers:  # (groups waiting to re-run stay listed for it)
+            timer.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
     def state_dict(self) -> dict:
@@ -194,7 +230,7 @@ class RolloutManager:
             "next_index": self.next_index,
             "batches_taken": self.batches_taken,
             "buffer": {i: asdict(g) for i, g in self.buffer.items()},
-            "rerun": sorted(set(self.in_flight) | set(self._readmit)),
+            "rerun": sorted(set(self.in_flight) | set(self._readmit) | self._retrying),
             "dropped": dict(self.dropped),
             "dropped_indices": sorted(self._dropped_indices),
             "dropped_pending": self._dropped_pending,

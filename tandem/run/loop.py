@@ -36,6 +36,7 @@ from tandem.types import Group
 log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
 
 
 class Run:
@@ -44,6 +45,9 @@ class Run:
 
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        if cfg.resume and not (Path(cfg.out_dir) / CHECKPOINT).is_file():
+            raise ValueError(f"resume: no {CHECKPOINT} in {cfg.out_dir} to resume from (without resume=true the run "
+                             "starts afresh)")
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.placement = place(cfg)
@@ -69,8 +73,9 @@ class Run:
         failed. Returns the per-step records (also appended to `out_dir/metrics.jsonl`)."""
         cfg = self.cfg
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if cfg.resume and (self.out_dir / CHECKPOINT).is_file():
+        if cfg.resume:
             self._load_checkpoint()
+        self._keep_records_upto(self.trainer.version if cfg.resume else 0)  # one record per step, none twice
         # the engine must hold the trainer's weights and version before anything is admitted
         try:
             await self.placement.start(self.trainer.named_weights(), self.trainer.version)
@@ -95,7 +100,11 @@ class Run:
                 t1 = time.perf_counter()
                 metrics = await asyncio.to_thread(self.trainer.step, batch)
                 t2 = time.perf_counter()
-                sync = await self.placement.push(self.trainer.named_weights(), self.trainer.version)
+                try:
+                    sync = await self.placement.push(self.trainer.named_weights(), self.trainer.version)
+                except BaseException as e:  # the step was trained (a resume pushes its weights): record it
+                    self._append_record(dict(step=self.trainer.version, **metrics, sync_error=repr(e)))
+                    raise
                 self.manager.notify_version()
                 waited, trained = waited + t1 - t0, trained + t2 - t1
                 stats = await self.engine.get_stats()
@@ -122,9 +131,7 @@ class Run:
                     cache_reuse_vs_ideal=stats.reuse_vs_ideal if stats.ideal_measured else None,
                     dropped=dict(self.manager.dropped),
                 )
-                self.history.append(record)
-                with open(self.out_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                self._append_record(record)
                 if on_step:
                     on_step(record)
                 if cfg.checkpoint_every and self.trainer.version % cfg.checkpoint_every == 0:
@@ -138,6 +145,23 @@ class Run:
             self._save_checkpoint()
         return self.history
 
+    def _append_record(self, record: dict) -> None:
+        self.history.append(record)
+        with open(self.out_dir / METRICS, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _keep_records_upto(self, step: int) -> None:
+        """Drop the records of steps after `step` (trained after the checkpoint a crash went back to; they are
+        trained again), so that the file holds each step once."""
+        path = self.out_dir / METRICS
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines(keepends=True)
+                if line.strip() and json.loads(line)["step"] <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)
+
     def _save_checkpoint(self) -> None:
         state = {"trainer": self.trainer.state_dict(), "manager": self.manager.state_dict(),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
@@ -146,7 +170,7 @@ class Run:
         tmp.replace(self.out_dir / CHECKPOINT)  # atomic: a crash mid-save keeps the previous checkpoint
 
     def _load_checkpoint(self) -> None:
-        state = torch.load(self.out_dir / CHECKPOINT, weights_only=False)
+        state = torch.load(self.out_dir / CHECKPOINT, weights_only=True)  # tensors and plain data: no code runs
         self.trainer.load_state_dict(state["trainer"])
         self.manager.load_state_dict(state["manager"])
         torch.set_rng_state(state["rng"]["torch"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import signal
 
 from rich.console import Console
 from rich.live import Live
@@ -75,8 +76,18 @@ def _tensorboard(cfg: RunConfig):
     return SummaryWriter(cfg.out_dir)
 
 
+class Interrupted(Exception):
+    """The run was stopped by SIGINT (Ctrl-C) or SIGTERM, after saving its checkpoint; `exit_code` is 128 + the
+    signal's number, as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
+
+
 def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
-    """One run with the live table; Ctrl-C stops it cleanly (the loop saves a checkpoint)."""
+    """One run with the live table. Ctrl-C or SIGTERM stops it cleanly (the loop saves a checkpoint), then raises
+    `Interrupted`."""
     console.print(f"[bold]tandem run[/]: task={cfg.task} model={cfg.model} steps={cfg.steps} "
                   f"max_staleness={cfg.rollout.max_staleness} pause_mode={cfg.rollout.pause_mode} "
                   f"placement={cfg.placement} (trainer on {cfg.trainer_device or cfg.engine.device}, engine on "
@@ -87,6 +98,13 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     records: list[dict] = []
+    received: list[int] = []
+
+    def stop(signum, frame):  # SIGTERM as Ctrl-C: the loop's cleanup runs and saves the checkpoint
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     try:
         with Live(RunTable(records), console=console, refresh_per_second=4) as live:
             def on_step(record):
@@ -98,8 +116,11 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
 
             asyncio.run(run.train(on_step))
     except KeyboardInterrupt:
-        console.print(f"interrupted: checkpoint saved in {run.out_dir}")
+        if not received:
+            received.append(signal.SIGINT)
+        console.print(f"\ninterrupted: checkpoint saved in {run.out_dir}")
     finally:
+        signal.signal(signal.SIGTERM, previous)
         run.shutdown()
         if writer is not None:
             writer.close()
@@ -111,6 +132,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
                       f"{1e3 * last['transfer_s']:.1f} ms ({last['sync_gb_per_s']:.2f} GB/s), generation paused "
                       f"{1e3 * last['pause_s']:.1f} ms; dropped groups {last['dropped_groups']}; metrics in "
                       f"{run.out_dir / 'metrics.jsonl'}")
+    if received:
+        raise Interrupted(received[0])
     return records
 
 

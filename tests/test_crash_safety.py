@@ -1,0 +1,138 @@
+"""Runs survive being stopped at any moment: SIGTERM saves like Ctrl-C and exits non-zero, a SIGKILLed run resumes
+from its last checkpoint with one metrics record per step, a resume needs a checkpoint, checkpoints load without
+running code, and groups an unreachable engine cut short run again instead of being dropped."""
+
+import asyncio
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tandem.config import RolloutConfig, RunConfig
+from tandem.engine.client import EngineUnreachable
+from tandem.rollout import manager as manager_module
+from tandem.rollout.manager import ENGINE_RETRIES, RolloutManager
+from tandem.rollout.random_agent import RandomAgentEnv
+from tandem.run.loop import CHECKPOINT, Run
+from tandem.types import FinishReason, GenerateOutput
+
+TINY = ["rollout.batch_groups=2", "rollout.group_size=2", "rollout.num_in_flight=8", "random_agent.prompt_len_max=20",
+        "random_agent.response_len_median=4", "random_agent.response_len_max=16", "random_agent.max_context=128",
+        "random_agent.tool_latency_s=0.01", "checkpoint_every=1"]
+
+
+def tandem_run(out_dir, *overrides) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", "run", f"out_dir={out_dir}", *TINY, *overrides],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def steps_recorded(out_dir) -> list[int]:
+    path = out_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def stop_after(proc: subprocess.Popen, out_dir, steps: int, sig: int) -> int:
+    deadline = time.monotonic() + 120
+    while len(steps_recorded(out_dir)) < steps:
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    return proc.wait(timeout=60)
+
+
+def test_killed_and_terminated_runs_resume_with_every_step_recorded_once(tmp_path):
+    """SIGKILL after step 2 (nothing saved but the periodic checkpoints), resume, SIGTERM after step 4 (the run
+    saves and exits 143), resume to the end: the records are steps 1..6, once each, and the checkpoint is at 6."""
+    assert stop_after(tandem_run(tmp_path, "steps=6"), tmp_path, 2, signal.SIGKILL) == -signal.SIGKILL
+    killed_at = torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"]
+    assert killed_at >= 1
+    assert stop_after(tandem_run(tmp_path, "steps=6", "resume=true"), tmp_path, 4, signal.SIGTERM) == 143
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] >= 4
+    final = tandem_run(tmp_path, "steps=6", "resume=true")
+    assert final.wait(timeout=120) == 0, final.stderr.read()
+    assert steps_recorded(tmp_path) == [1, 2, 3, 4, 5, 6]
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 6
+
+
+def test_resume_without_a_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="resume: no checkpoint.pt in"):
+        Run(RunConfig.load(None, [f"out_dir={tmp_path}", "resume=true"]))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path, monkeypatch):
+    """Resuming reads tensors and plain data only: a crafted checkpoint's objects are refused, never built."""
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / CHECKPOINT, "wb") as f:
+        pickle.dump({"trainer": _Boom()}, f)
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "resume=true", "steps=1"]))
+    try:
+        with pytest.raises(pickle.UnpicklingError):
+            asyncio.run(run.train())
+    finally:
+        run.shutdown()
+    assert not (tmp_path / "pwned").exists()
+
+
+class _FlakyEngine:
+    """Unreachable for the first `failures` calls, then answers every request with one token."""
+
+    def __init__(self, failures: int):
+        self.failures = failures
+
+    async def generate(self, input_ids, sampling=None, rid=None):
+        await asyncio.sleep(0)
+        if self.failures > 0:
+            self.failures -= 1
+            raise EngineUnreachable("engine process pid 1 at http://x: connection refused")
+        return GenerateOutput("r", [5], [-1.0], [0], FinishReason("length", length=1), len(input_ids), 0)
+
+
+@pytest.mark.parametrize("failures, dropped", [(2, 0), (100, 1)])
+def test_groups_the_engine_could_not_serve_run_again(monkeypatch, failures, dropped):
+    """A group whose episodes failed because the engine was unreachable is run again after a back-off (and listed
+    for re-running by a checkpoint taken meanwhile); only after ENGINE_RETRIES runs is it dropped, with that reason."""
+    monkeypatch.setattr(manager_module, "RETRY_DELAY_S", 0.01)
+    cfg = RunConfig.load(None, ["random_agent.turns_max=1", "random_agent.turns_min=1"])
+    rollout = RolloutConfig(group_size=1, batch_groups=1, num_in_flight=1, max_staleness=0)
+
+    async def go():
+        m = RolloutManager(_FlakyEngine(failures), lambda seed, j: RandomAgentEnv(cfg.random_agent, 64, seed, j),
+                           rollout, 128, 0, lambda: 0)
+        m.fill()
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if m._retrying:
+                assert 0 in m.state_dict()["rerun"]  # a checkpoint now would run it again
+            m.fill()
+            if m.buffer or m.dropped:
+                break
+        return m
+
+    m = asyncio.run(go())
+    assert sum(m.dropped.values()) == dropped
+    if dropped:
+        assert list(m.dropped) == [f"the engine could not be reached in {ENGINE_RETRIES} runs of the group"]
+    else:
+        assert list(m.buffer) == [0] and m._engine_failures[0] == failures
+
+
+def test_a_resume_drops_the_records_of_steps_after_its_checkpoint(tmp_path):
+    """Steps trained after the checkpoint a crash went back to are trained again: their old records go."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(1, 6)))
+    stub = type("Stub", (), {"out_dir": tmp_path})()
+    Run._keep_records_upto(stub, 3)
+    assert steps_recorded(tmp_path) == [1, 2, 3]
+    Run._keep_records_upto(stub, 0)  # a fresh run: a fresh record
+    assert steps_recorded(tmp_path) == []
