@@ -99,6 +99,7 @@ class Run:
                     self.on_batch(self.trainer.version, batch)
                 t1 = time.perf_counter()
                 metrics = await asyncio.to_thread(self.trainer.step, batch)
+                metrics["group_ids"] = [g.index for g in batch]  # what this step trained (a soak checks it)
                 t2 = time.perf_counter()
                 try:
                     sync = await self.placement.push(self.trainer.named_weights(), self.trainer.version)
