@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from tandem.config import EngineConfig, ModelConfig
+from tandem.config import EngineConfig, ModelConfig, PauseMode
 from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup
@@ -96,7 +96,7 @@ class EngineCore:
                  f" GiB, {self.tier.policy})" if self.tier else "")
         self.runner = ModelRunner(self.model, self.pool, self.max_context_len, config)
         self.weight_version = 0
-        self.paused: str | None = None  # the pause mode while paused
+        self.paused: PauseMode | None = None  # the pause mode while paused
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         self.fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
         self._cache_age = 0  # weight updates since the prefix cache was last emptied
@@ -155,7 +155,7 @@ class EngineCore:
                 case commands.Idle() | commands.Stop():
                     pass
                 case _:
-                    raise TypeError(f"not an engine command: {command!r}")
+                    raise EngineError(f"not an engine command: {command!r}")
         except Exception as e:
             if isinstance(e, ValueError | EngineError) and not isinstance(command, commands.Step):
                 raise  # the command's own refusal
@@ -197,7 +197,7 @@ class EngineCore:
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self._finish(req, FinishReason("abort", message=message))
 
-    def _pause(self, mode: str) -> None:
+    def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":
             self._abort_all(PAUSED_ABORT)
         elif mode == "retract":
