@@ -32,7 +32,7 @@ def engine():
 def server(engine, tmp_path_factory):
     root = tmp_path_factory.mktemp("weights")
     options = ServerOptions(api_key=KEY, admin_api_key=ADMIN_KEY, max_body_bytes=4096, body_timeout_s=0.5,
-                            weight_dirs=(str(root / "allowed"),))
+                            header_timeout_s=0.5, weight_dirs=(str(root / "allowed"),))
     with ServerThread(engine, options=options) as s:
         s.root = root
         yield s
@@ -99,6 +99,20 @@ def test_a_body_that_trickles_is_cut_off(server):
         reply = s.recv(4096).decode()
     assert reply.startswith("HTTP/1.1 408"), reply
     assert 0.4 < time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("after_a_request", [False, True])
+def test_a_request_whose_headers_trickle_is_cut_off(server, after_a_request):
+    """Part of a request line and headers, then silence (on a new connection, or on one kept alive after a
+    request): the server closes the connection after header_timeout_s instead of holding it forever."""
+    with socket.create_connection((server.host, server.port), timeout=10) as s:
+        if after_a_request:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        assert s.recv(4096) == b""  # closed
+    assert 0.3 < time.monotonic() - t0 < 5
 
 
 def _checkpoint(directory, named):

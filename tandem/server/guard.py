@@ -5,8 +5,9 @@
   - with an `admin_api_key`, the admin endpoints (`ADMIN_PATHS`: pausing, weights, weight groups, the cache, and
     aborting every request) need that key (403 for the client key), and the admin key may call everything; without
     one, the client key (or, without keys, anyone) may call them;
-  - a body larger than `max_body_bytes` is a 413, one whose next piece takes longer than `body_timeout_s` a 408
-    (a client that trickles its body cannot hold the server's memory or connections for long);
+  - a body larger than `max_body_bytes` is a 413, one whose next piece takes longer than `body_timeout_s` a 408,
+    and a connection whose request headers are not complete within `header_timeout_s` is closed (`protocol`): a
+    client that trickles its request cannot hold the server's memory or connections for long;
   - `/update_weights_from_disk` reads only inside `weight_dirs` (the model's directory, as `tandem serve` sets it;
     none: the endpoint refuses every path).
 Keys are compared in constant time. A refusal is a JSON error naming what was wrong, with SGLang's error shape.
@@ -18,6 +19,9 @@ import asyncio
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 ADMIN_PATHS = frozenset({"/pause_generation", "/continue_generation", "/flush_cache", "/update_weights_from_disk",
                          "/init_weights_update_group", "/update_weights_from_distributed",
@@ -32,6 +36,7 @@ class ServerOptions:
     admin_api_key: str | None = None
     max_body_bytes: int = 64 << 20
     body_timeout_s: float = 30.0
+    header_timeout_s: float = 30.0
     weight_dirs: tuple[str, ...] = ()
     max_group_timeout_s: float = 600.0  # the longest `timeout_s` a weight-group join may ask for
 
@@ -41,8 +46,9 @@ class ServerOptions:
             if key is not None and (not isinstance(key, str) or len(key) < 8 or not key.isprintable()
                                     or key != key.strip()):
                 raise ValueError(f"{name}: must be at least 8 printable characters without surrounding spaces")
-        if self.max_body_bytes <= 0 or not 0 < self.body_timeout_s < float("inf"):
-            raise ValueError("max_body_bytes and body_timeout_s: must be positive and finite")
+        if self.max_body_bytes <= 0 or not all(0 < t < float("inf") for t in (self.body_timeout_s,
+                                                                                self.header_timeout_s)):
+            raise ValueError("max_body_bytes, body_timeout_s and header_timeout_s: must be positive and finite")
         if not 0 < self.max_group_timeout_s < float("inf"):
             raise ValueError("max_group_timeout_s: must be positive and finite")
 
@@ -55,6 +61,45 @@ class ServerOptions:
             if path.is_relative_to(Path(allowed).resolve()):
                 return path
         raise ValueError(f"model_path: {model_path!r} is outside the directories this server loads weights from")
+
+
+    def protocol(self) -> type[H11Protocol]:
+        """uvicorn's HTTP/1.1 protocol, closing connections whose request headers take over `header_timeout_s`."""
+        return type("GuardedH11", (_HeaderTimeout,), {"header_timeout_s": self.header_timeout_s})
+
+
+class _HeaderTimeout(H11Protocol):
+    """A connection waiting for a request's headers (its first, or the next one on a kept-alive connection that
+    has started sending it) is closed when they do not complete in time; uvicorn bounds only idle keep-alive."""
+
+    header_timeout_s = 30.0
+    _timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:  # (still) waiting for the headers of a request
+            if self._timer is None:
+                self._arm()
+        elif self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def connection_lost(self, exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        self._timer = self.loop.call_later(self.header_timeout_s, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
 
 
 class Refused(Exception):

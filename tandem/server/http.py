@@ -404,7 +404,9 @@ class _InternalErrors:
 # ---- running it ------------------------------------------------------------------------------------------
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000, options: ServerOptions | None = None) -> None:
     """Serve `engine` until interrupted (blocking)."""
-    uvicorn.run(build_app(engine, options), host=host, port=port, log_level="info", limit_concurrency=MAX_CONNECTIONS)
+    options = options or ServerOptions()
+    uvicorn.run(build_app(engine, options), host=host, port=port, log_level="info", limit_concurrency=MAX_CONNECTIONS,
+                http=options.protocol())
 
 
 class ServerThread:
@@ -424,8 +426,9 @@ class ServerThread:
         self._sock.bind((host, port))  # bound here, so the port is known and free before uvicorn starts
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
+        options = options or ServerOptions()
         config = uvicorn.Config(build_app(engine, options), log_level=log_level, timeout_graceful_shutdown=3,
-                                limit_concurrency=MAX_CONNECTIONS)
+                                limit_concurrency=MAX_CONNECTIONS, http=options.protocol())
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="tandem-http", daemon=True)
