@@ -362,18 +362,23 @@ def check_state(s: State) -> str | None:
 def check_transition(pre: State, post: State) -> str | None:
     """The first property of the transition `pre` -> `post` (`versions_monotone` across ranks, `ranks_agree`,
     `fresh_after_ack`) that it violates, or None."""
-    if post.version < pre.version or any(b[0] < a[0] for a, b in zip(pre.followers, post.followers, strict=True)):
+    if post.version < pre.version:
         return "versions_monotone"
-    for (version, applied), (_, applied_after) in zip(pre.followers, post.followers, strict=True):
-        if len(post.log) - applied_after < len(pre.log) - applied:  # this follower applied pre.log[applied]
-            kind, v = pre.log[applied]
-            if kind == "step" and v != version:
-                return "ranks_agree"
-    acked = pre.trainer.acked
-    for a, b in zip(pre.reqs, post.reqs, strict=True):
-        launched = len(b.tokens) + len(b.pending) > len(a.tokens) + len(a.pending)
-        if launched and (b.pending[-1] < acked or (not b.stale and any(post.pages[p][1] < acked for p in b.pages))):
-            return "fresh_after_ack"
+    if post.followers is not pre.followers:
+        for (version, applied), (version_after, applied_after) in zip(pre.followers, post.followers, strict=True):
+            if version_after < version:
+                return "versions_monotone"
+            if len(post.log) - applied_after < len(pre.log) - applied:  # this follower applied pre.log[applied]
+                kind, v = pre.log[applied]
+                if kind == "step" and v != version:
+                    return "ranks_agree"
+    if post.reqs is not pre.reqs:
+        acked = pre.trainer.acked
+        for a, b in zip(pre.reqs, post.reqs, strict=True):
+            launched = len(b.tokens) + len(b.pending) > len(a.tokens) + len(a.pending)
+            if launched and (b.pending[-1] < acked
+                             or (not b.stale and any(post.pages[p][1] < acked for p in b.pages))):
+                return "fresh_after_ack"
     return None
 
 
@@ -442,10 +447,11 @@ def _trace(parent: list[tuple[int, str]], k: int) -> tuple[str, ...]:
     return tuple(reversed(labels))
 
 
-def replay(model: PauseModel, labels: list[str]) -> tuple[State, Counterexample | None]:
-    """Follow `labels` from the initial state. Returns the state reached and None, or a counterexample: a label
-    that is no enabled action ("not_an_action", the trace ending with it) or a property that fails."""
-    s, done = model.initial(), []
+def replay(model: PauseModel, labels: list[str], start: State | None = None) -> tuple[State, Counterexample | None]:
+    """Follow `labels` from `start` (default: the initial state). Returns the state reached and None, or a
+    counterexample: a label that is no enabled action ("not_an_action", the trace ending with it) or a property that
+    fails (the trace of `labels` up to it)."""
+    s, done = start or model.initial(), []
     for label in labels:
         succ = dict(model.actions(s)).get(label)
         if succ is None:
