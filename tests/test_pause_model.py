@@ -103,15 +103,9 @@ def _labels(cmd: commands.Command, version: int, accepted: bool) -> list[str]:
     return [f"trainer sends {name}", f"rank 0 applies {name}"]
 
 
-def test_the_engine_s_commands_under_pauses_and_updates_are_a_trace_the_model_accepts():
-    """A real engine (CPU) generates for three clients while weights are updated through every pause mode, in
-    both forms (one LoadWeights with a mode; pause, load, resume), and a stale duplicate is refused. Each command
-    the core applies, with its finished outputs, is mapped to the model's actions: every one must be enabled and
-    keep the properties; the requests the model ends must be those the engine ended, with the same version on
-    every token. A second core (the follower) applies the same commands and holds rank 0's version at every step."""
-    engine = Engine("tiny", CONFIG)
-    weights = {v: _perturbed(engine.model, v) for v in range(1, 6)}
-    log: list[tuple[commands.Command, int, bool, list]] = []
+def _record(engine: Engine) -> list[tuple[commands.Command, int, bool, list]]:
+    """Log each command the core applies: (command, the core's version before it, accepted, the outputs it ended)."""
+    log = []
     real_apply, real_take = engine.core.apply, engine.core.take_finished
 
     def apply(cmd):
@@ -129,53 +123,33 @@ def test_the_engine_s_commands_under_pauses_and_updates_are_a_trace_the_model_ac
         return outs
 
     engine.core.apply, engine.core.take_finished = apply, take_finished
+    return log
 
-    async def wait_tokens(n):  # (reads the engine thread's counter: a poll, no command)
-        target = engine.core.stats.generated_tokens + n
-        while engine.core.stats.generated_tokens < target and not all(c.done() for c in clients):
-            await asyncio.sleep(0.001)
 
-    async def client(i):  # the rollout manager: a turn cut by an abort-mode pause is resubmitted with its output
-        prompt, outs = [2 + i, 3 + i, 4 + i], []
-        while True:
-            done = [t for o in outs for t in o.output_ids]
-            sampling = SamplingParams(temperature=1.0, seed=i, max_new_tokens=MAX_TOKENS - len(done), ignore_eos=True)
-            outs.append(await engine.generate(prompt + done, sampling, rid=f"r{i}"))
-            if outs[-1].finish_reason.message != PAUSED_ABORT or len(done) + len(outs[-1].output_ids) >= MAX_TOKENS:
-                return outs
+async def _client(engine: Engine, i: int):
+    """The rollout manager's side of one turn: a turn cut by an abort-mode pause is resubmitted with its output."""
+    prompt, outs = [2 + i, 3 + i, 4 + i], []
+    while True:
+        done = [t for o in outs for t in o.output_ids]
+        sampling = SamplingParams(temperature=1.0, seed=i, max_new_tokens=MAX_TOKENS - len(done), ignore_eos=True)
+        outs.append(await engine.generate(prompt + done, sampling, rid=f"r{i}"))
+        if outs[-1].finish_reason.message != PAUSED_ABORT or len(done) + len(outs[-1].output_ids) >= MAX_TOKENS:
+            return outs
 
-    clients = []
 
-    async def go():
-        clients.extend(asyncio.create_task(client(i)) for i in range(2))
-        await wait_tokens(3)
-        await engine.load_paused(weights[1].items(), 1, "in_place")  # the step in flight keeps version 0
-        await wait_tokens(2)
-        await engine.pause("retract")
-        cancelled = asyncio.create_task(engine.generate([9, 9, 9], SamplingParams(max_new_tokens=4), rid="r2"))
-        await asyncio.sleep(0.01)  # queued while paused
-        cancelled.cancel()  # the client goes away: Abort
-        await asyncio.gather(cancelled, return_exceptions=True)
-        assert await engine.update_weights(weights[2].items(), 2) == 2
-        await engine.resume()
-        await wait_tokens(2)
-        await engine.load_paused(weights[3].items(), 3, "abort")  # cut turns are resubmitted
-        with pytest.raises(ValueError, match="older"):
-            await engine.load_paused(weights[1].items(), 2, "retract")  # a stale duplicate push
-        await wait_tokens(1)
-        await engine.pause("in_place")
-        await engine.load_paused(weights[4].items(), 4, "retract")  # already paused: loads and stays paused
-        await engine.resume()
-        await engine.load_paused(weights[5].items(), 5, "retract")
-        return [await c for c in clients]
+async def _wait_tokens(engine: Engine, clients: list[asyncio.Task], n: int) -> None:
+    """Until `n` more tokens were generated or every client is done (a poll of the engine's counter, no command)."""
+    target = engine.core.stats.generated_tokens + n
+    while engine.core.stats.generated_tokens < target and not all(c.done() for c in clients):
+        await asyncio.sleep(0.001)
 
-    try:
-        outputs = asyncio.run(asyncio.wait_for(go(), 60))
-    finally:
-        engine.shutdown()
 
-    model = PauseModel(num_requests=3, num_followers=1, max_tokens=MAX_TOKENS, num_versions=5, num_pages=9)
-    s, returned, num_actions = model.initial(), [0, 0, 0], 0
+def _check_against_model(log: list, num_requests: int, num_versions: int) -> None:
+    """Replay the recorded commands as model actions: each enabled, keeping every property; after each command the
+    requests the model ended are those the engine returned, their tokens tagged as the engine tagged them."""
+    model = PauseModel(num_requests=num_requests, num_followers=1, max_tokens=MAX_TOKENS, num_versions=num_versions,
+                       num_pages=3 * num_requests)
+    s, returned, num_actions = model.initial(), [0] * num_requests, 0
     for cmd, version, accepted, finished in log:
         before, labels = s, _labels(cmd, version, accepted)
         s, cex = replay(model, labels, start=before)
@@ -187,9 +161,49 @@ def test_the_engine_s_commands_under_pauses_and_updates_are_a_trace_the_model_ac
         for out in finished:
             i = int(out.rid[1:])
             tags = [tag for tag, _ in s.reqs[i].tokens[returned[i]:]]
-            assert tags == out.weight_versions, (out.rid, tags, out.weight_versions)
+            assert tags == out.weight_versions, f"{out.rid}: the model's tags {tags}, engine's {out.weight_versions}"
             returned[i] += len(out.output_ids)
     assert model.is_end(s), s
+
+
+def test_the_engine_s_commands_under_pauses_and_updates_are_a_trace_the_model_accepts():
+    """A real engine (CPU) generates for three clients while weights are updated through every pause mode, in
+    both forms (one LoadWeights with a mode; pause, load, resume), and a stale duplicate is refused. Each command
+    the core applies, with its finished outputs, is mapped to the model's actions (`_check_against_model`). A second
+    core (the follower) applies the same commands and holds rank 0's version at every step, ending with the same
+    outputs."""
+    engine = Engine("tiny", CONFIG)
+    weights = {v: _perturbed(engine.model, v) for v in range(1, 6)}
+    log = _record(engine)
+
+    async def go():
+        clients = [asyncio.create_task(_client(engine, i)) for i in range(2)]
+        await _wait_tokens(engine, clients, 3)
+        await engine.load_paused(weights[1].items(), 1, "in_place")  # the step in flight keeps version 0
+        await _wait_tokens(engine, clients, 2)
+        await engine.pause("retract")
+        cancelled = asyncio.create_task(engine.generate([9, 9, 9], SamplingParams(max_new_tokens=4), rid="r2"))
+        await asyncio.sleep(0.01)  # queued while paused
+        cancelled.cancel()  # the client goes away: Abort
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert await engine.update_weights(weights[2].items(), 2) == 2
+        await engine.resume()
+        await _wait_tokens(engine, clients, 2)
+        await engine.load_paused(weights[3].items(), 3, "abort")  # cut turns are resubmitted
+        with pytest.raises(ValueError, match="older"):
+            await engine.load_paused(weights[1].items(), 2, "retract")  # a stale duplicate push
+        await _wait_tokens(engine, clients, 1)
+        await engine.pause("in_place")
+        await engine.load_paused(weights[4].items(), 4, "retract")  # already paused: loads and stays paused
+        await engine.resume()
+        await engine.load_paused(weights[5].items(), 5, "retract")
+        return [await c for c in clients]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        engine.shutdown()
+    _check_against_model(log, num_requests=3, num_versions=5)
     versions = [v for outs in outputs for o in outs for v in o.weight_versions]
     assert len(versions) == 2 * MAX_TOKENS and 0 in versions and len(set(versions)) >= 3
 
@@ -204,3 +218,27 @@ def test_the_engine_s_commands_under_pauses_and_updates_are_a_trace_the_model_ac
         follower_outs.setdefault(out.rid, []).append((out.output_ids, out.weight_versions))
     for i, outs in enumerate(outputs):
         assert follower_outs[f"r{i}"] == [(o.output_ids, o.weight_versions) for o in outs]
+
+
+def test_an_engine_that_tags_tokens_when_applied_fails_the_model_check():
+    """The falsifier of the check above: an engine that tags each token with the version current when it is
+    applied (not the one it was launched under) mislabels the step in flight across an in-place load."""
+    engine = Engine("tiny", CONFIG)
+    weights = _perturbed(engine.model, 1)
+    resolve = engine.core.scheduler.resolve
+    engine.core.scheduler.resolve = lambda req, index, token, logprob, version: resolve(
+        req, index, token, logprob, engine.core.weight_version)
+    log = _record(engine)
+
+    async def go():
+        clients = [asyncio.create_task(_client(engine, i)) for i in range(2)]
+        await _wait_tokens(engine, clients, 3)
+        await engine.load_paused(weights.items(), 1, "in_place")
+        return [await c for c in clients]
+
+    try:
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        engine.shutdown()
+    with pytest.raises(AssertionError, match="the model's tags"):
+        _check_against_model(log, num_requests=2, num_versions=1)
