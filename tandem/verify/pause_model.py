@@ -401,7 +401,8 @@ class Exploration:
 
 def explore(model: PauseModel, max_states: int = 2_000_000) -> Exploration:
     """Enumerate every reachable state breadth first, checking each transition; then check that the end stays
-    reachable from every state. Returns the shortest counterexample found (transition properties first)."""
+    reachable from every state. Returns the shortest counterexample found (transition properties first); a
+    deadlock's trace goes to the first state that cannot reach the end, then on until nothing new can happen."""
     start = model.initial()
     index, states, parent = {start: 0}, [start], [(-1, "")]
     to_end: list[list[int]] = [[]]  # reversed edges of actions other than a client cancelling
@@ -435,8 +436,16 @@ def explore(model: PauseModel, max_states: int = 2_000_000) -> Exploration:
                 reaches_end[k] = True
                 frontier.append(k)
     stuck = next((k for k, ok in enumerate(reaches_end) if not ok), None)  # BFS order: the shortest trace
-    cex = None if stuck is None else Counterexample("deadlock", _trace(parent, stuck), states[stuck])
-    return Exploration(len(states), num_transitions, cex)
+    if stuck is None:
+        return Exploration(len(states), num_transitions, None)
+    # run on from there (every state after it is stuck too) until no action is left or it would revisit a state
+    trace, s, seen = list(_trace(parent, stuck)), states[stuck], {states[stuck]}
+    while nexts := [(label, t) for label, t in model.actions(s)
+                    if not label.startswith("client cancels") and t not in seen]:
+        label, s = nexts[0]
+        trace.append(label)
+        seen.add(s)
+    return Exploration(len(states), num_transitions, Counterexample("deadlock", tuple(trace), s))
 
 
 def _trace(parent: list[tuple[int, str]], k: int) -> tuple[str, ...]:
