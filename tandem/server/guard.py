@@ -110,6 +110,17 @@ class Refused(Exception):
         self.status = status
 
 
+class TrackedSend:
+    """An ASGI `send` that remembers whether the response has started (after that, no other reply may be sent)."""
+
+    def __init__(self, send):
+        self.send, self.started = send, False
+
+    async def __call__(self, message) -> None:
+        self.started = self.started or message["type"] == "http.response.start"
+        await self.send(message)
+
+
 class Guard:
     """ASGI middleware enforcing `options` (see the module docstring); `reply(scope, receive, send, refusal)`
     sends a refusal."""
@@ -120,18 +131,12 @@ class Guard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def send_tracking(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
             scope[ADMIN] = self._authorize(scope)
-            await self.app(scope, self._limited(scope, receive), send_tracking)
+            await self.app(scope, self._limited(scope, receive), tracked)
         except Refused as refusal:
-            if started:
+            if tracked.started:
                 raise
             await self.reply(scope, receive, send, refusal)
 

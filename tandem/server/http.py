@@ -50,7 +50,7 @@ from tandem.server.bodies import (
     NoBody,
     PauseBody,
 )
-from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions
+from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions, TrackedSend
 from tandem.server.metrics import MetricsExporter
 from tandem.transport.dist import DistReceiver
 from tandem.transport.sync import receive_and_load
@@ -380,22 +380,16 @@ class _InternalErrors:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        started = False
-
-        async def send_tracking(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, receive, send_tracking)
+            await self.app(scope, receive, tracked)
         except Refused:
             raise  # the guard replies
         except ClientDisconnect:
-            if not started:
+            if not tracked.started:
                 await Response(status_code=499)(scope, receive, send)
         except Exception as exc:
-            if scope["type"] != "http" or started:
+            if scope["type"] != "http" or tracked.started:
                 raise
             log.error("%s %s failed", scope["method"], scope["path"], exc_info=exc)
             await _error(500, f"{type(exc).__name__}: {exc}", "InternalServerError")(scope, receive, send)
