@@ -454,7 +454,11 @@ def rss_summary(samples: dict) -> dict:
         out[role] = {"processes": len(series), "peak_mb": max(mb for s in series for _, mb in s),
                      "longest_life_s": round(longest[-1][0] - longest[0][0]), "warm_mb": warm[1],
                      "end_mb": longest[-1][1],
-                     "growth_mb_per_min": round((longest[-1][1] - warm[1]) / minutes, 2) if minutes > 0 else None}
+                     "growth_mb_per_min": round((longest[-1][1] - warm[1]) / minutes, 2) if minutes > 0 else None,
+                     # the longest-lived one's RSS at each whole minute of its life: a plateau, or steady growth
+                     "longest_by_minute_mb": [next(mb for t, mb in longest if t >= longest[0][0] + 60 * m)
+                                              for m in range(int((longest[-1][0] - longest[0][0]) // 60) + 1)],
+                     "each_process_peak_mb": [max(mb for _, mb in s) for s in series]}
     return out
 
 
