@@ -136,3 +136,40 @@ def test_a_resume_drops_the_records_of_steps_after_its_checkpoint(tmp_path):
     assert steps_recorded(tmp_path) == [1, 2, 3]
     Run._keep_records_upto(stub, 0)  # a fresh run: a fresh record
     assert steps_recorded(tmp_path) == []
+
+
+@pytest.mark.parametrize("outcome", ["finishes", "fails"])
+def test_a_run_stopped_while_a_step_trains_saves_that_step_or_gives_its_batch_back(tmp_path, outcome):
+    """Cancelled while the trainer's step runs in its thread: the run waits for the step before saving. A step
+    that finishes is recorded and its batch counted; one that fails hands its batch back, so the checkpoint's
+    taken batches equal the trained version and its groups are buffered for the resume."""
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=5", *TINY]))
+    step, started = run.trainer.step, []
+
+    def slow_step(batch):
+        started.append([g.index for g in batch])
+        if len(started) == 2:
+            time.sleep(0.5)
+            if outcome == "fails":
+                raise RuntimeError("the step failed")
+        return step(batch)
+
+    run.trainer.step = slow_step
+
+    async def go():
+        task = asyncio.create_task(run.train())
+        while len(started) < 2:
+            await asyncio.sleep(0.01)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(go())
+    finally:
+        run.shutdown()
+    state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    version, manager = state["trainer"]["version"], state["manager"]
+    assert manager["batches_taken"] == version == (2 if outcome == "finishes" else 1)
+    if outcome == "fails":
+        assert set(started[1]) <= set(manager["buffer"]), "the untrained batch's groups must be kept"
+    assert steps_recorded(tmp_path) == list(range(1, version + 1))

@@ -402,3 +402,14 @@ def test_gpu_greedy_multi_turn_episodes_are_identical_with_the_tier_on_and_off(p
                                             measure_ideal_reuse=True))
     assert stats_on.host_pages_loaded > 0
     assert [o.output_ids for o in on] == [o.output_ids for o in off]
+
+
+def test_flushing_an_idle_engine_frees_every_page_its_copies_held():
+    """Copies hold their device and host pages until reaped, which a step does; an idle engine takes none, so the
+    flush reaps them: afterwards both pools are whole."""
+    with Engine("tiny", EngineConfig(page_size=4, num_pages=64, host_cache="write_through",
+                                     host_cache_pages=128)) as engine:
+        asyncio.run(engine.generate(list(range(2, 40)), SamplingParams(max_new_tokens=3, temperature=0)))
+        asyncio.run(engine.flush_cache())
+        s = asyncio.run(engine.get_stats())
+    assert (s.pages_free, s.host_pages_free) == (s.pages_total, s.host_pages_total)

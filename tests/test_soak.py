@@ -35,8 +35,5 @@ def test_soak_survives_kills_and_outside_faults_without_duplicates_staleness_or_
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="a SIGTERM while a step trains saves a checkpoint whose manager has taken the "
-                   "batch (its groups neither buffered nor listed for re-running) but whose trainer has not trained "
-                   "it: those groups are lost (BENCHMARKS.md, Soak)")
 def test_soak_accounts_for_every_admitted_group(report):
     assert report["groups_unaccounted"] == 0

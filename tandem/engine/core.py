@@ -238,6 +238,8 @@ class EngineCore:
         if holders := len(self.scheduler.running):
             raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
                               "or pause with mode abort/retract first")
+        if self.tier is not None:  # copies still hold pages until reaped (an idle engine takes no step to reap)
+            self.tier.reap()
         self._empty_cache()
 
     def _update_empties_cache(self) -> bool:

@@ -91,6 +91,7 @@ class RolloutManager:
         self._engine_failures: Counter[int] = Counter()  # group -> runs cut short by an unreachable engine
         self._retrying: set[int] = set()  # such groups waiting out their back-off
         self._timers: list[asyncio.TimerHandle] = []
+        self._last_taken: tuple[list[Group], dict[int, int]] = ([], {})  # for `untake`
         self.num_in_flight_episodes = 0
         # episodes in flight integrated over time (episode-seconds): over a window, / its length = how many were in
         # flight on average; less the engine's requests per step, how many were between turns, on the agents' side
@@ -210,10 +211,21 @@ class RolloutManager:
         while (pick := self._plan()) is None:
             self._batch_wake.clear()
             await self._batch_wake.wait()
-        for i in pick:
-            self._dropped_pending.pop(i, None)
+        dropped = {i: self._dropped_pending.pop(i) for i in pick if i in self._dropped_pending}
         self.batches_taken += 1
-        return [self.buffer.pop(i) for i in pick if i in self.buffer]
+        batch = [self.buffer.pop(i) for i in pick if i in self.buffer]
+        self._last_taken = batch, dropped
+        return batch
+
+    def untake(self) -> None:
+        """Give back the batch `next_batch` last handed out, untrained (the trainer's step failed or was stopped):
+        it is the next batch again, and a checkpoint keeps its groups."""
+        batch, dropped = self._last_taken
+        self._last_taken = [], {}
+        self.batches_taken -= 1
+        self.buffer.update((g.index, g) for g in batch)
+        self._dropped_pending.update(dropped)
+        self._batch_wake.set()
 
     # ---- shutdown and checkpoints ------------------------------------------------------------------------
     async def stop(self) -> None:

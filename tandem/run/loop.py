@@ -65,6 +65,7 @@ class Run:
                                       version=lambda: self.engine.weight_version)
         self.out_dir = Path(cfg.out_dir)
         self.history: list[dict] = []
+        self._training: tuple[asyncio.Future, list[Group]] | None = None  # a trainer step in its thread, its batch
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
 
     async def train(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
@@ -90,7 +91,7 @@ class Run:
         try:
             while self.trainer.version < cfg.steps:
                 t0 = time.perf_counter()
-                batch = await _unless_failed(self.manager.next_batch(), monitor)
+                batch = await _unless_failed(self.manager.next_batch(), monitor, lambda _: self.manager.untake())
                 if not batch:
                     self.placement.check()  # the likeliest reason, named if so
                     raise RuntimeError(f"every group of batch {self.trainer.version} failed; dropped so far: "
@@ -98,7 +99,10 @@ class Run:
                 if self.on_batch is not None:
                     self.on_batch(self.trainer.version, batch)
                 t1 = time.perf_counter()
-                metrics = await asyncio.to_thread(self.trainer.step, batch)
+                # the step's thread runs on if the run is stopped meanwhile: `_settle_step` waits for it
+                self._training = asyncio.get_running_loop().run_in_executor(None, self.trainer.step, batch), batch
+                metrics = await asyncio.shield(self._training[0])
+                self._training = None
                 metrics["group_ids"] = [g.index for g in batch]  # what this step trained (a soak checks it)
                 t2 = time.perf_counter()
                 try:
@@ -138,6 +142,8 @@ class Run:
                 if cfg.checkpoint_every and self.trainer.version % cfg.checkpoint_every == 0:
                     self._save_checkpoint()
         finally:
+            if self._training is not None:
+                await self._settle_step(*self._training)
             runner.cancel()
             monitor.cancel()
             await asyncio.gather(runner, monitor, return_exceptions=True)
@@ -145,6 +151,19 @@ class Run:
             await self.placement.disconnect()
             self._save_checkpoint()
         return self.history
+
+    async def _settle_step(self, step: asyncio.Future, batch: list[Group]) -> None:
+        """The run stops (cancelled, or failing) while a trainer step runs: wait for its thread, so that nothing is
+        saved while it trains. A step that finished is recorded; the batch of one that failed goes back to the
+        manager, to be trained after a resume."""
+        self._training = None
+        try:
+            metrics = await step
+        except Exception:
+            self.manager.untake()
+            return
+        self._append_record(dict(step=self.trainer.version, **metrics, group_ids=[g.index for g in batch],
+                                 interrupted=True))
 
     def _append_record(self, record: dict) -> None:
         self.history.append(record)
@@ -183,13 +202,22 @@ class Run:
         self.placement.shutdown()
 
 
-async def _unless_failed(coro, monitor: asyncio.Task):
-    """Await `coro`, unless `monitor` (which only ever ends by raising) ends first: then raise its error."""
+async def _unless_failed(coro, monitor: asyncio.Task, abandoned: Callable[[object], None]):
+    """Await `coro`, unless `monitor` (which only ever ends by raising) ends first: then raise its error. If the
+    caller is cancelled meanwhile, `coro` is cancelled too, or, if it had just finished, `abandoned` gets its
+    result (nothing it took may be lost)."""
     task = asyncio.ensure_future(coro)
-    await asyncio.wait([task, monitor], return_when=asyncio.FIRST_COMPLETED)
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    try:
+        await asyncio.wait([task, monitor], return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            abandoned(task.result())
+        raise
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
         monitor.result()
     return task.result()
 
