@@ -276,12 +276,17 @@ class Soak:
             time.sleep(0.5)
         pid, port = self.leg.engine
         self.leg.process.send_signal(signal.SIGSTOP)
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while (stats := engine_stats(port)) and stats["num_running"] + stats["num_queued"] > 0:
-            if time.monotonic() > deadline:
+        deadline, idle_since = time.monotonic() + DRAIN_TIMEOUT_S, None
+        while stats := engine_stats(port):  # drained: nothing runs for a second (requests the frozen trainer had
+            now = time.monotonic()           # sent may still sit in the socket's buffer when the first read says 0)
+            busy = stats["num_running"] + stats["num_queued"] > 0
+            idle_since = None if busy else idle_since or now
+            if idle_since is not None and now - idle_since >= 1.0:
+                break
+            if now > deadline:
                 self.fail(f"the engine did not drain in {DRAIN_TIMEOUT_S:g} s", json.dumps(stats))
                 break
-            time.sleep(0.5)
+            time.sleep(0.25)
         self.pools["end, drained (cache kept)"] = stats
         self.flush_and_read(port, "end, cache flushed")
         # the copies a write-through tier issued in the last step hold their pages until a step reaps them: one

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from tandem.config import RunConfig
+from tandem.engine.client import EngineUnreachable
 from tandem.model.loader import build_model
 from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
@@ -107,12 +108,14 @@ class Run:
                 t2 = time.perf_counter()
                 try:
                     sync = await self.placement.push(self.trainer.named_weights(), self.trainer.version)
+                    self.manager.notify_version()
+                    stats = await self.engine.get_stats()
                 except BaseException as e:  # the step was trained (a resume pushes its weights): record it
-                    self._append_record(dict(step=self.trainer.version, **metrics, sync_error=repr(e)))
+                    self._append_record(dict(step=self.trainer.version, **metrics, error=repr(e)))
+                    if isinstance(e, EngineUnreachable):
+                        self.placement.check()  # an engine process that died is named, with its exit code
                     raise
-                self.manager.notify_version()
                 waited, trained = waited + t1 - t0, trained + t2 - t1
-                stats = await self.engine.get_stats()
                 wall = time.perf_counter() - start
                 record = dict(
                     step=self.trainer.version, version=stats.weight_version, wall_s=wall,
