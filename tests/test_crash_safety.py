@@ -173,3 +173,25 @@ def test_a_run_stopped_while_a_step_trains_saves_that_step_or_gives_its_batch_ba
     if outcome == "fails":
         assert set(started[1]) <= set(manager["buffer"]), "the untrained batch's groups must be kept"
     assert steps_recorded(tmp_path) == list(range(1, version + 1))
+
+
+def test_a_step_whose_engine_calls_fail_after_training_is_still_recorded(tmp_path):
+    """Trained, then the engine could not be reached (its stats call failed): the step's record is written all the
+    same, so a resume from the checkpoint (at that step) leaves no gap in metrics.jsonl."""
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=5", *TINY]))
+    get_stats, calls = run.engine.get_stats, []
+
+    async def failing_stats():
+        calls.append(1)
+        if len(calls) == 3:  # (the first call is the run's start; then one per step)
+            raise EngineUnreachable("engine at http://x: GET /engine_stats: connection refused")
+        return await get_stats()
+
+    run.engine.get_stats = failing_stats
+    try:
+        with pytest.raises(EngineUnreachable):
+            asyncio.run(run.train())
+    finally:
+        run.shutdown()
+    assert steps_recorded(tmp_path) == [1, 2]
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 2
