@@ -90,7 +90,8 @@ _switching = _Switching()
 
 class _Laps:
     """Where one end's transfer time went: `lap(phase)` adds the time since the previous lap (or the start) to
-    `phase`; `phases` in the order given, `seconds` since the start."""
+    `phase`; `phases` in the order given, `seconds` from the start to the last lap (their sum, however long the
+    thread waits for the GIL before it reads it)."""
 
     def __init__(self, *phases: str):
         self.phases = dict.fromkeys(phases, 0.0)
@@ -103,7 +104,7 @@ class _Laps:
 
     @property
     def seconds(self) -> float:
-        return time.perf_counter() - self.start
+        return self.last - self.start
 
 
 # ---- torch.distributed -----------------------------------------------------------------------------------------
