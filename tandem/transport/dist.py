@@ -64,7 +64,7 @@ class _Switching:
     process runs (transfers may overlap: both ends in one process, several groups), then restores it. A transfer's
     thread wakes about ten times (the hello, each bucket's metadata, the landing, the acknowledgement), and each time
     it needs the GIL, which another thread may hold: an engine's while it builds steps, a trainer's event loop while
-    it runs the agents. At Python's 5 ms each wake-up may wait that long."""
+    it runs the agents; each wake-up may wait up to the switch interval for it."""
 
     def __init__(self):
         self.lock, self.users, self.saved = threading.Lock(), 0, 0.0
