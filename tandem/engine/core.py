@@ -294,13 +294,12 @@ class EngineCore:
     def _fail_culprits(self, chunks: list[Chunk], error: StepInputError) -> None:
         """A step's inputs could not be built: finish the requests whose own inputs fail (the same on every rank),
         leave the others for the next step. If no request fails on its own, it is the engine's error."""
-        culprits = [c.req for c in chunks if self.runner.check_inputs(c.req) is not None]
+        culprits = [(c.req, why) for c in chunks if (why := self.runner.check_inputs(c.req)) is not None]
         if not culprits:
             raise error
-        for req in culprits:
-            log.warning("engine: request %s failed its step's inputs (%s); the other requests go on", req.rid,
-                        self.runner.check_inputs(req))
-            self._finish(req, FinishReason("abort", message=f"invalid request: {self.runner.check_inputs(req)}"))
+        for req, why in culprits:
+            log.warning("engine: request %s failed its step's inputs (%s); the other requests go on", req.rid, why)
+            self._finish(req, FinishReason("abort", message=f"invalid request: {why}"))
 
     def _record_step(self, chunks: list[Chunk], num_prefill: int, t0: float, t1: float, t2: float) -> None:
         s = self.stats

@@ -17,6 +17,8 @@ import time
 import uuid
 from concurrent.futures import Future
 
+import torch
+
 from tandem.config import EngineConfig, ModelConfig, PauseMode
 from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.distributed.watchdog import Watchdog
@@ -164,7 +166,6 @@ class Engine:
     def _loop(self) -> None:
         core = self.core
         if core.pool.k_cache.is_cuda:  # events, streams and graphs of this thread belong to the engine's GPU
-            import torch
             torch.cuda.set_device(core.pool.k_cache.device)
         while not self._stop and core.fatal is None:
             self.watchdog.bump()
