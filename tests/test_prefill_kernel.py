@@ -297,8 +297,9 @@ def test_engine_steps_in_the_fixed_mixed_buffers_equal_the_reference_path(monkey
 
 def test_the_fused_model_writes_keys_and_values_into_the_cache_as_the_contexts_did(monkeypatch):
     """With fused kernels the q/k-norm + RoPE kernel writes each step's keys and values straight into the KV cache
-    (decode and prefill contexts, fixed buffers) instead of the contexts' own copies after it: the same tokens and
-    logprobs bit for bit, and the reference path's within rounding."""
+    (decode and prefill contexts, fixed buffers) instead of the contexts' own copies after it: the same tokens, and
+    logprobs within rounding of both the contexts' path and the reference path (the concurrent requests' batches
+    depend on arrival timing, and a different batch rounds differently)."""
     import asyncio
 
     from tandem.config import EngineConfig, ModelConfig
@@ -343,7 +344,8 @@ def test_the_fused_model_writes_keys_and_values_into_the_cache_as_the_contexts_d
         monkeypatch.setattr(context, "kv_destination", lambda self, layer: None)
     via_contexts = run(fuse=True)
     assert calls["returned"] > 0, calls
-    assert direct == via_contexts
-    for (ids, lps, cached), (ids_f, lps_f, cached_f) in zip(reference_outs, direct, strict=True):
-        assert ids_f == ids and cached_f == cached
+    for (ids, lps, cached), (ids_f, lps_f, cached_f), (ids_c, lps_c, cached_c) in zip(
+            reference_outs, direct, via_contexts, strict=True):
+        assert ids_f == ids_c == ids and cached_f == cached_c == cached
+        assert lps_f == pytest.approx(lps_c, abs=1e-5)
         assert lps_f == pytest.approx(lps, abs=1e-4)
