@@ -1,9 +1,10 @@
 """Typed configuration shared by every role. Importable without torch.
 
-`ModelConfig` reads a Hugging Face `config.json` (Qwen3 dense); `EngineConfig` holds the engine's knobs; `RunConfig`
-everything `tandem run` needs. Each field's annotation is its contract, checked when the config is made: its type
-(`int`, `float`, `bool`, a non-empty `str`, `X | None`, a nested config), the `Literal` choices it allows, and bounds
-declared as `Annotated[..., Range(...)]`. A value that breaks it raises `ValueError` naming `section.field`.
+`ModelConfig` reads a Hugging Face `config.json` (Qwen3 dense or Qwen3-MoE); `EngineConfig` holds the engine's
+knobs; `RunConfig` everything `tandem run` needs. Each field's annotation is its contract, checked when the config is
+made: its type (`int`, `float`, `bool`, a non-empty `str`, `X | None`, `tuple[int, ...]`, a nested config), the
+`Literal` choices it allows, and bounds declared as `Annotated[..., Range(...)]`. A value that breaks it raises
+`ValueError` naming `section.field`.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def _violation(value, hint) -> str | None:
         return None if value is None else _violation(value, next(a for a in args if a is not type(None)))
     if origin is Literal:  # (string choices only)
         return None if isinstance(value, str) and value in args else f"{', '.join(args[:-1])} or {args[-1]}"
+    if origin is tuple:  # (of ints only in these configs)
+        ok = isinstance(value, tuple) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+        return None if ok else "a tuple of integers"
     if hint is bool:
         return None if isinstance(value, bool) else "true or false"
     if hint is int:
@@ -120,6 +124,14 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     eos_token_id: NonNegativeInt | None = None
     dtype: Dtype = "float32"
+    # mixture of experts (Qwen3-MoE, Hugging Face's fields and meaning): a layer's MLP is sparse exactly when
+    # `is_sparse(layer)`; the others are dense MLPs of `intermediate_size`
+    num_experts: NonNegativeInt = 0  # 0: a dense model
+    num_experts_per_tok: PositiveInt = 8
+    moe_intermediate_size: PositiveInt = 768
+    norm_topk_prob: bool = False  # renormalise the top-k routing weights to sum to one
+    decoder_sparse_step: PositiveInt = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         check_fields(self)
@@ -128,15 +140,38 @@ class ModelConfig:
                              f"({self.num_key_value_heads}), got {self.num_attention_heads}")
         if self.head_dim % 2:
             raise ValueError(f"model.head_dim: must be even for RoPE, got {self.head_dim}")
+        if self.num_experts and self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"model.num_experts_per_tok: must be at most num_experts ({self.num_experts}), "
+                             f"got {self.num_experts_per_tok}")
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.is_sparse(layer) for layer in range(self.num_hidden_layers))
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` has a mixture-of-experts MLP (Hugging Face's rule)."""
+        return (layer not in self.mlp_only_layers and self.num_experts > 0
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> ModelConfig:
-        """Build from a Hugging Face Qwen3 `config.json` dict (transformers 4.x `rope_theta` or 5.x
+        """Build from a Hugging Face Qwen3 or Qwen3-MoE `config.json` dict (transformers 4.x `rope_theta` or 5.x
         `rope_parameters`). Unknown keys are ignored."""
-        archs = d.get("architectures") or ["Qwen3ForCausalLM"]
-        if d.get("model_type", "qwen3") != "qwen3" or "Qwen3ForCausalLM" not in archs:
-            raise ValueError(f"model config: only Qwen3ForCausalLM (model_type qwen3) is supported, got "
-                             f"model_type={d.get('model_type')!r} architectures={archs}")
+        model_type = d.get("model_type", "qwen3")
+        arch = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}.get(model_type)
+        archs = d.get("architectures") or [arch]
+        if arch is None or arch not in archs:
+            raise ValueError(f"model config: only Qwen3ForCausalLM (model_type qwen3) and Qwen3MoeForCausalLM "
+                             f"(model_type qwen3_moe) are supported, got model_type={model_type!r} "
+                             f"architectures={archs}")
+        moe = {}
+        if model_type == "qwen3_moe":
+            moe = dict(num_experts=d.get("num_experts", d.get("num_local_experts", 128)),  # (transformers 5's name)
+                       num_experts_per_tok=d.get("num_experts_per_tok", 8),
+                       moe_intermediate_size=d.get("moe_intermediate_size", 768),
+                       norm_topk_prob=d.get("norm_topk_prob", False),
+                       decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                       mlp_only_layers=tuple(d.get("mlp_only_layers") or ()))
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         if rope.get("rope_type", "default") not in ("default", None):
             raise ValueError(f"model config: rope scaling {rope.get('rope_type')!r} is not supported")
@@ -154,21 +189,27 @@ class ModelConfig:
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             max_position_embeddings=d.get("max_position_embeddings", 40960), rope_theta=float(theta),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6), tie_word_embeddings=d.get("tie_word_embeddings", False),
-            eos_token_id=eos, dtype=dtype,
+            eos_token_id=eos, dtype=dtype, **moe,
         )
 
     def to_hf_dict(self) -> dict:
-        """The `config.json` Hugging Face would write for this shape."""
-        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "dtype"}
+        """The `config.json` Hugging Face would write for this shape (Qwen3-MoE's when it has experts)."""
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("dtype", *_MOE_FIELDS)}
         d.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_act="silu",
                  attention_bias=False, torch_dtype=self.dtype)
+        if self.num_experts:
+            d.update({k: getattr(self, k) for k in _MOE_FIELDS}, mlp_only_layers=list(self.mlp_only_layers),
+                     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe")
         return d
 
     def with_(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Named shapes. "tiny" is for tests and the CPU demo; the others match the published Qwen3 configs.
+_MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+               "mlp_only_layers")
+
+# Named shapes. "tiny" and "tiny-moe" are for tests and the CPU demo; the others match the published Qwen3 configs.
 _QWEN3_COMMON = dict(vocab_size=151936, max_position_embeddings=40960, rope_theta=1_000_000.0,
                      eos_token_id=151645, head_dim=128, dtype="bfloat16")
 PRESETS: dict[str, ModelConfig] = {
@@ -192,6 +233,16 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": ModelConfig(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                             num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
                             **_QWEN3_COMMON),
+    # a mixture of experts: 6 experts, 2 per token, the first layer dense (as `mlp_only_layers` allows)
+    "tiny-moe": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                            max_position_embeddings=4096, rope_theta=10_000.0, eos_token_id=1,
+                            num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+                            mlp_only_layers=(0,)),
+    "qwen3-30b-a3b": ModelConfig(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=False,
+                                 num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                                 norm_topk_prob=True, **_QWEN3_COMMON),
 }
 
 

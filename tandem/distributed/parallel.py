@@ -11,12 +11,15 @@ Every sharded layer records `tp_dim` (the dimension of the full weight it slices
 module: a parameter's own attributes do not survive materialising a model built on the meta device), so weights
 load from full (unsharded) tensors by name: `layouts(model)` says how each is cut, `shard` cuts this rank's
 slice and `shard_into` pairs it with the part of the parameter it fills. A trainer therefore sends the same full
-tensors to a TP engine as to a single-GPU one.
+tensors to a TP engine as to a single-GPU one. A module whose parameters are cut over another group (a
+mixture-of-experts layer's experts, over the expert-parallel ranks) lists them in `shard_layouts`:
+{parameter name: `Layout`}.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,25 +79,36 @@ def shard_into(param: torch.Tensor, full: torch.Tensor, dim: int | None,
     return param.narrow(dim, 0, part.shape[dim]), part
 
 
-def layouts(model: nn.Module) -> dict[str, tuple[int | None, tuple[int, ...]]]:
-    """For every parameter name: (the dimension its full tensor is split along or None, the full shape)."""
-    out = {name: (None, tuple(p.shape)) for name, p in model.named_parameters()}
+class Layout(NamedTuple):
+    """How a parameter is cut from its full tensor: along `dim` (None: not cut) over the ranks of `group`."""
+
+    dim: int | None
+    shape: tuple[int, ...]  # the full tensor's
+    group: TPGroup = SINGLE
+
+
+def layouts(model: nn.Module) -> dict[str, Layout]:
+    """Every parameter's `Layout`, by name."""
+    out = {name: Layout(None, tuple(p.shape)) for name, p in model.named_parameters()}
     for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
         if hasattr(module, "tp_dim"):
-            out[f"{name}.weight"] = (module.tp_dim, module.tp_full_shape)
+            out[f"{prefix}weight"] = Layout(module.tp_dim, module.tp_full_shape, module.tp_group)
+        for param, layout in getattr(module, "shard_layouts", {}).items():
+            out[f"{prefix}{param}"] = layout
     return out
 
 
 class ColumnParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, what: str):
         super().__init__(in_features, tp.split(out_features, what), bias=False)
-        self.tp_dim, self.tp_full_shape = 0, (out_features, in_features)
+        self.tp_dim, self.tp_full_shape, self.tp_group = 0, (out_features, in_features), tp
 
 
 class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, tp: TPGroup, what: str):
         super().__init__(tp.split(in_features, what), out_features, bias=False)
-        self.tp_dim, self.tp_full_shape = 1, (out_features, in_features)
+        self.tp_dim, self.tp_full_shape, self.tp_group = 1, (out_features, in_features), tp
         self.tp = tp
 
     def forward(self, x):
@@ -109,7 +123,7 @@ class VocabShard:
     [vocab_size, dim] weight, of which `num_real` from vocabulary id `start` on are real, the rest padding."""
 
     def _shard_vocab(self, vocab_size: int, dim: int, tp: TPGroup) -> None:
-        self.tp_dim, self.tp_full_shape, self.tp = 0, (vocab_size, dim), tp
+        self.tp_dim, self.tp_full_shape, self.tp, self.tp_group = 0, (vocab_size, dim), tp, tp
         self.start, self.num_real = real_rows(vocab_size, tp.rank, tp.size)
         self.zero_padding()
 

@@ -1,5 +1,5 @@
-"""Qwen3 dense decoder. Parameter names equal Hugging Face's `Qwen3ForCausalLM`, so a trainer's state dict
-maps 1:1 onto the engine's.
+"""Qwen3 decoder, dense or mixture-of-experts (`tandem.model.moe`). Parameter names equal Hugging Face's
+`Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`, so a trainer's state dict maps 1:1 onto the engine's.
 
 The model works on a flat batch: `input_ids` [T] and `positions` [T] of all sequences' new tokens back to
 back; where each token's keys and values come from and go to is the `AttentionContext`'s business.
@@ -25,6 +25,7 @@ from tandem.distributed.parallel import (
     shard_into,
 )
 from tandem.model.attention import AttentionContext
+from tandem.model.moe import Qwen3Experts, Qwen3SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -122,10 +123,10 @@ def compiled_regions(backend: str = "inductor") -> tuple:
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup = SINGLE):
+    def __init__(self, config: ModelConfig, layer: int, tp: TPGroup = SINGLE, ep: TPGroup = SINGLE):
         super().__init__()
         self.self_attn = Qwen3Attention(config, layer, tp)
-        self.mlp = Qwen3MLP(config, tp)
+        self.mlp = Qwen3SparseMoeBlock(config, layer, ep) if config.is_sparse(layer) else Qwen3MLP(config, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.regions = (attention_inputs, attention_output_and_mlp)  # see `Qwen3ForCausalLM.compile_layers`
@@ -137,10 +138,10 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, ep: TPGroup = SINGLE):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, i, tp, ep) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -157,17 +158,29 @@ def _concatenate_as_views(*linears: nn.Linear) -> torch.Tensor:
 
 
 class Qwen3ForCausalLM(nn.Module):
-    """`tp`: this rank's tensor-parallel group; the default is one rank (the whole model)."""
+    """`tp`: the group the dense layers (attention, dense MLPs, embedding, head) are split over; `ep`: the group a
+    mixture-of-experts model's experts are split over. The defaults are one rank (the whole model)."""
 
-    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE):
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE, ep: TPGroup = SINGLE):
         super().__init__()
-        self.config, self.tp = config, tp
-        self.model = Qwen3Model(config, tp)
+        self.config, self.tp, self.ep = config, tp, ep
+        self.model = Qwen3Model(config, tp, ep)
+        self.moe_blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, Qwen3SparseMoeBlock)]
+        self.routing_checksum: torch.Tensor | None = None  # see `keep_routing_checksum`
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     fused = None  # tandem.kernels.fused when `use_fused_kernels()` was called (GPU inference)
+
+    def keep_routing_checksum(self) -> torch.Tensor:
+        """Make every mixture-of-experts layer add a hash of its routing into one int64 scalar on the model's
+        device, cumulative over forward passes (an engine under parallelism compares it across ranks)."""
+        device = next(self.parameters()).device
+        self.routing_checksum = torch.zeros((), dtype=torch.int64, device=device)
+        for block in self.moe_blocks:
+            block.routing_checksum = self.routing_checksum
+        return self.routing_checksum
 
     def use_fused_kernels(self) -> Qwen3ForCausalLM:
         """Run inference through fused Triton kernels (RMSNorm with the residual add, q/k norm with RoPE,
@@ -184,7 +197,8 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
-            mlp.gate_up_weight = _concatenate_as_views(mlp.gate_proj, mlp.up_proj)
+            if isinstance(mlp, Qwen3MLP):
+                mlp.gate_up_weight = _concatenate_as_views(mlp.gate_proj, mlp.up_proj)
         return self
 
     def check_kernel_shapes(self) -> None:
@@ -209,7 +223,7 @@ class Qwen3ForCausalLM(nn.Module):
                 module.kernel = training.rmsnorm
             elif isinstance(module, Qwen3Attention):
                 module.rope = training.apply_rope
-            elif isinstance(module, Qwen3MLP):
+            elif isinstance(module, Qwen3MLP | Qwen3Experts):
                 module.silu_mul = training.silu_mul
         return self
 
@@ -253,8 +267,11 @@ class Qwen3ForCausalLM(nn.Module):
             o = attn.o_proj(ctx.attend(attn.layer, q, k, v if dest is None else None).reshape(T, -1))
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
-            gate, up = F.linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
-            out = mlp.down_proj(f.silu_mul(gate, up))
+            if isinstance(mlp, Qwen3SparseMoeBlock):
+                out = mlp(h)
+            else:
+                gate, up = F.linear(h, mlp.gate_up_weight).chunk(2, dim=-1)
+                out = mlp.down_proj(f.silu_mul(gate, up))
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = f.fused_add_rmsnorm(out, residual, norm.weight, eps)
         return h
@@ -265,7 +282,7 @@ class Qwen3ForCausalLM(nn.Module):
     def init_random(self, seed: int, std: float = 0.02):
         """Hugging Face's initialisation (normal(0, std) for matrices, ones for norms), reproducible for a
         given seed and device type (drawn on the parameters' device, so an 8B model initialises in seconds).
-        Each tensor-parallel rank draws the full tensor and keeps its slice, so any TP size holds the same model."""
+        Each rank draws the full tensor and keeps its slice, so any TP and EP size holds the same model."""
         device = next(self.parameters()).device
         gen = torch.Generator(device=device).manual_seed(seed)
         layout = layouts(self)
@@ -274,8 +291,8 @@ class Qwen3ForCausalLM(nn.Module):
                 if name.endswith("norm.weight"):
                     p.fill_(1.0)
                 else:
-                    dim, shape = layout[name]
+                    dim, shape, group = layout[name]
                     full = torch.randn(shape, generator=gen, device=device, dtype=p.dtype) * std
-                    dest, part = shard_into(p, full, dim, self.tp)
+                    dest, part = shard_into(p, full, dim, group)
                     dest.copy_(part)
         return self
