@@ -188,12 +188,15 @@ class Qwen3ForCausalLM(nn.Module):
         the same maths in a dozen kernels per layer instead of dozens. Each layer's q/k/v weights (and gate/up)
         become views of one concatenated matrix, so loading a parameter by name still writes the matrix the
         fused path reads. For inference: no autograd, and no `.to()` afterwards (it would copy the views apart).
+        A mixture-of-experts layer's experts run as grouped matrix multiplies (`tandem.kernels.moe`).
         An engine calls this as it loads the model onto a GPU, where attention runs through Triton kernels too:
         a shape those kernels cannot take is refused here (`check_kernel_shapes`), before any step."""
         self.check_kernel_shapes()
-        from tandem.kernels import fused
+        from tandem.kernels import fused, moe
 
         self.fused = fused
+        for block in self.moe_blocks:
+            block.experts.kernel = moe.fused_experts
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
