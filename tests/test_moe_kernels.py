@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from tandem.config import PRESETS, EngineConfig  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
-from tandem.kernels.moe import fused_experts  # noqa: E402
+from tandem.kernels.moe import _tiles, fused_experts  # noqa: E402
 from tandem.model.attention import PackedCausal  # noqa: E402
 from tandem.model.loader import build_model  # noqa: E402
 from tandem.model.moe import Qwen3Experts, route  # noqa: E402
@@ -141,6 +141,25 @@ def test_deterministic():
     args = (randn(T, H, dtype=torch.bfloat16), experts.gate_up_proj.data, experts.down_proj.data,
             distinct_ids(T, k, E, seed=7), routing_weights(T, k, torch.bfloat16))
     assert torch.equal(fused_experts(*args), fused_experts(*args))
+
+
+@pytest.mark.parametrize("block_m", [16, 32, 64])
+@pytest.mark.parametrize("T,E,k", [(1, 128, 8), (300, 8, 2), (50, 3, 3)])
+def test_tiles_hold_each_local_pair_once(T, E, k, block_m):
+    """The grouping at every tile height the GPU uses (the interpreter runs only 16): each pair of a local expert
+    in exactly one tile, of that expert and at most block_m tall; another rank's pairs in none."""
+    gen = torch.Generator().manual_seed(T)
+    ids = torch.randint(-3, E + 3, (T, k), generator=gen)
+    ids[: T // 2, 0] = E - 1  # imbalance
+    order, tiles = _tiles(ids, E, block_m)
+    seen = torch.zeros(T * k, dtype=torch.int64)
+    for expert, first, end in tiles.T.tolist():
+        assert 0 <= end - first <= block_m
+        rows = order[first:end]
+        assert (ids.reshape(-1)[rows] == expert).all()
+        seen[rows] += 1
+    local = (ids >= 0) & (ids < E)
+    assert torch.equal(seen, local.reshape(-1).long())
 
 
 def test_use_fused_kernels_runs_the_experts_through_the_kernel():

@@ -122,7 +122,7 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     ids = local_ids_TK.reshape(-1)
     keys = torch.where((ids >= 0) & (ids < E), ids, E)  # E: another rank's expert
     sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
-    bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))  # expert e: [bounds[e], [e+1])
+    bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))  # expert e: [bounds[e], bounds[e + 1])
     num_expert_tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
     tiles_end = torch.cumsum(num_expert_tiles, 0)
     tile = torch.arange(M // block_m + min(E, M), device=device)
