@@ -15,7 +15,7 @@ from tandem.config import Dtype, HostCache
 
 
 def _serve(args) -> None:
-    from tandem.config import EngineConfig
+    from tandem.config import EngineConfig, resolve_model
     from tandem.distributed.parallel import SINGLE
     from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
@@ -30,14 +30,23 @@ def _serve(args) -> None:
                           host_cache=args.host_cache, host_cache_pages=args.host_cache_pages,
                           token_broadcast=not args.no_token_broadcast, dump_dir=args.dump_dir,
                           watchdog_timeout_s=args.watchdog_timeout)
-    tp, followers = SINGLE, []
-    if args.tp > 1:  # ranks 1.. in their own processes; this one is rank 0 and serves
+    if args.tp < 1 or args.ep < 1:
+        raise ValueError(f"--tp and --ep must be at least 1, got --tp {args.tp} --ep {args.ep}")
+    if args.ep > 1:
+        model_config = resolve_model(args.model)[0]
+        if not model_config.is_moe:
+            raise ValueError(f"--ep {args.ep}: expert parallelism splits experts, and {args.model} has none")
+        if model_config.num_experts % args.ep:
+            raise ValueError(f"--ep {args.ep}: must divide the model's num_experts ({model_config.num_experts})")
+    tp, followers, size = SINGLE, [], args.tp * args.ep
+    if size > 1:  # ranks 1.. in their own processes; this one is rank 0 and serves
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        followers = start_followers(args.tp, init_method, backend, args.model, config, args.dtype, args.seed)
-        tp = init_tp(0, args.tp, init_method, backend)
+        followers = start_followers(size, init_method, backend, args.model, config, args.dtype, args.seed,
+                                    ep=args.ep)
+        tp = init_tp(0, size, init_method, backend, ep=args.ep)
     engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed, tp=tp)
     install_handlers(engine.watchdog)  # `kill -USR1 PID` dumps the flight recorder and every thread's stack
     mc = engine.model_config
@@ -114,6 +123,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host-cache-pages", type=int, default=0, help="its size in pages (0: twice the device pool)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
+    serve.add_argument("--ep", type=int, default=1,
+                       help="expert-parallel ranks of a mixture-of-experts model: the engine runs tp x ep ranks, "
+                            "the experts split over ep of them, the dense layers over tp")
     serve.add_argument("--no-token-broadcast", action="store_true",
                        help="let every TP rank keep its own samples (risks divergence; the sentinel still checks)")
     serve.add_argument("--dump-dir", default=None, help="flight recorder journals and watchdog dumps go here")

@@ -30,18 +30,35 @@ from tandem.distributed import collectives
 
 @dataclass(frozen=True)
 class TPGroup:
-    """This rank's place in its tensor-parallel group. `group`: the torch.distributed process group of the
-    model's collectives (None: the default one)."""
+    """This rank's place in a group of ranks. `group`: the torch.distributed process group of its collectives
+    (None: the default one).
+
+    An engine's group holds all its ranks (its lockstep, its sampled-token broadcast). Under expert parallelism
+    (`init_tp(..., ep=N)`) its ranks form a grid of tp x ep: `dense` is this rank's group of the ranks the dense
+    layers are split over (attention, dense MLPs, embedding, head), `experts` its group of the ranks a
+    mixture-of-experts model's experts are split over. Without them the dense layers are split over all ranks
+    and every rank holds every expert."""
 
     rank: int = 0
     size: int = 1
     group: object = None
     cpu_group: object = None  # a gloo group for the engine's control messages (None: `group`)
+    kind: str = "tensor"  # what is split over it, for error messages
+    dense: TPGroup | None = None
+    experts: TPGroup | None = None
 
     def split(self, n: int, what: str) -> int:
         if n % self.size:
-            raise ValueError(f"tensor parallelism: {what} ({n}) must be divisible by tp size {self.size}")
+            raise ValueError(f"{self.kind} parallelism: {what} ({n}) must be divisible by its size {self.size}")
         return n // self.size
+
+    @property
+    def dense_group(self) -> TPGroup:
+        return self if self.dense is None else self.dense
+
+    @property
+    def expert_group(self) -> TPGroup:
+        return SINGLE if self.experts is None else self.experts
 
 
 SINGLE = TPGroup()

@@ -59,7 +59,8 @@ class EngineError(RuntimeError):
 
 
 class EngineCore:
-    """`tp`: this rank's tensor-parallel group. On rank 0 of a TP engine, `lockstep` publishes each command."""
+    """`tp`: the group of the engine's ranks (`TPGroup`: tensor and expert parallelism). On rank 0 of a
+    multi-rank engine, `lockstep` publishes each command."""
 
     def __init__(self, model: str | ModelConfig | Qwen3ForCausalLM = "tiny", config: EngineConfig | None = None,
                  dtype: str | None = None, seed: int = 0, tp: TPGroup = SINGLE):
@@ -72,8 +73,11 @@ class EngineCore:
         if isinstance(model, Qwen3ForCausalLM):
             self.model = model.eval()
         else:
-            self.model = build_model(model, device=config.device, dtype=dtype or "float32", seed=seed, tp=tp)
+            self.model = build_model(model, device=config.device, dtype=dtype or "float32", seed=seed,
+                                     tp=tp.dense_group, ep=tp.expert_group)
         self.model_config = self.model.config
+        if tp.size > 1 and self.model.moe_blocks:  # the sentinel compares the ranks' routing too
+            self.model.keep_routing_checksum()
         if config.fused_kernels and next(self.model.parameters()).is_cuda:
             self.model.use_fused_kernels()
         self.loader = WeightLoader(self.model)
@@ -94,7 +98,7 @@ class EngineCore:
         log.info("KV cache: %d device pages of %d tokens (%.2f GiB)%s", num_pages, config.page_size,
                  num_pages * per_page / 2**30, f", {self.tier.num_pages} host pages ({self.tier.bytes / 2**30:.2f}"
                  f" GiB, {self.tier.policy})" if self.tier else "")
-        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, config)
+        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, config, tp)
         self.weight_version = 0
         self.paused: PauseMode | None = None  # the pause mode while paused
         self.stats = EngineStats(pages_total=self.pool.num_pages)
@@ -107,6 +111,7 @@ class EngineCore:
         self._inflight: Launched | None = None  # the launched step whose sampled tokens are not applied yet
         self._last_chunks: list[Chunk] = []  # what the last step scheduled (named if it was slow)
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
+        self._applied_routing = 0  # the model's routing checksum after the step the last drain applied
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -288,7 +293,7 @@ class EngineCore:
             self.lockstep.check(step_digest(
                 self.stats.num_steps, [r.rid for r in self.scheduler.running],
                 [(c.req.rid, c.start, c.num_tokens) for c in chunks], self._applied_digest, self.stats.num_finished,
-                tier))
+                tier, self._applied_routing))
             self.stats.busy_seconds += time.perf_counter() - t_check
 
     def _fail_culprits(self, chunks: list[Chunk], error: StepInputError) -> None:
@@ -331,7 +336,7 @@ class EngineCore:
                     if reason is not None:
                         self._finish(c.req, reason)
         if self.lockstep is not None:
-            self._applied_digest = stable_hash(tokens)
+            self._applied_digest, self._applied_routing = stable_hash(tokens), launched.routing_value()
         self.stats.pages_free = self.pool.num_free
         self.stats.forward_seconds += t1 - t0
         self.stats.postprocess_seconds += time.perf_counter() - t1

@@ -6,7 +6,9 @@ them diverge is what each rank computes itself, and two protections close that:
   - the sampled-token broadcast (on by default, in the model runner): rank 0's sampled ids and logprobs replace
     every rank's before any host decision (finish, batch membership) reads them;
   - the lockstep sentinel (`Lockstep.check`): after every step the ranks all-gather a digest (`step_digest`) and
-    stop with an error naming the step, the ranks and the first differing field.
+    stop with an error naming the step, the ranks and the first differing field. For a mixture-of-experts model
+    it covers the routing: expert-parallel ranks route every token themselves and sum their experts' parts, so
+    ranks that routed a token differently would mix two routings without any other sign.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tandem.distributed import collectives
 from tandem.distributed.parallel import TPGroup
 from tandem.engine.commands import Command
 
-DIGEST_FIELDS = ("step", "membership", "chunks", "tokens", "finished", "tier")
+DIGEST_FIELDS = ("step", "membership", "chunks", "tokens", "finished", "tier", "routing")
 
 
 class LockstepError(RuntimeError):
@@ -33,12 +35,13 @@ def stable_hash(*parts) -> int:
 
 
 def step_digest(step: int, running_rids: list[str], chunks: list[tuple[str, int, int]], tokens: int, finished: int,
-                tier: tuple[int, int] | None) -> dict[str, int]:
+                tier: tuple[int, int] | None, routing: int = 0) -> dict[str, int]:
     """What the sentinel compares after a step (`DIGEST_FIELDS`): the step number, the running requests, the step's
-    chunks as (rid, start, num_tokens), a hash of the tokens the step applied, the finished count, and the host
-    tier's (free pages, copies in flight)."""
+    chunks as (rid, start, num_tokens), a hash of the tokens the step applied, the finished count, the host
+    tier's (free pages, copies in flight), and a mixture-of-experts model's routing checksum after the applied
+    step (`Qwen3ForCausalLM.keep_routing_checksum`; 0 for a dense model)."""
     return {"step": step, "membership": stable_hash(running_rids), "chunks": stable_hash(chunks), "tokens": tokens,
-            "finished": finished, "tier": stable_hash(tier) if tier is not None else 0}
+            "finished": finished, "tier": stable_hash(tier) if tier is not None else 0, "routing": routing}
 
 
 class Lockstep:

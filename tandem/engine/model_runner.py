@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from tandem.config import EngineConfig
 from tandem.distributed import collectives, faults
-from tandem.distributed.parallel import cdiv
+from tandem.distributed.parallel import TPGroup, cdiv
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
 from tandem.engine.sampler import SamplingBatch, sample
@@ -63,6 +63,8 @@ class Launched:
     host_tokens: torch.Tensor | None = None
     host_logprobs: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    routing: torch.Tensor | None = None  # the model's routing checksum after this step (see `routing_value`)
+    host_routing: torch.Tensor | None = None
 
     def result(self) -> tuple[list[int], list[float]]:
         if self.tokens is None:
@@ -71,6 +73,13 @@ class Launched:
             self.ready.synchronize()
             return self.host_tokens.tolist(), self.host_logprobs.tolist()
         return self.tokens.tolist(), self.logprobs.tolist()
+
+    def routing_value(self) -> int:
+        """The routing checksum (`Qwen3ForCausalLM.keep_routing_checksum`) after this step; 0 if not kept. Call
+        after `result`."""
+        if self.routing is None:
+            return 0
+        return int(self.host_routing if self.ready is not None else self.routing)
 
 
 def _block_table(reqs: list[Request], width: int, num_rows: int | None = None) -> torch.Tensor:
@@ -99,13 +108,15 @@ def _kernels(device: torch.device, enabled: bool):
 
 
 class ModelRunner:
-    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, config: EngineConfig):
-        """Reads `config`'s max_running_requests (the largest decode batch), cuda_graphs, token_broadcast,
-        fused_kernels (on CUDA, attention through the Triton kernels; off: the PyTorch references) and
+    def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, config: EngineConfig,
+                 tp: TPGroup | None = None):
+        """`tp`: the engine's ranks (default: the model's tensor-parallel group). Reads `config`'s
+        max_running_requests (the largest decode batch), cuda_graphs, token_broadcast, fused_kernels (on CUDA,
+        attention through the Triton kernels; off: the PyTorch references) and
         prefill_graph_max_tokens (steps with prefill chunks of up to this many tokens in all run through fixed
         buffers, and graphs if cuda_graphs, when the prefill kernel is Triton's)."""
         self.model, self.pool = model, pool
-        self.tp, self.token_broadcast = model.tp, config.token_broadcast
+        self.tp, self.token_broadcast = tp or model.tp, config.token_broadcast
         self.num_launches = 0
         self.device = next(model.parameters()).device
         self.kernel, self.prefill_kernel = _kernels(self.device, config.fused_kernels)
@@ -170,11 +181,16 @@ class ModelRunner:
         launched.tokens, launched.logprobs = sample(logits, sampling)
         if self.tp.size > 1:
             self._agree(launched)
+        if self.model.routing_checksum is not None:
+            launched.routing = self.model.routing_checksum.clone()
         if self.device.type == "cuda":
             launched.host_tokens = torch.empty(launched.tokens.shape, dtype=torch.long, pin_memory=True)
             launched.host_logprobs = torch.empty(launched.logprobs.shape, dtype=torch.float32, pin_memory=True)
             launched.host_tokens.copy_(launched.tokens, non_blocking=True)
             launched.host_logprobs.copy_(launched.logprobs, non_blocking=True)
+            if launched.routing is not None:
+                launched.host_routing = torch.empty((), dtype=torch.long, pin_memory=True)
+                launched.host_routing.copy_(launched.routing, non_blocking=True)
             launched.ready = torch.cuda.Event()
             launched.ready.record()
         return launched

@@ -1,4 +1,4 @@
-"""Tensor-parallel engines: one process per rank, every rank holding the same engine core.
+"""Tensor- and expert-parallel engines: one process per rank, every rank holding the same engine core.
 
 Rank 0 runs the async facade (`tandem.engine.engine.Engine`), which publishes every command it applies; ranks
 1..N-1 run `run_follower`, which applies the same commands to their own `EngineCore` in the same order. See
@@ -51,18 +51,32 @@ def run_follower(core: EngineCore, watchdog: Watchdog | None = None) -> None:
         watchdog.stop()
 
 
-def init_tp(rank: int, size: int, init_method: str, backend: str = "gloo") -> TPGroup:
-    """Join the process group and make the TP groups: the model's collectives on `backend`, the control channel
-    on gloo (every rank must call this in the same order)."""
+def init_tp(rank: int, size: int, init_method: str, backend: str = "gloo", ep: int = 1) -> TPGroup:
+    """Join the process group of `size` ranks and make the engine's groups: the model's collectives on `backend`,
+    the control channel on gloo. `ep` > 1: expert parallelism over a grid of tp = size / ep by ep ranks (rank
+    r is dense rank r % tp of dense group r // tp, expert rank r // tp of expert group r % tp; see `TPGroup`).
+    Every rank must call this with the same arguments."""
+    if ep < 1 or size % ep:
+        raise ValueError(f"expert parallelism: ep ({ep}) must divide the number of ranks ({size})")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
                             timeout=datetime.timedelta(minutes=30))
     data = dist.new_group(backend=backend, group_desc="tp")
     ctrl = dist.new_group(backend="gloo", group_desc="ctrl")
-    return TPGroup(rank, size, data, ctrl)
+    if ep == 1:
+        return TPGroup(rank, size, data, ctrl)
+    tp = size // ep
+    # every rank makes every group, in the same order (torch.distributed requires it), and keeps its own
+    dense = [dist.new_group([e * tp + i for i in range(tp)], backend=backend, group_desc="tp_dense")
+             for e in range(ep)] if tp > 1 else None
+    experts = [dist.new_group([e * tp + i for e in range(ep)], backend=backend, group_desc="ep") for i in range(tp)]
+    return TPGroup(rank, size, data, ctrl,
+                   dense=TPGroup(rank % tp, tp, dense[rank // tp]) if dense else TPGroup(),
+                   experts=TPGroup(rank // tp, ep, experts[rank % tp], kind="expert"))
 
 
-def _follower_main(rank: int, size: int, init_method: str, backend: str, model, config, dtype, seed) -> None:
-    tp = init_tp(rank, size, init_method, backend)
+def _follower_main(rank: int, size: int, init_method: str, backend: str, model, config, dtype, seed,
+                   ep: int = 1) -> None:
+    tp = init_tp(rank, size, init_method, backend, ep)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
     core = EngineCore(model, config, dtype=dtype, seed=seed, tp=tp)
@@ -72,10 +86,12 @@ def _follower_main(rank: int, size: int, init_method: str, backend: str, model, 
         run_follower(core, watchdog)
 
 
-def start_followers(size: int, init_method: str, backend: str, model, config, dtype=None, seed: int = 0):
-    """Spawn ranks 1..size-1 as processes running `run_follower`; the caller is rank 0."""
+def start_followers(size: int, init_method: str, backend: str, model, config, dtype=None, seed: int = 0,
+                    ep: int = 1):
+    """Spawn ranks 1..size-1 as processes running `run_follower`; the caller is rank 0 (`init_tp` with the same
+    size and `ep`)."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_follower_main, args=(r, size, init_method, backend, model, config, dtype, seed),
+    procs = [ctx.Process(target=_follower_main, args=(r, size, init_method, backend, model, config, dtype, seed, ep),
                          name=f"tandem-tp-rank{r}", daemon=True) for r in range(1, size)]
     for p in procs:
         p.start()
