@@ -82,3 +82,44 @@ def test_serve_choices_are_the_configs(capsys):
     for choices in (("off", "write_through", "write_back"), ("float32", "bfloat16", "float16")):
         quoted = ", ".join(f"'?{c}'?" for c in choices)  # argparse quotes them before Python 3.12.8
         assert re.search(rf"choose from {quoted}\)", err), err
+
+
+def test_serve_a_moe_checkpoint_directory_with_expert_parallelism(tmp_path):
+    """`tandem serve --model DIR --ep 2` on a Hugging Face Qwen3-MoE checkpoint (one tensor per expert) answers what
+    one in-process engine on the same directory does; `--ep` on a dense model, or one that does not divide the
+    experts, is a clear error."""
+    import asyncio
+    import dataclasses
+
+    from test_moe import MOE_SHAPES, hf_moe
+
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+    from tandem.types import SamplingParams
+
+    hf_moe(dataclasses.replace(MOE_SHAPES["dense_first_norm"], num_experts=6), seed=7).save_pretrained(tmp_path / "moe")
+    for model, ep, why in [("tiny", 2, b"has none"), (str(tmp_path / "moe"), 4, b"must divide")]:
+        bad = subprocess.run([*TANDEM, "serve", "--model", model, "--ep", str(ep)], capture_output=True, timeout=60)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr
+    prompt, sampling = [5, 9, 17, 33, 2, 8], {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Engine(str(tmp_path / "moe"), EngineConfig(page_size=16, num_pages=64)) as engine:
+        expected = asyncio.run(engine.generate(prompt, SamplingParams(**sampling))).output_ids
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([*TANDEM, "serve", "--model", str(tmp_path / "moe"), "--port", str(port),
+                             "--num-pages", "64", "--ep", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        def healthy():
+            try:
+                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(healthy, 120, "the server")
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": prompt, "sampling_params": sampling},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["output_ids"] == expected
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
