@@ -28,24 +28,36 @@ from tandem.engine.engine import Engine
 from tandem.types import SamplingParams
 
 
-def copy_bandwidth(num_bytes: int = 2 << 30) -> float:
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
+def seconds_per_call(fn, iters: int, device: torch.device | str = "cuda", warmup: int = 3) -> float:
+    """Seconds one call of `fn` takes, after `warmup` calls: timed with CUDA events on a GPU, the host clock
+    elsewhere."""
+    for _ in range(warmup):
+        fn()
+    if torch.device(device).type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) / iters
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(10):
-        dst.copy_(src)
+    for _ in range(iters):
+        fn()
     end.record()
     torch.cuda.synchronize()
-    return 2 * num_bytes * 10 / (start.elapsed_time(end) / 1e3)  # read + write
+    return start.elapsed_time(end) / 1e3 / iters
 
 
-def workload(num_seqs: int, seed: int = 0):
+def copy_bandwidth(num_bytes: int = 2 << 30, device: str = "cuda") -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * num_bytes / seconds_per_call(lambda: dst.copy_(src), 10, device)  # read + write
+
+
+def workload(num_seqs: int, seed: int = 0, vocab_size: int = 10000, lengths: tuple[int, int] = (100, 1024)):
+    """nano-vllm's: prompt and output lengths uniform in `lengths`, prompt ids uniform below `vocab_size`."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(10000) for _ in range(rng.randint(100, 1024))] for _ in range(num_seqs)]
-    outputs = [rng.randint(100, 1024) for _ in range(num_seqs)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(rng.randint(*lengths))] for _ in range(num_seqs)]
+    outputs = [rng.randint(*lengths) for _ in range(num_seqs)]
     return prompts, outputs
 
 
@@ -58,8 +70,10 @@ async def run_workload(engine: Engine, prompts, outputs) -> float:
     return sum(outputs) / elapsed
 
 
-def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: int = 20) -> float:
-    """Time one graph replay of a decode batch whose every row attends over `context` positions."""
+def decode_step(engine: Engine, batch: int, context: int = 1024):
+    """Fill the runner's decode buffers with a batch whose every row attends over `context` positions; return one
+    step of it: the captured graph's replay, or the eager forward where there is no graph (call it under
+    `torch.inference_mode`)."""
     runner, pool = engine.runner, engine.pool
     P = pool.page_size
     pages_per_row = cdiv(context, P)
@@ -69,16 +83,15 @@ def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: 
     runner.seq_lens_B[:batch].fill_(context)
     runner.positions_B[:batch].fill_(context - 1)
     runner.slots_B[:batch].copy_(table[:, -1].long() * P + (context - 1) % P)
-    graph = runner.graphs[batch][0]
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
+    if batch in runner.graphs:
+        return runner.graphs[batch][0].replay
+    return lambda: runner._forward_decode(batch, pages_per_row)
+
+
+def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: int = 20) -> float:
+    """Time one decode step (`decode_step`) of a batch whose every row attends over `context` positions."""
+    with torch.inference_mode():
+        return seconds_per_call(decode_step(engine, batch, context), iters, engine.runner.device)
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:

@@ -1,0 +1,324 @@
+"""Qwen3-MoE serving on one GPU, with its references measured in the same run.
+
+    python benchmarks/moe_throughput.py [--model qwen3-30b-a3b] [--out moe.json]
+    python benchmarks/moe_throughput.py --model tiny-moe --device cpu --quick     (a smoke run on a CPU)
+
+Random bf16 weights (the engine's own seeded init), CUDA graphs and fused kernels on (the engine's defaults).
+(a) Hugging Face generate over the same weights (transformers' Qwen3MoeForCausalLM, its parameters the engine
+    model's own tensors: no second copy; its default experts implementation, which transformers 5 switches from
+    grouped_mm to batched_mm for decoding on a GPU): prompt 128, `--new-tokens` 64, greedy, fixed lengths, at each
+    `--batches` size. Measured first and freed before the engine sizes its KV pool from free memory.
+(b) nano-vllm's workload (`--num-seqs` sequences, prompt and output lengths uniform in [100, 1024], seeded,
+    ignore_eos) through `Engine.generate`: output tokens per second, and against HF's best batch.
+(c) the jobs of (a) through the engine, and the decode step of (d), against HF at each batch size.
+(d) decode sweep at `--context` tokens per row: one step timed; achieved bandwidth = the bytes the step must read
+    / step time. Those bytes: every weight but the experts and the embedding (attention, norms, routers, dense
+    MLPs, lm_head), the embedding rows of the batch, the experts the step routed to (distinct ids per MoE layer,
+    recorded by hooks on an eager run of the same step), and each row's KV. Against a device-to-device copy.
+(e) `torch.profiler` over the decode step at `--profile-batch`: the top kernels (on a CPU: the top operators).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import json
+import platform
+import random
+import sys
+import time
+
+import torch
+from engine_throughput import copy_bandwidth, decode_step, run_workload, seconds_per_call, workload
+
+from tandem.config import EngineConfig, resolve_model
+from tandem.distributed.parallel import cdiv
+from tandem.engine.engine import Engine
+from tandem.model.loader import build_model
+from tandem.model.moe import route
+from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.types import SamplingParams
+
+PROMPT_LEN = 128  # of the Hugging Face comparison's job
+QUICK = dict(num_seqs=8, lengths=[16, 64], batches=[1, 8], new_tokens=16, profile_batch=8, iters=3)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def job_prompts(batch: int, vocab_size: int) -> list[list[int]]:
+    """The fixed-length prompts of the HF comparison at `batch` (seeded by it)."""
+    rng = random.Random(batch)
+    return [[rng.randrange(vocab_size) for _ in range(PROMPT_LEN)] for _ in range(batch)]
+
+
+# ---- (a) Hugging Face ------------------------------------------------------------------------------------------
+def hf_twin(model: Qwen3ForCausalLM):
+    """transformers' Qwen3MoeForCausalLM whose parameters are `model`'s own tensors (the names are the same)."""
+    import transformers
+
+    hf_config = transformers.Qwen3MoeConfig(**{k: v for k, v in model.config.to_hf_dict().items()
+                                               if k not in ("architectures", "torch_dtype")})
+    with torch.device("meta"):
+        hf = transformers.Qwen3MoeForCausalLM(hf_config)
+    hf.load_state_dict(model.state_dict(), assign=True)  # strict: every parameter, by name
+    device = next(model.parameters()).device
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(hf_config).to(device)  # buffers no state dict carries
+    assert not any(t.is_meta for t in [*hf.parameters(), *hf.buffers()]), "a tensor of the twin was not set"
+    return hf.eval()
+
+
+def hf_generate(hf, batch: int, new_tokens: int, device: torch.device) -> tuple[float, list[int]]:
+    """(tokens per second, each row's first new token)."""
+    ids = torch.tensor(job_prompts(batch, hf.config.vocab_size), device=device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    assert out.shape == (batch, PROMPT_LEN + new_tokens)
+    return batch * new_tokens / elapsed, out[:, PROMPT_LEN].tolist()
+
+
+# ---- (b), (c) the engine ---------------------------------------------------------------------------------------
+async def engine_job(engine: Engine, batch: int, new_tokens: int) -> tuple[float, list[int]]:
+    """The HF comparison's job through the engine (greedy, ignore_eos, all requests at once): (tokens per second,
+    each row's first new token)."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    prompts = job_prompts(batch, engine.model_config.vocab_size)
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*[engine.generate(p, params) for p in prompts])
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.output_ids) == new_tokens for o in outs)
+    return batch * new_tokens / elapsed, [o.output_ids[0] for o in outs]
+
+
+# ---- (d) decode sweep ------------------------------------------------------------------------------------------
+def sweep_step(engine: Engine, batch: int, context: int, gen: torch.Generator):
+    """`decode_step` with random input ids (the same token in every row would route every row alike)."""
+    step = decode_step(engine, batch, context)
+    engine.runner.ids_B[:batch].copy_(torch.randint(engine.model_config.vocab_size, (batch,), generator=gen))
+    return step
+
+
+def experts_touched(model: Qwen3ForCausalLM, step) -> list[int]:
+    """Run `step` (an eager forward) once; the number of distinct experts each MoE layer routed its tokens to.
+    A pre-hook on each sparse block routes the block's input by the model's own rule (`route`)."""
+    counts: list[int] = []
+
+    def record(block, args):
+        _, ids_TK = route(block.gate(args[0]), block.top_k, block.normalize)
+        counts.append(int(ids_TK.unique().numel()))
+
+    handles = [block.register_forward_pre_hook(record) for block in model.moe_blocks]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(counts) != len(model.moe_blocks):
+        raise RuntimeError(f"the routing hooks fired {len(counts)} times for {len(model.moe_blocks)} MoE layers: "
+                           "the forward no longer calls each Qwen3SparseMoeBlock")
+    return counts
+
+
+def step_bytes(model: Qwen3ForCausalLM, batch: int, context: int, touched: list[int]) -> dict[str, int]:
+    """The bytes one decode step must read, by kind (see the module docstring)."""
+    cfg = model.config
+    dense = embed = 0
+    for name, p in model.named_parameters(remove_duplicate=False):  # (a tied lm_head counts under its own name)
+        if "embed_tokens" in name:
+            embed = batch * p.shape[-1] * p.element_size()
+        elif ".experts." not in name:
+            dense += p.numel() * p.element_size()
+    experts = model.moe_blocks[0].experts
+    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.down_proj.element_size()
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * experts.down_proj.element_size()
+    return {"dense": dense + embed, "experts": sum(touched) * per_expert, "kv": batch * context * kv_per_token}
+
+
+# ---- (e) profile -----------------------------------------------------------------------------------------------
+def top_kernels(step, device: torch.device, steps: int = 5, top: int = 12) -> tuple[list[dict], float]:
+    """(the top kernels of `steps` calls of `step` by time, per step; the step's total kernel microseconds). On a
+    CPU the rows are operators by self CPU time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    step()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    if cuda:
+        events = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        us = lambda e: e.self_device_time_total
+    else:
+        events = list(prof.key_averages())
+        us = lambda e: e.self_cpu_time_total
+    total = sum(us(e) for e in events) / steps
+    rows = [{"kernel": e.key[:100], "calls": e.count / steps, "us": us(e) / steps, "share": us(e) / steps / total}
+            for e in sorted(events, key=us, reverse=True)[:top]]
+    return rows, total
+
+
+def print_tables(results: dict, args: argparse.Namespace, num_experts: int, bw: float) -> None:
+    hf_tok_s, job_tok_s, sweep = results["hf_tok_s"], results["engine_job_tok_s"], results["decode"]
+    print(f"(c) against HF generate at each batch ({PROMPT_LEN} in, {args.new_tokens} out): the same job through "
+          f"the engine, and the decode step of (d) at context {args.context}:\n")
+    print("| batch | HF generate tok/s | tandem, same job tok/s | tandem / HF | decode step (d) tok/s | (d) / HF |\n"
+          "|---|---|---|---|---|---|")
+    for row in sweep:
+        b = row["batch"]
+        print(f"| {b} | {hf_tok_s[b]:,.1f} | {job_tok_s[b]:,.0f} | {job_tok_s[b] / hf_tok_s[b]:.1f}x | "
+              f"{row['tok_s']:,.0f} | {row['tok_s'] / hf_tok_s[b]:.1f}x |")
+    print(f"\n(d) decode step at context {args.context} ({args.iters} steps timed a batch size); bytes = dense "
+          "weights + embedding rows, touched experts, KV:\n")
+    print("| batch | step ms | tok/s | experts touched / layer (min-max) | dense + experts + KV GB | achieved GB/s "
+          "| of copy BW |\n|---|---|---|---|---|---|---|")
+    for row in sweep:
+        t, gb = row["experts_touched"], {k: v / 1e9 for k, v in row["bytes"].items()}
+        print(f"| {row['batch']} | {row['step_s'] * 1e3:.2f} | {row['tok_s']:,.0f} | {sum(t) / len(t):.1f} of "
+              f"{num_experts} ({min(t)}-{max(t)}) | {gb['dense']:.2f} + {gb['experts']:.2f} + {gb['kv']:.2f} "
+              f"| {row['bytes_per_s'] / 1e9:,.0f} | {row['bytes_per_s'] / bw:.0%} |")
+    profile = results["profile"]
+    what = "kernels" if args.device.startswith("cuda") else "operators (CPU: self time)"
+    print(f"\n(e) one decode step at batch {profile['batch']}, context {args.context}, by torch.profiler: "
+          f"{profile['kernel_us_per_step'] / 1e3:.2f} ms in {what}; the top {len(profile['top'])}:\n")
+    print("| kernel | calls / step | us / step | share |\n|---|---|---|---|")
+    for k in profile["top"]:
+        print(f"| `{k['kernel'][:80]}` | {k['calls']:g} | {k['us']:,.0f} | {k['share']:.0%} |")
+
+
+# ---- main ------------------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-30b-a3b", help="a Qwen3-MoE preset or config directory")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--lengths", type=int, nargs=2, default=[100, 1024], help="workload: prompt and output "
+                        "lengths uniform in [LOW, HIGH]")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--new-tokens", type=int, default=64, help=f"HF comparison: tokens after {PROMPT_LEN}")
+    parser.add_argument("--context", type=int, default=192, help="decode sweep: tokens a row attends over")
+    parser.add_argument("--profile-batch", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=20, help="decode sweep: timed steps per batch size")
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
+    parser.add_argument("--out", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    if args.quick:  # the quick sizes, unless given explicitly
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args()
+    return args
+
+
+def measure(args: argparse.Namespace, results: dict) -> None:
+    """Run (a)-(e), printing as it goes; every figure also goes into `results`."""
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    config, _ = resolve_model(args.model)
+    if not config.is_moe:
+        raise ValueError(f"--model: {args.model} has no mixture-of-experts layers")
+    results.update(date=str(datetime.date.today()), command=f"python {' '.join(sys.argv)}",
+                   device=torch.cuda.get_device_name(device) if cuda else platform.processor() or "CPU",
+                   torch=torch.__version__, model=args.model)
+    bw = results["copy_bytes_per_s"] = copy_bandwidth(2 << 30 if cuda else 64 << 20, args.device)
+    if cuda:
+        torch.cuda.empty_cache()
+    print(f"## MoE throughput ({results['date']}, {results['device']}, torch {torch.__version__})")
+    print(f"command: {results['command']}")
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s (read + write)\n")
+
+    # build_model makes float32 parameters and casts them (twice the bytes at the peak: 122 GB for the 30B);
+    # made in bfloat16 from the start they are the same weights (init_random draws in the parameter's dtype)
+    t0 = time.perf_counter()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = build_model(args.model, device=device, dtype="bfloat16", seed=0)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"### {args.model}: {weight_bytes / 1e9:.2f} GB of weights, {config.num_experts} experts "
+          f"({config.num_experts_per_tok} per token) in {len(model.moe_blocks)} of {config.num_hidden_layers} "
+          f"layers, built in {time.perf_counter() - t0:.1f} s\n")
+
+    # (a) Hugging Face first: its twin holds no weights of its own, but its activations and KV must be gone before
+    # the engine sizes its pool
+    hf = hf_twin(model)
+    hf_generate(hf, 1, 2, device)  # warm-up (cuBLAS handles, allocator)
+    hf_runs = {b: hf_generate(hf, b, args.new_tokens, device) for b in args.batches}
+    hf_tok_s = results["hf_tok_s"] = {b: tok_s for b, (tok_s, _) in hf_runs.items()}
+    results["hf_experts"] = getattr(hf.config, "_experts_implementation", None) or "eager"
+    print(f"(a) HF generate, {PROMPT_LEN} in, {args.new_tokens} out, greedy (its experts: {results['hf_experts']}): "
+          + ", ".join(f"batch {b} {v:,.1f}" for b, v in hf_tok_s.items()) + " tok/s\n")
+    del hf
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+    t0 = time.perf_counter()
+    engine = Engine(model, EngineConfig(device=args.device, num_pages=0 if cuda else 4096, page_size=16,
+                                        max_running_requests=max(256, *args.batches), max_prefill_tokens=8192))
+    print(f"engine start-up (pool of {engine.pool.num_pages} pages, graphs): {time.perf_counter() - t0:.1f} s; "
+          f"CUDA graphs {bool(engine.runner.graphs)}, fused kernels {model.fused is not None}\n")
+
+    # (b) the workload, after a warm-up pass over it (Triton compiles a kernel per new constexpr signature)
+    prompts, outputs = workload(args.num_seqs, vocab_size=min(10000, config.vocab_size), lengths=args.lengths)
+    asyncio.run(run_workload(engine, prompts, outputs))
+    asyncio.run(engine.flush_cache())  # the timed run must prefill its prompts again
+    before = asyncio.run(engine.get_stats())
+    tok_s = results["workload_tok_s"] = asyncio.run(run_workload(engine, prompts, outputs))
+    steps = results["workload_steps"] = asyncio.run(engine.get_stats()).num_steps - before.num_steps
+    hf_best = max(hf_tok_s.values())
+    results["workload_over_hf_best"] = tok_s / hf_best
+    print(f"(b) {args.num_seqs} sequences, in/out uniform {args.lengths}: **{tok_s:,.0f} output tok/s** "
+          f"({steps} steps); HF generate's best (batch {max(hf_tok_s, key=hf_tok_s.get)}): {hf_best:,.1f} tok/s; "
+          f"tandem / HF = **{tok_s / hf_best:.1f}x**\n")
+
+    # (c) the same jobs through the engine; (d) the decode sweep
+    jobs = {b: asyncio.run(engine_job(engine, b, args.new_tokens)) for b in args.batches}
+    results["engine_job_tok_s"] = {b: tok_s for b, (tok_s, _) in jobs.items()}
+    # the same model on both sides: greedy first tokens agree (up to bf16 near-ties of random weights)
+    same = [a == b for batch in args.batches for a, b in zip(jobs[batch][1], hf_runs[batch][1], strict=True)]
+    results["first_token_agreement"] = sum(same) / len(same)
+    print(f"first generated token equal to HF's in {sum(same)} of {len(same)} rows of the jobs\n")
+    gen = torch.Generator().manual_seed(0)
+    sweep = results["decode"] = []
+    width = cdiv(args.context, engine.pool.page_size)  # the block table's columns in use (for the eager runs)
+    with torch.inference_mode():
+        for batch in args.batches:
+            step = sweep_step(engine, batch, args.context, gen)
+            sec = seconds_per_call(step, args.iters, device)
+            touched = experts_touched(model, lambda b=batch: engine.runner._forward_decode(b, width))
+            read = step_bytes(model, batch, args.context, touched)
+            sweep.append({"batch": batch, "step_s": sec, "tok_s": batch / sec, "bytes": read,
+                          "experts_touched": touched, "bytes_per_s": sum(read.values()) / sec})
+        kernels, kernel_us = top_kernels(sweep_step(engine, args.profile_batch, args.context, gen), device)
+    results["profile"] = {"batch": args.profile_batch, "kernel_us_per_step": kernel_us, "top": kernels}
+
+    print_tables(results, args, config.num_experts, bw)
+    engine.shutdown()
+
+
+def main() -> None:
+    args = parse_args()
+    results: dict = {}
+    try:
+        measure(args, results)
+    finally:  # what was measured, also when a later part failed
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+            print(f"\nresults written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
