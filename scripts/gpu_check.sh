@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
-#                        [sync06b] [buckets]
+#                        [sync06b] [buckets] [moe_tests] [moe]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -29,6 +29,8 @@ for part in $parts; do
                    tests/test_trainer_parallel.py -rs -s &&
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
+        moe_tests) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
+        moe) timeout 420 python3 benchmarks/moe_throughput.py --out "$OUT/moe.json" ;;
         hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
         8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;
         host_tier) timeout 300 python3 benchmarks/host_tier.py --model qwen3-0.6b --concurrency 64 --episodes 192 ;;

@@ -188,7 +188,7 @@ def build_model(model: str | ModelConfig, device: str | torch.device = "cpu", dt
     torch_dtype = DTYPES[dtype or config.dtype]
     with torch.device("meta"):
         net = Qwen3ForCausalLM(config, tp, ep)
-    net = net.to_empty(device=device).to(torch_dtype)
+    net = net.to(torch_dtype).to_empty(device=device)  # (in the dtype from the start: no float32 copy on the device)
     if config.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight  # to_empty unties; tie again
     zero_padding(net)  # (rows that no load writes: a padded vocabulary's)
