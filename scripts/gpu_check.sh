@@ -29,7 +29,7 @@ for part in $parts; do
                    tests/test_trainer_parallel.py -rs -s &&
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
-        moe_tests) timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
+        moe_tests) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
         moe) timeout 420 python3 benchmarks/moe_throughput.py --out "$OUT/moe.json" ;;
         hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
         8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;

@@ -395,7 +395,9 @@ class TrainerConfig:
     regions around attention through `torch.compile` (`Qwen3ForCausalLM.compile_layers`; the first steps compile).
     `fused_kernels` (when not compiling): on CUDA without FSDP, RMSNorm, RoPE and SiLU-and-multiply through Triton
     kernels with backward passes (`tandem.kernels.training`); off by default (BENCHMARKS.md: slower than compiling
-    and than eager)."""
+    and than eager). `load_balancing_coef`: for a mixture-of-experts model, the weight of the routers'
+    load-balancing loss added to the policy loss (`tandem.trainer.balance`; Hugging Face's `router_aux_loss_coef`);
+    0 trains without it, and the step's stats report it either way."""
 
     lr: PositiveFloat = 1e-3
     weight_decay: NonNegativeFloat = 0.0
@@ -408,6 +410,7 @@ class TrainerConfig:
     fsdp: bool = False
     compile: bool = True
     fused_kernels: bool = False
+    load_balancing_coef: NonNegativeFloat = 0.0
 
     def __post_init__(self):
         check_fields(self)

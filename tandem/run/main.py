@@ -32,7 +32,8 @@ COLUMNS = [Column("step", "step", "{:.0f}", 1), Column("version", "version", "{:
            Column("trained_tokens_per_s", "train tok/s", "{:.0f}", 2),
            Column("rollout_tokens_per_s", "gen tok/s", "{:.0f}", 2), Column("cache_hit_rate", "cache hit", "{:.0%}", 4),
            Column("cache_reuse_vs_ideal", "reuse/ideal", "{:.0%}", 5), Column("mismatch_kl", "mism. KL", "{:+.1e}", 4),
-           Column("clip_frac", "clip", "{:.2f}", 5), Column("transfer_s", "sync ms", "{:.1f}", 3, 1e3),
+           Column("clip_frac", "clip", "{:.2f}", 5), Column("load_balancing_loss", "lb loss", "{:.3f}", 5),
+           Column("transfer_s", "sync ms", "{:.1f}", 3, 1e3),
            Column("pause_s", "pause ms", "{:.1f}", 3, 1e3), Column("wait_s", "wait s", "{:.2f}", 5)]
 
 

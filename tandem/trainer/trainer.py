@@ -14,6 +14,10 @@ bf16 weights are refreshed from the masters after each step.
 
 Token i of an episode is scored by the logits at position i - 1, at the rollout temperature, so that for
 tokens sampled with the same weights the trainer's logprobs equal the engine's behaviour logprobs.
+
+A mixture-of-experts model trains its routers and experts like any other weight (the routing weights carry the
+gradient into the routers); its routers' load-balancing loss (`tandem.trainer.balance`) is computed at every step,
+reported as `load_balancing_loss`, and added to the loss with weight `TrainerConfig.load_balancing_coef`.
 """
 
 from __future__ import annotations
@@ -35,15 +39,29 @@ from torch.distributed.tensor import DTensor
 
 from tandem.config import LossConfig, TrainerConfig
 from tandem.model.attention import PackedCausal
-from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.model.moe import Qwen3SparseMoeBlock
+from tandem.model.qwen3 import Qwen3ForCausalLM, attention_output_and_mlp
 from tandem.trainer import parallel
 from tandem.trainer.advantages import ADVANTAGES
+from tandem.trainer.balance import load_balancing_loss
 from tandem.trainer.losses import LossInput, get_loss
 from tandem.types import Episode, Group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BALANCE = "load_balancing_loss"  # the step's metric (MoE models only)
 # What a rank with fewer micro-batches than another runs instead (no policy token: no gradient, no metric).
 _PAD = Episode("pad", -1, tokens=[0, 0], loss_mask=[0, 0], behav_logprobs=[0.0, 0.0], versions=[-1, -1])
+
+
+def compile_layers(model: Qwen3ForCausalLM, backend: str = "inductor") -> Qwen3ForCausalLM:
+    """`model.compile_layers(backend)`, except that a mixture-of-experts layer's region after attention stays eager:
+    its experts' reference path reads on the host which experts the tokens hit, a graph break and a recompilation
+    for every new set of them. Its region before attention is compiled like every layer's."""
+    model.compile_layers(backend)
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, Qwen3SparseMoeBlock):
+            layer.regions = (layer.regions[0], attention_output_and_mlp)
+    return model
 
 
 class Trainer:
@@ -70,7 +88,7 @@ class Trainer:
         if not cfg.fsdp and next(model.parameters()).is_cuda:
             for m in (m for m in (self.model, self.ref_model) if m is not None):
                 if cfg.compile:  # eager layers leave the step host-bound (BENCHMARKS.md, trainer step)
-                    m.compile_layers()
+                    compile_layers(m)
                 elif cfg.fused_kernels:
                     m.use_training_kernels()
         if cfg.activation_checkpointing:
@@ -78,6 +96,8 @@ class Trainer:
         if cfg.fsdp:  # the sharded float32 parameters are the masters; FSDP casts its gathered copies
             self.model = self.master = parallel.shard_model(self.master, self.param_dtype)
         self.device = next(self.master.parameters()).device
+        for block in self.model.moe_blocks:  # (the reference model's, if any, are not kept)
+            block.keep_router_logits = True
         # on CUDA one fused optimizer kernel per step instead of foreach's many (BENCHMARKS.md, trainer step)
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda" or None)
@@ -110,6 +130,7 @@ class Trainer:
         episodes = [e for g in groups for e in g.episodes]
         total = sum(sum(e.loss_mask[1:]) for e in episodes)
         sums, extremes = self._accumulate_gradients(episodes, adv_GN.flatten().tolist(), total)
+        balance = sums.pop(BALANCE, None)  # already the batch's: a sum of shares
         params = list(self.master.parameters())
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if isinstance(grad_norm, DTensor):
@@ -122,6 +143,8 @@ class Trainer:
         self.version += 1
         out = {k: v / max(total, 1) for k, v in sums.items()}
         out.update((k, v if math.isfinite(v) else 0.0) for k, v in extremes.items())
+        if balance is not None:
+            out[BALANCE] = balance
         out.update(
             reward_mean=rewards_GN.mean().item(), reward_std=rewards_GN.std(unbiased=False).item(),
             adv_mean=adv_GN.mean().item(), adv_std=adv_GN.std(unbiased=False).item(),
@@ -137,8 +160,10 @@ class Trainer:
     def _accumulate_gradients(self, episodes: list[Episode], advantages: list[float],
                               total: int) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward over this rank's share of the batch (`total` policy tokens in all), micro-batch by
-        micro-batch; returns the loss metrics over the whole batch: sums weighted by policy tokens, and extremes
-        (-inf / inf where no token counted)."""
+        micro-batch; returns the loss metrics over the whole batch: sums weighted by policy tokens (but `BALANCE`, the
+        sum of the micro-batches' shares of the batch's load-balancing loss), and extremes (-inf / inf where no token
+        counted)."""
+        all_tokens = sum(len(e.tokens) for e in episodes)  # of the batch, whatever this rank's share
         if self.cfg.fsdp:
             share = parallel.split_episodes([len(e.tokens) for e in episodes], self.world)[self.rank]
             episodes, advantages = [episodes[i] for i in share], [advantages[i] for i in share]
@@ -151,10 +176,12 @@ class Trainer:
         extremes: dict[str, float] = {}
         for idx in micro:
             n, metrics = self._backward([episodes[i] for i in idx] or [_PAD], [advantages[i] for i in idx] or [0.0],
-                                        total)
+                                        total, all_tokens)
             for key, value in metrics.items():
                 # a micro-batch without policy tokens reports zeros, which are no extremes
-                if key.endswith("_max"):
+                if key == BALANCE:
+                    sums[key] += value
+                elif key.endswith("_max"):
                     extremes[key] = max(extremes.get(key, -math.inf), value if n else -math.inf)
                 elif key.endswith("_min"):
                     extremes[key] = min(extremes.get(key, math.inf), value if n else math.inf)
@@ -195,7 +222,12 @@ class Trainer:
         logits = model.compute_logits(hidden[rows]) / self.temperature
         return torch.log_softmax(logits, dim=-1).gather(1, ids[rows + 1][:, None])[:, 0]
 
-    def _backward(self, episodes: list[Episode], advantages: list[float], total: int) -> tuple[int, dict]:
+    def _backward(self, episodes: list[Episode], advantages: list[float], total: int,
+                  all_tokens: int | None = None) -> tuple[int, dict]:
+        """Forward and backward over one micro-batch, its loss weighted by its share of the batch: of the batch's
+        `total` policy tokens (the policy loss) and of its `all_tokens` tokens (the load-balancing loss, whose
+        share is the metric `BALANCE`; None: the micro-batch is the batch). Returns the micro-batch's policy tokens
+        and its loss metrics."""
         def flat(values):
             return torch.tensor([v for e in values for v in e], dtype=torch.float32, device=self.device)
 
@@ -205,6 +237,7 @@ class Trainer:
         if not n:
             select[0] = True  # one row at least (masked out): the loss stays connected to every weight
         logprobs = self._token_logprobs(self.model, episodes, select)
+        balance = self._balance(episodes, all_tokens or sum(len(e.tokens) for e in episodes))
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
@@ -215,9 +248,33 @@ class Trainer:
             advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)])[select],
             loss_mask=mask[select], ref_logprobs=ref)
         loss, metrics = self.loss_fn(inp, self.loss_cfg)
-        if n or self.cfg.fsdp:  # under FSDP every rank runs every backward: its gradient reduction is collective
-            (loss * (n / max(total, 1))).backward()
+        loss = loss * (n / max(total, 1))
+        coef = self.cfg.load_balancing_coef
+        if balance is not None:
+            metrics[BALANCE] = balance.item()
+            if coef > 0:
+                loss = loss + coef * balance
+        # under FSDP every rank runs every backward: its gradient reduction is collective
+        if n or self.cfg.fsdp or (balance is not None and coef > 0):
+            loss.backward()
         return n, metrics
+
+    def _balance(self, episodes: list[Episode], all_tokens: int) -> torch.Tensor | None:
+        """The micro-batch's share of the batch's load-balancing loss: each episode's loss weighted by its share of
+        the batch's `all_tokens` tokens (a padding micro-batch's is 0). Reads the router logits the MoE blocks kept in
+        the forward just run (and drops them). None for a dense model."""
+        blocks = self.model.moe_blocks
+        if not blocks:
+            return None
+        logits = [block.router_logits for block in blocks]
+        for block in blocks:
+            block.router_logits = None
+        lens = [len(e.tokens) for e in episodes]
+        weights_S = torch.tensor([0.0 if e is _PAD else n / all_tokens for e, n in zip(episodes, lens, strict=True)],
+                                 device=self.device)
+        with torch.set_grad_enabled(self.cfg.load_balancing_coef > 0):  # (only reported: no graph to keep)
+            per_episode_S = load_balancing_loss(logits, self.model.config.num_experts_per_tok, lens)
+            return (per_episode_S * weights_S).sum()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, full tensor in the compute dtype) per parameter, as `named_parameters` names them
