@@ -393,7 +393,7 @@ class TrainerConfig:
     about one more forward). `fsdp`: shard the model with FSDP2 over all ranks of the initialised default process
     group, each rank training on its share of every batch. `compile`: on CUDA without FSDP, each decoder layer's
     regions around attention through `torch.compile` (`tandem.trainer.trainer.compile_layers`: a mixture-of-experts
-layer's region after attention stays eager; the first steps compile).
+    layer's region after attention stays eager; the first steps compile).
     `fused_kernels` (when not compiling): on CUDA without FSDP, RMSNorm, RoPE and SiLU-and-multiply through Triton
     kernels with backward passes (`tandem.kernels.training`); off by default (BENCHMARKS.md: slower than compiling
     and than eager). `load_balancing_coef`: for a mixture-of-experts model, the weight of the routers'
