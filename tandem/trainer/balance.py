@@ -31,7 +31,7 @@ def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int, seq_lens:
         probs_TE = p_TE if probs_TE is None else probs_TE + p_TE
     device = probs_TE.device
     lens_S = torch.tensor(seq_lens, device=device)
-    seq_T = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens_S)
+    seq_T = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens_S, output_size=sum(seq_lens))
     picks_SE = torch.zeros(len(seq_lens), E, device=device).index_add_(0, seq_T, picks_TE)
     probs_SE = torch.zeros(len(seq_lens), E, device=device).index_add_(0, seq_T, probs_TE)
     rows_S = (lens_S * len(router_logits)).float()
