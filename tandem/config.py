@@ -134,6 +134,8 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.mlp_only_layers, list):  # (as JSON and TOML give it)
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         check_fields(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("model.num_attention_heads: must be a multiple of num_key_value_heads "

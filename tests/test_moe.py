@@ -152,5 +152,6 @@ def test_the_moe_preset_and_the_published_shape():
     assert ModelConfig.from_hf_dict(big.to_hf_dict()) == big
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         dataclasses.replace(tiny, num_experts_per_tok=7)
+    assert dataclasses.replace(tiny, mlp_only_layers=[0, 2]).mlp_only_layers == (0, 2)  # (a list, as JSON gives it)
     with pytest.raises(ValueError, match="mlp_only_layers"):
-        dataclasses.replace(tiny, mlp_only_layers=[0])
+        dataclasses.replace(tiny, mlp_only_layers=["0"])

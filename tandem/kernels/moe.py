@@ -136,21 +136,22 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     return order, torch.stack([e, first, end]).to(torch.int32)
 
 
-def _blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) from host-known sizes: tiles as tall as the pairs an expert gets on
-    average (16, `tl.dot`'s minimum, in decode), so few rows of a tile are padding."""
+def _blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) from host-known sizes: tiles as tall as the pairs an
+    expert gets on average (16, `tl.dot`'s minimum, in decode), so few rows of a tile are padding."""
     if _interpreted():
-        return 16, 32, 32, 4  # the CPU interpreter: few, small programs
+        return 16, 32, 32, 4, 1  # the CPU interpreter: few, small programs
     per_expert = num_pairs / max(1, num_experts)
     if per_expert <= 16:
-        return 16, 64, 128, 4
+        return 16, 64, 128, 4, 3
     if per_expert <= 32:
-        return 32, 64, 64, 4
-    return 64, 128, 64, 8
+        return 32, 64, 64, 4, 3
+    return 64, 128, 64, 8, 3
 
 
 def fused_experts(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torch.Tensor,
-                  local_ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+                  local_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                  blocks: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Each token's sum over its k routed experts of weight * down(silu(gate(x)) * up(x)): `Qwen3Experts`'s
     kernel (its `reference`'s contract, for inference: no autograd).
 
@@ -160,7 +161,8 @@ def fused_experts(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torc
     local_ids_TK: integer expert ids; ids in [0, E) are this rank's experts, any other id is another rank's and
       contributes nothing. weights_TK: routing weights, x's dtype.
     Returns a new contiguous [T, H] tensor of x's dtype (zeros for a token none of whose experts is here).
-    Reads the routing only on the device, and allocates from T * k and E alone (CUDA-graph capturable)."""
+    Reads the routing only on the device, and allocates from T * k and E alone (CUDA-graph capturable).
+    `blocks`: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) instead of `_blocks`' (to tune them)."""
     T, H = x_TH.shape
     E, two_inter, _ = gate_up_E2IH.shape
     inter, top_k = two_inter // 2, local_ids_TK.shape[1]
@@ -172,7 +174,7 @@ def fused_experts(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torc
     y_MH = torch.zeros(M, H, dtype=x_TH.dtype, device=x_TH.device)  # another rank's pairs stay zero
     if M == 0:
         return y_MH.view(T, top_k, H).sum(dim=1)
-    block_m, block_n, block_k, num_warps = _blocks(M, E)
+    block_m, block_n, block_k, num_warps, num_stages = blocks or _blocks(M, E)
     order, tiles = _tiles(local_ids_TK, E, block_m)
     num_tiles = tiles.shape[1]
     act_MI = torch.empty(M, inter, dtype=x_TH.dtype, device=x_TH.device)  # rows in `order`'s order
@@ -184,10 +186,10 @@ def fused_experts(x_TH: torch.Tensor, gate_up_E2IH: torch.Tensor, down_EHI: torc
         x_TH, gate_up_E2IH, order, tiles, act_MI, num_tiles, top_k, H, inter,
         x_TH.stride(0), *gate_up_E2IH.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     _down_kernel[(num_tiles, triton.cdiv(H, block_n))](
         act_MI, down_EHI, order, tiles, weights_TK.reshape(-1), y_MH, num_tiles, H, inter,
         *down_EHI.stride(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        num_warps=num_warps)
+        num_warps=num_warps, num_stages=num_stages)
     return y_MH.view(T, top_k, H).sum(dim=1)
