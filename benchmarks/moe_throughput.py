@@ -170,15 +170,17 @@ def top_kernels(step, device: torch.device, steps: int = 5, top: int = 12) -> tu
 
 
 def print_tables(results: dict, args: argparse.Namespace, num_experts: int, bw: float) -> None:
-    hf_tok_s, job_tok_s, sweep = results["hf_tok_s"], results["engine_job_tok_s"], results["decode"]
-    print(f"(c) against HF generate at each batch ({PROMPT_LEN} in, {args.new_tokens} out): the same job through "
-          f"the engine, and the decode step of (d) at context {args.context}:\n")
-    print("| batch | HF generate tok/s | tandem, same job tok/s | tandem / HF | decode step (d) tok/s | (d) / HF |\n"
-          "|---|---|---|---|---|---|")
-    for row in sweep:
-        b = row["batch"]
-        print(f"| {b} | {hf_tok_s[b]:,.1f} | {job_tok_s[b]:,.0f} | {job_tok_s[b] / hf_tok_s[b]:.1f}x | "
-              f"{row['tok_s']:,.0f} | {row['tok_s'] / hf_tok_s[b]:.1f}x |")
+    sweep = results["decode"]
+    if "hf_tok_s" in results:
+        hf_tok_s, job_tok_s = results["hf_tok_s"], results["engine_job_tok_s"]
+        print(f"(c) against HF generate at each batch ({PROMPT_LEN} in, {args.new_tokens} out): the same job "
+              f"through the engine, and the decode step of (d) at context {args.context}:\n")
+        print("| batch | HF generate tok/s | tandem, same job tok/s | tandem / HF | decode step (d) tok/s | (d) / HF "
+              "|\n|---|---|---|---|---|---|")
+        for row in sweep:
+            b = row["batch"]
+            print(f"| {b} | {hf_tok_s[b]:,.1f} | {job_tok_s[b]:,.0f} | {job_tok_s[b] / hf_tok_s[b]:.1f}x | "
+                  f"{row['tok_s']:,.0f} | {row['tok_s'] / hf_tok_s[b]:.1f}x |")
     print(f"\n(d) decode step at context {args.context} ({args.iters} steps timed a batch size); bytes = dense "
           "weights + embedding rows, touched experts, KV:\n")
     print("| batch | step ms | tok/s | experts touched / layer (min-max) | dense + experts + KV GB | achieved GB/s "
@@ -211,6 +213,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20, help="decode sweep: timed steps per batch size")
     parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
+    parser.add_argument("--decode-only", action="store_true", help="only the decode sweep (d) and profile (e)")
     parser.add_argument("--out", help="also write the results to this JSON file")
     args = parser.parse_args()
     if args.quick:  # the quick sizes, unless given explicitly
@@ -243,8 +246,23 @@ def measure(args: argparse.Namespace, results: dict) -> None:
           f"({config.num_experts_per_tok} per token) in {len(model.moe_blocks)} of {config.num_hidden_layers} "
           f"layers, built in {time.perf_counter() - t0:.1f} s\n")
 
-    # (a) Hugging Face first: its twin holds no weights of its own, but its activations and KV must be gone before
-    # the engine sizes its pool
+    if not args.decode_only:
+        hf_runs = hf_part(model, args, results, device)
+    t0 = time.perf_counter()
+    engine = Engine(model, EngineConfig(device=args.device, num_pages=0 if cuda else 4096, page_size=16,
+                                        max_running_requests=max(256, *args.batches), max_prefill_tokens=8192))
+    print(f"engine start-up (pool of {engine.pool.num_pages} pages, graphs): {time.perf_counter() - t0:.1f} s; "
+          f"CUDA graphs {bool(engine.runner.graphs)}, fused kernels {model.fused is not None}\n")
+    if not args.decode_only:
+        workload_part(engine, config, args, results, hf_runs)
+    decode_part(engine, model, args, results, device)
+    print_tables(results, args, config.num_experts, bw)
+    engine.shutdown()
+
+
+def hf_part(model, args, results: dict, device) -> dict:
+    """(a) Hugging Face first: its twin holds no weights of its own, but its activations and KV must be gone before
+    the engine sizes its pool."""
     hf = hf_twin(model)
     hf_generate(hf, 1, 2, device)  # warm-up (cuBLAS handles, allocator)
     hf_runs = {b: hf_generate(hf, b, args.new_tokens, device) for b in args.batches}
@@ -254,14 +272,14 @@ def measure(args: argparse.Namespace, results: dict) -> None:
           + ", ".join(f"batch {b} {v:,.1f}" for b, v in hf_tok_s.items()) + " tok/s\n")
     del hf
     gc.collect()
-    if cuda:
+    if device.type == "cuda":
         torch.cuda.empty_cache()
+    return hf_runs
 
-    t0 = time.perf_counter()
-    engine = Engine(model, EngineConfig(device=args.device, num_pages=0 if cuda else 4096, page_size=16,
-                                        max_running_requests=max(256, *args.batches), max_prefill_tokens=8192))
-    print(f"engine start-up (pool of {engine.pool.num_pages} pages, graphs): {time.perf_counter() - t0:.1f} s; "
-          f"CUDA graphs {bool(engine.runner.graphs)}, fused kernels {model.fused is not None}\n")
+
+def workload_part(engine, config, args, results: dict, hf_runs: dict) -> None:
+    """(b) the workload and (c) HF's jobs through the engine."""
+    hf_tok_s = results["hf_tok_s"]
 
     # (b) the workload, after a warm-up on a quarter of it with short outputs (Triton compiles a kernel per new
     # constexpr signature)
@@ -278,13 +296,17 @@ def measure(args: argparse.Namespace, results: dict) -> None:
           f"({steps} steps); HF generate's best (batch {max(hf_tok_s, key=hf_tok_s.get)}): {hf_best:,.1f} tok/s; "
           f"tandem / HF = **{tok_s / hf_best:.1f}x**\n")
 
-    # (c) the same jobs through the engine; (d) the decode sweep
+    # (c) the same jobs through the engine
     jobs = {b: asyncio.run(engine_job(engine, b, args.new_tokens)) for b in args.batches}
     results["engine_job_tok_s"] = {b: tok_s for b, (tok_s, _) in jobs.items()}
     # the same model on both sides: greedy first tokens agree (up to bf16 near-ties of random weights)
     same = [a == b for batch in args.batches for a, b in zip(jobs[batch][1], hf_runs[batch][1], strict=True)]
     results["first_token_agreement"] = sum(same) / len(same)
     print(f"first generated token equal to HF's in {sum(same)} of {len(same)} rows of the jobs\n")
+
+
+def decode_part(engine, model, args, results: dict, device) -> None:
+    """(d) the decode sweep and (e) the profile of one step."""
     gen = torch.Generator().manual_seed(0)
     sweep = results["decode"] = []
     width = cdiv(args.context, engine.pool.page_size)  # the block table's columns in use (for the eager runs)
@@ -298,9 +320,6 @@ def measure(args: argparse.Namespace, results: dict) -> None:
                           "experts_touched": touched, "bytes_per_s": sum(read.values()) / sec})
         kernels, kernel_us = top_kernels(sweep_step(engine, args.profile_batch, args.context, gen), device)
     results["profile"] = {"batch": args.profile_batch, "kernel_us_per_step": kernel_us, "top": kernels}
-
-    print_tables(results, args, config.num_experts, bw)
-    engine.shutdown()
 
 
 def main() -> None:

@@ -112,7 +112,8 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, tiles_ptr, weights_ptr, y_ptr, num_t
 
 
 def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pairs grouped by expert, on the device (no host sync; sizes from M and E only).
+    """The pairs grouped by expert, on the device (no host sync; sizes from M and E only); up to
+    `PAIR_TILES_UPTO` pairs, a tile per pair instead.
 
     Returns (order [M]: flat pair indices t * k + slot sorted by expert, the other ranks' pairs last;
     tiles [3, N] int32: each tile's expert, first and end row of `order`). A tile holds at most `block_m` pairs
@@ -121,8 +122,19 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     M, E, device = local_ids_TK.numel(), num_experts, local_ids_TK.device
     ids = local_ids_TK.reshape(-1)
     keys = torch.where((ids >= 0) & (ids < E), ids, E)  # E: another rank's expert
-    sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
-    bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))  # expert e: [bounds[e], bounds[e + 1])
+    if M <= PAIR_TILES_UPTO:  # a tile per pair, in the pairs' order: no grouping kernels at all
+        order = torch.arange(M, device=device)
+        end = torch.where(keys < E, order + 1, order)  # (another rank's pair: an empty tile)
+        return order, torch.stack([keys.clamp(max=E - 1), order, end]).to(torch.int32)
+    if M * (E + 1) <= COUNTING_UPTO:  # a counting sort: a few elementwise kernels, where a sort costs more
+        onehot = keys[:, None] == torch.arange(E + 1, device=device)  # [M, E + 1]
+        counts = onehot.sum(dim=0)
+        bounds = torch.cumsum(counts, 0) - counts  # expert e: [bounds[e], bounds[e + 1])
+        rank = torch.cumsum(onehot, 0).gather(1, keys[:, None]).squeeze(1) - 1  # among the pairs of its expert
+        order = torch.empty_like(keys).scatter_(0, bounds[keys] + rank, torch.arange(M, device=device))
+    else:
+        sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
+        bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))
     num_expert_tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
     tiles_end = torch.cumsum(num_expert_tiles, 0)
     tile = torch.arange(M // block_m + min(E, M), device=device)
@@ -134,6 +146,14 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     first = torch.where(in_use, first, 0)
     end = torch.where(in_use, end, 0)
     return order, torch.stack([e, first, end]).to(torch.int32)
+
+
+# Up to this many pairs (decode at a batch of a few tokens) each pair is its own tile: the grouping's sort and
+# searches cost more than reading an expert twice when two of so few pairs share it.
+PAIR_TILES_UPTO = 32
+# Up to this many (pair, expert) cells the pairs are grouped by counting (a one-hot matrix's prefix sums) rather than
+# sorted (decode batches; a prefill's tens of thousands of pairs sort).
+COUNTING_UPTO = 1 << 20
 
 
 def _blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
