@@ -3,6 +3,7 @@ does, also when every token routes to one rank's experts; ranks that route diffe
 sentinel (and without it would mix two routings silently); a rank stuck in an expert all-reduce is named by
 `tandem analyze`."""
 
+import asyncio
 import dataclasses
 import faulthandler
 import functools
@@ -46,7 +47,7 @@ class SkewedAfter:
 moe_route = moe.route
 
 
-def _rank_main(rank, port, results, size, ep, config, route):
+def _rank_main(rank, port, results, size, ep, config, route, work=generate):
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(RANK_STACKS_S, exit=True)
     tp = init_tp(rank, size, f"tcp://127.0.0.1:{port}", "gloo", ep=ep)
@@ -55,7 +56,7 @@ def _rank_main(rank, port, results, size, ep, config, route):
     engine = engine_or_follow("tiny-moe", config, tp)
     if engine is not None:
         try:
-            results.put(generate(engine, mixed_requests())[0])
+            results.put(work(engine, mixed_requests())[0])
         except Exception as e:  # noqa: BLE001 (the test asserts on it)
             results.put(e)
         finally:
@@ -63,17 +64,32 @@ def _rank_main(rank, port, results, size, ep, config, route):
     dist.destroy_process_group()
 
 
-def run_ep(size, ep, config=POOL, route=None):
-    return run_ranks(functools.partial(_rank_main, size=size, ep=ep, config=config, route=route), size, ())[0]
+def run_ep(size, ep, config=POOL, route=None, work=generate):
+    return run_ranks(functools.partial(_rank_main, size=size, ep=ep, config=config, route=route, work=work), size,
+                     ())[0]
 
 
-def run_one(route=moe_route, config=POOL):
+def run_one(route=moe_route, config=POOL, work=generate):
     moe.route = route
     try:
         with Engine("tiny-moe", config) as engine:
-            return generate(engine, mixed_requests())[0]
+            return work(engine, mixed_requests())[0]
     finally:
         moe.route = moe_route
+
+
+def updated_then_generate(engine, requests):
+    """Load another model's weights in place from flat buckets, as a transport delivers them (the experts stacked,
+    as a trainer sends them: every rank keeps its experts), then generate."""
+    from tandem.model.loader import build_model
+    from tandem.transport.weights import FlatTensors
+
+    named = list(build_model("tiny-moe", seed=7).named_parameters())
+    halves = [named[:9], named[9:]]
+    flat = FlatTensors([([n for n, _ in h], [list(t.shape) for _, t in h],
+                         torch.cat([t.detach().reshape(-1) for _, t in h])) for h in halves])
+    asyncio.run(engine.load_paused(flat, 1, "in_place"))
+    return generate(engine, requests)
 
 
 def assert_same(got, expected):
@@ -86,6 +102,12 @@ def assert_same(got, expected):
 def test_expert_parallel_ranks_generate_what_one_rank_does(size, ep):
     """Greedy and seeded sampling, shared prefixes and retraction; (4, 2) is TP=2 x EP=2."""
     assert_same(run_ep(size, ep), run_one())
+
+
+def test_a_weight_update_reaches_every_ranks_experts():
+    expected = run_one(work=updated_then_generate)
+    assert_same(run_ep(2, 2, work=updated_then_generate), expected)
+    assert [ids for ids, _, _ in expected] != [ids for ids, _, _ in run_one()]  # the update changed the outputs
 
 
 def test_every_token_routed_to_one_ranks_experts_still_matches():
