@@ -1,6 +1,7 @@
-"""The fused MoE kernel's tile sizes (`tandem.kernels.moe.fused_experts`), at Qwen3-30B-A3B's expert shape: for each
-decode batch size and candidate (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), microseconds per layer and the
-bandwidth over the bytes of the experts the batch touched, against a device-to-device copy in the same run.
+"""The fused MoE kernel's tile sizes (`tandem.kernels.moe.fused_experts`) at Qwen3-30B-A3B's expert shape: for each
+decode batch size and candidate (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), microseconds per layer (a CUDA
+graph's replay, as in the engine's decode step) and the bandwidth over the bytes of the experts the batch touched,
+against a device-to-device copy in the same run.
 
     python benchmarks/moe_kernel_blocks.py [--batches 1 64 256] [--out FILE]
 """
@@ -27,6 +28,15 @@ def candidates(batch: int, top_k: int, num_experts: int):
     return [current] + [c for c in grid if c != current]
 
 
+def graphed(fn):
+    """`fn` captured in a CUDA graph (as the engine's decode step runs it: no host launch overhead); its replay."""
+    fn()  # (compiles the kernels outside the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
@@ -50,8 +60,8 @@ def main() -> None:
         rows = []
         for blocks in candidates(batch, k, E):
             try:
-                sec = seconds_per_call(functools.partial(fused_experts, x, gate_up, down, ids, weights, blocks),
-                                       args.iters, device)
+                sec = seconds_per_call(graphed(functools.partial(fused_experts, x, gate_up, down, ids, weights,
+                                                                 blocks)), args.iters, device)
             except Exception as e:  # noqa: BLE001 (a candidate the compiler refuses, e.g. out of shared memory)
                 print(f"batch {batch} {blocks}: {type(e).__name__}")
                 continue
