@@ -1,5 +1,6 @@
-"""`tandem serve` (the engine behind SGLang's HTTP API), `tandem run` (the RL loop on the random agent) and
-`tandem analyze DUMP_DIR` (which rank hung where, from the flight recorders' files)."""
+"""`tandem serve` (the engine behind SGLang's HTTP API), `tandem router` (one such endpoint in front of several
+servers), `tandem run` (the RL loop on the random agent) and `tandem analyze DUMP_DIR` (which rank hung where, from
+the flight recorders' files)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,21 @@ def _server_options(args):
                          weight_dirs=tuple(weight_dirs))
 
 
+def _router(args) -> None:
+    from tandem.server.router import RouterConfig, serve_router
+
+    options = _server_options(args)
+    config = RouterConfig(
+        servers=tuple(args.server or ()), prefill=tuple(args.prefill or ()), decode=tuple(args.decode or ()),
+        backend_api_key=args.backend_api_key or os.environ.get("TANDEM_BACKEND_API_KEY") or None,
+        backend_admin_api_key=args.backend_admin_api_key or os.environ.get("TANDEM_BACKEND_ADMIN_API_KEY") or None,
+        connect_timeout_s=args.connect_timeout)
+    for role in ("servers", "prefill", "decode"):
+        if getattr(config, role):
+            logging.info("routing to %s: %s", role, " ".join(getattr(config, role)))
+    serve_router(config, host=args.host, port=args.port, options=options)
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -140,6 +156,27 @@ def main(argv: list[str] | None = None) -> None:
                        help="a directory /update_weights_from_disk may read (repeatable; default: --model's)")
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
     serve.set_defaults(fn=_serve)
+
+    router = sub.add_parser("router", help="route SGLang's native HTTP API to several servers: replicas "
+                            "(--server), or prefill and decode servers (--prefill, --decode)")
+    router.add_argument("--server", nargs="+", metavar="URL", help="unified servers' base URLs (replicas)")
+    router.add_argument("--prefill", nargs="+", metavar="URL", help="prefill servers' base URLs")
+    router.add_argument("--decode", nargs="+", metavar="URL", help="decode servers' base URLs")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=30000)
+    router.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint "
+                        "but /health (or TANDEM_API_KEY)")
+    router.add_argument("--admin-api-key", default=None, help="required instead on the admin endpoints (pause, "
+                        "weights, flush, abort all; or TANDEM_ADMIN_API_KEY)")
+    router.add_argument("--allow-unauthenticated", action="store_true",
+                        help="allow --host beyond loopback without an API key")
+    router.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
+    router.add_argument("--backend-api-key", default=None,
+                        help="sent to the servers as their client key (or TANDEM_BACKEND_API_KEY)")
+    router.add_argument("--backend-admin-api-key", default=None, help="sent to the servers on admin calls: "
+                        "pause, weights, flush, aborts (or TANDEM_BACKEND_ADMIN_API_KEY)")
+    router.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to connect to a server")
+    router.set_defaults(fn=_router, weight_dir=[])  # it loads no weights (_server_options); its servers check theirs
 
     run = sub.add_parser("run", help="run fully-async RL on the random agent (or another task)")
     run.add_argument("--config", default=None, help="a TOML run config; the embedded default if absent")

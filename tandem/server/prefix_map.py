@@ -1,0 +1,93 @@
+"""Cache-aware, sticky placement for the router: which server of a pool a prompt goes to.
+
+A prompt is cut into pages of `page_tokens` tokens; page i's key is a hash of page i chained with page i-1's key,
+so one key names the whole prefix up to its page's end. A `PrefixMap` remembers, for the most recently used keys,
+the server that last took a request with that prefix. A `Pool` sends a prompt to the server of its deepest known
+key (the server whose prefix cache holds most of it: every turn of an episode extends the previous turn, so they
+all go where the first went), else to the least-loaded server (fewest prompts in flight, then fewest routed).
+Then every key of the prompt maps to the chosen server. A hash collision (64 bits) only costs a cache miss.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+PAGE_TOKENS = 16
+
+
+def page_keys(input_ids: list[int], page_tokens: int = PAGE_TOKENS) -> list[int]:
+    """The chained key of each full page of `input_ids` (a partial last page has none)."""
+    keys, key = [], 0
+    for end in range(page_tokens, len(input_ids) + 1, page_tokens):
+        key = hash((key, *input_ids[end - page_tokens:end]))
+        keys.append(key)
+    return keys
+
+
+class PrefixMap:
+    """Page keys -> a server's index, at most `capacity` keys (the least recently used dropped first)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity: must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._server: OrderedDict[int, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._server)
+
+    def deepest(self, keys: list[int]) -> tuple[int, int] | None:
+        """(depth in pages, server) of the deepest of `keys` known, or None."""
+        for depth in range(len(keys), 0, -1):
+            server = self._server.get(keys[depth - 1])
+            if server is not None:
+                return depth, server
+        return None
+
+    def record(self, keys: list[int], server: int) -> None:
+        for key in keys:
+            self._server[key] = server
+            self._server.move_to_end(key)
+        while len(self._server) > self.capacity:
+            self._server.popitem(last=False)
+
+
+@dataclass(eq=False)  # one per server: compared by identity
+class Backend:
+    """One server behind the router, with the router's counters for it (in prompts: a batch of n counts n)."""
+
+    url: str
+    role: str  # "unified", "prefill" or "decode"
+    in_flight: int = 0
+    routed: int = 0
+    errors: int = 0  # requests it failed (no answer, or an error status other than the client's fault)
+
+
+class Pool:
+    """The servers of one role and the prefix map that places prompts on them. Not thread-safe: the router's
+    event loop owns it."""
+
+    def __init__(self, backends: list[Backend], page_tokens: int = PAGE_TOKENS, capacity: int = 1 << 18):
+        if not backends:
+            raise ValueError("a pool needs at least one server")
+        self.backends, self.page_tokens = backends, page_tokens
+        self.map = PrefixMap(capacity)
+
+    def choose(self, prompts: list[list[int]]) -> Backend:
+        """The server for a request of `prompts` (one, or a batch sent whole: the deepest prefix any of them has
+        decides); records every page of every prompt as placed there. Does not count the request in flight."""
+        keys = [page_keys(p, self.page_tokens) for p in prompts]
+        known = [found for k in keys if (found := self.map.deepest(k)) is not None]
+        if known:
+            index = max(known)[1]
+        else:
+            index = min(range(len(self.backends)),
+                        key=lambda i: (self.backends[i].in_flight, self.backends[i].routed, i))
+        for k in keys:
+            self.map.record(k, index)
+        return self.backends[index]
+
+    def remember(self, prompt: list[int], server: Backend) -> None:
+        """Record `prompt` (a prompt and what the server generated after it) as cached on `server`."""
+        self.map.record(page_keys(prompt, self.page_tokens), self.backends.index(server))

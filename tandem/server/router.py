@@ -1,0 +1,359 @@
+"""`tandem router`: one HTTP endpoint in front of several servers, speaking their API (SGLang's native one, as
+`tandem serve` does), so clients (the rollout manager's `EngineClient`, SGLang's clients, curl) never know the
+difference.
+
+Modes (`RouterConfig`): replicas, a `/generate` going to one of several unified servers; or prefill/decode, a
+`/generate` going to a decode server with one field added, `"bootstrap": {"prefill_url": <a prefill server's base
+URL>}` (`with_bootstrap`): the decode server fetches the prompt's KV from that prefill server and answers like a
+unified server.
+
+Routes:
+  - `/generate`: placed by `tandem.server.prefix_map` (every turn of an episode on one server; a new episode on the
+    least loaded), in prefill/decode mode the decode and the prefill server each by a pool of its own. A batch
+    (`input_ids` a list of lists) goes whole to one server, so the server's own rules for a batch hold (its size
+    limit, its 400s naming `input_ids[i][j]`, rids unique within it). The server's reply is relayed as it is, a
+    400 (the client's fault) included; a server that does not answer, or answers another error, makes a 502
+    naming it. A client that disconnects has its connection to the server closed, which aborts its requests there
+    (as `tandem serve` aborts a disconnected client's).
+  - `/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weights_from_disk`, `/abort_request`:
+    checked here with the server's body models, then sent to every server at once (prefill and decode alike). A
+    success once every server succeeded; else an error naming each server that failed and why, and those where it
+    succeeded (a 400 if every failure was a 400, else a 502).
+  - `/health`: healthy when every server is. `/get_model_info`: the first (decode) server's. `/get_server_info`:
+    the first (decode) server's, with the router's view under `"router"` (its mode and, per server, its counters).
+    `/engine_stats`: the servers' engine stats summed (times in engine-seconds, `weight_version` the lowest), so
+    `EngineClient.get_stats` reads the router as one engine. `/metrics`: the router's counters per server.
+  - the weight-group routes are a 400: a group is joined by one server per rank, so fanning them out is
+    meaningless; send them to each server.
+Keys: `Guard` checks the router's clients under the router's own `ServerOptions`; the router sends its servers
+`backend_api_key`, and `backend_admin_api_key` on the admin routes and fan-outs (each falling back to the other).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import urllib.parse
+from contextlib import asynccontextmanager
+from typing import Literal
+
+import pydantic_core
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tandem.server.bodies import AbortBody, DiskUpdateBody, NoBody, PauseBody
+from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions
+from tandem.server.http import MAX_CONNECTIONS, _bad_request, _error, _InternalErrors, _json, _refuse
+from tandem.server.prefix_map import PAGE_TOKENS, Backend, Pool
+from tandem.server.upstream import Reply, Upstream
+
+FAN_OUT = {"/pause_generation": PauseBody, "/continue_generation": NoBody, "/flush_cache": NoBody,
+           "/update_weights_from_disk": DiskUpdateBody, "/abort_request": AbortBody}
+WEIGHT_GROUP_PATHS = ("/init_weights_update_group", "/update_weights_from_distributed",
+                      "/destroy_weights_update_group")
+RELAYED = frozenset({200, 400, 408, 413})  # a server's statuses passed on as they are; others make a 502
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """The servers behind the router, each a base URL: `servers` (replicas), or `prefill` and `decode`."""
+
+    servers: tuple[str, ...] = ()
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    backend_api_key: str | None = None
+    backend_admin_api_key: str | None = None
+    connect_timeout_s: float = 5.0
+    control_timeout_s: float = 600.0  # bounds each read of every call but a generate (`tandem.server.upstream`)
+    health_timeout_s: float = 5.0
+    page_tokens: int = PAGE_TOKENS
+    prefix_map_pages: int = 1 << 18  # per pool
+
+    def __post_init__(self):
+        if bool(self.servers) == bool(self.prefill or self.decode):
+            raise ValueError("servers: give the replicas' URLs, or prefill and decode servers' URLs (not both)")
+        if not self.servers and not (self.prefill and self.decode):
+            raise ValueError("prefill, decode: prefill/decode mode needs at least one server of each")
+        for field in ("servers", "prefill", "decode"):
+            object.__setattr__(self, field, tuple(_base_url(u, field) for u in getattr(self, field)))
+        urls = [*self.servers, *self.prefill, *self.decode]
+        if len(set(urls)) < len(urls):
+            raise ValueError(f"servers: {next(u for u in urls if urls.count(u) > 1)} is named twice")
+        if not all(0 < t < float("inf") for t in (self.connect_timeout_s, self.control_timeout_s,
+                                                  self.health_timeout_s)):
+            raise ValueError("connect_timeout_s, control_timeout_s, health_timeout_s: must be positive and finite")
+        if self.page_tokens < 1:
+            raise ValueError(f"page_tokens: must be at least 1, got {self.page_tokens}")
+
+    @property
+    def mode(self) -> Literal["replicas", "prefill_decode"]:
+        return "replicas" if self.servers else "prefill_decode"
+
+
+def _base_url(url: str, field: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(f"{field}: {url!r} is not a server's base URL (such as http://127.0.0.1:30000)")
+    return url.rstrip("/")
+
+
+def with_bootstrap(body: dict, prefill_url: str) -> dict:
+    """The `/generate` body a decode server gets: the client's, plus the prefill server to fetch the KV from."""
+    if "bootstrap" in body:
+        raise ValueError("bootstrap: the router sets it (it picks the prefill server); leave it out")
+    return {**body, "bootstrap": {"prefill_url": prefill_url}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a `/generate` goes: `target` (a decode server in prefill/decode mode) with `body`, naming `source`."""
+
+    target: Backend
+    source: Backend | None
+    body: bytes
+    prompts: list[list[int]]  # empty if the body is not a well-formed request (the server then says why)
+
+
+class Router:
+    """The router's state: its pools of servers with their counters, and its connections to them (`upstream`,
+    opened in the serving event loop). Everything runs on that loop."""
+
+    def __init__(self, config: RouterConfig):
+        self.config = config
+        pool = lambda urls, role: Pool([Backend(u, role) for u in urls], config.page_tokens, config.prefix_map_pages)
+        self.pool = pool(config.servers, "unified") if config.servers else pool(config.decode, "decode")
+        self.prefill = pool(config.prefill, "prefill") if config.prefill else None
+        self.backends = self.pool.backends + (self.prefill.backends if self.prefill else [])
+        self.upstream = Upstream(config.connect_timeout_s, config.backend_api_key, config.backend_admin_api_key)
+
+    def place(self, raw: bytes) -> Placement:
+        """Choose the server(s) for a `/generate` body (recording its prompts there) and shape the body it gets.
+        ValueError for a body the router itself refuses."""
+        try:
+            body = pydantic_core.from_json(raw)
+        except ValueError:
+            body = None
+        prompts = _prompts(body)
+        target = self.pool.choose(prompts)
+        if self.prefill is None or not isinstance(body, dict):
+            return Placement(target, None, raw, prompts)
+        source = self.prefill.choose(prompts)
+        return Placement(target, source, pydantic_core.to_json(with_bootstrap(body, source.url)), prompts)
+
+    async def generate(self, request: Request) -> Response:
+        placed = self.place(await request.body())
+        servers, n = [b for b in (placed.target, placed.source) if b is not None], max(len(placed.prompts), 1)
+        for b in servers:
+            b.in_flight, b.routed = b.in_flight + n, b.routed + n
+        try:
+            reply = await _unless_disconnected(request, self.call(placed.target, "POST", "/generate", placed.body))
+        finally:
+            for b in servers:
+                b.in_flight -= n
+        if reply is None:
+            return Response(status_code=499)  # nginx's "client closed request"; nobody is listening anyway
+        if reply.status == 200:
+            self._remember_outputs(placed, reply.content)
+        return self._relay(placed.target, "POST /generate", reply)
+
+    def _remember_outputs(self, placed: Placement, content: bytes) -> None:
+        """The target's cache now holds each prompt followed by its output, which the episode's next turn extends."""
+        outs = pydantic_core.from_json(content)
+        for prompt, out in zip(placed.prompts, outs if isinstance(outs, list) else [outs], strict=False):
+            if isinstance(out, dict) and isinstance(out.get("output_ids"), list):
+                self.pool.remember(prompt + out["output_ids"], placed.target)
+
+    async def fan_out(self, path: str, raw: bytes) -> Response:
+        replies = await asyncio.gather(*(self.call(b, "POST", path, raw, self.config.control_timeout_s, admin=True)
+                                         for b in self.backends))
+        failed = [(b, r) for b, r in zip(self.backends, replies, strict=True) if r.status != 200]
+        if not failed:
+            return Response(replies[0].content, 200, media_type="application/json")
+        succeeded = [b.url for b, r in zip(self.backends, replies, strict=True) if r.status == 200]
+        message = (f"{path} failed on {len(failed)} of {len(self.backends)} servers: "
+                   + "; ".join(f"server {b.url}: {r.reason()}" for b, r in failed)
+                   + (f" (it succeeded on {', '.join(succeeded)})" if succeeded else ""))
+        refused = all(r.status == 400 for _, r in failed)
+        for b, r in failed:
+            b.errors += r.status != 400
+        return _error(400 if refused else 502, message, "BadRequest" if refused else "BadGateway",
+                      extra={"success": False, "message": message})
+
+    async def health(self) -> Response:
+        replies = await asyncio.gather(*(self.call(b, "GET", "/health", None, self.config.health_timeout_s)
+                                         for b in self.backends))
+        failed = [f"server {b.url}: {r.reason()}" for b, r in zip(self.backends, replies, strict=True)
+                  if r.status != 200]
+        if failed:
+            return _error(503, "unhealthy: " + "; ".join(failed), "ServiceUnavailable")
+        return Response(status_code=200)
+
+    async def first(self, path: str) -> tuple[dict | None, Response | None]:
+        """The first (decode) server's JSON answer to `GET path`, or (None, the error reply)."""
+        backend = self.pool.backends[0]
+        reply = await self.call(backend, "GET", path, None, self.config.control_timeout_s)
+        if reply.status != 200:
+            return None, self._relay(backend, f"GET {path}", reply)
+        return pydantic_core.from_json(reply.content), None
+
+    async def engine_stats(self) -> Response:
+        replies = await asyncio.gather(*(self.call(b, "GET", "/engine_stats", None, self.config.control_timeout_s)
+                                         for b in self.backends))
+        for b, r in zip(self.backends, replies, strict=True):
+            if r.status != 200:
+                return self._relay(b, "GET /engine_stats", r)
+        return _json(_sum_stats([pydantic_core.from_json(r.content) for r in replies]))
+
+    def view(self) -> dict:
+        return {"mode": self.config.mode, "servers": [dataclasses.asdict(b) for b in self.backends]}
+
+    def call(self, backend: Backend, method: str, path: str, body: bytes | None,
+             read_timeout_s: float | None = None, admin: bool = False):
+        return self.upstream.call(backend.url, method, path, body, read_timeout_s, admin)
+
+    def _relay(self, backend: Backend, what: str, reply: Reply) -> Response:
+        if reply.status in RELAYED:
+            return Response(reply.content, reply.status, media_type="application/json")
+        backend.errors += 1
+        message = f"server {backend.url}: {what}: {reply.reason()}"
+        return _error(502, message, "BadGateway", extra={"success": False, "message": message})
+
+
+def _prompts(body) -> list[list[int]]:
+    """The prompts of a `/generate` body (one, or a batch), or [] if it has no well-formed `input_ids`."""
+    ids = body.get("input_ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list) or not ids:
+        return []
+    prompts = ids if isinstance(ids[0], list) else [ids]
+    ok = all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompts)
+    return prompts if ok else []
+
+
+def _sum_stats(stats: list[dict]) -> dict:
+    """One engine's stats from several: counters and gauges summed, flags all of them, `weight_version` the lowest."""
+    total = {}
+    for key, value in stats[0].items():
+        values = [s.get(key, value) for s in stats]
+        if key == "weight_version":
+            total[key] = min(values)
+        elif isinstance(value, bool):
+            total[key] = all(values)
+        elif isinstance(value, int | float):
+            total[key] = sum(values)
+        else:
+            total[key] = value
+    return total
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Await `coro` unless the client disconnects first: then cancel it (closing its connection to the server, which
+    aborts the request there) and return None."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, watcher], return_when=asyncio.FIRST_COMPLETED)
+        return task.result() if task.done() else None
+    finally:
+        task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Metrics:
+    """The router's counters per server, under `tandem:router_`, in a Prometheus registry of its own."""
+
+    def __init__(self, backends: list[Backend]):
+        self.backends = backends
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    def collect(self):
+        for name, doc, kind, get in (
+                ("requests", "Prompts routed to the server", CounterMetricFamily, lambda b: b.routed),
+                ("in_flight", "Prompts in flight on the server through this router", GaugeMetricFamily,
+                 lambda b: b.in_flight),
+                ("errors", "Requests the server failed (no answer, or an error not the client's)",
+                 CounterMetricFamily, lambda b: b.errors)):
+            family = kind(f"tandem:router_{name}", doc, labels=["server", "role"])
+            for b in self.backends:
+                family.add_metric([b.url, b.role], get(b))
+            yield family
+
+
+def build_router_app(config: RouterConfig, options: ServerOptions | None = None) -> FastAPI:
+    """A FastAPI app routing to `config`'s servers under `options` (the router's own keys and limits)."""
+    router = Router(config)
+    metrics = _Metrics(router.backends)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await router.upstream.open()
+        yield
+        await router.upstream.close()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan)
+    app.state.router = router
+    app.add_exception_handler(ValueError, _bad_request)
+    app.add_middleware(_InternalErrors)
+    app.add_middleware(Guard, options=options or ServerOptions(), reply=_refuse)  # outermost
+
+    app.add_api_route("/generate", router.generate, methods=["POST"])
+    for path, body_type in FAN_OUT.items():
+        app.add_api_route(path, _fan_out_route(router, path, body_type), methods=["POST"])
+
+    async def refuse_weight_group(request: Request):
+        raise ValueError(f"{request.url.path}: a weight group is joined by one server per rank; the router cannot "
+                         f"fan it out to its {len(router.backends)} servers: call each server directly")
+
+    for path in WEIGHT_GROUP_PATHS:
+        app.add_api_route(path, refuse_weight_group, methods=["POST"])
+
+    @app.get("/health")
+    async def health():
+        return await router.health()
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        info, error = await router.first("/get_model_info")
+        return error or _json(info)
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        info, error = await router.first("/get_server_info")
+        return error or _json({**info, "router": router.view()})
+
+    @app.get("/engine_stats")
+    async def engine_stats():
+        return await router.engine_stats()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _fan_out_route(router: Router, path: str, body_type):
+    async def route(request: Request):
+        body = await body_type.from_request(request)  # refused here once, rather than by every server
+        if getattr(body, "abort_all", False) and not request.scope[ADMIN]:
+            raise Refused(403, "abort_all: aborting every request needs the admin API key")
+        return await router.fan_out(path, await request.body())
+
+    return route
+
+
+def serve_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 30000,
+                 options: ServerOptions | None = None) -> None:
+    """Serve the router until interrupted (blocking)."""
+    options = options or ServerOptions()
+    uvicorn.run(build_router_app(config, options), host=host, port=port, log_level="info",
+                limit_concurrency=MAX_CONNECTIONS, http=options.protocol())
