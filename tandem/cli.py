@@ -31,6 +31,8 @@ def _serve(args) -> None:
                           host_cache=args.host_cache, host_cache_pages=args.host_cache_pages,
                           token_broadcast=not args.no_token_broadcast, dump_dir=args.dump_dir,
                           watchdog_timeout_s=args.watchdog_timeout)
+    if args.role != "unified" and args.tp * args.ep > 1:
+        raise ValueError(f"--role {args.role}: prefill/decode servers run on one rank for now (no --tp or --ep)")
     if args.tp < 1 or args.ep < 1:
         raise ValueError(f"--tp and --ep must be at least 1, got --tp {args.tp} --ep {args.ep}")
     if args.ep > 1:
@@ -78,7 +80,7 @@ def _server_options(args):
         logging.warning("serving on %s without an API key (--allow-unauthenticated): anyone who reaches the port "
                         "controls the engine", args.host)
     return ServerOptions(api_key=api_key, admin_api_key=admin_key, max_body_bytes=args.max_body_bytes,
-                         weight_dirs=tuple(weight_dirs))
+                         weight_dirs=tuple(weight_dirs), role=getattr(args, "role", "unified"))
 
 
 def _router(args) -> None:
@@ -142,6 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--ep", type=int, default=1,
                        help="expert-parallel ranks of a mixture-of-experts model: the engine runs tp x ep ranks, "
                             "the experts split over ep of them, the dense layers over tp")
+    serve.add_argument("--role", default="unified", choices=["unified", "prefill", "decode"],
+                       help="prefill/decode disaggregation: a prefill server computes prompts for decode servers, "
+                            "which take their KV (a router pairs them; see tandem.server.disagg)")
     serve.add_argument("--no-token-broadcast", action="store_true",
                        help="let every TP rank keep its own samples (risks divergence; the sentinel still checks)")
     serve.add_argument("--dump-dir", default=None, help="flight recorder journals and watchdog dumps go here")

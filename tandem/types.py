@@ -123,6 +123,7 @@ class GenerateOutput:
     prefill_tokens: int = 0  # tokens this request actually computed in prefill, over all its admissions
     num_retractions: int = 0
     weight_version: int = 0  # the engine's weight version when the request finished
+    kv: object = None  # on a prefill server, the KV it exports (`tandem.engine.kv_transfer.KVPages`)
 
     @property
     def completion_tokens(self) -> int:
@@ -188,6 +189,7 @@ class EngineStats:
     host_pages_free: int = 0
     host_pages_loaded: int = 0  # host-to-device copies, in pages
     host_pages_backed_up: int = 0  # device-to-host copies, in pages
+    imports_recomputed: int = 0  # a decode server's imported requests whose KV found no room (prompt recomputed)
 
     @property
     def cache_hit_rate(self) -> float:

@@ -34,12 +34,46 @@ class Command:
 
 @dataclass(frozen=True, slots=True)
 class AddRequest(Command):
-    """Queue a request (validated by the caller). Its output arrives through `EngineCore.take_finished`."""
+    """Queue a request (validated by the caller). Its output arrives through `EngineCore.take_finished`.
+    `export_kv_from` (a prefill server's request): its output also carries the KV of prompt positions
+    [export_kv_from, prompt length) (`GenerateOutput.kv`, a `tandem.engine.kv_transfer.KVPages`; page-aligned)."""
 
     drains: ClassVar[bool] = False
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    export_kv_from: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Probe(Command):
+    """How many leading tokens of `input_ids` a decode server holds on its device in whole pages (what it need not
+    be sent). With `rid`, the engine expects that request's `ImportRequest` from now on: an abort (of it, of all, or
+    a pause in mode abort) before it arrives makes the import end at once with that abort; whoever probed must
+    then send the import or `Abort(rid)`. It touches the cache's recency, so tensor-parallel ranks apply it too."""
+
+    drains: ClassVar[bool] = False
+    input_ids: list[int]
+    rid: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ImportRequest(Command):
+    """A decode server's request whose prompt a prefill server computed: the prompt's KV from position `kv.start`
+    on (the positions before it as `Probe` found them cached), and the first token the prefill server sampled,
+    with its logprob and weight version. `sampling.seed` must be set (the prefill server sampled with it). The KV
+    goes into the prefix cache and the request queues, decoding from its first token; while the engine is paused
+    the import waits for `Resume` (nothing is written into the pool while paused). Its output arrives through
+    `EngineCore.take_finished`, as for `AddRequest`."""
+
+    drains: ClassVar[bool] = False
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    first_token: int
+    first_logprob: float
+    first_version: int
+    kv: object  # KVPages
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,13 @@ anyone. With `prefix_cache_max_age` N > 0 the cache is emptied only when an upda
 running request that may share it) computed more than N updates ago: KV up to N updates old is reused, as
 PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the stale computation.
 
+Prefill/decode disaggregation: a prefill server's request (`AddRequest.export_kv_from`) hands its prompt's KV out
+with its output, read from its pages as it finishes; a decode server's `ImportRequest` writes such KV into fresh
+pages (behind the cached ones it already held) and queues the request with them and its first token: admitted, it
+decodes at once, and its KV joins the prefix cache when it ends, as any request's does. Both ends run between
+steps in this thread: no page is freed or reused while its content moves. While paused, imports wait (`_held`)
+and nothing is written; `Resume` places them, an abort pause ends them.
+
 Isolation: a request whose inputs make a step fail (a value the validation let through) is identified and
 finished with an abort naming the error; the step's other requests are not touched and run in the next step. Only
 a failure no single request explains fails every request (and is logged as an engine error).
@@ -35,16 +42,17 @@ import torch
 from tandem.config import EngineConfig, ModelConfig, PauseMode
 from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
-from tandem.distributed.parallel import SINGLE, TPGroup
+from tandem.distributed.parallel import SINGLE, TPGroup, cdiv
 from tandem.engine import commands
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
+from tandem.engine.kv_transfer import KVPages, read_pages, write_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
 from tandem.engine.model_runner import Launched, ModelRunner, StepInputError
 from tandem.engine.observers import IdealReuse
 from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
-from tandem.engine.scheduler import Chunk, Scheduler
+from tandem.engine.scheduler import PENDING, Chunk, Scheduler
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput
@@ -112,6 +120,8 @@ class EngineCore:
         self._last_chunks: list[Chunk] = []  # what the last step scheduled (named if it was slow)
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
         self._applied_routing = 0  # the model's routing checksum after the step the last drain applied
+        self._held: list[tuple[Request, KVPages]] = []  # imports that arrived while paused, in order
+        self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -142,15 +152,25 @@ class EngineCore:
                         self._step(ready)
                 case commands.AddRequest():
                     self._add_request(command)
+                case commands.ImportRequest():
+                    self._import_request(command)
+                case commands.Probe(input_ids=ids, rid=rid):
+                    if rid is not None:
+                        self._expected[rid] = None
+                    return self._probe(ids)
                 case commands.Abort(rid=rid, message=message):
                     if (req := self._requests.get(rid)) is not None:
                         self._finish(req, FinishReason("abort", message=message))
+                    self._expected.pop(rid, None)
                 case commands.AbortAll(message=message):
                     self._abort_all(message)
                 case commands.Pause(mode=mode):
                     self._pause(mode)
                 case commands.Resume():
                     self.paused = None
+                    held, self._held = self._held, []
+                    for req, kv in held:
+                        self._place_import(req, kv)
                 case commands.LoadWeights():
                     return self._load_weights(command)
                 case commands.FlushCache():
@@ -183,24 +203,88 @@ class EngineCore:
     def _add_request(self, cmd: commands.AddRequest) -> None:
         if cmd.rid in self._requests:
             raise ValueError(f"rid: {cmd.rid!r} is already in flight")
-        sampling = cmd.sampling
+        sampling, start = cmd.sampling, cmd.export_kv_from
+        if start is not None and not (0 <= start <= len(cmd.input_ids) and start % self.pool.page_size == 0):
+            raise ValueError(f"export_kv_from: must be a multiple of the page size ({self.pool.page_size}) in "
+                             f"[0, {len(cmd.input_ids)}], got {start}")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         req = Request(cmd.rid, list(cmd.input_ids), len(cmd.input_ids), sampling, seed, next(self._arrival))
+        req.export_kv_from = start
         self._requests[cmd.rid] = req
         self.scheduler.waiting.append(req)
         if sampling.max_new_tokens == 0:
             self._finish(req, FinishReason("length", length=0))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        self.scheduler.finish(req, reason)
+        kv = None
+        if any(r is req for r, _ in self._held):
+            self._held = [(r, kv) for r, kv in self._held if r is not req]
+            req.status, req.finish_reason = Status.FINISHED, reason
+        else:
+            if req.export_kv_from is not None and reason.type != "abort" and req.num_computed >= req.prompt_len:
+                kv = read_pages(self.pool, req.pages, req.export_kv_from, req.prompt_len)
+            self.scheduler.finish(req, reason)
         self._requests.pop(req.rid, None)
         self.stats.num_finished += 1
         self.stats.num_aborted += reason.type == "abort"
-        self._finished.append(req.output(self.weight_version))
+        out = req.output(self.weight_version)
+        out.kv = kv
+        self._finished.append(out)
 
     def _abort_all(self, message: str) -> None:
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+        self._expected = dict.fromkeys(self._expected, message)
+        held = [req for req, _ in self._held]
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
             self._finish(req, FinishReason("abort", message=message))
+
+    # ---- prefill/decode disaggregation: the decode server's end ---------------------------------------------
+    def _probe(self, input_ids: list[int]) -> int:
+        if self.cache is None:
+            return 0
+        pages = self.cache.match(list(input_ids)).pages
+        return next((i for i, page in enumerate(pages) if page is None), len(pages)) * self.pool.page_size
+
+    def _import_request(self, cmd: commands.ImportRequest) -> None:
+        kv, n = cmd.kv, len(cmd.input_ids)
+        if cmd.rid in self._requests:
+            raise ValueError(f"rid: {cmd.rid!r} is already in flight")
+        if cmd.sampling.seed is None:
+            raise ValueError("sampling_params.seed: an imported request needs the seed its first token used")
+        if not isinstance(kv, KVPages) or kv.end != n or kv.start % self.pool.page_size:
+            raise ValueError(f"kv: must hold positions [a page boundary, {n}) of the prompt")
+        kv.verify()
+        req = Request(cmd.rid, [*cmd.input_ids, PENDING], n, cmd.sampling, cmd.sampling.seed, next(self._arrival))
+        reason = self.scheduler.resolve(req, n, cmd.first_token, cmd.first_logprob, cmd.first_version)
+        if (aborted := self._expected.pop(cmd.rid, None)) is not None:  # aborted while the prefill server computed
+            reason = FinishReason("abort", message=aborted)
+        self._requests[cmd.rid] = req
+        if reason is not None:  # the first token ended it, or an abort did
+            self.scheduler.waiting.append(req)
+            self._finish(req, reason)
+        elif self.paused is not None:
+            self._held.append((req, kv))
+        else:
+            self._place_import(req, kv)
+
+    def _place_import(self, req: Request, kv: KVPages) -> None:
+        """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
+        imported KV after it; then queue it. If those cached pages are gone (evicted since the probe) or no pages
+        are free, nothing is written and the request computes its prompt here instead."""
+        n, P = req.prompt_len, self.pool.page_size
+        lead = self.cache.match(req.tokens[:n]).pages[:kv.start // P] if self.cache is not None else []
+        if len(lead) == kv.start // P and None not in lead:
+            self.pool.incref(lead)
+            fresh = self.scheduler.alloc(cdiv(n, P) - len(lead))
+            if fresh is None:
+                self.pool.decref(lead)
+            else:
+                req.pages, req.num_computed = lead + fresh, n
+                req.pages_replaced()
+                write_pages(self.pool, req.pages, kv)
+        if not req.pages:
+            self.stats.imports_recomputed += 1
+            log.warning("engine: request %s recomputes its prompt (its imported KV found no room)", req.rid)
+        self.scheduler.waiting.append(req)
 
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":

@@ -76,19 +76,38 @@ class Engine:
 
     # ---- caller side: validation, then a command for the engine thread -----------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
-                       rid: str | None = None) -> GenerateOutput:
+                       rid: str | None = None, export_kv_from: int | None = None) -> GenerateOutput:
         """Generate from `input_ids`. Raises ValueError for a malformed request (nothing is enqueued). If the
-        awaiting task is cancelled (a client went away) the request is aborted and its pages freed."""
+        awaiting task is cancelled (a client went away) the request is aborted and its pages freed.
+        `export_kv_from`: see `commands.AddRequest` (a prefill server's request)."""
         sampling = sampling or SamplingParams()
         rid = rid if rid is not None else uuid.uuid4().hex
         self._check_alive()
         self.validate(input_ids, sampling, rid)
+        return await self._submit(commands.AddRequest(rid, list(input_ids), sampling, export_kv_from))
+
+    async def generate_imported(self, input_ids: list[int], sampling: SamplingParams, first: tuple[int, float, int],
+                                kv, rid: str | None = None) -> GenerateOutput:
+        """A decode server's request: `input_ids` computed by a prefill server, which sampled `first` (token,
+        logprob, weight version) with `sampling.seed` and sent the KV `kv` (`commands.ImportRequest`). The output
+        starts with that first token."""
+        rid = rid if rid is not None else uuid.uuid4().hex
+        self._check_alive()
+        self.validate(input_ids, sampling, rid)
+        return await self._submit(commands.ImportRequest(rid, list(input_ids), sampling, *first, kv))
+
+    async def probe(self, input_ids: list[int], rid: str | None = None) -> int:
+        """How many leading tokens of `input_ids` this engine holds on its device in whole pages; with `rid`, it
+        expects that request's import (see `commands.Probe`)."""
+        return await self._call(commands.Probe(list(input_ids), rid))
+
+    async def _submit(self, command: commands.AddRequest | commands.ImportRequest) -> GenerateOutput:
         fut: Future = Future()
-        self._inbox.put((commands.AddRequest(rid, list(input_ids), sampling), fut))
+        self._inbox.put((command, fut))
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            self.abort(rid)
+            self.abort(command.rid)
             raise
 
     def validate(self, input_ids, sampling: SamplingParams, rid: str) -> None:
@@ -194,7 +213,7 @@ class Engine:
             else:
                 fut.set_exception(e)
         else:
-            if isinstance(command, commands.AddRequest):
+            if isinstance(command, commands.AddRequest | commands.ImportRequest):
                 self._futures[command.rid] = fut
             elif fut is not None:
                 fut.set_result(result)

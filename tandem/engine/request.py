@@ -11,7 +11,7 @@ from tandem.types import FinishReason, GenerateOutput, SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"  # queued, holds no pages
+    WAITING = "waiting"  # queued, holds no pages (but an imported request its prompt's, see `EngineCore`)
     RUNNING = "running"  # holds pages; prefilling while num_computed < len(tokens) - 1, then decoding
     FINISHED = "finished"
 
@@ -37,6 +37,7 @@ class Request:
     num_retractions: int = 0
     kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it
     pending_row: int = -1  # while its last token is PENDING: that token's index among the in-flight step's samples
+    export_kv_from: int | None = None  # a prefill server's request: export its prompt's KV from here on
     finish_reason: FinishReason | None = None
     _page_array: array.array | None = field(default=None, repr=False)
 

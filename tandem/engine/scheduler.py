@@ -96,6 +96,12 @@ class Scheduler:
                 return
             if req.tokens[-1] == PENDING:  # retracted while its last token is in flight: next step
                 continue
+            if req.pages:  # imported (prefill/decode): its pages hold its prompt's KV; it decodes its first token
+                if not self._grow(req, req.num_computed + 1):
+                    return
+                self._start(req, chunks, 1)
+                budget, reserve = budget - 1, reserve + 1
+                continue
             match = self.cache.match(req.tokens[:-1]) if self.cache else Match([])
             if self._better_to_wait(req, match.num_tokens, prefilling):
                 continue
@@ -139,13 +145,16 @@ class Scheduler:
                     self.observer.admitted(req.tokens)
             self.num_cached_tokens += match.num_tokens
             self.num_host_tokens += self._host_tokens(match)
-            req.status = Status.RUNNING
-            self.waiting.remove(req)
-            self.running.append(req)
-            chunks.append(Chunk(req, req.num_computed, n))
+            self._start(req, chunks, n)
             self._note_prefilling(req, prefilling)
             budget -= n
             reserve += 1
+
+    def _start(self, req: Request, chunks: list[Chunk], n: int) -> None:
+        req.status = Status.RUNNING
+        self.waiting.remove(req)
+        self.running.append(req)
+        chunks.append(Chunk(req, req.num_computed, n))
 
     def _host_tokens(self, match: Match) -> int:
         return len(match.loads) * self.page_size + (match.partial_len if match.partial_host is not None else 0)
@@ -154,7 +163,7 @@ class Scheduler:
         """The first chunk's length after the cached prefix, and fresh pages for it (None if they do not fit)."""
         n = min(len(req.tokens) - match.num_tokens, budget)
         need = cdiv(match.num_tokens + n, self.page_size) - len(match.pages) + len(match.loads)
-        return n, self._alloc(need, reserve)
+        return n, self.alloc(need, reserve)
 
     def _note_prefilling(self, req: Request, prefilling: dict) -> None:
         if len(req.tokens) >= self.page_size:
@@ -170,7 +179,9 @@ class Scheduler:
         return any(min(lcp(req.tokens, other.tokens), limit) >= num_cached + self.page_size
                    for other in prefilling.get(tuple(req.tokens[:self.page_size]), ()))
 
-    def _alloc(self, n: int, reserve: int = 0) -> list[int] | None:
+    def alloc(self, n: int, reserve: int = 0) -> list[int] | None:
+        """n fresh pages, evicting cached ones (and waiting for host-tier copies) as needed, keeping `reserve`
+        free; None if they do not fit."""
         short = n + reserve - self.pool.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
@@ -190,7 +201,7 @@ class Scheduler:
         """Give `req` pages for its first `num_tokens` positions, page by page as far as possible."""
         need = cdiv(num_tokens, self.page_size) - len(req.pages)
         while need > 0:
-            page = self._alloc(1)
+            page = self.alloc(1)
             if page is None:
                 return False
             req.pages += page

@@ -68,6 +68,23 @@ class GenerateBody(_Body):
     stream: Literal[False] | None = Field(None, description="streaming is not supported yet; send stream: false")
     logprob_start_len: Literal[-1] | None = Field(
         None, description="only -1 (logprobs of the output tokens) is supported")
+    bootstrap: Bootstrap | None = Field(
+        None, description="on a decode server: an object naming the prefill server, {\"prefill_url\": URL}")
+
+
+class Bootstrap(_Body):
+    """Where a decode server's prompts are computed (a router adds it; see `tandem.server.disagg`)."""
+
+    prefill_url: str = Field(description="must be the base URL of a prefill server")
+
+
+class PrefillBody(_Body):
+    """A decode server's request to a prefill server (`tandem.server.disagg`)."""
+
+    rid: str = Field(description="must be the decode server's request id")
+    input_ids: list[int] = Field(description="must be the prompt's token ids")
+    sampling_params: dict = Field(description="must be the request's sampling params, its seed set")
+    kv_from: int = Field(ge=0, description="must be the page-aligned position from which to send the KV")
 
 
 class PauseBody(_Body):

@@ -3,7 +3,9 @@
 Endpoints: `POST /generate`, `/pause_generation`, `/continue_generation`, `/abort_request`, `/flush_cache`,
 `/update_weights_from_disk`, `/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`; `GET /health`, `/get_model_info`, `/get_server_info`, `/metrics`, and tandem's
-`/engine_stats` (the engine's counters as JSON).
+`/engine_stats` (the engine's counters as JSON). Under prefill/decode disaggregation (`ServerOptions.role`) also
+`GET /pd/info` and, on a prefill server, `POST /pd/prefill`; a decode server's `/generate` takes `bootstrap`
+(`tandem.server.disagg`).
 
 Each route's JSON body is a pydantic model (`tandem.server.bodies`: unknown fields refused, JSON types strict); an
 empty body is `{}`.
@@ -40,6 +42,7 @@ from starlette.requests import ClientDisconnect
 
 from tandem.engine.engine import Engine, EngineError
 from tandem.model.loader import iter_safetensors
+from tandem.server import disagg
 from tandem.server.bodies import (
     AbortBody,
     DiskUpdateBody,
@@ -73,12 +76,16 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
     groups: dict[str, _WeightGroup | None] = {}  # None while joining
 
+    prefill = disagg.PrefillClient(engine) if options.role == "decode" else None
+
     @asynccontextmanager
     async def lifespan(app):
         yield
         for group in groups.values():
             if group is not None:
                 group.receiver.close()
+        if prefill is not None:
+            await prefill.close()
 
     app = FastAPI(title="tandem engine", lifespan=lifespan)
     inflight: set[str] = set()
@@ -101,7 +108,13 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
             raise ValueError(f"rid: {sorted(clash)[0]!r} is already in flight")
         inflight.update(rids)
         try:
-            outs = await _unless_disconnected(request, _generate_all(engine, jobs))
+            if body.bootstrap is None:
+                outs = await _unless_disconnected(request, _generate_all(engine, jobs))
+            elif prefill is None:
+                raise ValueError(f"bootstrap: only a decode server takes it (this one is {options.role})")
+            else:
+                url = body.bootstrap.prefill_url.rstrip("/")
+                outs = await _unless_disconnected(request, prefill.generate_all(jobs, url))
         finally:
             inflight.difference_update(rids)
         if outs is None:
@@ -146,6 +159,8 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         version = await engine.update_weights(named, body.weight_version)
         return {"success": True, "message": f"Loaded {len(named)} tensors from {body.model_path}.",
                 "weight_version": version}
+
+    disagg.add_routes(app, engine, options.role, _unless_disconnected)
 
     @app.get("/health")
     async def health():

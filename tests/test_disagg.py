@@ -1,0 +1,176 @@
+"""Prefill/decode disaggregation on CPU (fp32): a prefill engine computes prompts and hands their KV to a decode
+engine, which then generates exactly what one unified engine does; in process, then over real HTTP servers."""
+
+import asyncio
+import dataclasses
+
+import httpx
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine.core import EngineCore
+from tandem.engine.engine import Engine
+from tandem.engine.kv_transfer import KVPages, page_checksums, wire_meta
+from tandem.server.guard import ServerOptions
+from tandem.server.http import ServerThread
+from tandem.types import SamplingParams
+
+POOL = EngineConfig(page_size=4, num_pages=96)
+SEEDED = SamplingParams(max_new_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def disaggregated(p: Engine, d: Engine, ids, sampling, rid=None):
+    """What a decode server does for one prompt, in process: probe, prefill there, import here."""
+    sampling = sampling if sampling.seed is not None else dataclasses.replace(sampling, seed=0)
+    kv_from = await d.probe(ids, rid)
+    first = await p.generate(ids, dataclasses.replace(sampling, max_new_tokens=1), export_kv_from=kv_from)
+    out = await d.generate_imported(ids, sampling, (first.output_ids[0], first.output_logprobs[0],
+                                                    first.weight_versions[0]), first.kv, rid)
+    return out, first.kv
+
+
+def same(a, b):
+    return (a.output_ids, a.output_logprobs, a.weight_versions) == (b.output_ids, b.output_logprobs, b.weight_versions)
+
+
+@pytest.mark.parametrize("decode_config", [POOL, dataclasses.replace(POOL, num_pages=24, host_cache="write_through")],
+                         ids=["device", "small pool with a host tier"])
+def test_prefill_then_decode_generates_what_one_engine_does(decode_config):
+    """Greedy and seeded. A first turn: exactly (tokens, logprobs, versions). Later turns of a multi-turn episode
+    send only the pages the decode engine lacks, and give the same tokens, their logprobs within rounding: the
+    tokens the decode engine generated have their KV there (decode steps), and the prefill engine computes them
+    again (one prefill chunk), which rounds differently. The decode engine's pages after an import hold what the
+    prefill engine read."""
+    async def go():
+        with Engine("tiny", POOL) as unified, Engine("tiny", POOL) as p, Engine("tiny", decode_config) as d:
+            for sampling in (GREEDY, SEEDED):
+                history = prompt(27, seed=1 + sampling.greedy)
+                for turn in range(3):
+                    want = await unified.generate(history, sampling)
+                    got, kv = await disaggregated(p, d, history, sampling)
+                    if turn == 0:
+                        assert same(got, want), (got, want)
+                    assert got.output_ids == want.output_ids and got.weight_versions == want.weight_versions
+                    assert got.output_logprobs == pytest.approx(want.output_logprobs, abs=1e-5)
+                    if turn and decode_config.host_cache == "off":  # the history's last turn is cached on d
+                        assert kv.start == (len(history) - 8) // 4 * 4, (kv.start, len(history))
+                    history = history + got.output_ids + prompt(7, seed=turn + 10)
+            # a lone prompt, then the decode engine's pages of it equal the prefill engine's page by page
+            ids = prompt(21, seed=3)
+            out, kv = await disaggregated(p, d, ids, dataclasses.replace(GREEDY, max_new_tokens=2))
+            pages = d.cache.match(ids).pages
+            slots = d.pool.slots(pages, 0, 20)
+            assert kv.start == 0 and page_checksums(d.pool.k_cache[:, slots], d.pool.v_cache[:, slots], 4) == \
+                kv.checksums[:5]
+    asyncio.run(go())
+
+
+def test_a_page_that_arrives_changed_is_named_and_nothing_is_written():
+    async def go():
+        with Engine("tiny", POOL) as p, Engine("tiny", POOL) as d:
+            ids = prompt(18)
+            first = await p.generate(ids, dataclasses.replace(GREEDY, max_new_tokens=1), export_kv_from=0)
+            k = first.kv.k.clone()
+            k[1, 9, 0, 3] += 1.0  # position 9: the third page
+            bad = KVPages(0, k, first.kv.v, 4, first.kv.checksums)
+            before = d.pool.k_cache.clone()
+            with pytest.raises(ValueError, match=r"page 2 \(positions 8"):
+                await d.generate_imported(ids, dataclasses.replace(GREEDY, seed=1), (1, -1.0, 0), bad)
+            assert torch.equal(d.pool.k_cache, before)
+            data = first.kv.to_bytes()
+            wire = KVPages.from_bytes(data, wire_meta(data))
+            assert torch.equal(wire.k, first.kv.k) and wire.checksums == first.kv.checksums
+    asyncio.run(go())
+
+
+def writes_while_paused(monkeypatch, gate_late: bool) -> bool:
+    """Pause the decode engine (in place), import a request, read the pool, continue: whether the pool changed
+    before the continue. `gate_late`: a mutant core that places imports whatever the pause."""
+    if gate_late:
+        original = EngineCore._import_request
+
+        def late(self, cmd):
+            paused, self.paused = self.paused, None  # the gate checked too late: as if not paused yet
+            try:
+                original(self, cmd)
+            finally:
+                self.paused = paused
+        monkeypatch.setattr(EngineCore, "_import_request", late)
+
+    async def go():
+        with Engine("tiny", POOL) as p, Engine("tiny", POOL) as d:
+            ids = prompt(22)
+            first = await p.generate(ids, dataclasses.replace(SEEDED, max_new_tokens=1), export_kv_from=0)
+            await d.pause("in_place")
+            before = d.pool.k_cache.clone()
+            task = asyncio.ensure_future(d.generate_imported(
+                ids, SEEDED, (first.output_ids[0], first.output_logprobs[0], 0), first.kv))
+            await asyncio.sleep(0)  # (the task submits its import)
+            await d.get_stats()  # (which has been applied: commands run in order)
+            written = not torch.equal(d.pool.k_cache, before)
+            await d.resume()
+            out = await task
+            assert len(out.output_ids) == SEEDED.max_new_tokens and not torch.equal(d.pool.k_cache, before)
+            return written
+    return asyncio.run(go())
+
+
+def test_an_import_arriving_while_paused_writes_nothing_until_continue(monkeypatch):
+    assert not writes_while_paused(monkeypatch, gate_late=False)
+
+
+def test_the_pause_gate_falsifier_a_late_gate_writes_while_paused(monkeypatch):
+    assert writes_while_paused(monkeypatch, gate_late=True)
+
+
+def test_an_abort_pause_ends_a_request_whose_prefill_is_on_its_way():
+    async def go():
+        with Engine("tiny", POOL) as p, Engine("tiny", POOL) as d:
+            ids = prompt(15)
+            kv_from = await d.probe(ids, "r1")  # the decode engine now expects r1
+            first = await p.generate(ids, dataclasses.replace(SEEDED, max_new_tokens=1), export_kv_from=kv_from)
+            free = (await d.get_stats()).pages_free
+            await d.pause("abort")
+            out = await d.generate_imported(ids, SEEDED, (first.output_ids[0], first.output_logprobs[0], 0),
+                                            first.kv, "r1")
+            assert out.finish_reason.type == "abort" and "paused" in out.finish_reason.message
+            assert (await d.get_stats()).pages_free == free  # nothing was imported
+            await d.resume()
+    asyncio.run(go())
+
+
+def test_prefill_and_decode_servers_over_http():
+    """Real servers: a decode server's /generate with bootstrap equals a unified engine's answer, pairing refuses a
+    prefill server of another page size by name, and a prefill server that is gone ends the request with an abort
+    naming it, the decode server's pages back where they were."""
+    with Engine("tiny", POOL) as unified, Engine("tiny", POOL) as p, Engine("tiny", POOL) as d, \
+            Engine("tiny", dataclasses.replace(POOL, page_size=8)) as other:
+        ids, sampling = prompt(30), {"max_new_tokens": 8, "temperature": 0.7, "seed": 11, "ignore_eos": True}
+        want = asyncio.run(unified.generate(ids, SamplingParams(**sampling)))
+        ps = ServerThread(p, options=ServerOptions(role="prefill")).start()
+        with ServerThread(d, options=ServerOptions(role="decode")) as ds, \
+                ServerThread(other, options=ServerOptions(role="prefill")) as bad:
+            body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True,
+                    "bootstrap": {"prefill_url": ps.url}}
+            r = httpx.post(f"{ds.url}/generate", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["output_ids"] == want.output_ids
+            assert [lp for lp, _, _ in got["meta_info"]["output_token_logprobs"]] == want.output_logprobs
+            r = httpx.post(f"{ds.url}/generate", json=body | {"bootstrap": {"prefill_url": bad.url}}, timeout=60)
+            assert r.status_code == 400 and "page_size is 8, this server's 4" in r.text, r.text
+            r = httpx.post(f"{ps.url}/generate", json=body, timeout=60)
+            assert r.status_code == 400 and "only a decode server" in r.text
+            free = httpx.get(f"{ds.url}/engine_stats").json()["pages_free"]
+            ps.stop()  # the prefill server goes away
+            r = httpx.post(f"{ds.url}/generate", json=body | {"rid": "gone"}, timeout=60)
+            assert r.status_code == 200
+            finish = r.json()["meta_info"]["finish_reason"]
+            assert finish["type"] == "abort" and ps.url in finish["message"], finish
+            assert httpx.get(f"{ds.url}/engine_stats").json()["pages_free"] == free
