@@ -272,10 +272,11 @@ def test_keys_for_the_router_and_for_its_servers(engines):
             assert refused.status_code == 502 and f"server {server.url}: HTTP 403" in refused.text, refused.text
 
 
-def test_a_stopped_server_makes_a_502_naming_it_and_the_router_unhealthy(engines, servers):
+def test_a_stopped_server_is_a_502_naming_it_then_passed_over_until_it_is_back(engines, servers):
     doomed = ServerThread(engines[1]).start()
-    with router_thread(RouterConfig(servers=(doomed.url, servers[0].url))) as r, \
-            httpx.Client(base_url=r.url, timeout=30) as client, ThreadPoolExecutor(1) as pool:
+    config = RouterConfig(servers=(doomed.url, servers[0].url), probe_interval_s=0.2)
+    with router_thread(config) as r, httpx.Client(base_url=r.url, timeout=30) as client, \
+            ThreadPoolExecutor(1) as pool:
         body = {"input_ids": list(range(100, 140)), "sampling_params": LONG}
         running = pool.submit(lambda: client.post("/generate", json=body))
         wait_until(lambda: stats(engines[1]).num_running)
@@ -294,6 +295,23 @@ def test_a_stopped_server_makes_a_502_naming_it_and_the_router_unhealthy(engines
         assert health.status_code == 503 and doomed.url in health.text and servers[0].url not in health.text
         assert time.monotonic() - t0 < 3
         assert client.get("/get_server_info").json()["error"]["message"].startswith(f"server {doomed.url}")
+
+        # marked down: the episode's next turn moves to the other server (paying a prefill), as new episodes go
+        before = stats(engines[0]).num_finished
+        moved = generate(client, list(range(100, 150)), GREEDY)
+        assert moved["meta_info"]["cached_tokens"] == 0 and stats(engines[0]).num_finished == before + 1
+        assert router_metrics(client)[("tandem:router_server_up", doomed.url)] == 0
+
+        with ServerThread(engines[1], port=doomed.port):  # back, on the same port: the probe finds it
+            wait_until(lambda: router_metrics(client)[("tandem:router_server_up", doomed.url)] == 1)
+            assert client.get("/health").status_code == 200
+            assert client.get("/get_server_info").json()["router"]["servers"][0] == {
+                "url": doomed.url, "role": "unified", "in_flight": 0, "routed": 2, "errors": 3, "down": False}
+
+
+def router_metrics(client) -> dict:
+    families = text_string_to_metric_families(client.get("/metrics").text)
+    return {(s.name, s.labels["server"]): s.value for f in families for s in f.samples}
 
 
 def test_a_server_that_breaks_its_connection_mid_request_is_a_502_at_once():

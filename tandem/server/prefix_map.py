@@ -6,6 +6,7 @@ the server that last took a request with that prefix. A `Pool` sends a prompt to
 key (the server whose prefix cache holds most of it: every turn of an episode extends the previous turn, so they
 all go where the first went), else to the least-loaded server (fewest prompts in flight, then fewest routed).
 Then every key of the prompt maps to the chosen server. A hash collision (64 bits) only costs a cache miss.
+A server marked down is passed over (its episodes move, paying one prefill each), unless every server is down.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Backend:
     in_flight: int = 0
     routed: int = 0
     errors: int = 0  # requests it failed (no answer, or an error status other than the client's fault)
+    down: bool = False  # its last call got no answer: new prompts go elsewhere until it answers again
 
 
 class Pool:
@@ -76,14 +78,15 @@ class Pool:
 
     def choose(self, prompts: list[list[int]]) -> Backend:
         """The server for a request of `prompts` (one, or a batch sent whole: the deepest prefix any of them has
-        decides); records every page of every prompt as placed there. Does not count the request in flight."""
+        decides), among those not down (unless all are); records every page of every prompt as placed there. Does
+        not count the request in flight."""
         keys = [page_keys(p, self.page_tokens) for p in prompts]
-        known = [found for k in keys if (found := self.map.deepest(k)) is not None]
+        up = [i for i, b in enumerate(self.backends) if not b.down] or range(len(self.backends))
+        known = [found for k in keys if (found := self.map.deepest(k)) is not None and found[1] in up]
         if known:
             index = max(known)[1]
         else:
-            index = min(range(len(self.backends)),
-                        key=lambda i: (self.backends[i].in_flight, self.backends[i].routed, i))
+            index = min(up, key=lambda i: (self.backends[i].in_flight, self.backends[i].routed, i))
         for k in keys:
             self.map.record(k, index)
         return self.backends[index]

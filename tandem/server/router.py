@@ -13,8 +13,10 @@ Routes:
     (`input_ids` a list of lists) goes whole to one server, so the server's own rules for a batch hold (its size
     limit, its 400s naming `input_ids[i][j]`, rids unique within it). The server's reply is relayed as it is, a
     400 (the client's fault) included; a server that does not answer, or answers another error, makes a 502
-    naming it. A client that disconnects has its connection to the server closed, which aborts its requests there
-    (as `tandem serve` aborts a disconnected client's).
+    naming it. One that did not answer is marked down until it answers a `/health` probe (`probe_interval_s`);
+    meanwhile new prompts, and the next turns of its episodes, go to the others. A client that disconnects has its
+    connection to the server closed, which aborts its requests there (as `tandem serve` aborts a disconnected
+    client's).
   - `/pause_generation`, `/continue_generation`, `/flush_cache`, `/update_weights_from_disk`, `/abort_request`:
     checked here with the server's body models, then sent to every server at once (prefill and decode alike). A
     success once every server succeeded; else an error naming each server that failed and why, and those where it
@@ -33,9 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import urllib.parse
 from contextlib import asynccontextmanager
-from typing import Literal
 
 import pydantic_core
 import uvicorn
@@ -47,7 +47,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tandem.server.bodies import AbortBody, DiskUpdateBody, NoBody, PauseBody
 from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions
 from tandem.server.http import MAX_CONNECTIONS, _bad_request, _error, _InternalErrors, _json, _refuse
-from tandem.server.prefix_map import PAGE_TOKENS, Backend, Pool
+from tandem.server.prefix_map import Backend, Pool
+from tandem.server.router_config import RouterConfig
 from tandem.server.upstream import Reply, Upstream
 
 FAN_OUT = {"/pause_generation": PauseBody, "/continue_generation": NoBody, "/flush_cache": NoBody,
@@ -55,49 +56,6 @@ FAN_OUT = {"/pause_generation": PauseBody, "/continue_generation": NoBody, "/flu
 WEIGHT_GROUP_PATHS = ("/init_weights_update_group", "/update_weights_from_distributed",
                       "/destroy_weights_update_group")
 RELAYED = frozenset({200, 400, 408, 413})  # a server's statuses passed on as they are; others make a 502
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    """The servers behind the router, each a base URL: `servers` (replicas), or `prefill` and `decode`."""
-
-    servers: tuple[str, ...] = ()
-    prefill: tuple[str, ...] = ()
-    decode: tuple[str, ...] = ()
-    backend_api_key: str | None = None
-    backend_admin_api_key: str | None = None
-    connect_timeout_s: float = 5.0
-    control_timeout_s: float = 600.0  # bounds each read of every call but a generate (`tandem.server.upstream`)
-    health_timeout_s: float = 5.0
-    page_tokens: int = PAGE_TOKENS
-    prefix_map_pages: int = 1 << 18  # per pool
-
-    def __post_init__(self):
-        if bool(self.servers) == bool(self.prefill or self.decode):
-            raise ValueError("servers: give the replicas' URLs, or prefill and decode servers' URLs (not both)")
-        if not self.servers and not (self.prefill and self.decode):
-            raise ValueError("prefill, decode: prefill/decode mode needs at least one server of each")
-        for field in ("servers", "prefill", "decode"):
-            object.__setattr__(self, field, tuple(_base_url(u, field) for u in getattr(self, field)))
-        urls = [*self.servers, *self.prefill, *self.decode]
-        if len(set(urls)) < len(urls):
-            raise ValueError(f"servers: {next(u for u in urls if urls.count(u) > 1)} is named twice")
-        if not all(0 < t < float("inf") for t in (self.connect_timeout_s, self.control_timeout_s,
-                                                  self.health_timeout_s)):
-            raise ValueError("connect_timeout_s, control_timeout_s, health_timeout_s: must be positive and finite")
-        if self.page_tokens < 1:
-            raise ValueError(f"page_tokens: must be at least 1, got {self.page_tokens}")
-
-    @property
-    def mode(self) -> Literal["replicas", "prefill_decode"]:
-        return "replicas" if self.servers else "prefill_decode"
-
-
-def _base_url(url: str, field: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
-        raise ValueError(f"{field}: {url!r} is not a server's base URL (such as http://127.0.0.1:30000)")
-    return url.rstrip("/")
 
 
 def with_bootstrap(body: dict, prefill_url: str) -> dict:
@@ -210,9 +168,19 @@ class Router:
     def view(self) -> dict:
         return {"mode": self.config.mode, "servers": [dataclasses.asdict(b) for b in self.backends]}
 
-    def call(self, backend: Backend, method: str, path: str, body: bytes | None,
-             read_timeout_s: float | None = None, admin: bool = False):
-        return self.upstream.call(backend.url, method, path, body, read_timeout_s, admin)
+    async def call(self, backend: Backend, method: str, path: str, body: bytes | None,
+                   read_timeout_s: float | None = None, admin: bool = False) -> Reply:
+        """A call to `backend`, marking it down if it did not answer and up if it did."""
+        reply = await self.upstream.call(backend.url, method, path, body, read_timeout_s, admin)
+        backend.down = not reply.status
+        return reply
+
+    async def probe(self) -> None:
+        """Forever: ask each server marked down for `/health`, so one that answers again takes new prompts."""
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await asyncio.gather(*(self.call(b, "GET", "/health", None, self.config.health_timeout_s)
+                                   for b in self.backends if b.down))
 
     def _relay(self, backend: Backend, what: str, reply: Reply) -> Response:
         if reply.status in RELAYED:
@@ -281,7 +249,9 @@ class _Metrics:
                 ("in_flight", "Prompts in flight on the server through this router", GaugeMetricFamily,
                  lambda b: b.in_flight),
                 ("errors", "Requests the server failed (no answer, or an error not the client's)",
-                 CounterMetricFamily, lambda b: b.errors)):
+                 CounterMetricFamily, lambda b: b.errors),
+                ("server_up", "1 while the server answers (else new prompts go elsewhere)", GaugeMetricFamily,
+                 lambda b: int(not b.down))):
             family = kind(f"tandem:router_{name}", doc, labels=["server", "role"])
             for b in self.backends:
                 family.add_metric([b.url, b.role], get(b))
@@ -296,7 +266,9 @@ def build_router_app(config: RouterConfig, options: ServerOptions | None = None)
     @asynccontextmanager
     async def lifespan(app):
         await router.upstream.open()
+        probe = asyncio.create_task(router.probe())
         yield
+        probe.cancel()
         await router.upstream.close()
 
     app = FastAPI(title="tandem router", lifespan=lifespan)
