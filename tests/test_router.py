@@ -1,5 +1,6 @@
-"""`tandem router` in front of two real servers (real tiny engines, real uvicorns on free ports, all in this process),
-with httpx and the engine's own client as clients; placement and the prefill/decode request shaping as functions."""
+"""`tandem router` in front of real servers (real tiny engines, real uvicorns on free ports, all in this process):
+two replicas, or a prefill and two decode servers; httpx and the engine's own client as clients. Placement and the
+prefill/decode request shaping also as functions."""
 
 import asyncio
 import json
@@ -356,6 +357,32 @@ def test_connections_to_servers_probe_for_a_vanished_peer(servers, monkeypatch):
             await up.close()
 
     asyncio.run(call())
+
+
+def test_prefill_decode_mode_sticks_episodes_to_a_decode_server_and_generates_what_one_engine_does(engines):
+    """One prefill server and two decode servers (the module's engines, as decode servers now)."""
+    with Engine("tiny", EngineConfig(page_size=16, max_batch_requests=4)) as prefill_engine, \
+            ServerThread(prefill_engine, options=ServerOptions(role="prefill")) as p, \
+            ServerThread(engines[0], options=ServerOptions(role="decode")) as d0, \
+            ServerThread(engines[1], options=ServerOptions(role="decode")) as d1, \
+            router_thread(RouterConfig(prefill=(p.url,), decode=(d0.url, d1.url))) as r, \
+            httpx.Client(base_url=r.url, timeout=60) as client:
+        all_engines = (*engines, prefill_engine)
+        rng = random.Random(1)
+        ids, previous = [rng.randrange(512) for _ in range(40)], []
+        want = asyncio.run(engines[0].generate(ids, SamplingParams(**GREEDY))).output_ids
+        before = finished(all_engines)
+        for turn in range(3):
+            out = generate(client, ids)
+            assert turn or out["output_ids"] == want
+            assert out["meta_info"]["cached_tokens"] >= len(previous), (turn, out["meta_info"])  # as prefill saw it
+            previous, ids = ids, ids + out["output_ids"] + [rng.randrange(512) for _ in range(10)]
+        generate(client, [rng.randrange(512) for _ in range(40)])  # a new episode
+        done = [n - m for n, m in zip(finished(all_engines), before, strict=True)]
+        assert sorted(done[:2]) == [1, 3] and done[2] == 4, done  # every prompt computed by the prefill server
+
+        r = client.post("/flush_cache")  # reaches the prefill server too
+        assert r.status_code == 200 and all(stats(e).pages_cached == 0 for e in all_engines), r.text
 
 
 # ---- placement and prefill/decode shaping, as functions -------------------------------------------------------
