@@ -23,7 +23,7 @@ from typing import Annotated, Literal, get_args
 # ---- the choices, each declared once (their tuples via get_args) ----------------------------------------------
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
-Placement = Literal["colocated", "separate"]
+Placement = Literal["colocated", "separate", "disaggregated"]
 WeightTransport = Literal["auto", "group", "ipc"]
 BatchOrder = Literal["deadline", "admission"]
 Advantage = Literal["grpo", "rloo"]
@@ -425,7 +425,9 @@ class RunConfig:
 
     `task`: a registered task name or `package.module:factory` (checked by `tandem.rollout.registry`).
     Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory;
-    "separate" runs the engine in a process of its own behind its HTTP server. Its weights, by `weight_transport`:
+    "separate" runs the engine in a process of its own behind its HTTP server; "disaggregated" a prefill server and a
+    decode server, each in a process of its own, behind a router in the trainer's process (weights by ipc to both).
+    The separate engine's weights, by `weight_transport`:
     "group", broadcast over a torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of
     `weight_bucket_bytes`; "ipc", handed over by reference through the pipe to the engine's process (CUDA IPC, or
     shared memory on a CPU), for an engine on the trainer's GPU; "auto" (default): ipc when both are on the same
@@ -464,9 +466,13 @@ class RunConfig:
         if self.placement == "separate" and trainer.startswith("cuda") != engine.startswith("cuda"):
             raise ValueError(f"run.trainer_device: with placement separate the trainer ({trainer}) and the engine "
                              f"({engine}) must both be on CUDA (NCCL) or both on the CPU (gloo)")
-        if self.weight_transport != "auto" and self.placement != "separate":
+        if self.weight_transport != "auto" and self.placement == "colocated":
             raise ValueError(f"run.weight_transport: {self.weight_transport} is for placement separate (colocated "
                              "hands weights over in memory)")
+        if self.placement == "disaggregated" and (self.weight_transport == "group" or trainer != engine):
+            raise ValueError("run.placement: disaggregated hands weights to both servers by reference (ipc): the "
+                             f"trainer ({trainer}) and the engine ({engine}) on one device, weight_transport auto "
+                             "or ipc")
         if self.placement == "separate" and self.resolved_weight_transport == "group" and self._one_gpu:
             raise ValueError(f"run.weight_transport: group needs two GPUs (NCCL takes one per rank), got {trainer} "
                              "for the trainer and the engine; use ipc (the default on one GPU)")
@@ -482,9 +488,12 @@ class RunConfig:
 
     @property
     def resolved_weight_transport(self) -> str:
-        """`weight_transport` with "auto" decided: ipc when trainer and engine share one GPU, else group."""
+        """`weight_transport` with "auto" decided: ipc when trainer and engine share one GPU (or the placement is
+        disaggregated), else group."""
         if self.weight_transport != "auto":
             return self.weight_transport
+        if self.placement == "disaggregated":
+            return "ipc"
         return "ipc" if self._one_gpu else "group"
 
     @classmethod

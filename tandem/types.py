@@ -189,7 +189,7 @@ class EngineStats:
     host_pages_free: int = 0
     host_pages_loaded: int = 0  # host-to-device copies, in pages
     host_pages_backed_up: int = 0  # device-to-host copies, in pages
-    imports_recomputed: int = 0  # a decode server's imported requests whose KV found no room (prompt recomputed)
+    imports_recomputed: int = 0  # a decode server's imports whose KV it could not take (see `EngineCore`): recomputed
 
     @property
     def cache_hit_rate(self) -> float:

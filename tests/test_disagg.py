@@ -174,3 +174,30 @@ def test_prefill_and_decode_servers_over_http():
             finish = r.json()["meta_info"]["finish_reason"]
             assert finish["type"] == "abort" and ps.url in finish["message"], finish
             assert httpx.get(f"{ds.url}/engine_stats").json()["pages_free"] == free
+
+
+def test_kv_of_other_weights_is_not_imported_the_prompt_is_recomputed():
+    """A decode engine updated since the prefill engine computed the KV takes only the first token (with its
+    version) and computes the prompt itself, under its own weights."""
+    async def go():
+        with Engine("tiny", POOL) as p, Engine("tiny", POOL) as d:
+            ids = prompt(19)
+            first = await p.generate(ids, dataclasses.replace(SEEDED, max_new_tokens=1), export_kv_from=0)
+            await d.pause("retract")
+            await d.update_weights(d.model.named_parameters(), version=3)  # (the same values, a new version)
+            await d.resume()
+            out = await d.generate_imported(ids, SEEDED, (first.output_ids[0], first.output_logprobs[0], 0),
+                                            first.kv)
+            assert out.weight_versions == [0] + [3] * (SEEDED.max_new_tokens - 1)
+            assert (await d.get_stats()).imports_recomputed == 1 and out.prefill_tokens == len(ids) + 1  # (+ token 1)
+    asyncio.run(go())
+
+
+def test_the_random_agent_runs_through_a_prefill_and_a_decode_server(tmp_path):
+    """`tandem run placement=disaggregated`: two server processes behind a router, fully async, weights pushed to
+    both every step; three steps trained, none dropped."""
+    from tandem.run.main import main
+
+    records = main(None, ["steps=3", f"out_dir={tmp_path}", "placement=disaggregated", "rollout.max_staleness=1"])
+    assert [r["step"] for r in records] == [1, 2, 3] and all("error" not in r for r in records), records
+    assert records[-1]["version"] == 3 and sum(r["dropped_groups"] for r in records) == 0, records[-1]

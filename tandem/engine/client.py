@@ -3,10 +3,10 @@ rollout manager and the run loop use: generate, pause, resume, get_stats, and th
 
 Errors: a 400 (the engine refused the request: bad input, or not allowed in its state) raises ValueError with the
 engine's message; another error status raises `EngineClientError`; no answer (refused or broken connection, a
-timeout) raises `EngineUnreachable`. Every message names the engine's URL and the endpoint. A generate has no
-read timeout (it takes as long as its tokens take): an engine that dies breaks its connection, which fails it at
-once, and one that stalls is the business of a health monitor (`tandem.run.placement`). Every other call is bounded
-by `timeout_s`.
+timeout, or a router's 502/503/504: the server behind it did not answer) raises `EngineUnreachable`. Every message
+names the engine's URL and the endpoint. A generate has no read timeout (it takes as long as its tokens take): an
+engine that dies breaks its connection, which fails it at once, and one that stalls is the business of a health
+monitor (`tandem.run.placement`). Every other call is bounded by `timeout_s`.
 
 The client is aiohttp's: a run keeps one generate open per episode in flight (hundreds), and its connection pool
 costs the same per request however many are open (httpcore's scans every pooled connection on every request and
@@ -149,6 +149,8 @@ class EngineClient:
             message = content[:500].decode(errors="replace")
         if status == 400:
             raise ValueError(f"engine at {self.url}: {what}: {message}")
+        if status in (502, 503, 504):  # a router's: the server behind it did not answer
+            raise EngineUnreachable(f"engine at {self.url}: {what}: HTTP {status}: {message}")
         raise EngineClientError(f"engine at {self.url}: {what}: HTTP {status}: {message}")
 
     def _client(self) -> aiohttp.ClientSession:

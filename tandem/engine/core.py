@@ -268,11 +268,13 @@ class EngineCore:
 
     def _place_import(self, req: Request, kv: KVPages) -> None:
         """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
-        imported KV after it; then queue it. If those cached pages are gone (evicted since the probe) or no pages
-        are free, nothing is written and the request computes its prompt here instead."""
+        imported KV after it; then queue it. The request computes its prompt here instead, nothing written, if those
+        cached pages are gone (evicted or flushed since the probe), no pages are free, or the KV was computed under
+        other weights than this engine holds now (KV never mixes weight versions silently; its first token keeps
+        the version that sampled it)."""
         n, P = req.prompt_len, self.pool.page_size
         lead = self.cache.match(req.tokens[:n]).pages[:kv.start // P] if self.cache is not None else []
-        if len(lead) == kv.start // P and None not in lead:
+        if req.weight_versions[0] == self.weight_version and len(lead) == kv.start // P and None not in lead:
             self.pool.incref(lead)
             fresh = self.scheduler.alloc(cdiv(n, P) - len(lead))
             if fresh is None:
@@ -283,7 +285,8 @@ class EngineCore:
                 write_pages(self.pool, req.pages, kv)
         if not req.pages:
             self.stats.imports_recomputed += 1
-            log.warning("engine: request %s recomputes its prompt (its imported KV found no room)", req.rid)
+            log.info("engine: request %s recomputes its prompt (the import's cached prefix is gone, no pages are "
+                     "free, or its KV is of other weights)", req.rid)
         self.scheduler.waiting.append(req)
 
     def _pause(self, mode: PauseMode) -> None:

@@ -1,7 +1,8 @@
 """Where the engine runs relative to the trainer, and how new weights reach it.
 
 `Colocated`: the engine's thread in the trainer's process (on one GPU they share it); weights handed over in memory
-(`InProcessSender`). `Separate`: the engine in a process of its own (`EngineProcess`), driven over its HTTP API
+(`InProcessSender`). `Disaggregated`: a prefill and a decode server behind a router. `Separate`: the engine in a
+process of its own (`EngineProcess`), driven over its HTTP API
 (`EngineClient`). Its weights, by `RunConfig.weight_transport`:
 - "group": broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the trainer has the
   engine join with `/init_weights_update_group` once, then per update calls `/update_weights_from_distributed`
@@ -226,5 +227,68 @@ class Separate(Placement):
         self.process.stop()
 
 
+class Disaggregated(Placement):
+    """A prefill server and a decode server, each in a process of its own (`EngineProcess` with its role), behind a
+    router in this process (`tandem.server.router`), which the rollout manager drives as it would one engine. Each
+    server takes the trainer's weights by reference through its own pipe (ipc). An update pauses both servers
+    (through the router) before either loads, and continues them only once both hold the new version."""
+
+    def __init__(self, cfg: RunConfig):
+        from tandem.server.http import ServerThread
+        from tandem.server.router import RouterConfig, build_router_app
+
+        resolve_model(cfg.model)
+        self.cfg, self.processes, self.senders, self.router = cfg, [], [], None
+        try:
+            for role in ("prefill", "decode"):
+                self.processes.append(EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_start_timeout_s,
+                                                    cfg.engine_dtype, ipc_timeout_s=cfg.weight_sync_timeout_s,
+                                                    role=role))
+            config = RouterConfig(prefill=(self.processes[0].url,), decode=(self.processes[1].url,),
+                                  control_timeout_s=cfg.engine_timeout_s)
+            self.router = ServerThread(app=build_router_app(config)).start()
+            self.engine = EngineClient(self.router.url, cfg.engine_timeout_s).connect()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        self.senders = [IpcSender(p.weights_conn, self.cfg.weight_sync_timeout_s, str(p)) for p in self.processes]
+        return await self.push(named_weights, version)
+
+    async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        t0, mode, timeout_s = time.perf_counter(), self.cfg.rollout.pause_mode, self.cfg.weight_sync_timeout_s
+        named = list(named_weights)  # (read once per server)
+        await self.engine.pause(mode)  # both servers, before either loads
+        try:
+            sides = [side for sender, process in zip(self.senders, self.processes, strict=True)
+                     for side in (asyncio.to_thread(sender.send, named, version),
+                                  asyncio.to_thread(process.update_weights, version, mode, timeout_s))]
+            results = await asyncio.gather(*sides, return_exceptions=True)
+            if errors := [r for r in results if isinstance(r, BaseException)]:
+                raise TransportError(f"weight sync of version {version} failed: "
+                                     f"{'; '.join(str(e) for e in errors)}", ranks=(1,)) from errors[0]
+        finally:
+            await self.engine.resume()  # both, once both hold the version (or the sync failed: the run ends)
+        self.engine.weight_version = version
+        # the decode server's side stands for the sync (the prefill server's ran at the same time)
+        return SyncStats(results[2], results[3], time.perf_counter() - t0)
+
+    def check(self) -> None:
+        for process in self.processes:
+            process.check()
+
+    async def disconnect(self) -> None:
+        await self.engine.aclose()
+
+    def shutdown(self) -> None:
+        for sender in self.senders:
+            sender.close()
+        if self.router is not None:
+            self.router.stop()
+        for process in self.processes:
+            process.stop()
+
+
 def place(cfg: RunConfig) -> Placement:
-    return Separate(cfg) if cfg.placement == "separate" else Colocated(cfg)
+    return {"separate": Separate, "disaggregated": Disaggregated}.get(cfg.placement, Colocated)(cfg)

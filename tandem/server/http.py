@@ -424,10 +424,11 @@ class ServerThread:
         with ServerThread(engine) as server:
             httpx.post(f"{server.url}/generate", json=...)
 
-    Exiting stops the server (in-flight requests get a few seconds, then are cancelled and aborted)."""
+    Exiting stops the server (in-flight requests get a few seconds, then are cancelled and aborted). Serves
+    `engine` (its app built here) or another ASGI `app` (a router's)."""
 
-    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 options: ServerOptions | None = None):
+    def __init__(self, engine: Engine | None = None, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning", options: ServerOptions | None = None, app=None):
         # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a TCP
         # socket it recognises as one, and with Nagle on every reply with a body waits for the client's delayed ACK
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -436,7 +437,8 @@ class ServerThread:
         self.host, self.port = self._sock.getsockname()[:2]
         self.url = f"http://{self.host}:{self.port}"
         options = options or ServerOptions()
-        config = uvicorn.Config(build_app(engine, options), log_level=log_level, timeout_graceful_shutdown=3,
+        app = build_app(engine, options) if app is None else app
+        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3,
                                 limit_concurrency=MAX_CONNECTIONS, http=options.protocol())
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
