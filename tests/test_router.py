@@ -6,6 +6,8 @@ import asyncio
 import json
 import random
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -295,19 +297,20 @@ def test_a_stopped_server_is_a_502_naming_it_then_passed_over_until_it_is_back(e
         health = client.get("/health")
         assert health.status_code == 503 and doomed.url in health.text and servers[0].url not in health.text
         assert time.monotonic() - t0 < 3
-        assert client.get("/get_server_info").json()["error"]["message"].startswith(f"server {doomed.url}")
 
         # marked down: the episode's next turn moves to the other server (paying a prefill), as new episodes go
         before = stats(engines[0]).num_finished
         moved = generate(client, list(range(100, 150)), GREEDY)
         assert moved["meta_info"]["cached_tokens"] == 0 and stats(engines[0]).num_finished == before + 1
         assert router_metrics(client)[("tandem:router_server_up", doomed.url)] == 0
+        view = client.get("/get_server_info").json()["router"]["servers"]  # answered by the server that is up
+        assert [(s["url"], s["down"]) for s in view] == [(doomed.url, True), (servers[0].url, False)]
 
         with ServerThread(engines[1], port=doomed.port):  # back, on the same port: the probe finds it
             wait_until(lambda: router_metrics(client)[("tandem:router_server_up", doomed.url)] == 1)
             assert client.get("/health").status_code == 200
             assert client.get("/get_server_info").json()["router"]["servers"][0] == {
-                "url": doomed.url, "role": "unified", "in_flight": 0, "routed": 2, "errors": 3, "down": False}
+                "url": doomed.url, "role": "unified", "in_flight": 0, "routed": 2, "errors": 2, "down": False}
 
 
 def router_metrics(client) -> dict:
@@ -383,6 +386,31 @@ def test_prefill_decode_mode_sticks_episodes_to_a_decode_server_and_generates_wh
 
         r = client.post("/flush_cache")  # reaches the prefill server too
         assert r.status_code == 200 and all(stats(e).pages_cached == 0 for e in all_engines), r.text
+
+
+def test_the_router_command_serves_until_stopped(servers):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "tandem.cli", "router", "--server", servers[0].url, servers[1].url,
+            "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            def healthy():
+                try:
+                    return client.get("/health").status_code == 200
+                except httpx.TransportError:
+                    assert proc.poll() is None, proc.communicate()[0].decode()[-2000:]
+                    return False
+
+            wait_until(healthy, 60)
+            assert len(generate(client, [1, 2, 3])["output_ids"]) == GREEDY["max_new_tokens"]
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0].decode()
+    assert f"routing to servers: {servers[0].url} {servers[1].url}" in out, out[-2000:]
+    assert "Finished server process" in out, out[-2000:]  # shut down in order (uvicorn then re-raises SIGTERM)
 
 
 # ---- placement and prefill/decode shaping, as functions -------------------------------------------------------

@@ -21,8 +21,9 @@ Routes:
     checked here with the server's body models, then sent to every server at once (prefill and decode alike). A
     success once every server succeeded; else an error naming each server that failed and why, and those where it
     succeeded (a 400 if every failure was a 400, else a 502).
-  - `/health`: healthy when every server is. `/get_model_info`: the first (decode) server's. `/get_server_info`:
-    the first (decode) server's, with the router's view under `"router"` (its mode and, per server, its counters).
+  - `/health`: healthy when every server is. `/get_model_info`: the first (decode) server's (the first not marked
+    down). `/get_server_info`: that server's, with the router's view under `"router"` (its mode and, per server,
+    its counters).
     `/engine_stats`: the servers' engine stats summed (times in engine-seconds, `weight_version` the lowest), so
     `EngineClient.get_stats` reads the router as one engine. `/metrics`: the router's counters per server.
   - the weight-group routes are a 400: a group is joined by one server per rank, so fanning them out is
@@ -119,7 +120,10 @@ class Router:
 
     def _remember_outputs(self, placed: Placement, content: bytes) -> None:
         """The target's cache now holds each prompt followed by its output, which the episode's next turn extends."""
-        outs = pydantic_core.from_json(content)
+        try:
+            outs = pydantic_core.from_json(content)
+        except ValueError:  # the client gets it as it is: not our business here
+            return
         for prompt, out in zip(placed.prompts, outs if isinstance(outs, list) else [outs], strict=False):
             if isinstance(out, dict) and isinstance(out.get("output_ids"), list):
                 self.pool.remember(prompt + out["output_ids"], placed.target)
@@ -150,8 +154,8 @@ class Router:
         return Response(status_code=200)
 
     async def first(self, path: str) -> tuple[dict | None, Response | None]:
-        """The first (decode) server's JSON answer to `GET path`, or (None, the error reply)."""
-        backend = self.pool.backends[0]
+        """The JSON answer to `GET path` of the first (decode) server not marked down, or (None, the error reply)."""
+        backend = next((b for b in self.pool.backends if not b.down), self.pool.backends[0])
         reply = await self.call(backend, "GET", path, None, self.config.control_timeout_s)
         if reply.status != 200:
             return None, self._relay(backend, f"GET {path}", reply)
