@@ -205,6 +205,12 @@ def test_a_fan_out_that_fails_on_one_server_names_it(engines, servers, client):
         assert long.result(timeout=10)["meta_info"]["finish_reason"]["type"] == "abort"
         httpx.post(f"{a.url}/continue_generation")
 
+    r = client.post("/update_weights_from_disk", json={"model_path": "/tmp"})  # neither server loads from disk
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and message.startswith("/update_weights_from_disk failed on 2 of 2 servers: "), message
+    assert f"server {a.url}: HTTP 400: model_path: " in message and f"; server {b.url}: HTTP 400: " in message
+    assert "succeeded" not in message
+
 
 def test_a_client_that_disconnects_has_its_request_aborted_on_the_server(engines, router):
     before = [stats(e).num_aborted for e in engines]

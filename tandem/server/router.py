@@ -276,7 +276,6 @@ def build_router_app(config: RouterConfig, options: ServerOptions | None = None)
         await router.upstream.close()
 
     app = FastAPI(title="tandem router", lifespan=lifespan)
-    app.state.router = router
     app.add_exception_handler(ValueError, _bad_request)
     app.add_middleware(_InternalErrors)
     app.add_middleware(Guard, options=options or ServerOptions(), reply=_refuse)  # outermost
