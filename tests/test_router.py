@@ -14,7 +14,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from tandem.cli import main as cli_main
@@ -35,32 +34,8 @@ KEY, ADMIN_KEY = "router-key-123", "router-admin-456"
 SERVER_KEY, SERVER_ADMIN_KEY = "server-key-789", "server-admin-012"
 
 
-class AppThread:
-    """An ASGI app served by uvicorn in a background thread on a free port, as `ServerThread` serves an engine."""
-
-    def __init__(self, app, options: ServerOptions | None = None):
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self._sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3,
-                                http=(options or ServerOptions()).protocol())
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        wait_until(lambda: self._server.started or not self._thread.is_alive(), 30)
-        assert self._server.started, f"{self.url} failed to start"
-        return self
-
-    def __exit__(self, *exc):
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
-
-
-def router_thread(config: RouterConfig, options: ServerOptions | None = None) -> AppThread:
-    return AppThread(build_router_app(config, options), options)
+def router_thread(config: RouterConfig, options: ServerOptions | None = None) -> ServerThread:
+    return ServerThread(app=build_router_app(config, options), options=options)
 
 
 def wait_until(predicate, timeout=5.0):
