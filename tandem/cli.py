@@ -30,7 +30,7 @@ def _serve(args) -> None:
                           enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
                           host_cache=args.host_cache, host_cache_pages=args.host_cache_pages,
                           token_broadcast=not args.no_token_broadcast, dump_dir=args.dump_dir,
-                          watchdog_timeout_s=args.watchdog_timeout)
+                          watchdog_timeout_s=args.watchdog_timeout, role=args.role)
     if args.role != "unified" and args.tp * args.ep > 1:
         raise ValueError(f"--role {args.role}: prefill/decode servers run on one rank for now (no --tp or --ep)")
     if args.tp < 1 or args.ep < 1:
@@ -80,7 +80,7 @@ def _server_options(args):
         logging.warning("serving on %s without an API key (--allow-unauthenticated): anyone who reaches the port "
                         "controls the engine", args.host)
     return ServerOptions(api_key=api_key, admin_api_key=admin_key, max_body_bytes=args.max_body_bytes,
-                         weight_dirs=tuple(weight_dirs), role=getattr(args, "role", "unified"))
+                         weight_dirs=tuple(weight_dirs))
 
 
 def _router(args) -> None:

@@ -31,6 +31,7 @@ BehavMode = Literal["truncate", "mask"]
 Aggregation = Literal["token_mean", "seq_mean"]
 HostCache = Literal["off", "write_through", "write_back"]
 WatchdogAction = Literal["wait", "abort"]
+Role = Literal["unified", "prefill", "decode"]
 Dtype = Literal["float32", "bfloat16", "float16"]
 RunDtype = Literal["float32", "bfloat16"]  # what an RL run computes in (float16 would need loss scaling)
 
@@ -307,6 +308,10 @@ class EngineConfig:
     # a measurement (benchmarks, the run's table): count what an ideal, unbounded prefix cache would have served
     # (EngineStats.prompt_tokens_ideal); it costs a token tree beside the cache
     measure_ideal_reuse: bool = False
+    # prefill/decode disaggregation (`tandem.server.disagg`): a prefill server's engine computes prompts for decode
+    # servers; a decode server's takes their KV, and hands a request it retracts for a weight update back to be
+    # prefilled again (`EngineCore`)
+    role: Role = "unified"
 
     def __post_init__(self):
         check_fields(self)

@@ -83,6 +83,9 @@ def _is_number(x) -> bool:
 
 # The message of an abort caused by `pause("abort")`: such a request may be resubmitted to continue.
 PAUSED_ABORT = "engine paused (mode abort)"
+# The message of a decode server's request handed back to be prefilled again under new weights (a pause in mode
+# retract, or KV of other weights): the server runs it through a prefill server again; no client sees it.
+HANDED_BACK = "handed back to be prefilled again"
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,6 +3,7 @@ engine, which then generates exactly what one unified engine does; in process, t
 
 import asyncio
 import dataclasses
+import time
 
 import httpx
 import pytest
@@ -12,11 +13,11 @@ from tandem.config import EngineConfig
 from tandem.engine.core import EngineCore
 from tandem.engine.engine import Engine
 from tandem.engine.kv_transfer import KVPages, page_checksums, wire_meta
-from tandem.server.guard import ServerOptions
 from tandem.server.http import ServerThread
 from tandem.types import SamplingParams
 
 POOL = EngineConfig(page_size=4, num_pages=96)
+PREFILL, DECODE = dataclasses.replace(POOL, role="prefill"), dataclasses.replace(POOL, role="decode")
 SEEDED = SamplingParams(max_new_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
 
@@ -30,8 +31,8 @@ async def disaggregated(p: Engine, d: Engine, ids, sampling, rid=None):
     sampling = sampling if sampling.seed is not None else dataclasses.replace(sampling, seed=0)
     kv_from = await d.probe(ids, rid)
     first = await p.generate(ids, dataclasses.replace(sampling, max_new_tokens=1), export_kv_from=kv_from)
-    out = await d.generate_imported(ids, sampling, (first.output_ids[0], first.output_logprobs[0],
-                                                    first.weight_versions[0]), first.kv, rid)
+    out = await d.generate_imported(ids, sampling, (first.output_ids, first.output_logprobs, first.weight_versions),
+                                    first.kv, rid)
     return out, first.kv
 
 
@@ -81,7 +82,7 @@ def test_a_page_that_arrives_changed_is_named_and_nothing_is_written():
             bad = KVPages(0, k, first.kv.v, 4, first.kv.checksums)
             before = d.pool.k_cache.clone()
             with pytest.raises(ValueError, match=r"page 2 \(positions 8"):
-                await d.generate_imported(ids, dataclasses.replace(GREEDY, seed=1), (1, -1.0, 0), bad)
+                await d.generate_imported(ids, dataclasses.replace(GREEDY, seed=1), ([1], [-1.0], [0]), bad)
             assert torch.equal(d.pool.k_cache, before)
             data = first.kv.to_bytes()
             wire = KVPages.from_bytes(data, wire_meta(data))
@@ -110,7 +111,7 @@ def writes_while_paused(monkeypatch, gate_late: bool) -> bool:
             await d.pause("in_place")
             before = d.pool.k_cache.clone()
             task = asyncio.ensure_future(d.generate_imported(
-                ids, SEEDED, (first.output_ids[0], first.output_logprobs[0], 0), first.kv))
+                ids, SEEDED, (first.output_ids, first.output_logprobs, [0]), first.kv))
             await asyncio.sleep(0)  # (the task submits its import)
             await d.get_stats()  # (which has been applied: commands run in order)
             written = not torch.equal(d.pool.k_cache, before)
@@ -137,8 +138,8 @@ def test_an_abort_pause_ends_a_request_whose_prefill_is_on_its_way():
             first = await p.generate(ids, dataclasses.replace(SEEDED, max_new_tokens=1), export_kv_from=kv_from)
             free = (await d.get_stats()).pages_free
             await d.pause("abort")
-            out = await d.generate_imported(ids, SEEDED, (first.output_ids[0], first.output_logprobs[0], 0),
-                                            first.kv, "r1")
+            out = await d.generate_imported(ids, SEEDED, (first.output_ids, first.output_logprobs, [0]), first.kv,
+                                            "r1")
             assert out.finish_reason.type == "abort" and "paused" in out.finish_reason.message
             assert (await d.get_stats()).pages_free == free  # nothing was imported
             await d.resume()
@@ -149,13 +150,12 @@ def test_prefill_and_decode_servers_over_http():
     """Real servers: a decode server's /generate with bootstrap equals a unified engine's answer, pairing refuses a
     prefill server of another page size by name, and a prefill server that is gone ends the request with an abort
     naming it, the decode server's pages back where they were."""
-    with Engine("tiny", POOL) as unified, Engine("tiny", POOL) as p, Engine("tiny", POOL) as d, \
-            Engine("tiny", dataclasses.replace(POOL, page_size=8)) as other:
+    with Engine("tiny", POOL) as unified, Engine("tiny", PREFILL) as p, Engine("tiny", DECODE) as d, \
+            Engine("tiny", dataclasses.replace(PREFILL, page_size=8)) as other:
         ids, sampling = prompt(30), {"max_new_tokens": 8, "temperature": 0.7, "seed": 11, "ignore_eos": True}
         want = asyncio.run(unified.generate(ids, SamplingParams(**sampling)))
-        ps = ServerThread(p, options=ServerOptions(role="prefill")).start()
-        with ServerThread(d, options=ServerOptions(role="decode")) as ds, \
-                ServerThread(other, options=ServerOptions(role="prefill")) as bad:
+        ps = ServerThread(p).start()
+        with ServerThread(d) as ds, ServerThread(other) as bad:
             body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True,
                     "bootstrap": {"prefill_url": ps.url}}
             r = httpx.post(f"{ds.url}/generate", json=body, timeout=60)
@@ -186,8 +186,7 @@ def test_kv_of_other_weights_is_not_imported_the_prompt_is_recomputed():
             await d.pause("retract")
             await d.update_weights(d.model.named_parameters(), version=3)  # (the same values, a new version)
             await d.resume()
-            out = await d.generate_imported(ids, SEEDED, (first.output_ids[0], first.output_logprobs[0], 0),
-                                            first.kv)
+            out = await d.generate_imported(ids, SEEDED, (first.output_ids, first.output_logprobs, [0]), first.kv)
             assert out.weight_versions == [0] + [3] * (SEEDED.max_new_tokens - 1)
             assert (await d.get_stats()).imports_recomputed == 1 and out.prefill_tokens == len(ids) + 1  # (+ token 1)
     asyncio.run(go())
@@ -201,3 +200,41 @@ def test_the_random_agent_runs_through_a_prefill_and_a_decode_server(tmp_path):
     records = main(None, ["steps=3", f"out_dir={tmp_path}", "placement=disaggregated", "rollout.max_staleness=1"])
     assert [r["step"] for r in records] == [1, 2, 3] and all("error" not in r for r in records), records
     assert records[-1]["version"] == 3 and sum(r["dropped_groups"] for r in records) == 0, records[-1]
+
+
+def test_a_retract_pause_hands_a_decoding_request_back_to_the_prefill_server():
+    """Pausing the decode server in mode retract while a request decodes, then updating both servers' weights (same
+    values, version 1): the request goes back to the prefill server, which computes its prompt and the tokens so far
+    under version 1, and decoding goes on; the client sees one answer, tokens as one engine gives them, each with
+    the version that sampled it."""
+    import concurrent.futures
+
+    sampling = {"max_new_tokens": 60, "temperature": 0.7, "seed": 3, "ignore_eos": True}
+    ids = prompt(20, seed=5)
+    with Engine("tiny", POOL) as unified, Engine("tiny", PREFILL) as p, Engine("tiny", DECODE) as d, \
+            ServerThread(p) as ps, ServerThread(d) as ds, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        want = asyncio.run(unified.generate(ids, SamplingParams(**sampling)))
+        body = {"input_ids": ids, "sampling_params": sampling, "return_logprob": True,
+                "bootstrap": {"prefill_url": ps.url}}
+        answer = pool.submit(httpx.post, f"{ds.url}/generate", json=body, timeout=120)
+        deadline = time.monotonic() + 60
+        while not asyncio.run(d.get_stats()).generated_tokens >= 5:  # decoding on the decode server
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for engine in (d, p):  # as a router does: pause both, update both, continue both
+            asyncio.run(engine.pause("retract"))
+        for engine in (d, p):
+            asyncio.run(engine.update_weights(engine.model.named_parameters(), version=1))
+        for engine in (d, p):
+            asyncio.run(engine.resume())
+        r = answer.result()
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert r.json()["output_ids"] == want.output_ids and meta["finish_reason"]["type"] == "length"
+        versions = meta["output_token_weight_versions"]
+        k = versions.index(1)  # tokens before the hand-back have version 0, after it 1
+        assert 5 <= k < 60 and versions == [0] * k + [1] * (60 - k), versions
+        assert [lp for lp, _, _ in meta["output_token_logprobs"]] == pytest.approx(want.output_logprobs, abs=1e-5)
+        # the prefill server computed it again after the hand-back (twice, if it took the handed-back request before
+        # its own pause: under version 0, which the decode server hands back once more)
+        assert asyncio.run(p.get_stats()).generated_tokens >= 2

@@ -35,14 +35,18 @@ class Command:
 @dataclass(frozen=True, slots=True)
 class AddRequest(Command):
     """Queue a request (validated by the caller). Its output arrives through `EngineCore.take_finished`.
-    `export_kv_from` (a prefill server's request): its output also carries the KV of prompt positions
-    [export_kv_from, prompt length) (`GenerateOutput.kv`, a `tandem.engine.kv_transfer.KVPages`; page-aligned)."""
+    `export_kv_from` (a prefill server's request): its output also carries the KV of the positions from there
+    (page-aligned) to the first it samples (`GenerateOutput.kv`, a `tandem.engine.kv_transfer.KVPages`).
+    `prompt_len` (a continuation): the leading tokens of `input_ids` that are the prompt; the rest were generated
+    before, so they count towards `max_new_tokens` and sampling continues at their position (its noise is a
+    function of the seed and the position: see `tandem.engine.sampler`). None: all of them."""
 
     drains: ClassVar[bool] = False
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
     export_kv_from: int | None = None
+    prompt_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,20 +63,21 @@ class Probe(Command):
 
 @dataclass(frozen=True, slots=True)
 class ImportRequest(Command):
-    """A decode server's request whose prompt a prefill server computed: the prompt's KV from position `kv.start`
-    on (the positions before it as `Probe` found them cached), and the first token the prefill server sampled,
-    with its logprob and weight version. `sampling.seed` must be set (the prefill server sampled with it). The KV
-    goes into the prefix cache and the request queues, decoding from its first token; while the engine is paused
-    the import waits for `Resume` (nothing is written into the pool while paused). Its output arrives through
-    `EngineCore.take_finished`, as for `AddRequest`."""
+    """A decode server's request that a prefill server computed: its prompt `input_ids` and every token generated
+    so far (`output_ids`, with their logprobs and weight versions; the last one the prefill server just sampled,
+    earlier ones from before a hand-back), and the KV of its positions from `kv.start` to that last token (the
+    positions before `kv.start` as `Probe` found them cached). `sampling.seed` must be set (the prefill server
+    sampled with it). The request queues with its pages and decodes on from its last token; while the engine is
+    paused the import waits for `Resume` (nothing is written into the pool while paused). Its output arrives
+    through `EngineCore.take_finished`, as for `AddRequest`."""
 
     drains: ClassVar[bool] = False
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
-    first_token: int
-    first_logprob: float
-    first_version: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_versions: list[int]
     kv: object  # KVPages
 
 

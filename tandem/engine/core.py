@@ -21,7 +21,9 @@ with its output, read from its pages as it finishes; a decode server's `ImportRe
 pages (behind the cached ones it already held) and queues the request with them and its first token: admitted, it
 decodes at once, and its KV joins the prefix cache when it ends, as any request's does. Both ends run between
 steps in this thread: no page is freed or reused while its content moves. While paused, imports wait (`_held`)
-and nothing is written; `Resume` places them, an abort pause ends them.
+and nothing is written; `Resume` places them, an abort pause ends them. A decode server's engine
+(`EngineConfig.role`) hands its running requests back when it pauses in mode retract, and an import whose KV is of
+other weights than it holds: they end with `HANDED_BACK`, and its server has a prefill server compute them again.
 
 Isolation: a request whose inputs make a step fail (a value the validation let through) is identified and
 finished with an abort naming the error; the step's other requests are not touched and run in the next step. Only
@@ -55,7 +57,7 @@ from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Chunk, Scheduler
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
-from tandem.types import PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput
+from tandem.types import HANDED_BACK, PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput
 
 log = logging.getLogger(__name__)
 
@@ -203,12 +205,15 @@ class EngineCore:
     def _add_request(self, cmd: commands.AddRequest) -> None:
         if cmd.rid in self._requests:
             raise ValueError(f"rid: {cmd.rid!r} is already in flight")
-        sampling, start = cmd.sampling, cmd.export_kv_from
-        if start is not None and not (0 <= start <= len(cmd.input_ids) and start % self.pool.page_size == 0):
+        sampling, start, n = cmd.sampling, cmd.export_kv_from, len(cmd.input_ids)
+        if start is not None and not (0 <= start <= n and start % self.pool.page_size == 0):
             raise ValueError(f"export_kv_from: must be a multiple of the page size ({self.pool.page_size}) in "
-                             f"[0, {len(cmd.input_ids)}], got {start}")
+                             f"[0, {n}], got {start}")
+        prompt_len = n if cmd.prompt_len is None else cmd.prompt_len
+        if not 1 <= prompt_len <= n:
+            raise ValueError(f"prompt_len: must be in [1, {n}] (the input's leading tokens), got {prompt_len}")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
-        req = Request(cmd.rid, list(cmd.input_ids), len(cmd.input_ids), sampling, seed, next(self._arrival))
+        req = Request(cmd.rid, list(cmd.input_ids), prompt_len, sampling, seed, next(self._arrival))
         req.export_kv_from = start
         self._requests[cmd.rid] = req
         self.scheduler.waiting.append(req)
@@ -221,8 +226,8 @@ class EngineCore:
             self._held = [(r, kv) for r, kv in self._held if r is not req]
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
-            if req.export_kv_from is not None and reason.type != "abort" and req.num_computed >= req.prompt_len:
-                kv = read_pages(self.pool, req.pages, req.export_kv_from, req.prompt_len)
+            if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
+                kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed)
             self.scheduler.finish(req, reason)
         self._requests.pop(req.rid, None)
         self.stats.num_finished += 1
@@ -245,16 +250,21 @@ class EngineCore:
         return next((i for i, page in enumerate(pages) if page is None), len(pages)) * self.pool.page_size
 
     def _import_request(self, cmd: commands.ImportRequest) -> None:
-        kv, n = cmd.kv, len(cmd.input_ids)
+        kv, out = cmd.kv, cmd.output_ids
+        n = len(cmd.input_ids) + len(out) - 1  # the positions with KV: all but the last token
         if cmd.rid in self._requests:
             raise ValueError(f"rid: {cmd.rid!r} is already in flight")
         if cmd.sampling.seed is None:
-            raise ValueError("sampling_params.seed: an imported request needs the seed its first token used")
+            raise ValueError("sampling_params.seed: an imported request needs the seed its tokens were sampled with")
+        if not out or not len(out) == len(cmd.output_logprobs) == len(cmd.weight_versions):
+            raise ValueError("output_ids: at least the token the prefill server sampled, with its logprob and version")
         if not isinstance(kv, KVPages) or kv.end != n or kv.start % self.pool.page_size:
-            raise ValueError(f"kv: must hold positions [a page boundary, {n}) of the prompt")
+            raise ValueError(f"kv: must hold positions [a page boundary, {n}) of the request")
         kv.verify()
-        req = Request(cmd.rid, [*cmd.input_ids, PENDING], n, cmd.sampling, cmd.sampling.seed, next(self._arrival))
-        reason = self.scheduler.resolve(req, n, cmd.first_token, cmd.first_logprob, cmd.first_version)
+        req = Request(cmd.rid, [*cmd.input_ids, *out[:-1], PENDING], len(cmd.input_ids), cmd.sampling,
+                      cmd.sampling.seed, next(self._arrival))
+        req.output_logprobs, req.weight_versions = list(cmd.output_logprobs[:-1]), list(cmd.weight_versions[:-1])
+        reason = self.scheduler.resolve(req, n, out[-1], cmd.output_logprobs[-1], cmd.weight_versions[-1])
         if (aborted := self._expected.pop(cmd.rid, None)) is not None:  # aborted while the prefill server computed
             reason = FinishReason("abort", message=aborted)
         self._requests[cmd.rid] = req
@@ -270,11 +280,15 @@ class EngineCore:
         """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
         imported KV after it; then queue it. The request computes its prompt here instead, nothing written, if those
         cached pages are gone (evicted or flushed since the probe), no pages are free, or the KV was computed under
-        other weights than this engine holds now (KV never mixes weight versions silently; its first token keeps
-        the version that sampled it)."""
-        n, P = req.prompt_len, self.pool.page_size
+        other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
+        versions that sampled them)."""
+        n, P = len(req.tokens) - 1, self.pool.page_size
+        if req.weight_versions[-1] != self.weight_version and self.config.role == "decode":
+            self.scheduler.waiting.append(req)  # (a prefill server recomputes it under the weights held now)
+            self._finish(req, FinishReason("abort", message=HANDED_BACK))
+            return
         lead = self.cache.match(req.tokens[:n]).pages[:kv.start // P] if self.cache is not None else []
-        if req.weight_versions[0] == self.weight_version and len(lead) == kv.start // P and None not in lead:
+        if req.weight_versions[-1] == self.weight_version and len(lead) == kv.start // P and None not in lead:
             self.pool.incref(lead)
             fresh = self.scheduler.alloc(cdiv(n, P) - len(lead))
             if fresh is None:
@@ -292,6 +306,9 @@ class EngineCore:
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":
             self._abort_all(PAUSED_ABORT)
+        elif mode == "retract" and self.config.role == "decode":  # recomputed at a prefill server, new weights
+            for req in list(self.scheduler.running):
+                self._finish(req, FinishReason("abort", message=HANDED_BACK))
         elif mode == "retract":
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.retract(req)

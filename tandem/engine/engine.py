@@ -76,25 +76,27 @@ class Engine:
 
     # ---- caller side: validation, then a command for the engine thread -----------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
-                       rid: str | None = None, export_kv_from: int | None = None) -> GenerateOutput:
+                       rid: str | None = None, export_kv_from: int | None = None,
+                       prompt_len: int | None = None) -> GenerateOutput:
         """Generate from `input_ids`. Raises ValueError for a malformed request (nothing is enqueued). If the
         awaiting task is cancelled (a client went away) the request is aborted and its pages freed.
-        `export_kv_from`: see `commands.AddRequest` (a prefill server's request)."""
+        `export_kv_from`, `prompt_len`: see `commands.AddRequest` (a prefill server's request, a continuation)."""
         sampling = sampling or SamplingParams()
         rid = rid if rid is not None else uuid.uuid4().hex
         self._check_alive()
         self.validate(input_ids, sampling, rid)
-        return await self._submit(commands.AddRequest(rid, list(input_ids), sampling, export_kv_from))
+        return await self._submit(commands.AddRequest(rid, list(input_ids), sampling, export_kv_from, prompt_len))
 
-    async def generate_imported(self, input_ids: list[int], sampling: SamplingParams, first: tuple[int, float, int],
-                                kv, rid: str | None = None) -> GenerateOutput:
-        """A decode server's request: `input_ids` computed by a prefill server, which sampled `first` (token,
-        logprob, weight version) with `sampling.seed` and sent the KV `kv` (`commands.ImportRequest`). The output
-        starts with that first token."""
+    async def generate_imported(self, input_ids: list[int], sampling: SamplingParams,
+                                generated: tuple[list[int], list[float], list[int]], kv,
+                                rid: str | None = None) -> GenerateOutput:
+        """A decode server's request: prompt `input_ids` and the tokens generated so far (`generated`: ids,
+        logprobs, weight versions; the last one sampled by a prefill server with `sampling.seed`), with the KV `kv`
+        that prefill server sent (`commands.ImportRequest`). The output holds every generated token."""
         rid = rid if rid is not None else uuid.uuid4().hex
         self._check_alive()
         self.validate(input_ids, sampling, rid)
-        return await self._submit(commands.ImportRequest(rid, list(input_ids), sampling, *first, kv))
+        return await self._submit(commands.ImportRequest(rid, list(input_ids), sampling, *map(list, generated), kv))
 
     async def probe(self, input_ids: list[int], rid: str | None = None) -> int:
         """How many leading tokens of `input_ids` this engine holds on its device in whole pages; with `rid`, it

@@ -61,11 +61,10 @@ class EngineProcess:
     """Spawns the engine and blocks until its server listens, at most `timeout_s`. Raises ValueError when the engine
     refuses its configuration, EngineUnreachable when the process dies or does not start in time. `ipc_timeout_s`:
     receive weights by reference through `weights_conn` (the engine on the trainer's device), each wait of the
-    receiver bounded by it; None: the engine gets a GPU of its own and weights come over a group (HTTP). `role`: its
-    server's under prefill/decode disaggregation."""
+    receiver bounded by it; None: the engine gets a GPU of its own and weights come over a group (HTTP)."""
 
     def __init__(self, model: str, config: EngineConfig, seed: int, timeout_s: float, dtype: str = "float32",
-                 ipc_timeout_s: float | None = None, role: str = "unified"):
+                 ipc_timeout_s: float | None = None):
         gpu = None
         self._lock = threading.Lock()  # one exchange on the control pipe at a time
         if config.device.startswith("cuda") and ipc_timeout_s is None:
@@ -79,7 +78,7 @@ class EngineProcess:
         self._conn, child = ctx.Pipe()
         self.weights_conn, weights_child = ctx.Pipe() if ipc_timeout_s is not None else (None, None)
         self.process = ctx.Process(target=_serve, name="tandem-engine", daemon=True,
-                                   args=(model, config, seed, dtype, gpu, child, weights_child, ipc_timeout_s, role))
+                                   args=(model, config, seed, dtype, gpu, child, weights_child, ipc_timeout_s))
         self.process.start()
         for end in (child, weights_child):  # the child's ends live on in the child only: they close when it dies
             if end is not None:
@@ -157,20 +156,18 @@ class EngineProcess:
 
 
 def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | None, conn: Connection,
-           weights_conn: Connection | None, ipc_timeout_s: float | None, role: str) -> None:
-    """The engine process's main: serve until the parent says stop or goes away. `gpu`: the one GPU to see;
-    `role`: the server's (`ServerOptions.role`)."""
+           weights_conn: Connection | None, ipc_timeout_s: float | None) -> None:
+    """The engine process's main: serve until the parent says stop or goes away. `gpu`: the one GPU to see."""
     if gpu is not None:  # before anything initialises CUDA in this process
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us in order
     from tandem.engine.engine import Engine, EngineError
-    from tandem.server.guard import ServerOptions
     from tandem.server.http import ServerThread
     from tandem.transport.ipc import IpcReceiver
 
     try:
         engine = Engine(model, config, dtype=dtype, seed=seed)
-        server = ServerThread(engine, options=ServerOptions(role=role)).start()
+        server = ServerThread(engine).start()
     except Exception as e:
         conn.send(Failed(type(e).__name__, str(e)))
         return

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import os
 import socket
 import time
@@ -228,10 +229,10 @@ class Separate(Placement):
 
 
 class Disaggregated(Placement):
-    """A prefill server and a decode server, each in a process of its own (`EngineProcess` with its role), behind a
-    router in this process (`tandem.server.router`), which the rollout manager drives as it would one engine. Each
-    server takes the trainer's weights by reference through its own pipe (ipc). An update pauses both servers
-    (through the router) before either loads, and continues them only once both hold the new version."""
+    """A prefill server and a decode server, each in a process of its own (`EngineProcess`, `EngineConfig.role`),
+    behind a router in this process (`tandem.server.router`), which the rollout manager drives as it would one
+    engine. Each server takes the trainer's weights by reference through its own pipe (ipc). An update pauses both
+    servers (through the router) before either loads, and continues them only once both hold the new version."""
 
     def __init__(self, cfg: RunConfig):
         from tandem.server.http import ServerThread
@@ -241,9 +242,9 @@ class Disaggregated(Placement):
         self.cfg, self.processes, self.senders, self.router = cfg, [], [], None
         try:
             for role in ("prefill", "decode"):
-                self.processes.append(EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_start_timeout_s,
-                                                    cfg.engine_dtype, ipc_timeout_s=cfg.weight_sync_timeout_s,
-                                                    role=role))
+                config = dataclasses.replace(cfg.engine, role=role)
+                self.processes.append(EngineProcess(cfg.model, config, cfg.seed, cfg.engine_start_timeout_s,
+                                                    cfg.engine_dtype, ipc_timeout_s=cfg.weight_sync_timeout_s))
             config = RouterConfig(prefill=(self.processes[0].url,), decode=(self.processes[1].url,),
                                   control_timeout_s=cfg.engine_timeout_s)
             self.router = ServerThread(app=build_router_app(config)).start()

@@ -85,6 +85,8 @@ class PrefillBody(_Body):
     input_ids: list[int] = Field(description="must be the prompt's token ids")
     sampling_params: dict = Field(description="must be the request's sampling params, its seed set")
     kv_from: int = Field(ge=0, description="must be the page-aligned position from which to send the KV")
+    prompt_len: int | None = Field(None, ge=1, description="must be the prompt's length within input_ids (the "
+                                   "rest generated before: a request handed back)")
 
 
 class PauseBody(_Body):

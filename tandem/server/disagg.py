@@ -26,7 +26,6 @@ import dataclasses
 import json
 import random
 import uuid
-from typing import Literal
 
 import aiohttp
 from fastapi import FastAPI, Request
@@ -35,46 +34,48 @@ from fastapi.responses import Response
 from tandem.engine.engine import Engine
 from tandem.engine.kv_transfer import KVPages, wire_meta
 from tandem.server.bodies import PrefillBody
-from tandem.types import FinishReason, GenerateOutput, SamplingParams
+from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
-Role = Literal["unified", "prefill", "decode"]
-ROLES: tuple[Role, ...] = ("unified", "prefill", "decode")
 HEADER = "X-Tandem-Prefill"
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
 
 
-def kv_layout(engine: Engine, role: Role) -> dict:
-    """What a decode server and its prefill server must agree on (and the role)."""
+def kv_layout(engine: Engine, role: str | None = None) -> dict:
+    """What a decode server and its prefill server must agree on, and the role (`role`, or the engine's)."""
     pool = engine.pool
-    return {"role": role, "page_size": pool.page_size, "kv_dtype": str(pool.k_cache.dtype).removeprefix("torch."),
+    return {"role": role or engine.config.role, "page_size": pool.page_size,
+            "kv_dtype": str(pool.k_cache.dtype).removeprefix("torch."),
             "num_layers": pool.k_cache.shape[0], "num_kv_heads": pool.k_cache.shape[2],
             "head_dim": pool.k_cache.shape[3], "model": dataclasses.asdict(engine.model_config),
             "weight_version": engine.weight_version}
 
 
-def add_routes(app: FastAPI, engine: Engine, role: Role, until_disconnected) -> None:
+def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     """`/pd/info` on every server; `/pd/prefill` on a prefill server (`until_disconnected(request, coro)`: the
     server's way of aborting a request whose client went away)."""
 
     @app.get("/pd/info")
     async def info():
-        return kv_layout(engine, role)
+        return kv_layout(engine)
 
-    if role != "prefill":
+    if engine.config.role != "prefill":
         return
 
     @app.post("/pd/prefill")
     async def prefill(request: Request):
         body = await PrefillBody.from_request(request)
-        sampling = dataclasses.replace(SamplingParams.from_dict(body.sampling_params), max_new_tokens=1)
+        generated = len(body.input_ids) - (body.prompt_len or len(body.input_ids))  # (before a hand-back)
+        sampling = dataclasses.replace(SamplingParams.from_dict(body.sampling_params), max_new_tokens=generated + 1)
         if sampling.seed is None:
             raise ValueError("sampling_params.seed: required (the decode server samples on with it)")
         rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
         engine.validate(body.input_ids, sampling, rid)
-        out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from))
+        out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
+                                                                body.prompt_len))
         if out is None:
             return Response(status_code=499)
-        first = [out.output_ids[0], out.output_logprobs[0], out.weight_versions[0]] if out.output_ids else None
+        sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
+        first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
                 "prefill_tokens": out.prefill_tokens}
         return Response(out.kv.to_bytes() if out.kv is not None else b"", media_type="application/octet-stream",
@@ -130,28 +131,40 @@ class PrefillClient:
         return [t.result() for t in tasks]
 
     async def _one(self, input_ids: list[int], sampling: SamplingParams, rid: str, url: str) -> GenerateOutput:
+        """One request through `url`, again after each hand-back (`HANDED_BACK`: its prompt and what it generated
+        so far computed there under the weights held now)."""
         if sampling.seed is None:  # the prefill server samples the first token, this engine the rest: one seed
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
-        kv_from = await self.engine.probe(input_ids, rid)
-        try:
-            first, kv, meta = await self._prefill(url, input_ids, sampling, rid, kv_from)
-        except BaseException as e:
-            self.engine.abort(rid)  # it expected the import: forget it
-            if isinstance(e, asyncio.CancelledError):
-                raise
-            message = f"prefill server {url} failed: {type(e).__name__}: {e}"
-            return GenerateOutput(rid, [], [], [], FinishReason("abort", message=message), len(input_ids), 0)
-        if first is None:  # the prefill server ended it (an abort there: a pause, a flush)
-            self.engine.abort(rid)
-            reason = FinishReason(**meta["finish_reason"])
-            return GenerateOutput(rid, [], [], [], reason, len(input_ids), meta["cached_tokens"])
-        out = await self.engine.generate_imported(input_ids, sampling, tuple(first), kv, rid)
-        # what the prompt cost: the prefill server's cache hits and the tokens it computed
-        out.cached_tokens, out.prefill_tokens = meta["cached_tokens"], meta["prefill_tokens"]
-        return out
+        so_far = GenerateOutput(rid, [], [], [], FinishReason("abort", message=HANDED_BACK), len(input_ids), 0)
+        prefilled = retractions = 0
+        while so_far.finish_reason.message == HANDED_BACK:
+            history = input_ids + so_far.output_ids
+            kv_from = await self.engine.probe(history, rid)
+            try:
+                sampled, kv, meta = await self._prefill(url, history, sampling, rid, kv_from, len(input_ids))
+            except BaseException as e:
+                self.engine.abort(rid)  # it expected the import: forget it
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                message = f"prefill server {url} failed: {type(e).__name__}: {e}"
+                return dataclasses.replace(so_far, finish_reason=FinishReason("abort", message=message))
+            if not prefilled:  # what the prompt cost: the prefill server's cache hits
+                so_far.cached_tokens = meta["cached_tokens"]
+            prefilled += meta["prefill_tokens"]
+            if sampled is None:  # the prefill server ended it (an abort there: a pause, a flush)
+                self.engine.abort(rid)
+                return dataclasses.replace(so_far, finish_reason=FinishReason(**meta["finish_reason"]))
+            generated = [[*mine, theirs] for mine, theirs in zip(
+                (so_far.output_ids, so_far.output_logprobs, so_far.weight_versions), sampled, strict=True)]
+            out = await self.engine.generate_imported(input_ids, sampling, tuple(generated), kv, rid)
+            retractions += out.finish_reason.message == HANDED_BACK
+            so_far = dataclasses.replace(out, cached_tokens=so_far.cached_tokens)
+        so_far.prefill_tokens, so_far.num_retractions = prefilled, so_far.num_retractions + retractions
+        return so_far
 
-    async def _prefill(self, url, input_ids, sampling, rid, kv_from):
-        body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from}
+    async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
+        body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
+                "prompt_len": prompt_len}
         async with self._http().post(f"{url}/pd/prefill", json=body) as r:
             data = await r.read()
             if r.status != 200:

@@ -39,7 +39,6 @@ class ServerOptions:
     header_timeout_s: float = 30.0
     weight_dirs: tuple[str, ...] = ()
     max_group_timeout_s: float = 600.0  # the longest `timeout_s` a weight-group join may ask for
-    role: str = "unified"  # or "prefill" / "decode": prefill/decode disaggregation (`tandem.server.disagg`)
 
     def __post_init__(self):
         for name in ("api_key", "admin_api_key"):
@@ -52,8 +51,6 @@ class ServerOptions:
             raise ValueError("max_body_bytes, body_timeout_s and header_timeout_s: must be positive and finite")
         if not 0 < self.max_group_timeout_s < float("inf"):
             raise ValueError("max_group_timeout_s: must be positive and finite")
-        if self.role not in ("unified", "prefill", "decode"):
-            raise ValueError(f"role: must be unified, prefill or decode, got {self.role!r}")
 
     def checkpoint_dir(self, model_path: str) -> Path:
         """`model_path` resolved (links followed), if it lies inside an allowed weight directory; else ValueError."""

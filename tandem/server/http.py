@@ -3,7 +3,7 @@
 Endpoints: `POST /generate`, `/pause_generation`, `/continue_generation`, `/abort_request`, `/flush_cache`,
 `/update_weights_from_disk`, `/init_weights_update_group`, `/update_weights_from_distributed`,
 `/destroy_weights_update_group`; `GET /health`, `/get_model_info`, `/get_server_info`, `/metrics`, and tandem's
-`/engine_stats` (the engine's counters as JSON). Under prefill/decode disaggregation (`ServerOptions.role`) also
+`/engine_stats` (the engine's counters as JSON). Under prefill/decode disaggregation (`EngineConfig.role`) also
 `GET /pd/info` and, on a prefill server, `POST /pd/prefill`; a decode server's `/generate` takes `bootstrap`
 (`tandem.server.disagg`).
 
@@ -76,7 +76,7 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
     options = options or ServerOptions()
     groups: dict[str, _WeightGroup | None] = {}  # None while joining
 
-    prefill = disagg.PrefillClient(engine) if options.role == "decode" else None
+    prefill = disagg.PrefillClient(engine) if engine.config.role == "decode" else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -111,7 +111,7 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
             if body.bootstrap is None:
                 outs = await _unless_disconnected(request, _generate_all(engine, jobs))
             elif prefill is None:
-                raise ValueError(f"bootstrap: only a decode server takes it (this one is {options.role})")
+                raise ValueError(f"bootstrap: only a decode server takes it (this one is {engine.config.role})")
             else:
                 url = body.bootstrap.prefill_url.rstrip("/")
                 outs = await _unless_disconnected(request, prefill.generate_all(jobs, url))
@@ -160,7 +160,7 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         return {"success": True, "message": f"Loaded {len(named)} tensors from {body.model_path}.",
                 "weight_version": version}
 
-    disagg.add_routes(app, engine, options.role, _unless_disconnected)
+    disagg.add_routes(app, engine, _unless_disconnected)
 
     @app.get("/health")
     async def health():
