@@ -3,6 +3,7 @@ two replicas, or a prefill and two decode servers; httpx and the engine's own cl
 prefill/decode request shaping also as functions."""
 
 import asyncio
+import dataclasses
 import json
 import random
 import socket
@@ -343,14 +344,16 @@ def test_connections_to_servers_probe_for_a_vanished_peer(servers, monkeypatch):
     asyncio.run(call())
 
 
-def test_prefill_decode_mode_sticks_episodes_to_a_decode_server_and_generates_what_one_engine_does(engines):
-    """One prefill server and two decode servers (the module's engines, as decode servers now)."""
-    with Engine("tiny", EngineConfig(page_size=16, max_batch_requests=4)) as prefill_engine, \
-            ServerThread(prefill_engine, options=ServerOptions(role="prefill")) as p, \
-            ServerThread(engines[0], options=ServerOptions(role="decode")) as d0, \
-            ServerThread(engines[1], options=ServerOptions(role="decode")) as d1, \
+def test_prefill_decode_mode_sticks_episodes_to_a_decode_server_and_generates_what_one_engine_does():
+    """One prefill server and two decode servers."""
+    config = EngineConfig(page_size=16, max_batch_requests=4)
+    with Engine("tiny", dataclasses.replace(config, role="prefill")) as prefill_engine, \
+            Engine("tiny", dataclasses.replace(config, role="decode")) as e0, \
+            Engine("tiny", dataclasses.replace(config, role="decode")) as e1, \
+            ServerThread(prefill_engine) as p, ServerThread(e0) as d0, ServerThread(e1) as d1, \
             router_thread(RouterConfig(prefill=(p.url,), decode=(d0.url, d1.url))) as r, \
             httpx.Client(base_url=r.url, timeout=60) as client:
+        engines = (e0, e1)
         all_engines = (*engines, prefill_engine)
         rng = random.Random(1)
         ids, previous = [rng.randrange(512) for _ in range(40)], []
