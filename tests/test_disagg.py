@@ -238,3 +238,53 @@ def test_a_retract_pause_hands_a_decoding_request_back_to_the_prefill_server():
         # the prefill server computed it again after the hand-back (twice, if it took the handed-back request before
         # its own pause: under version 0, which the decode server hands back once more)
         assert asyncio.run(p.get_stats()).generated_tokens >= 2
+
+
+def test_through_a_router_an_update_reaches_both_roles_and_a_dead_decode_server_is_named(tmp_path):
+    """Paused through the router, a weight update from disk reaches the prefill and the decode server (the same
+    version on both, and what they then generate is the new weights' answer); a decode server that goes away is a
+    502 naming it, which the engine client raises as unreachable (the rollout manager then re-runs the group), and
+    the next try goes to the other decode server."""
+    from safetensors.torch import save_file
+
+    from tandem.engine.client import EngineClient, EngineUnreachable
+    from tandem.model.loader import build_model
+    from tandem.server.guard import ServerOptions
+    from tandem.server.router import RouterConfig, build_router_app
+
+    new = {name: p.detach().contiguous() for name, p in build_model("tiny", seed=9).named_parameters()}
+    save_file(new, tmp_path / "model.safetensors")
+    options = ServerOptions(weight_dirs=(str(tmp_path),))
+    ids, greedy = prompt(25, seed=8), SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    with Engine("tiny", POOL) as unified, Engine("tiny", PREFILL) as p, Engine("tiny", DECODE) as d0, \
+            Engine("tiny", DECODE) as d1, ServerThread(p, options=options) as ps, \
+            ServerThread(d1, options=options) as ds1:
+        ds0 = ServerThread(d0, options=options).start()
+        config = RouterConfig(prefill=(ps.url,), decode=(ds0.url, ds1.url), probe_interval_s=0.2)
+        with ServerThread(app=build_router_app(config)) as router, httpx.Client(base_url=router.url,
+                                                                                 timeout=60) as client:
+            assert client.post("/pause_generation", json={"mode": "retract"}).status_code == 200
+            assert all(e.paused == "retract" for e in (p, d0, d1))
+            r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "weight_version": 4})
+            assert r.status_code == 200, r.text
+            assert client.post("/continue_generation").status_code == 200
+            assert [e.weight_version for e in (p, d0, d1)] == [4, 4, 4]
+            asyncio.run(unified.load_paused(new, 4, "retract"))
+            want = asyncio.run(unified.generate(ids, greedy)).output_ids
+            body = {"input_ids": ids, "sampling_params": dataclasses.asdict(greedy)}
+            assert client.post("/generate", json=body).json()["output_ids"] == want
+
+            engine = EngineClient(router.url, timeout_s=30).connect()
+            ds0.stop()  # one decode server goes away (the first: where a tie between idle servers goes)
+            errors, outs = [], []
+
+            async def episodes():
+                for i in range(4):  # new episodes: some are placed on the server that went away
+                    try:
+                        outs.append(await engine.generate(prompt(21, seed=20 + i), greedy))
+                    except EngineUnreachable as e:
+                        errors.append(str(e))
+                await engine.aclose()
+            asyncio.run(episodes())
+            # marked down after its first failure: the rest go to the other
+            assert len(outs) == 3 and len(errors) == 1 and ds0.url in errors[0] and "502" in errors[0], errors
