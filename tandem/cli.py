@@ -98,6 +98,17 @@ def _router(args) -> None:
     serve_router(config, host=args.host, port=args.port, options=options)
 
 
+def _access_arguments(parser: argparse.ArgumentParser) -> None:
+    """The keys and limits a server and a router share (read by `_server_options`)."""
+    parser.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint "
+                        "but /health (or TANDEM_API_KEY)")
+    parser.add_argument("--admin-api-key", default=None, help="required instead on the admin endpoints (pause, "
+                        "weights, weight groups, flush, abort all; or TANDEM_ADMIN_API_KEY)")
+    parser.add_argument("--allow-unauthenticated", action="store_true",
+                        help="allow --host beyond loopback without an API key")
+    parser.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -151,15 +162,9 @@ def main(argv: list[str] | None = None) -> None:
                        help="let every TP rank keep its own samples (risks divergence; the sentinel still checks)")
     serve.add_argument("--dump-dir", default=None, help="flight recorder journals and watchdog dumps go here")
     serve.add_argument("--watchdog-timeout", type=float, default=300.0, help="seconds without progress (0: off)")
-    serve.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint "
-                       "but /health (or TANDEM_API_KEY)")
-    serve.add_argument("--admin-api-key", default=None, help="required instead on the admin endpoints (pause, "
-                       "weights, weight groups, flush, abort all; or TANDEM_ADMIN_API_KEY)")
-    serve.add_argument("--allow-unauthenticated", action="store_true",
-                       help="allow --host beyond loopback without an API key")
+    _access_arguments(serve)
     serve.add_argument("--weight-dir", action="append", default=None,
                        help="a directory /update_weights_from_disk may read (repeatable; default: --model's)")
-    serve.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
     serve.set_defaults(fn=_serve)
 
     router = sub.add_parser("router", help="route SGLang's native HTTP API to several servers: replicas "
@@ -169,13 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     router.add_argument("--decode", nargs="+", metavar="URL", help="decode servers' base URLs")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=30000)
-    router.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on every endpoint "
-                        "but /health (or TANDEM_API_KEY)")
-    router.add_argument("--admin-api-key", default=None, help="required instead on the admin endpoints (pause, "
-                        "weights, flush, abort all; or TANDEM_ADMIN_API_KEY)")
-    router.add_argument("--allow-unauthenticated", action="store_true",
-                        help="allow --host beyond loopback without an API key")
-    router.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
+    _access_arguments(router)
     router.add_argument("--backend-api-key", default=None,
                         help="sent to the servers as their client key (or TANDEM_BACKEND_API_KEY)")
     router.add_argument("--backend-admin-api-key", default=None, help="sent to the servers on admin calls: "

@@ -25,6 +25,13 @@ def wait_for(predicate, timeout, what):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.Popen([*TANDEM, "run", "steps=100000", f"out_dir={tmp_path}"], stdout=subprocess.PIPE,
@@ -51,13 +58,7 @@ def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
     proc = subprocess.Popen([*TANDEM, "serve", "--model", "tiny", "--port", str(port), "--num-pages", "64",
                              "--tp", str(tp), *tier], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, 60, "the server")
+        wait_for(lambda: healthy(port), 60, "the server")
         r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": [1, 2, 3],
                                                                   "sampling_params": {"max_new_tokens": 4}})
         assert r.status_code == 200 and len(r.json()["output_ids"]) == 4
@@ -110,13 +111,7 @@ def test_serve_a_moe_checkpoint_directory_with_expert_parallelism(tmp_path):
     proc = subprocess.Popen([*TANDEM, "serve", "--model", str(tmp_path / "moe"), "--port", str(port),
                              "--num-pages", "64", "--ep", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        def healthy():
-            try:
-                return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(healthy, 120, "the server")
+        wait_for(lambda: healthy(port), 120, "the server")
         r = httpx.post(f"http://127.0.0.1:{port}/generate", json={"input_ids": prompt, "sampling_params": sampling},
                        timeout=60)
         assert r.status_code == 200 and r.json()["output_ids"] == expected

@@ -7,13 +7,11 @@ import asyncio
 import dataclasses
 import faulthandler
 import functools
-import multiprocessing
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-from test_tp import RANK_STACKS_S, generate, mixed_requests, run_ranks
+from test_tp import RANK_STACKS_S, generate, mixed_requests, run_ranks, run_until_watchdogs_end
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed import faults
@@ -148,19 +146,7 @@ def test_a_rank_that_skips_an_expert_all_reduce_is_named_by_the_analyzer(tmp_pat
     from tandem.distributed.analyzer import analyze
 
     seq = 30
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    plan = faults.FaultPlan(rank=1, action="skip", seq=seq, group="ep")
-    procs = [ctx.Process(target=_hang_rank_main, args=(r, 2, port, tmp_path, plan)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=90)
-        if p.is_alive():
-            p.terminate()
-            raise AssertionError("a hung rank was not ended by its watchdog")
+    run_until_watchdogs_end(_hang_rank_main, 2, tmp_path, faults.FaultPlan(rank=1, action="skip", seq=seq, group="ep"))
     verdict = analyze(tmp_path)
     # (gloo pairs rank 1's next all-reduce of the layer with the one it skipped, so the ranks part at the next
     # one at the latest: the first that rank 1 never issued)

@@ -230,6 +230,24 @@ def test_with_the_broadcast_flips_never_diverge_over_a_thousand_steps():
     assert all(fin == {"type": "length", "length": 1000} for _, _, fin in got)
 
 
+def run_until_watchdogs_end(target, size, dump_dir, plan) -> list:
+    """Spawn `target(rank, size, port, dump_dir, plan)` for every rank and wait for all to end (their watchdogs end
+    them when they hang); fail if one outlives 90 s. Returns the processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, size, port, dump_dir, plan)) for r in range(size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=90)
+        if p.is_alive():
+            p.terminate()
+            raise AssertionError("a hung rank was not ended by its watchdog")
+    return procs
+
+
 def _hang_rank_main(rank, size, port, dump_dir, plan):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=60))
@@ -257,19 +275,8 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial
     from tandem.distributed.analyzer import analyze
 
     seq = 40 + 7 * trial
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
-    plan = faults.FaultPlan(rank=1, action="skip", seq=seq, group="tp")
-    procs = [ctx.Process(target=_hang_rank_main, args=(r, size, port, tmp_path, plan)) for r in range(size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=90)
-        if p.is_alive():
-            p.terminate()
-            raise AssertionError("a hung rank was not ended by its watchdog")
+    procs = run_until_watchdogs_end(_hang_rank_main, size, tmp_path, faults.FaultPlan(rank=1, action="skip",
+                                                                                       seq=seq, group="tp"))
     verdict = analyze(tmp_path)
     assert verdict.culprits == (1,) and verdict.pg == "tp" and verdict.seq == seq, verdict.text()
     # a rank the watchdog ended (exit 70) dumped first, within twice its timeout; where the shifted calls pair
