@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_server import wait_until
 
 from tandem.cli import main as cli_main
 from tandem.config import EngineConfig
@@ -39,14 +40,6 @@ def router_thread(config: RouterConfig, options: ServerOptions | None = None) ->
     return ServerThread(app=build_router_app(config, options), options=options)
 
 
-def wait_until(predicate, timeout=5.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout} s")
 
 
 def stats(engine):
