@@ -22,16 +22,22 @@ SHAPES = {
 }
 
 
-def hf_model(config: ModelConfig, seed: int = 0) -> transformers.Qwen3ForCausalLM:
+def hf_model(config: ModelConfig, seed: int = 0) -> transformers.PreTrainedModel:
+    """transformers' Qwen3ForCausalLM, or Qwen3MoeForCausalLM for a config with experts, with random weights."""
     torch.manual_seed(seed)
-    hf_config = transformers.Qwen3Config(**{k: v for k, v in config.to_hf_dict().items()
-                                            if k not in ("architectures", "torch_dtype")})
+    moe = bool(config.num_experts)
+    config_cls, model_cls = ((transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM) if moe
+                             else (transformers.Qwen3Config, transformers.Qwen3ForCausalLM))
+    hf_config = config_cls(**{k: v for k, v in config.to_hf_dict().items() if k not in ("architectures",
+                                                                                        "torch_dtype")})
     hf_config._attn_implementation = "eager"
-    model = transformers.Qwen3ForCausalLM(hf_config).float().eval()
-    with torch.no_grad():  # norms start at ones in HF; perturb them so a norm mix-up cannot hide
+    model = model_cls(hf_config).float().eval()
+    with torch.no_grad():  # norms start at ones and routers at zero in HF: perturb them so no mix-up can hide
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(torch.randn_like(p) * 0.1)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
     return model
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import transformers
+from hf_ref import hf_model
 from test_engine import GREEDY, hf_greedy, prompts
 from test_model import rel_err
 
@@ -30,21 +31,6 @@ MOE_SHAPES = {
 }
 
 
-def hf_moe(config: ModelConfig, seed: int = 0) -> transformers.Qwen3MoeForCausalLM:
-    torch.manual_seed(seed)
-    hf_config = transformers.Qwen3MoeConfig(**{k: v for k, v in config.to_hf_dict().items()
-                                               if k not in ("architectures", "torch_dtype")})
-    hf_config._attn_implementation = "eager"
-    model = transformers.Qwen3MoeForCausalLM(hf_config).float().eval()
-    with torch.no_grad():  # norms start at ones and the router at zero: perturb both so no mix-up can hide
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.add_(torch.randn_like(p) * 0.1)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-    return model
-
-
 def twin(hf, config: ModelConfig) -> Qwen3ForCausalLM:
     ours = Qwen3ForCausalLM(config).eval()
     load_weights(ours, hf.state_dict().items(), strict=True)
@@ -53,7 +39,7 @@ def twin(hf, config: ModelConfig) -> Qwen3ForCausalLM:
 
 def test_a_layer_is_sparse_exactly_when_hugging_face_says():
     for config in MOE_SHAPES.values():
-        hf = hf_moe(config)
+        hf = hf_model(config)
         ours = twin(hf, config)
         for hf_layer, layer in zip(hf.model.layers, ours.model.layers, strict=True):
             hf_sparse = isinstance(hf_layer.mlp, transformers.models.qwen3_moe.modeling_qwen3_moe.
@@ -65,7 +51,7 @@ def test_a_layer_is_sparse_exactly_when_hugging_face_says():
 @pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
 def test_prefill_logits_match_hf(shape):
     config = MOE_SHAPES[shape]
-    hf = hf_moe(config)
+    hf = hf_model(config)
     ours = twin(hf, config)
     lens = [9, 17, 1]
     seqs = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in lens]
@@ -81,7 +67,7 @@ def test_prefill_logits_match_hf(shape):
 @pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
 def test_greedy_generation_through_the_engine_equals_hf(shape):
     config = MOE_SHAPES[shape]
-    hf = hf_moe(config, seed=2)
+    hf = hf_model(config, seed=2)
     with Engine(twin(hf, config), EngineConfig(page_size=4, num_pages=64)) as engine:
         async def go(ps):  # batched: tokens of several requests share the experts' matrix multiplies
             return await asyncio.gather(*[engine.generate(p, GREEDY) for p in ps])
@@ -94,7 +80,7 @@ def test_greedy_generation_through_the_engine_equals_hf(shape):
 
 def test_a_checkpoint_stored_per_expert_loads_and_one_missing_expert_is_named(tmp_path):
     config = MOE_SHAPES["dense_first_norm"]
-    hf = hf_moe(config, seed=1)
+    hf = hf_model(config, seed=1)
     hf.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
     from tandem.model.loader import iter_safetensors
     stored = dict(iter_safetensors(tmp_path / "ckpt"))
