@@ -99,7 +99,8 @@ def test_serve_a_moe_checkpoint_directory_with_expert_parallelism(tmp_path):
     from tandem.engine.engine import Engine
     from tandem.types import SamplingParams
 
-    hf_model(dataclasses.replace(MOE_SHAPES["dense_first_norm"], num_experts=6), seed=7).save_pretrained(tmp_path / "moe")
+    six_experts = dataclasses.replace(MOE_SHAPES["dense_first_norm"], num_experts=6)
+    hf_model(six_experts, seed=7).save_pretrained(tmp_path / "moe")
     for model, ep, why in [("tiny", 2, b"has none"), (str(tmp_path / "moe"), 4, b"must divide")]:
         bad = subprocess.run([*TANDEM, "serve", "--model", model, "--ep", str(ep)], capture_output=True, timeout=60)
         assert bad.returncode == 2 and why in bad.stderr, bad.stderr
