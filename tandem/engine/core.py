@@ -227,7 +227,7 @@ class EngineCore:
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
             if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
-                kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed)
+                kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.pool.k_cache.device)
             self.scheduler.finish(req, reason)
         self._requests.pop(req.rid, None)
         self.stats.num_finished += 1

@@ -2,42 +2,62 @@
 
 The protocol is tandem's own (SGLang pairs its servers through a bootstrap port and moves KV by RDMA):
 - `GET /pd/info` on every server: its role, KV layout (page size, dtype, layers, KV heads, head dim), model config
-  and weight version (`kv_layout`).
+  and weight version (`kv_layout`); a prefill server's also its `transfer`: the transfers it offers, where its KV
+  can be shared (`kv_transfer.sharing_domain`) and how many exports it holds (`held`).
 - A decode server's `/generate` may carry `bootstrap: {"prefill_url": URL}` (a router adds it). For each prompt
   the decode server then goes through these states:
   bootstrapping: it pairs with URL once (`/pd/info`; any difference in layout, model or weight version refuses the
-  pairing with a message naming the field) and asks its engine which leading whole pages of the prompt it already
-  holds (`Engine.probe`, which also makes the engine expect the import);
-  waiting: it POSTs `/pd/prefill` (the prompt, the sampling parameters with the seed it chose, `kv_from`) and the
-  prefill server computes the prompt and samples the first token;
-  transferring: the answer's body is the KV of positions [kv_from, prompt length) (`KVPages` bytes, a checksum per
-  page) and its header the first token, logprob and weight version;
+  pairing with a message naming the field; so does a transfer that cannot be made, naming why) and asks its
+  engine which leading whole pages of the prompt it already holds (`Engine.probe`, which also makes the engine
+  expect the import);
+  waiting: it POSTs `/pd/prefill` (the prompt, the sampling parameters with the seed it chose, `kv_from`,
+  `transfer`) and the prefill server computes the prompt and samples the first token;
+  transferring: the answer's header carries the first token, logprob and weight version, its body the KV of
+  positions [kv_from, prompt length) (`KVPages`, a checksum per page) as the transfer asked for (below);
   done: the engine imports both (`Engine.generate_imported`) and decodes on;
-  failed: the prefill server was unreachable, failed, timed out or sent bytes that do not verify: the request ends
+  failed: the prefill server was unreachable, failed, timed out or sent KV that does not verify: the request ends
   with an abort naming the server and the cause, and the engine forgets it (nothing was written into its pool).
 A pause on the decode server holds imports that arrive during it (nothing is written until it continues); a pause in
 mode abort ends them, as it ends running requests.
+
+The two transfers (`PrefillClient(transfer=...)`; by default reference where the pairing allows it, else bytes):
+- "bytes": the body is `KVPages.to_bytes()` (application/octet-stream). Nothing is held after the answer.
+- "reference" (servers of one host, KV on the same kind of device; on CUDA also two processes, the prefill
+  server's GPU visible to the decode server): the body is JSON `{"id": ..., "kv": handle}` (a
+  `kv_transfer.SharedKV`: GPU memory by CUDA IPC, or a shared-memory file on a CPU). The prefill server holds that
+  KV until the decode server, having copied it onto its own device and dropped its mapping, POSTs
+  `/pd/release {"id": ...}`, which frees it; an export nobody releases within `RELEASE_TIMEOUT_S` of its answer
+  (a decode server that died) is freed then, so memory never leaks. The decode server releases whether or not its
+  copy succeeded, and verifies the copy's checksums before its engine writes anything.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
+import logging
 import random
 import uuid
+import weakref
+from typing import Literal
 
 import aiohttp
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
-from tandem.engine.kv_transfer import KVPages, wire_meta
-from tandem.server.bodies import PrefillBody
+from tandem.engine.kv_transfer import KVPages, SharedKV, sharing_domain, why_not_shared, wire_meta
+from tandem.server.bodies import PrefillBody, ReleaseBody
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 HEADER = "X-Tandem-Prefill"
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
+RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
+Transfer = Literal["bytes", "reference"]
 
 
 def kv_layout(engine: Engine, role: str | None = None) -> dict:
@@ -51,19 +71,28 @@ def kv_layout(engine: Engine, role: str | None = None) -> dict:
 
 
 def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
-    """`/pd/info` on every server; `/pd/prefill` on a prefill server (`until_disconnected(request, coro)`: the
-    server's way of aborting a request whose client went away)."""
+    """`/pd/info` on every server; `/pd/prefill` and `/pd/release` on a prefill server (`until_disconnected(request,
+    coro)`: the server's way of aborting a request whose client went away)."""
+    role = engine.config.role
+    device = engine.pool.k_cache.device
+    kinds = ["bytes", "reference"] if SharedKV.supports(device) else ["bytes"]
+    exports = Exports()
 
     @app.get("/pd/info")
     async def info():
-        return kv_layout(engine)
+        if role != "prefill":
+            return kv_layout(engine)
+        return kv_layout(engine) | {"transfer": {"kinds": kinds, "sharing": sharing_domain(device),
+                                                 "held": len(exports)}}
 
-    if engine.config.role != "prefill":
+    if role != "prefill":
         return
 
     @app.post("/pd/prefill")
     async def prefill(request: Request):
         body = await PrefillBody.from_request(request)
+        if body.transfer not in kinds:
+            raise ValueError(f"transfer: this prefill server offers {kinds} (its KV is on a {device.type} device)")
         generated = len(body.input_ids) - (body.prompt_len or len(body.input_ids))  # (before a hand-back)
         sampling = dataclasses.replace(SamplingParams.from_dict(body.sampling_params), max_new_tokens=generated + 1)
         if sampling.seed is None:
@@ -78,16 +107,70 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
                 "prefill_tokens": out.prefill_tokens}
-        return Response(out.kv.to_bytes() if out.kv is not None else b"", media_type="application/octet-stream",
-                        headers={HEADER: json.dumps(meta)})
+        headers = {HEADER: json.dumps(meta)}
+        if out.kv is None or body.transfer == "bytes":
+            return Response(out.kv.to_bytes() if out.kv is not None else b"", media_type="application/octet-stream",
+                            headers=headers)
+        export_id, handle = exports.hold(out.kv)
+        return Response(json.dumps({"id": export_id, "kv": handle}), media_type="application/json", headers=headers)
+
+    @app.post("/pd/release")
+    async def release(request: Request):
+        body = await ReleaseBody.from_request(request)
+        return {"released": exports.release(body.id)}
+
+
+class Exports:
+    """A prefill server's KV held for decode servers to take by reference (`SharedKV`), by export id: each until its
+    decode server releases it or `RELEASE_TIMEOUT_S` (read as it is held) passes, whichever is first; then it is
+    freed. Runs in the server's event loop. What is still held when the process exits is freed then."""
+
+    def __init__(self):
+        self._held: dict[str, tuple[SharedKV, asyncio.TimerHandle]] = {}
+        weakref.finalize(self, _free_all, self._held)
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, kv: KVPages) -> tuple[str, dict]:
+        """Share `kv`: its export id and handle."""
+        shared, export_id = SharedKV.of(kv), uuid.uuid4().hex
+        timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
+        self._held[export_id] = (shared, timer)
+        return export_id, shared.handle
+
+    def release(self, export_id: str) -> bool:
+        """Free the export its decode server is done with; False if none is held by that id (freed already)."""
+        if (held := self._held.pop(export_id, None)) is None:
+            return False
+        shared, timer = held
+        timer.cancel()
+        shared.free(taken=True)
+        return True
+
+    def _expire(self, export_id: str) -> None:
+        if (held := self._held.pop(export_id, None)) is not None:
+            log.warning("prefill server: KV export %s was not released within %g s (its decode server died?); "
+                        "freed", export_id, RELEASE_TIMEOUT_S)
+            held[0].free(taken=False)
+
+
+def _free_all(held: dict[str, tuple[SharedKV, asyncio.TimerHandle]]) -> None:
+    for shared, _ in held.values():
+        with contextlib.suppress(Exception):  # (at exit: what torch tore down already is freed with it)
+            shared.free(taken=False)
+    held.clear()
 
 
 class PrefillClient:
-    """A decode server's way through prefill servers (see the module docstring)."""
+    """A decode server's way through prefill servers (see the module docstring). `transfer`: how it takes their KV;
+    None: by reference from a prefill server it can take it from so, else as bytes."""
 
-    def __init__(self, engine: Engine, timeout_s: float = PREFILL_TIMEOUT_S):
-        self.engine, self.timeout_s = engine, timeout_s
-        self.paired: set[str] = set()
+    def __init__(self, engine: Engine, timeout_s: float = PREFILL_TIMEOUT_S, transfer: Transfer | None = None):
+        if transfer not in (None, "bytes", "reference"):
+            raise ValueError(f"transfer: must be 'bytes', 'reference' or None (either), got {transfer!r}")
+        self.engine, self.timeout_s, self.transfer = engine, timeout_s, transfer
+        self.paired: dict[str, Transfer] = {}  # prefill server URL -> the transfer from it
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -100,7 +183,8 @@ class PrefillClient:
         return self._session
 
     async def pair(self, url: str) -> None:
-        """Check once that `url` is a prefill server this one can take KV from; ValueError naming what differs."""
+        """Check once that `url` is a prefill server this one can take KV from, and choose the transfer; ValueError
+        naming what differs, or why the transfer asked for cannot be made."""
         if url in self.paired:
             return
         try:
@@ -117,7 +201,18 @@ class PrefillClient:
             if theirs.get(key) != value:
                 raise ValueError(f"bootstrap.prefill_url: {url} cannot pair with this decode server: its {key} is "
                                  f"{theirs.get(key)!r}, this server's {value!r}")
-        self.paired.add(url)
+        self.paired[url] = self._choose(url, theirs.get("transfer") or {})
+
+    def _choose(self, url: str, theirs: dict) -> Transfer:
+        """The transfer from a prefill server whose `/pd/info` says `theirs` about its transfers."""
+        if "reference" not in theirs.get("kinds", ["bytes"]):
+            why_not = f"it offers {theirs.get('kinds', ['bytes'])}"
+        else:
+            why_not = why_not_shared(theirs.get("sharing") or {}, self.engine.pool.k_cache.device)
+        if self.transfer == "reference" and why_not is not None:
+            raise ValueError(f"bootstrap.prefill_url: this decode server takes KV by reference, and cannot from "
+                             f"{url}: {why_not}")
+        return self.transfer or ("bytes" if why_not else "reference")
 
     async def generate_all(self, jobs: list[tuple[list[int], SamplingParams, str]], url: str) -> list[GenerateOutput]:
         """Each job (input ids, sampling, rid) through the prefill server at `url`, concurrently, outputs in order.
@@ -163,8 +258,9 @@ class PrefillClient:
         return so_far
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
+        transfer = self.paired[url]
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
-                "prompt_len": prompt_len}
+                "prompt_len": prompt_len, "transfer": transfer}
         async with self._http().post(f"{url}/pd/prefill", json=body) as r:
             data = await r.read()
             if r.status != 200:
@@ -172,8 +268,31 @@ class PrefillClient:
             meta = json.loads(r.headers[HEADER])
         if meta["first"] is None:
             return None, None, meta
-        kv = KVPages.from_bytes(data, wire_meta(data))
+        kv = KVPages.from_bytes(data, wire_meta(data)) if transfer == "bytes" else await self._take(url, data)
         if kv.start != kv_from or kv.end != len(input_ids):
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
         kv.verify()
         return meta["first"], kv, meta
+
+    async def _take(self, url: str, data: bytes) -> KVPages:
+        """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device; then
+        released there, whether the copy succeeded or not."""
+        try:
+            answer = json.loads(data)
+            export_id, handle = answer["id"], answer["kv"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
+        try:
+            return KVPages.from_shared(handle, self.engine.pool.k_cache.device)
+        finally:  # (shielded: a request cancelled now still releases what it was sent)
+            await asyncio.shield(self._release(url, export_id))
+
+    async def _release(self, url: str, export_id: str) -> None:
+        try:
+            async with self._http().post(f"{url}/pd/release", json={"id": export_id}) as r:
+                if r.status != 200:
+                    log.warning("decode server: %s/pd/release of KV export %s answered %d: %s", url, export_id,
+                                r.status, (await r.read())[:300].decode(errors="replace"))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("decode server: could not release KV export %s at %s (it frees it after its timeout): %s: "
+                        "%s", export_id, url, type(e).__name__, e)
