@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 HEADER = "X-Tandem-Prefill"
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
+RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
 Transfer = Literal["bytes", "reference"]
 
 
@@ -289,7 +290,8 @@ class PrefillClient:
 
     async def _release(self, url: str, export_id: str) -> None:
         try:
-            async with self._http().post(f"{url}/pd/release", json={"id": export_id}) as r:
+            async with self._http().post(f"{url}/pd/release", json={"id": export_id},
+                                         timeout=aiohttp.ClientTimeout(total=RELEASE_POST_TIMEOUT_S)) as r:
                 if r.status != 200:
                     log.warning("decode server: %s/pd/release of KV export %s answered %d: %s", url, export_id,
                                 r.status, (await r.read())[:300].decode(errors="replace"))

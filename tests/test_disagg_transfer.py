@@ -1,0 +1,271 @@
+"""The two KV transfers between a prefill server and a decode server (`tandem.server.disagg`): bytes in the answer's
+body, or by reference (a shared-memory file on a CPU, CUDA IPC on a GPU), held by the prefill server until the
+decode server releases it or a timeout passes. Real servers over HTTP, on CPU (fp32) and, where there is one, on a
+GPU, whose prefill server runs in a process of its own (CUDA IPC cannot map a process's own memory)."""
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import httpx
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import kv_transfer
+from tandem.engine.engine import Engine
+from tandem.engine.kv_transfer import SHM_DIR, KVPages, SharedKV, why_not_shared
+from tandem.server import disagg
+from tandem.server.http import ServerThread
+from tandem.types import SamplingParams
+
+POOL = EngineConfig(page_size=4, num_pages=96)
+SAMPLING = {"max_new_tokens": 8, "temperature": 0.7, "seed": 11, "ignore_eos": True}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+REPO = Path(__file__).resolve().parents[1]
+
+SERVE_PREFILL = """
+import sys, torch
+from tandem.config import EngineConfig
+from tandem.engine.engine import Engine
+from tandem.server import disagg
+from tandem.server.http import ServerThread
+device, release_timeout_s, threads = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+torch.set_num_threads(threads)
+disagg.RELEASE_TIMEOUT_S = release_timeout_s
+config = EngineConfig(page_size=4, num_pages=96, role="prefill", device=device)
+with Engine("tiny", config) as engine, ServerThread(engine) as server:
+    print(server.url, flush=True)
+    sys.stdin.read()  # until the test closes it
+"""
+
+
+def config(device: str, role: str = "unified") -> EngineConfig:
+    return dataclasses.replace(POOL, device=device, role=role)
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@contextlib.contextmanager
+def prefill_server(device: str, release_timeout_s: float = 60.0, own_process: bool | None = None):
+    """A prefill server's URL: served from this process, or (by default on a GPU) from a process of its own."""
+    if not (device == "cuda" if own_process is None else own_process):
+        with mock.patch.object(disagg, "RELEASE_TIMEOUT_S", release_timeout_s), \
+                Engine("tiny", config(device, "prefill")) as engine, ServerThread(engine) as server:
+            yield server.url
+        return
+    args = [sys.executable, "-c", SERVE_PREFILL, device, str(release_timeout_s), str(torch.get_num_threads())]
+    with subprocess.Popen(args, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            url = proc.stdout.readline().strip()
+            assert url.startswith("http://"), f"the prefill server did not start (exit code {proc.poll()})"
+            yield url
+        finally:
+            proc.stdin.close()
+            proc.wait(timeout=60)
+
+
+@contextlib.contextmanager
+def decode_server(device: str, transfer: str | None):
+    """A decode server whose `PrefillClient` takes KV by `transfer` (None: its own choice)."""
+    client = functools.partial(disagg.PrefillClient, transfer=transfer)
+    with mock.patch.object(disagg, "PrefillClient", client), Engine("tiny", config(device, "decode")) as engine, \
+            ServerThread(engine) as server:
+        yield server.url
+
+
+def generate(decode_url: str, prefill_url: str, ids: list[int]) -> dict:
+    body = {"input_ids": ids, "sampling_params": SAMPLING, "return_logprob": True,
+            "bootstrap": {"prefill_url": prefill_url}}
+    r = httpx.post(f"{decode_url}/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(answer: dict) -> tuple:
+    meta = answer["meta_info"]
+    return (answer["output_ids"], [lp for lp, _, _ in meta["output_token_logprobs"]],
+            meta["output_token_weight_versions"], meta["finish_reason"]["type"])
+
+
+def held(prefill_url: str) -> int:
+    return httpx.get(f"{prefill_url}/pd/info", timeout=10).json()["transfer"]["held"]
+
+
+def export(prefill_url: str, ids: list[int]) -> dict:
+    """A prefill server's answer to a reference transfer of `ids`, taken by nobody: {"id": ..., "kv": handle}."""
+    body = {"rid": "r", "input_ids": ids, "sampling_params": SAMPLING, "kv_from": 0, "transfer": "reference"}
+    r = httpx.post(f"{prefill_url}/pd/prefill", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
+    return r.json()
+
+
+def wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+@pytest.mark.parametrize("device,own_process", [("cpu", False), ("cpu", True), pytest.param(
+    "cuda", True, marks=pytest.mark.gpu)], ids=["cpu", "cpu, prefill server in a process of its own", "cuda"])
+def test_by_reference_the_servers_generate_what_bytes_and_one_engine_do(device, own_process):
+    """Prompts one after another, then each again with a turn more, then a page-aligned prompt the decode server
+    holds every page of (nothing to send): by reference exactly the tokens, logprobs and versions that bytes give,
+    the first turns exactly one engine's; the prefill server holds no export after any answer."""
+    prompts = [prompt(30, seed=1), prompt(17, seed=2), prompt(24, seed=3)]
+    with Engine("tiny", config(device)) as unified:
+        want = [tokens_of(asyncio.run(unified.generate(ids, SamplingParams(**SAMPLING)))) for ids in prompts]
+    got = {}
+    for transfer in ("bytes", "reference"):
+        answers = []
+        with prefill_server(device, own_process=own_process) as p_url, decode_server(device, transfer) as d_url:
+            for ids in prompts:
+                answers.append(generate(d_url, p_url, ids))
+                assert held(p_url) == 0
+            for i, ids in enumerate(prompts):
+                answers.append(generate(d_url, p_url, ids + answers[i]["output_ids"] + prompt(5, seed=10 + i)))
+                assert held(p_url) == 0
+            answers.append(generate(d_url, p_url, prompts[2]))
+            assert held(p_url) == 0
+        got[transfer] = [tokens(a) for a in answers]
+    assert got["reference"] == got["bytes"]
+    assert got["reference"][:3] == want
+
+
+def tokens_of(out) -> tuple:
+    return out.output_ids, out.output_logprobs, out.weight_versions, out.finish_reason.type
+
+
+def unreleased_export(device: str, monkeypatch, timeout_release: bool = True) -> tuple[int, int]:
+    """A reference export nobody releases, with a 0.3 s timeout: the exports its prefill server holds just after it,
+    and once 3 s have passed (or none is held). `timeout_release=False`: a mutant prefill server whose timeout frees
+    nothing. On a CPU the export's file goes with it, and a decode server that comes late cannot take it."""
+    if not timeout_release:
+        monkeypatch.setattr(disagg.Exports, "_expire", lambda self, export_id: None)
+    with prefill_server(device, release_timeout_s=0.3) as url:
+        answer = export(url, prompt(18))
+        before = held(url)
+        wait_until(lambda: held(url) == 0, timeout_s=3.0)
+        after = held(url)
+        if device == "cpu":
+            assert os.path.exists(os.path.join(SHM_DIR, answer["kv"]["name"])) == bool(after)
+            if not after:
+                with pytest.raises(ValueError, match="cannot be taken.*FileNotFoundError"):
+                    KVPages.from_shared(answer["kv"], "cpu")
+        return before, after
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_export_nobody_releases_is_freed_after_the_timeout(device, monkeypatch):
+    assert unreleased_export(device, monkeypatch) == (1, 0)
+
+
+def test_the_timeout_falsifier_without_it_an_unreleased_export_stays_held(monkeypatch):
+    assert unreleased_export("cpu", monkeypatch, timeout_release=False) == (1, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_reference_copy_that_differs_is_named_by_page_and_still_released(device, monkeypatch):
+    """The decode server's copy of the shared KV altered at position 9 (page 2) on its way in: the request ends with
+    an abort naming the prefill server and the page, the export is released all the same, and the decode server's
+    pages are as they were."""
+    way = kv_transfer._WAYS[device]
+    take = way.open
+
+    def altered(handle, target):
+        k, v = take(handle, target)
+        k = k.clone()
+        k[1, 9, 0, 3] += 1.0
+        return k, v
+
+    monkeypatch.setattr(way, "open", staticmethod(altered))
+    with prefill_server(device) as p_url, decode_server(device, "reference") as d_url:
+        free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and p_url in finish["message"], finish
+        assert "page 2 (positions 8...)" in finish["message"], finish
+        assert held(p_url) == 0
+        assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
+
+
+def test_shared_memory_that_changes_after_the_export_is_named_by_page():
+    """A byte of the prefill server's shared-memory file changed after it answered (position 9, page 2): the copy
+    taken from it fails its checksums naming the page. The release removes the file."""
+    with prefill_server("cpu") as url:
+        answer = export(url, prompt(18))
+        handle = answer["kv"]
+        path = os.path.join(SHM_DIR, handle["name"])
+        raw = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
+        raw.view(torch.float32).view(2, *handle["shape"])[0, 1, 9, 0, 3] += 1.0
+        del raw
+        kv = KVPages.from_shared(handle, "cpu")
+        with pytest.raises(ValueError, match=r"page 2 \(positions 8"):
+            kv.verify()
+        assert httpx.post(f"{url}/pd/release", json={"id": answer["id"]}).json() == {"released": True}
+        assert held(url) == 0 and not os.path.exists(path)
+        assert httpx.post(f"{url}/pd/release", json={"id": answer["id"]}).json() == {"released": False}
+
+
+def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_cannot(monkeypatch):
+    """Paired with a prefill server of this host: by reference unless told bytes. A prefill server of another host
+    (or on another kind of device, or on CUDA this very process) gives bytes by default, and a decode server told
+    to take references refuses the request, naming why."""
+    with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
+        async def chosen(transfer):
+            client = disagg.PrefillClient(d, transfer=transfer)
+            try:
+                await client.pair(p_url)
+                return client.paired[p_url]
+            finally:
+                await client.close()
+
+        assert asyncio.run(chosen(None)) == "reference" and asyncio.run(chosen("bytes")) == "bytes"
+        here = kv_transfer.sharing_domain("cpu")
+        assert why_not_shared(here, "cpu") is None
+        assert "another host" in why_not_shared(here | {"host": "elsewhere/0"}, "cpu")
+        assert "on a cuda device, this server's on a cpu device" in why_not_shared(here | {"device": "cuda"}, "cpu")
+        assert "this very process" in why_not_shared(here | {"device": "cuda"}, "cuda")
+        real = disagg.sharing_domain
+        monkeypatch.setattr(disagg, "sharing_domain", lambda device: real(device) | {"host": "elsewhere/0"})
+        assert asyncio.run(chosen(None)) == "bytes"
+        with pytest.raises(ValueError, match="takes KV by reference, and cannot from .*another host"):
+            asyncio.run(chosen("reference"))
+        with decode_server("cpu", "reference") as d_url:
+            body = {"input_ids": prompt(9), "sampling_params": SAMPLING, "bootstrap": {"prefill_url": p_url}}
+            r = httpx.post(f"{d_url}/generate", json=body, timeout=60)
+            assert r.status_code == 400 and "another host" in r.text, r.text
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_export_is_a_copy_on_the_pools_device_that_outlives_its_pages(device):
+    """A prefill engine's export is its own memory on the pool's device (a GPU's keeps the host bytes its checksums
+    were computed from, which the bytes transfer sends): the pool's pages rewritten after it, it still verifies,
+    shared or as bytes."""
+    async def go():
+        with Engine("tiny", config(device, "prefill")) as p:
+            first = await p.generate(prompt(18), dataclasses.replace(SamplingParams(**SAMPLING), max_new_tokens=1),
+                                     export_kv_from=0)
+            kv = first.kv
+            assert kv.k.device == p.pool.k_cache.device and (kv.host is not None) == (device == "cuda")
+            p.pool.k_cache.fill_(7.0)  # (the engine is idle: its pages are the export's no more)
+            p.pool.v_cache.fill_(7.0)
+            kv.verify()
+            data = kv.to_bytes()
+            KVPages.from_bytes(data, kv_transfer.wire_meta(data)).verify()
+            if device == "cpu":  # (a GPU's handle maps only in another process)
+                shared = SharedKV.of(kv)
+                KVPages.from_shared(shared.handle, device).verify()
+                shared.free(taken=True)
+    asyncio.run(go())
