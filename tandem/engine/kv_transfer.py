@@ -282,9 +282,11 @@ class _CudaKV(SharedKV):
                     int(part["storage_offset"]), False, _unb64(part["ref_counter"]), int(part["ref_counter_offset"]),
                     _unb64(part["event"]), bool(part["event_sync"]))
                 mapped += 1
-                copies.append(remote.to(device, copy=True))
-                torch.cuda.synchronize(device)  # the copy has finished before the mapping goes
-                del remote  # (dropping the mapping counts it off: the sender may free it)
+                try:
+                    copies.append(remote.to(device, copy=True))
+                    torch.cuda.synchronize(device)  # the copy has finished before the mapping goes
+                finally:
+                    del remote  # (dropping the mapping counts it off, now, not with a traceback that holds it)
         finally:
             for part in parts[mapped:]:  # never mapped: count them off, or the sender's torch keeps them
                 with contextlib.suppress(Exception):  # (it fails only if the sender's counters are gone with it)

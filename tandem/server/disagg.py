@@ -276,17 +276,21 @@ class PrefillClient:
         return meta["first"], kv, meta
 
     async def _take(self, url: str, data: bytes) -> KVPages:
-        """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device; then
-        released there, whether the copy succeeded or not."""
+        """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device and
+        verified; released there once copied, whether the copy succeeded or not. The copy and the checksums run in a
+        worker thread: on a GPU they wait for the device, which the event loop must not."""
         try:
             answer = json.loads(data)
             export_id, handle = answer["id"], answer["kv"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
         try:
-            return KVPages.from_shared(handle, self.engine.pool.k_cache.device)
-        finally:  # (shielded: a request cancelled now still releases what it was sent)
+            kv = await asyncio.to_thread(KVPages.from_shared, handle, self.engine.pool.k_cache.device)
+        finally:  # (shielded: a request cancelled now still releases what it was sent; should the release overtake
+            # the copy, the shared memory outlives it: a file removed while mapped, a GPU tensor torch keeps)
             await asyncio.shield(self._release(url, export_id))
+        await asyncio.to_thread(kv.verify)
+        return kv
 
     async def _release(self, url: str, export_id: str) -> None:
         try:
