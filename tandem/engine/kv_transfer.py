@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import hashlib
 import json
 import math
 import os
@@ -49,16 +48,14 @@ _SHM_NAME = re.compile(r"tandem-kv-[0-9a-f]{32}")
 @dataclass(frozen=True)
 class KVPages:
     """Keys and values [L, end - start, K, D] of positions [start, end); `checksums`: one per page of `page_size`
-    positions from `start` (page-aligned), over both tensors' bytes. `host`: the same keys and values in host
-    memory when `k`, `v` are on a GPU and `read_pages` copied them to the host anyway (for the checksums): what
-    `to_bytes` sends, so that the bytes transfer copies them off the device once. Immutable: `verify` checks once."""
+    positions from `start` (page-aligned), over both tensors' bits (`page_checksums`). Immutable: `verify` checks
+    once."""
 
     start: int
     k: torch.Tensor
     v: torch.Tensor
     page_size: int
     checksums: tuple[str, ...]
-    host: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
     _verified: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
@@ -66,7 +63,7 @@ class KVPages:
         return self.start + self.k.shape[1]
 
     def to_bytes(self) -> bytes:
-        k, v = self.host or (self.k, self.v)
+        k, v = self.k.cpu(), self.v.cpu()
         meta = {"start": str(self.start), "page_size": str(self.page_size), "checksums": json.dumps(self.checksums)}
         return save_tensors({"k": k.contiguous(), "v": v.contiguous()}, metadata=meta)
 
@@ -111,30 +108,35 @@ def wire_meta(data: bytes) -> dict:
     return json.loads(data[8:8 + size]).get("__metadata__", {})
 
 
+CHECKSUM_CHUNK = 256  # positions at a time: the checksum's int64 words stay a small multiple of the KV
+
+
 def page_checksums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[str, ...]:
-    """A blake2b digest per page of positions (dimension 1), over the keys' and values' bytes."""
-    if k.device.type != "cpu":  # one copy to the host, not one per page
-        k, v = k.cpu(), v.cpu()
-    out = []
-    for s in range(0, k.shape[1], page_size):
-        h = hashlib.blake2b(digest_size=8)
-        for t in (k[:, s:s + page_size], v[:, s:s + page_size]):
-            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-        out.append(h.hexdigest())
-    return tuple(out)
+    """A 64-bit checksum per page of positions (dimension 1) of 2- or 4-byte keys and values, computed where they
+    are (no copy to the host: a GPU sums its own memory at its bandwidth): each 16-bit word of a position times an
+    odd weight of its place, the position's sum times an odd weight of its offset in the page, summed per page.
+    Integer arithmetic modulo 2**64, so every device gives the same value; any change to one word changes it."""
+    n = k.shape[1]
+    sums = torch.zeros(-(-n // page_size), dtype=torch.int64, device=k.device)
+    for s in range(0, n, CHECKSUM_CHUNK):
+        words = torch.cat([k[:, s:s + CHECKSUM_CHUNK], v[:, s:s + CHECKSUM_CHUNK]]).transpose(0, 1).contiguous()
+        words = words.view(torch.int16).reshape(words.shape[0], -1).long()  # [positions, words]
+        weights = torch.arange(words.shape[1], device=k.device) * 0x9E3779B1 % (1 << 31) * 2 + 1
+        at = torch.arange(s, s + words.shape[0], device=k.device)
+        per_position = (words * weights).sum(dim=1) * ((at % page_size) * 2 + 1)
+        sums.index_add_(0, at // page_size, per_position)
+    return tuple(f"{x & 0xFFFFFFFFFFFFFFFF:016x}" for x in sums.tolist())
 
 
 def read_pages(pool: KVPool, pages: list[int], start: int, end: int,
                device: torch.device | str = "cpu") -> KVPages:
     """A copy on `device` of positions [start, end) of a sequence with page table `pages` (`start` page-aligned):
-    on the host for the bytes transfer, on the pool's own device for a transfer by reference (`SharedKV`). Its
-    checksums are of that copy; one on a GPU keeps the host copy they were computed from (`KVPages.host`)."""
+    on the host for the bytes transfer, on the pool's own device for a transfer by reference (`SharedKV`); its
+    checksums are of that copy."""
     assert start % pool.page_size == 0, start
     slots = pool.slots(pages, start, end)
     k, v = pool.k_cache[:, slots].to(device), pool.v_cache[:, slots].to(device)  # (indexing copies)
-    host_k, host_v = k.cpu(), v.cpu()
-    return KVPages(start, k, v, pool.page_size, page_checksums(host_k, host_v, pool.page_size),
-                   None if host_k is k else (host_k, host_v))
+    return KVPages(start, k, v, pool.page_size, page_checksums(k, v, pool.page_size))
 
 
 def write_pages(pool: KVPool, pages: list[int], kv: KVPages) -> None:
