@@ -312,11 +312,17 @@ class EngineConfig:
     # servers; a decode server's takes their KV, and hands a request it retracts for a weight update back to be
     # prefilled again (`EngineCore`)
     role: Role = "unified"
+    # rollout routing replay: keep every computed token's top-k experts of every layer beside its KV (slot by slot),
+    # so a request can ask for them (`return_routed_experts`); a mixture-of-experts model only
+    enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         check_fields(self)
         if self.host_cache != "off" and not self.enable_prefix_cache:
             raise ValueError(f"engine.host_cache: {self.host_cache} needs enable_prefix_cache")
+        if self.enable_return_routed_experts and (self.host_cache != "off" or self.role != "unified"):
+            raise ValueError("engine.enable_return_routed_experts: not yet with a host tier or prefill/decode roles "
+                             "(their pages would move without their routing)")
 
 
 @dataclass(frozen=True, slots=True)

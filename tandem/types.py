@@ -127,6 +127,10 @@ class GenerateOutput:
     num_retractions: int = 0
     weight_version: int = 0  # the engine's weight version when the request finished
     kv: object = None  # on a prefill server, the KV it exports (`tandem.engine.kv_transfer.KVPages`)
+    # when asked for: the top-k expert ids each MoE layer routed each computed token to, an int16 tensor
+    # [len(prompt) + len(output) - 1, num_hidden_layers, num_experts_per_tok] (-1 in dense layers); the server
+    # sends it as SGLang does (`meta_info.routed_experts`)
+    routed_experts: object = None
 
     @property
     def completion_tokens(self) -> int:

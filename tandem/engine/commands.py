@@ -39,7 +39,9 @@ class AddRequest(Command):
     (page-aligned) to the first it samples (`GenerateOutput.kv`, a `tandem.engine.kv_transfer.KVPages`).
     `prompt_len` (a continuation): the leading tokens of `input_ids` that are the prompt; the rest were generated
     before, so they count towards `max_new_tokens` and sampling continues at their position (its noise is a
-    function of the seed and the position: see `tandem.engine.sampler`). None: all of them."""
+    function of the seed and the position: see `tandem.engine.sampler`). None: all of them.
+    `return_routed_experts`: its output carries the experts every layer routed each of its tokens to
+    (`GenerateOutput.routed_experts`; the engine must keep them: `EngineConfig.enable_return_routed_experts`)."""
 
     drains: ClassVar[bool] = False
     rid: str
@@ -47,6 +49,7 @@ class AddRequest(Command):
     sampling: SamplingParams
     export_kv_from: int | None = None
     prompt_len: int | None = None
+    return_routed_experts: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,8 +94,13 @@ class EngineCore:
         self.max_context_len = config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())
         num_pages = config.num_pages or plan_kv_pages(self.model_config, config, param.dtype)
+        if config.enable_return_routed_experts and not self.model.moe_blocks:
+            raise ValueError("engine.enable_return_routed_experts: the model has no mixture-of-experts layers")
         self.pool = KVPool(self.model_config, num_pages, config.page_size, param.dtype, param.device,
-                           num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads)
+                           num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
+                           routing=config.enable_return_routed_experts)
+        if self.pool.routing is not None:
+            self.model.capture_routing(self.pool.routing)
         self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache) \
             if config.host_cache != "off" else None
         self.cache = RadixCache(self.pool, self.tier) if config.enable_prefix_cache else None
@@ -214,26 +219,32 @@ class EngineCore:
             raise ValueError(f"prompt_len: must be in [1, {n}] (the input's leading tokens), got {prompt_len}")
         seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
         req = Request(cmd.rid, list(cmd.input_ids), prompt_len, sampling, seed, next(self._arrival))
-        req.export_kv_from = start
+        if cmd.return_routed_experts and self.pool.routing is None:
+            raise ValueError("return_routed_experts: this engine keeps no routing (start it with "
+                             "enable_return_routed_experts)")
+        req.export_kv_from, req.return_routed_experts = start, cmd.return_routed_experts
         self._requests[cmd.rid] = req
         self.scheduler.waiting.append(req)
         if sampling.max_new_tokens == 0:
             self._finish(req, FinishReason("length", length=0))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        kv = None
+        kv = routed = None
         if any(r is req for r, _ in self._held):
-            self._held = [(r, kv) for r, kv in self._held if r is not req]
+            self._held = [(r, pages) for r, pages in self._held if r is not req]
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
             if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
                 kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.pool.k_cache.device)
+            if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
+                known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
+                routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()
             self.scheduler.finish(req, reason)
         self._requests.pop(req.rid, None)
         self.stats.num_finished += 1
         self.stats.num_aborted += reason.type == "abort"
         out = req.output(self.weight_version)
-        out.kv = kv
+        out.kv, out.routed_experts = kv, routed
         self._finished.append(out)
 
     def _abort_all(self, message: str) -> None:

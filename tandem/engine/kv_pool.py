@@ -53,8 +53,11 @@ class PageAllocator:
 
 class KVPool(PageAllocator):
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device,
-                 num_kv_heads: int | None = None):
-        """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism)."""
+                 num_kv_heads: int | None = None, routing: bool = False):
+        """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism).
+        `routing`: also keep, slot by slot beside the KV, the top-k expert ids every layer of a mixture-of-experts
+        model routed the slot's token to (`routing` [S, num_hidden_layers, num_experts_per_tok] int16; -1 where a
+        layer is dense or nothing was written)."""
         super().__init__(num_pages, page_size)
         # one extra page, never handed out: padding rows of fixed-shape decode batches write there
         self.scratch_slot = num_pages * page_size
@@ -62,6 +65,8 @@ class KVPool(PageAllocator):
                  config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.routing = torch.full((shape[1], config.num_hidden_layers, config.num_experts_per_tok), -1,
+                                  dtype=torch.int16, device=device) if routing else None
 
     def copy_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` positions of one page into another (all layers): how a request
@@ -70,6 +75,8 @@ class KVPool(PageAllocator):
         src, dst = slice(src_page * P, src_page * P + num_tokens), slice(dst_page * P, dst_page * P + num_tokens)
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
+        if self.routing is not None:
+            self.routing[dst] = self.routing[src]
 
     def slots(self, pages: list[int], start: int, end: int, device=None) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with page table `pages`."""

@@ -38,6 +38,7 @@ class Request:
     kv_stale: bool = False  # its KV predates a weight update (in_place pause): never share it
     pending_row: int = -1  # while its last token is PENDING: that token's index among the in-flight step's samples
     export_kv_from: int | None = None  # a prefill server's request: export its prompt's KV from here on
+    return_routed_experts: bool = False
     finish_reason: FinishReason | None = None
     _page_array: array.array | None = field(default=None, repr=False)
 

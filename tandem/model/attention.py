@@ -34,6 +34,11 @@ class AttentionContext:
         that writes them itself and then passes k and v as None; None when `attend` must be given them."""
         return None
 
+    def token_slots(self) -> torch.Tensor | None:
+        """The KV cache slot of each of the step's tokens [T] (what else is kept slot by slot goes there too);
+        None without a cache."""
+        return None
+
 
 def _sdpa(q_BHQD, k_BKLD, v_BKLD, mask_BQL):
     num_groups = q_BHQD.shape[1] // k_BKLD.shape[1]
@@ -123,6 +128,9 @@ class PagedAttention(AttentionContext):
     decode_block_table: torch.Tensor | None = None
     page_size: int = 0
     _plans: dict = field(default_factory=dict, repr=False)  # row group -> (slots, mask), the same in every layer
+
+    def token_slots(self):
+        return self.new_slots
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         self.k_cache[layer, self.new_slots] = k_TKD.to(self.k_cache.dtype)
@@ -217,6 +225,9 @@ class BlockTableDecode(AttentionContext):
     def kv_destination(self, layer):
         return self.k_cache[layer], self.v_cache[layer], self.slots_B
 
+    def token_slots(self):
+        return self.slots_B
+
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         if k_TKD is not None:
             self.k_cache[layer].index_copy_(0, self.slots_B, k_TKD.to(self.k_cache.dtype))
@@ -244,6 +255,9 @@ class BlockTablePrefill(AttentionContext):
 
     def kv_destination(self, layer):
         return self.k_cache[layer], self.v_cache[layer], self.new_slots_T
+
+    def token_slots(self):
+        return self.new_slots_T
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         if k_TKD is not None:

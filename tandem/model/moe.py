@@ -79,7 +79,8 @@ class Qwen3Experts(nn.Module):
 class Qwen3SparseMoeBlock(nn.Module):
     """`routing_checksum`: an int64 scalar the block adds a hash of its routing to (the model's, set under
     parallelism; None: not kept). `keep_router_logits`: keep the last forward's router logits in `router_logits`
-    (for a trainer's load-balancing loss)."""
+    (for a trainer's load-balancing loss). `capture`: (store [S, layers, k], slots [T]) to write each token's expert
+    ids to, row `slots[t]`, column `layer` (set per forward by the model; None: not kept)."""
 
     def __init__(self, config: ModelConfig, layer: int, ep: TPGroup = SINGLE):
         super().__init__()
@@ -88,6 +89,7 @@ class Qwen3SparseMoeBlock(nn.Module):
         self.experts = Qwen3Experts(config, ep)
         self.routing_checksum: torch.Tensor | None = None
         self.keep_router_logits, self.router_logits = False, None
+        self.capture: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TE = self.gate(x_TH)
@@ -96,6 +98,9 @@ class Qwen3SparseMoeBlock(nn.Module):
             self.router_logits = logits_TE
         if self.routing_checksum is not None:
             self.routing_checksum.add_(routing_hash(ids_TK, self.layer))
+        if self.capture is not None:
+            store, slots = self.capture
+            store[:, self.layer].index_copy_(0, slots, ids_TK.to(store.dtype))
         return self.experts(x_TH, ids_TK, weights_TK)
 
 

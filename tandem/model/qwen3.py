@@ -167,11 +167,22 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config, tp, ep)
         self.moe_blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, Qwen3SparseMoeBlock)]
         self.routing_checksum: torch.Tensor | None = None  # see `keep_routing_checksum`
+        self.routing_store: torch.Tensor | None = None  # see `capture_routing`
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     fused = None  # tandem.kernels.fused when `use_fused_kernels()` was called (GPU inference)
+
+    def capture_routing(self, store: torch.Tensor) -> None:
+        """Have every forward over a KV cache write each token's expert ids, per MoE layer, into `store`
+        [S, num_hidden_layers, k] at the token's cache slot (`AttentionContext.token_slots`)."""
+        self.routing_store = store
+
+    def _set_capture(self, ctx: AttentionContext) -> None:
+        slots = ctx.token_slots() if self.routing_store is not None else None
+        for block in self.moe_blocks:
+            block.capture = None if slots is None else (self.routing_store, slots)
 
     def keep_routing_checksum(self) -> torch.Tensor:
         """Make every mixture-of-experts layer add a hash of its routing into one int64 scalar on the model's
@@ -241,6 +252,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, ctx: AttentionContext):
         """Final hidden states [T, E] (after the last norm); `compute_logits` turns rows into logits."""
+        if self.moe_blocks:
+            self._set_capture(ctx)
         if self.fused is not None:
             return self._forward_fused(input_ids_T, positions_T, ctx)
         cos, sin = rope_cos_sin(positions_T, self.config.head_dim, self.config.rope_theta)

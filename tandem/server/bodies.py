@@ -68,6 +68,8 @@ class GenerateBody(_Body):
     stream: Literal[False] | None = Field(None, description="streaming is not supported yet; send stream: false")
     logprob_start_len: Literal[-1] | None = Field(
         None, description="only -1 (logprobs of the output tokens) is supported")
+    return_routed_experts: bool | list[bool] | None = Field(
+        None, description="must be true or false (a batch: one, or a list of one per request)")
     bootstrap: Bootstrap | None = Field(
         None, description="on a decode server: an object naming the prefill server, {\"prefill_url\": URL}")
 

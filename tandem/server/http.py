@@ -20,6 +20,7 @@ disconnects while its `/generate` runs has its requests aborted in the engine, f
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import functools
 import logging
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Annotated
 
 import pydantic_core
+import torch
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -102,6 +104,9 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         # more than validating a short body
         body = await GenerateBody.from_request(request)
         jobs, is_batch = _jobs(body, engine)
+        routed = _flags(body.return_routed_experts, len(jobs), "return_routed_experts")
+        if any(routed) and body.bootstrap is not None:
+            raise ValueError("return_routed_experts: not yet with prefill/decode disaggregation")
         rids = [rid for _, _, rid in jobs]
         clash = inflight.intersection(rids)
         if clash:
@@ -109,7 +114,7 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         inflight.update(rids)
         try:
             if body.bootstrap is None:
-                outs = await _unless_disconnected(request, _generate_all(engine, jobs))
+                outs = await _unless_disconnected(request, _generate_all(engine, jobs, routed))
             elif prefill is None:
                 raise ValueError(f"bootstrap: only a decode server takes it (this one is {engine.config.role})")
             else:
@@ -320,12 +325,23 @@ def _at_index(message: str, i: int) -> str:
     return f"input_ids[{i}]: {message}"
 
 
-async def _generate_all(engine: Engine, jobs: list[Job]) -> list[GenerateOutput]:
-    """Run the jobs concurrently, outputs in order. If one fails, the others are cancelled (which aborts
-    them in the engine) and its error is raised. Cancelling this coroutine aborts them all."""
+def _flags(value: bool | list[bool] | None, n: int, name: str) -> list[bool]:
+    """A per-request boolean of a /generate body: one for all, or a list of one per request of a batch."""
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name}: a batch of {n} requests needs one boolean or a list of {n}")
+        return value
+    return [bool(value)] * n
+
+
+async def _generate_all(engine: Engine, jobs: list[Job], routed: list[bool]) -> list[GenerateOutput]:
+    """Run the jobs concurrently, outputs in order (`routed`: which return their routed experts). If one fails,
+    the others are cancelled (which aborts them in the engine) and its error is raised. Cancelling this coroutine
+    aborts them all."""
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(engine.generate(*job)) for job in jobs]
+            tasks = [group.create_task(engine.generate(*job, return_routed_experts=flag))
+                     for job, flag in zip(jobs, routed, strict=True)]
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
     return [t.result() for t in tasks]
@@ -348,7 +364,10 @@ async def _unless_disconnected(request: Request, coro):
 
 
 def _output(out: GenerateOutput, return_logprob: bool) -> dict:
-    return {"output_ids": out.output_ids, "meta_info": out.meta_info(return_logprob)}
+    meta = out.meta_info(return_logprob)
+    if out.routed_experts is not None:  # SGLang's form: base64 of the int32 array [tokens - 1, layers, top-k]
+        meta["routed_experts"] = base64.b64encode(out.routed_experts.to(torch.int32).numpy().tobytes()).decode()
+    return {"output_ids": out.output_ids, "meta_info": meta}
 
 
 # ---- shared helpers --------------------------------------------------------------------------------------
