@@ -320,9 +320,9 @@ class EngineConfig:
         check_fields(self)
         if self.host_cache != "off" and not self.enable_prefix_cache:
             raise ValueError(f"engine.host_cache: {self.host_cache} needs enable_prefix_cache")
-        if self.enable_return_routed_experts and (self.host_cache != "off" or self.role != "unified"):
-            raise ValueError("engine.enable_return_routed_experts: not yet with a host tier or prefill/decode roles "
-                             "(their pages would move without their routing)")
+        if self.enable_return_routed_experts and self.role != "unified":
+            raise ValueError("engine.enable_return_routed_experts: not yet with prefill/decode roles (their KV would "
+                             "move without its routing)")
 
 
 @dataclass(frozen=True, slots=True)

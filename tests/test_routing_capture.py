@@ -84,6 +84,26 @@ def test_a_later_turn_gets_its_cached_prefix_routing_as_it_was_computed():
     asyncio.run(go())
 
 
+def test_routing_moves_with_its_pages_through_the_host_tier():
+    """A pool too small for the history: it goes to the host tier and comes back for the later turn, its routing
+    with it (the rows of the history as first computed, and host-loaded tokens among them)."""
+    config = dataclasses.replace(CONFIG, num_pages=10, host_cache="write_through", host_cache_pages=64)
+
+    async def go():
+        with Engine("tiny-moe", config) as engine:
+            first_prompt = prompt(19, seed=11)
+            first = await engine.generate(first_prompt, SAMPLING, return_routed_experts=True)
+            for i in range(3):  # other requests push the history's pages off the device
+                await engine.generate(prompt(25, seed=20 + i), SAMPLING)
+            history = first_prompt + first.output_ids + prompt(3, seed=12)
+            second = await engine.generate(history, SAMPLING, return_routed_experts=True)
+            assert second.host_cached_tokens > 0, second
+            shared = second.cached_tokens
+            assert torch.equal(second.routed_experts[:shared], first.routed_experts[:shared])
+            assert torch.equal(second.routed_experts, reference_routing(engine.model, history + second.output_ids)[:-1])
+    asyncio.run(go())
+
+
 def test_a_falsifier_routing_not_kept_with_the_cache_would_be_caught():
     """If the cached positions' routing were not kept (here: wiped between the turns, as a capture that skipped
     cached pages would leave them), the later turn's rows for its history would not be the routing: -1."""
@@ -118,8 +138,8 @@ def test_over_http_in_sglangs_form_and_clear_errors():
         assert r.status_code == 400 and "keeps no routing" in r.text
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         Engine("tiny", dataclasses.replace(CONFIG))
-    with pytest.raises(ValueError, match="host tier"):
-        dataclasses.replace(CONFIG, host_cache="write_through")
+    with pytest.raises(ValueError, match="prefill/decode"):
+        dataclasses.replace(CONFIG, role="decode")
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
 """The host tier: KV pages in host memory under the radix cache, and the copies between the two tiers.
 
 Host page h holds the keys and values of `page_size` positions for every layer contiguously, `kv[h]` of
-shape [2, L, P, K, D] (pinned on CUDA machines), so a run of consecutive host pages is one copy.
+shape [2, L, P, K, D] (pinned on CUDA machines), so a run of consecutive host pages is one copy. A pool that keeps
+each slot's routed experts (`KVPool.routing`) has them moved with the KV, in the same copies' order
+(`routing[h]`: [P, layers, k]).
 
 Copies run in issue order on one side stream, so a load from a host page always follows the backup that
 filled it. The ordering rules, each enforced here:
@@ -56,6 +58,8 @@ class HostTier(PageAllocator):
         L, _, K, D = pool.k_cache.shape
         cuda = pool.k_cache.is_cuda
         self.kv = torch.zeros((num_pages, 2, L, pool.page_size, K, D), dtype=pool.k_cache.dtype, pin_memory=cuda)
+        self.routing = None if pool.routing is None else torch.full(
+            (num_pages, pool.page_size, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=cuda)
         self.stream = torch.cuda.Stream(pool.k_cache.device) if cuda else None
         self.ops: deque[CopyOp] = deque()
         self._last_load: CopyOp | None = None
@@ -118,7 +122,23 @@ class HostTier(PageAllocator):
             staged = torch.stack((k[:, idx], v[:, idx])).permute(2, 0, 1, 3, 4, 5).contiguous()
             for i, h, n in _runs(op.host_pages):
                 self.kv[h:h + n].copy_(staged[i:i + n], non_blocking=True)
-        return idx, staged
+        if self.routing is None:
+            return idx, staged
+        return idx, staged, self._copy_routing(op, idx)
+
+    def _copy_routing(self, op: CopyOp, idx: torch.Tensor) -> torch.Tensor:
+        """The routed experts of the copy's pages, the same way as their KV."""
+        routing = self.pool.routing.view(-1, self.page_size, *self.pool.routing.shape[1:])  # [pages, P, layers, k]
+        if op.is_load:
+            staged = torch.empty((len(idx), *routing.shape[1:]), dtype=routing.dtype, device=routing.device)
+            for i, h, n in _runs(op.host_pages):
+                staged[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
+            routing[idx] = staged
+        else:
+            staged = routing[idx]  # (indexing copies)
+            for i, h, n in _runs(op.host_pages):
+                self.routing[h:h + n].copy_(staged[i:i + n], non_blocking=True)
+        return staged
 
     def _after_compute(self) -> None:
         """Rule 1: the side stream waits for everything launched on the compute stream so far."""
