@@ -312,17 +312,15 @@ class EngineConfig:
     # servers; a decode server's takes their KV, and hands a request it retracts for a weight update back to be
     # prefilled again (`EngineCore`)
     role: Role = "unified"
-    # rollout routing replay: keep every computed token's top-k experts of every layer beside its KV (slot by slot),
-    # so a request can ask for them (`return_routed_experts`); a mixture-of-experts model only
+    # rollout routing replay: keep every computed token's top-k experts of every layer beside its KV (slot by slot;
+    # moved with it through the host tier and between prefill and decode servers), so a request can ask for them
+    # (`return_routed_experts`); a mixture-of-experts model only
     enable_return_routed_experts: bool = False
 
     def __post_init__(self):
         check_fields(self)
         if self.host_cache != "off" and not self.enable_prefix_cache:
             raise ValueError(f"engine.host_cache: {self.host_cache} needs enable_prefix_cache")
-        if self.enable_return_routed_experts and self.role != "unified":
-            raise ValueError("engine.enable_return_routed_experts: not yet with prefill/decode roles (their KV would "
-                             "move without its routing)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -411,7 +409,11 @@ class TrainerConfig:
     kernels with backward passes (`tandem.kernels.training`); off by default (BENCHMARKS.md: slower than compiling
     and than eager). `load_balancing_coef`: for a mixture-of-experts model, the weight of the routers'
     load-balancing loss added to the policy loss (`tandem.trainer.balance`; Hugging Face's `router_aux_loss_coef`);
-    0 trains without it, and the step's stats report it either way."""
+    0 trains without it, and the step's stats report it either way. `routing_replay`: rollout routing replay (R3) for
+    a mixture-of-experts model: every MoE layer sends each token to the experts the engine routed it to (recorded
+    in its episode), weighted by the trainer's router (`tandem.trainer.replay`); tokens the engine never computed
+    route live. In a run it has the engine keep its routing (`engine.enable_return_routed_experts`, which alone
+    records the routing and reports the routing metrics without replaying it)."""
 
     lr: PositiveFloat = 1e-3
     weight_decay: NonNegativeFloat = 0.0
@@ -425,6 +427,7 @@ class TrainerConfig:
     compile: bool = True
     fused_kernels: bool = False
     load_balancing_coef: NonNegativeFloat = 0.0
+    routing_replay: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -490,6 +493,18 @@ class RunConfig:
         if self.resolved_weight_transport == "ipc" and trainer.startswith("cuda") and not self._one_gpu:
             raise ValueError(f"run.weight_transport: ipc needs the trainer ({trainer}) and the engine ({engine}) on "
                              "the same device")
+        if self.trainer.routing_replay:
+            self._keep_routing_for_replay()
+
+    def _keep_routing_for_replay(self) -> None:
+        """`trainer.routing_replay` replays what the engine records: have it record (refused where it cannot)."""
+        if not resolve_model(self.model)[0].is_moe:
+            raise ValueError(f"trainer.routing_replay: needs a mixture-of-experts model, {self.model!r} has no "
+                             "expert layers")
+        if self.placement == "disaggregated" or self.engine.host_cache != "off":
+            raise ValueError("trainer.routing_replay: not yet with placement disaggregated or an engine.host_cache "
+                             "(the engine's routing does not follow its KV there yet)")
+        self.engine = dataclasses.replace(self.engine, enable_return_routed_experts=True)
 
     @property
     def _one_gpu(self) -> bool:

@@ -224,7 +224,10 @@ class Episode:
     `loss_mask` 1 for policy tokens the trainer learns from, 0 for environment tokens (prompt, tool output);
     `behav_logprobs` the engine's logprob for policy tokens (0.0 for environment tokens); `versions` the
     weight version a policy token was sampled under, -1 for environment tokens (so `versions[i] >= 0` says
-    who produced token i)."""
+    who produced token i). `routed_experts`, when the rollout kept the routing (`keep_routing`): the engine's top-k
+    expert ids of every layer for each token, an int16 tensor [len(tokens), num_hidden_layers, num_experts_per_tok],
+    -1 in dense layers and in the rows of tokens the engine never computed (the last one, tool output after the
+    last turn); None: not kept."""
 
     episode_id: str
     group_id: int
@@ -237,6 +240,7 @@ class Episode:
     num_turns: int = 0
     num_resubmits: int = 0  # turns continued after an abort-mode pause (partial rollout stitched back)
     truncated: bool = False  # stopped by the context limit rather than by the environment
+    routed_experts: object = None
 
     def add(self, tokens: list[int], policy: bool, logprobs: list[float] | None = None,
             versions: list[int] | None = None) -> None:
@@ -244,6 +248,19 @@ class Episode:
         self.loss_mask += [int(policy)] * len(tokens)
         self.behav_logprobs += logprobs if policy else [0.0] * len(tokens)
         self.versions += versions if policy else [-1] * len(tokens)
+
+    def keep_routing(self, rows=None) -> None:
+        """Make `routed_experts` one row per token of `tokens`: `rows` (a generate's `routed_experts`: the rows of
+        the first len(rows) tokens, as the engine computed them for its latest request) replace those tokens' rows;
+        tokens no generate has computed get rows of -1. None: only extend the rows to the tokens added since."""
+        known = [r for r in (self.routed_experts, rows) if r is not None]
+        if not known:
+            return
+        full = known[0].new_full((len(self.tokens), *known[0].shape[1:]), -1)
+        for r in known:  # the latest request's rows over the earlier ones
+            n = min(len(r), len(full))
+            full[:n] = r[:n]
+        self.routed_experts = full
 
     @property
     def num_policy_tokens(self) -> int:

@@ -138,8 +138,6 @@ def test_over_http_in_sglangs_form_and_clear_errors():
         assert r.status_code == 400 and "keeps no routing" in r.text
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         Engine("tiny", dataclasses.replace(CONFIG))
-    with pytest.raises(ValueError, match="prefill/decode"):
-        dataclasses.replace(CONFIG, role="decode")
 
 
 @pytest.mark.gpu
@@ -159,4 +157,32 @@ def test_on_the_gpu_the_graphs_capture_the_routing_too():
                 same += int((out.routed_experts == want).all(dim=(1, 2)).sum())
                 total += len(want)
             assert same >= 0.98 * total, (same, total)
+    asyncio.run(go())
+
+
+def test_routing_moves_with_the_kv_from_a_prefill_to_a_decode_engine():
+    """Prefill/decode: the prefill engine exports the routing of the positions it sends with their KV, the decode
+    engine keeps it beside them; the decode engine's answer then carries every token's routing (a later turn's
+    history from its own cache); pairing a decode engine that keeps routing with one that does not is refused."""
+    from tandem.server.disagg import kv_layout
+
+    prefill_config = dataclasses.replace(CONFIG, role="prefill")
+    decode_config = dataclasses.replace(CONFIG, role="decode")
+
+    async def go():
+        with Engine("tiny-moe", prefill_config) as p, Engine("tiny-moe", decode_config) as d:
+            history = prompt(23, seed=5)
+            for _ in range(2):
+                kv_from = await d.probe(history)
+                first = await p.generate(history, dataclasses.replace(SAMPLING, max_new_tokens=1),
+                                         export_kv_from=kv_from)
+                assert first.kv.routing.shape == (len(history) - kv_from, 3, 2)
+                out = await d.generate_imported(history, SAMPLING, (first.output_ids, first.output_logprobs,
+                                                                    first.weight_versions), first.kv,
+                                                return_routed_experts=True)
+                assert torch.equal(out.routed_experts, reference_routing(d.model, history + out.output_ids)[:-1])
+                history = history + out.output_ids + prompt(5, seed=6)
+            assert kv_from > 0  # (the later turn's history came from the decode engine's cache)
+            with Engine("tiny-moe", dataclasses.replace(prefill_config, enable_return_routed_experts=False)) as bare:
+                assert kv_layout(bare)["routed_experts"] != kv_layout(d, "prefill")["routed_experts"]
     asyncio.run(go())

@@ -16,6 +16,7 @@ reply, in the event loop the rollout shares with the trainer).
 from __future__ import annotations
 
 import asyncio
+import base64
 import dataclasses
 import urllib.error
 import urllib.request
@@ -72,14 +73,17 @@ class EngineClient:
 
     # ---- the Engine API ----------------------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
-                       rid: str | None = None) -> GenerateOutput:
-        """One request, SGLang's `/generate` with `return_logprob`. Cancelling it closes the connection, which
-        aborts the request in the engine."""
+                       rid: str | None = None, return_routed_experts: bool = False) -> GenerateOutput:
+        """One request, SGLang's `/generate` with `return_logprob` (and `return_routed_experts`: the output's
+        `routed_experts` as the in-process engine gives them). Cancelling it closes the connection, which aborts the
+        request in the engine."""
         body = {"input_ids": list(input_ids), "return_logprob": True,
                 "sampling_params": dataclasses.asdict(sampling or SamplingParams())}
         if rid is not None:
             body["rid"] = rid
-        return parse_output(await self._request("POST", "/generate", body, None))
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        return parse_output(await self._request("POST", "/generate", body, None), self.model_config)
 
     async def pause(self, mode: str = "abort") -> None:
         await self._post("/pause_generation", {"mode": mode})
@@ -168,9 +172,19 @@ class EngineClient:
         self._http = self._loop = None
 
 
-def parse_output(d: dict) -> GenerateOutput:
-    """A `GenerateOutput` from one element of SGLang's `/generate` reply (with `output_token_logprobs`)."""
+def parse_output(d: dict, model: ModelConfig | None = None) -> GenerateOutput:
+    """A `GenerateOutput` from one element of SGLang's `/generate` reply (with `output_token_logprobs`). Its
+    `meta_info.routed_experts` (base64 of int32) becomes the int16 tensor [rows, layers, k] of `model`'s shape."""
     meta = d["meta_info"]
+    routed = None
+    if meta.get("routed_experts") is not None:
+        if model is None:
+            raise ValueError("routed_experts: reading them needs the model's config (its layers and top-k)")
+        import torch  # (only here: the client is otherwise free of it)
+
+        raw = bytearray(base64.b64decode(meta["routed_experts"]))
+        routed = torch.frombuffer(raw, dtype=torch.int32) if raw else torch.zeros(0, dtype=torch.int32)
+        routed = routed.view(-1, model.num_hidden_layers, model.num_experts_per_tok).to(torch.int16)
     reason = meta["finish_reason"]
     logprobs = [lp for lp, _, _ in meta.get("output_token_logprobs", [])]
     return GenerateOutput(
@@ -180,4 +194,4 @@ def parse_output(d: dict) -> GenerateOutput:
         prompt_tokens=meta["prompt_tokens"], cached_tokens=meta["cached_tokens"],
         host_cached_tokens=meta.get("cached_tokens_details", {}).get("host", 0),
         prefill_tokens=meta.get("prefill_tokens", 0),
-        weight_version=meta.get("weight_version", 0))
+        weight_version=meta.get("weight_version", 0), routed_experts=routed)

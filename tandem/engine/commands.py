@@ -82,6 +82,7 @@ class ImportRequest(Command):
     output_logprobs: list[float]
     weight_versions: list[int]
     kv: object  # KVPages
+    return_routed_experts: bool = False  # (see `AddRequest`)
 
 
 @dataclass(frozen=True, slots=True)

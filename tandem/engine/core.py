@@ -275,6 +275,7 @@ class EngineCore:
         req = Request(cmd.rid, [*cmd.input_ids, *out[:-1], PENDING], len(cmd.input_ids), cmd.sampling,
                       cmd.sampling.seed, next(self._arrival))
         req.output_logprobs, req.weight_versions = list(cmd.output_logprobs[:-1]), list(cmd.weight_versions[:-1])
+        req.return_routed_experts = cmd.return_routed_experts and self.pool.routing is not None
         reason = self.scheduler.resolve(req, n, out[-1], cmd.output_logprobs[-1], cmd.weight_versions[-1])
         if (aborted := self._expected.pop(cmd.rid, None)) is not None:  # aborted while the prefill server computed
             reason = FinishReason("abort", message=aborted)

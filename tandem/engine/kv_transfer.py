@@ -48,14 +48,16 @@ _SHM_NAME = re.compile(r"tandem-kv-[0-9a-f]{32}")
 @dataclass(frozen=True)
 class KVPages:
     """Keys and values [L, end - start, K, D] of positions [start, end); `checksums`: one per page of `page_size`
-    positions from `start` (page-aligned), over both tensors' bits (`page_checksums`). Immutable: `verify` checks
-    once."""
+    positions from `start` (page-aligned), over both tensors' bits (`page_checksums`). `routing`: the positions'
+    routed experts [end - start, layers, k] int16 on the host, where the sender's pool keeps them
+    (`KVPool.routing`; small, so it always travels in the message itself). Immutable: `verify` checks once."""
 
     start: int
     k: torch.Tensor
     v: torch.Tensor
     page_size: int
     checksums: tuple[str, ...]
+    routing: torch.Tensor | None = None
     _verified: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
@@ -65,7 +67,8 @@ class KVPages:
     def to_bytes(self) -> bytes:
         k, v = self.k.cpu(), self.v.cpu()
         meta = {"start": str(self.start), "page_size": str(self.page_size), "checksums": json.dumps(self.checksums)}
-        return save_tensors({"k": k.contiguous(), "v": v.contiguous()}, metadata=meta)
+        routing = {} if self.routing is None else {"routing": self.routing.contiguous()}
+        return save_tensors({"k": k.contiguous(), "v": v.contiguous(), **routing}, metadata=meta)
 
     @classmethod
     def from_bytes(cls, data: bytes, meta: dict) -> KVPages:
@@ -73,7 +76,7 @@ class KVPages:
         try:
             tensors = load_tensors(data)
             return cls(int(meta["start"]), tensors["k"], tensors["v"], int(meta["page_size"]),
-                       tuple(json.loads(meta["checksums"])))
+                       tuple(json.loads(meta["checksums"])), tensors.get("routing"))
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"kv transfer: the payload does not parse ({e})") from e
 
@@ -84,7 +87,11 @@ class KVPages:
         verified yet. ValueError if the handle does not parse or its memory cannot be mapped here."""
         try:
             k, v = _WAYS[handle["kind"]].open(handle, torch.device(device))
-            return cls(int(handle["start"]), k, v, int(handle["page_size"]), tuple(map(str, handle["checksums"])))
+            routing = None
+            if (shared := handle.get("routing")) is not None:
+                routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(shared["shape"])
+            return cls(int(handle["start"]), k, v, int(handle["page_size"]), tuple(map(str, handle["checksums"])),
+                       routing)
         except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:
             raise ValueError(f"kv transfer: the shared KV cannot be taken ({type(e).__name__}: {e})") from e
 
@@ -136,14 +143,20 @@ def read_pages(pool: KVPool, pages: list[int], start: int, end: int,
     assert start % pool.page_size == 0, start
     slots = pool.slots(pages, start, end)
     k, v = pool.k_cache[:, slots].to(device), pool.v_cache[:, slots].to(device)  # (indexing copies)
-    return KVPages(start, k, v, pool.page_size, page_checksums(k, v, pool.page_size))
+    routing = None if pool.routing is None else pool.routing[slots].cpu()
+    return KVPages(start, k, v, pool.page_size, page_checksums(k, v, pool.page_size), routing)
 
 
 def write_pages(pool: KVPool, pages: list[int], kv: KVPages) -> None:
-    """Write `kv` into positions [kv.start, kv.end) of a sequence with page table `pages`."""
+    """Write `kv` into positions [kv.start, kv.end) of a sequence with page table `pages` (its routing too, where
+    the pool keeps it: ValueError if the pool keeps it and `kv` lacks it)."""
     slots = pool.slots(pages, kv.start, kv.end)
+    if pool.routing is not None and kv.routing is None:
+        raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
     pool.k_cache[:, slots] = kv.k.to(pool.k_cache.device, pool.k_cache.dtype)
     pool.v_cache[:, slots] = kv.v.to(pool.v_cache.device, pool.v_cache.dtype)
+    if pool.routing is not None:
+        pool.routing[slots] = kv.routing.to(pool.routing.device)
 
 
 # ---- the transfer by reference ------------------------------------------------------------------------------
@@ -160,6 +173,9 @@ class SharedKV:
         self.handle = {"kind": self.kind, "start": kv.start, "page_size": kv.page_size,
                        "checksums": list(kv.checksums), "dtype": str(kv.k.dtype).removeprefix("torch."),
                        "shape": list(kv.k.shape)}
+        if kv.routing is not None:
+            self.handle["routing"] = {"data": _b64(kv.routing.contiguous().numpy().tobytes()),
+                                      "shape": list(kv.routing.shape)}
 
     @staticmethod
     def of(kv: KVPages) -> SharedKV:

@@ -32,6 +32,20 @@ def route(logits_TE: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tenso
     return weights.to(logits_TE.dtype), ids
 
 
+def replay_route(logits_TE: torch.Tensor, recorded_TK: torch.Tensor, k: int,
+                 normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route`, with the experts of the rows of `recorded_TK` (int, [T, k]) that hold no -1 imposed (rollout routing
+    replay): their weights are the fp32 softmax over all experts gathered at the recorded ids (renormalised if
+    `normalize`), so the router still gets a gradient. The other rows route as `route` does, bit for bit."""
+    probs = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
+    live = torch.topk(probs, k, dim=-1).indices
+    ids = torch.where((recorded_TK >= 0).all(-1, keepdim=True), recorded_TK.long(), live)
+    weights = probs.gather(-1, ids)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits_TE.dtype), ids
+
+
 def silu_mul(gate, up):
     return F.silu(gate) * up
 
@@ -90,10 +104,14 @@ class Qwen3SparseMoeBlock(nn.Module):
         self.routing_checksum: torch.Tensor | None = None
         self.keep_router_logits, self.router_logits = False, None
         self.capture: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.replay: torch.Tensor | None = None
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TE = self.gate(x_TH)
-        weights_TK, ids_TK = route(logits_TE, self.top_k, self.normalize)
+        if self.replay is None:
+            weights_TK, ids_TK = route(logits_TE, self.top_k, self.normalize)
+        else:
+            weights_TK, ids_TK = replay_route(logits_TE, self.replay, self.top_k, self.normalize)
         if self.keep_router_logits:
             self.router_logits = logits_TE
         if self.routing_checksum is not None:

@@ -76,9 +76,12 @@ def plan_batch(batch: int, size: int, max_staleness: int, order: Literal["admiss
 
 
 class RolloutManager:
+    """`routing`: every episode keeps the engine's routed experts (`run_episode`), for a trainer of a
+    mixture-of-experts model (routing replay and its metrics); the engine must keep them."""
+
     def __init__(self, client: GenerateClient, make_env: EnvFactory, cfg: RolloutConfig, max_context: int,
-                 seed: int, version: Callable[[], int]):
-        self.client, self.make_env, self.cfg = client, make_env, cfg
+                 seed: int, version: Callable[[], int], routing: bool = False):
+        self.client, self.make_env, self.cfg, self.routing = client, make_env, cfg, routing
         self.max_context, self.seed, self.version = max_context, seed, version
         self.next_index = 0  # number of the next group to admit
         self.batches_taken = 0  # batches handed to the trainer
@@ -138,7 +141,7 @@ class RolloutManager:
             group.episodes.append(episode)
             env = self.make_env(group_seed, j)
             task = asyncio.create_task(run_episode(self.client, env, episode, self.max_context,
-                                                   self.cfg.temperature, self.cfg.top_p))
+                                                   self.cfg.temperature, self.cfg.top_p, self.routing))
             self._tasks.add(task)
             task.add_done_callback(lambda t, g=group: self._episode_done(g, t))
         self._count(self.cfg.group_size)

@@ -62,8 +62,10 @@ class Run:
             self.placement.shutdown()
             raise
         max_context = min(cfg.random_agent.max_context, self.engine.max_context_len)
+        # the episodes keep their routing whenever the engine does (always under trainer.routing_replay)
         self.manager = RolloutManager(self.engine, env_factory, cfg.rollout, max_context, cfg.seed,
-                                      version=lambda: self.engine.weight_version)
+                                      version=lambda: self.engine.weight_version,
+                                      routing=cfg.engine.enable_return_routed_experts)
         self.out_dir = Path(cfg.out_dir)
         self.history: list[dict] = []
         self._training: tuple[asyncio.Future, list[Group]] | None = None  # a trainer step in its thread, its batch

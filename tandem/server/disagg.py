@@ -68,7 +68,7 @@ def kv_layout(engine: Engine, role: str | None = None) -> dict:
             "kv_dtype": str(pool.k_cache.dtype).removeprefix("torch."),
             "num_layers": pool.k_cache.shape[0], "num_kv_heads": pool.k_cache.shape[2],
             "head_dim": pool.k_cache.shape[3], "model": dataclasses.asdict(engine.model_config),
-            "weight_version": engine.weight_version}
+            "weight_version": engine.weight_version, "routed_experts": pool.routing is not None}
 
 
 def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
@@ -215,18 +215,21 @@ class PrefillClient:
                              f"{url}: {why_not}")
         return self.transfer or ("bytes" if why_not else "reference")
 
-    async def generate_all(self, jobs: list[tuple[list[int], SamplingParams, str]], url: str) -> list[GenerateOutput]:
-        """Each job (input ids, sampling, rid) through the prefill server at `url`, concurrently, outputs in order.
-        Cancelling this coroutine aborts them all."""
+    async def generate_all(self, jobs: list[tuple[list[int], SamplingParams, str]], url: str,
+                           routed: list[bool] | None = None) -> list[GenerateOutput]:
+        """Each job (input ids, sampling, rid) through the prefill server at `url`, concurrently, outputs in order
+        (`routed`: which return their routed experts). Cancelling this coroutine aborts them all."""
         await self.pair(url)
+        routed = routed or [False] * len(jobs)
         try:
             async with asyncio.TaskGroup() as group:
-                tasks = [group.create_task(self._one(*job, url)) for job in jobs]
+                tasks = [group.create_task(self._one(*job, url, flag)) for job, flag in zip(jobs, routed, strict=True)]
         except BaseExceptionGroup as eg:
             raise eg.exceptions[0] from None
         return [t.result() for t in tasks]
 
-    async def _one(self, input_ids: list[int], sampling: SamplingParams, rid: str, url: str) -> GenerateOutput:
+    async def _one(self, input_ids: list[int], sampling: SamplingParams, rid: str, url: str,
+                   routed: bool = False) -> GenerateOutput:
         """One request through `url`, again after each hand-back (`HANDED_BACK`: its prompt and what it generated
         so far computed there under the weights held now)."""
         if sampling.seed is None:  # the prefill server samples the first token, this engine the rest: one seed
@@ -252,7 +255,7 @@ class PrefillClient:
                 return dataclasses.replace(so_far, finish_reason=FinishReason(**meta["finish_reason"]))
             generated = [[*mine, theirs] for mine, theirs in zip(
                 (so_far.output_ids, so_far.output_logprobs, so_far.weight_versions), sampled, strict=True)]
-            out = await self.engine.generate_imported(input_ids, sampling, tuple(generated), kv, rid)
+            out = await self.engine.generate_imported(input_ids, sampling, tuple(generated), kv, rid, routed)
             retractions += out.finish_reason.message == HANDED_BACK
             so_far = dataclasses.replace(out, cached_tokens=so_far.cached_tokens)
         so_far.prefill_tokens, so_far.num_retractions = prefilled, so_far.num_retractions + retractions

@@ -105,8 +105,6 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         body = await GenerateBody.from_request(request)
         jobs, is_batch = _jobs(body, engine)
         routed = _flags(body.return_routed_experts, len(jobs), "return_routed_experts")
-        if any(routed) and body.bootstrap is not None:
-            raise ValueError("return_routed_experts: not yet with prefill/decode disaggregation")
         rids = [rid for _, _, rid in jobs]
         clash = inflight.intersection(rids)
         if clash:
@@ -119,7 +117,7 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
                 raise ValueError(f"bootstrap: only a decode server takes it (this one is {engine.config.role})")
             else:
                 url = body.bootstrap.prefill_url.rstrip("/")
-                outs = await _unless_disconnected(request, prefill.generate_all(jobs, url))
+                outs = await _unless_disconnected(request, prefill.generate_all(jobs, url, routed))
         finally:
             inflight.difference_update(rids)
         if outs is None:

@@ -26,6 +26,9 @@ Metrics (token-level, over policy tokens, whatever the aggregation):
   - ess: effective sample size of the raw behaviour weights, (sum w)^2 / (N * sum w^2), in (0, 1];
   - mismatch_kl: mean(behav_logprobs - old_logprobs), the k1 estimate of KL(pi_behav || pi_prox) (unbiased since
     the tokens were sampled from pi_behav; a single batch can give a small negative value);
+  - mismatch_k3: mean(w - 1 - log w), the k3 estimate of the same KL (never negative, lower variance), and
+    mismatch_ratio_beyond_2: the fraction of tokens whose w is above 2 or below 1/2 (R3's measures of the
+    engine/trainer mismatch; both include staleness, as w does);
   - cap_frac (decoupled_ppo and tis only): fraction of tokens whose behaviour weight exceeded the cap;
   - num_policy_tokens.
 """
@@ -238,6 +241,8 @@ def _finish(pg_T, clipped_T, ratio_T, t: _Tokens, inp: LossInput, cfg: LossConfi
             "behav_weight_max": torch.where(mask_T, w_T, -math.inf).max(),
             "ess": mean(w_T) ** 2 / mean(w_T**2),
             "mismatch_kl": mean(t.behav_T - t.old_T),
+            "mismatch_k3": mean(w_T - 1 - (t.old_T - t.behav_T)),
+            "mismatch_ratio_beyond_2": mean((t.old_T - t.behav_T).abs() > math.log(2)),
             "num_policy_tokens": count,
         }
         if kl_T is not None:

@@ -17,7 +17,9 @@ tokens sampled with the same weights the trainer's logprobs equal the engine's b
 
 A mixture-of-experts model trains its routers and experts like any other weight (the routing weights carry the
 gradient into the routers); its routers' load-balancing loss (`tandem.trainer.balance`) is computed at every step,
-reported as `load_balancing_loss`, and added to the loss with weight `TrainerConfig.load_balancing_coef`.
+reported as `load_balancing_loss`, and added to the loss with weight `TrainerConfig.load_balancing_coef`. When the
+episodes carry the rollout's routing, the step reports how often the routers disagree with it, and under
+`TrainerConfig.routing_replay` every forward routes as the rollout did (`tandem.trainer.replay`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from tandem.config import LossConfig, TrainerConfig
 from tandem.model.attention import PackedCausal
 from tandem.model.moe import Qwen3SparseMoeBlock
 from tandem.model.qwen3 import Qwen3ForCausalLM, attention_output_and_mlp
-from tandem.trainer import parallel
+from tandem.trainer import parallel, replay
 from tandem.trainer.advantages import ADVANTAGES
 from tandem.trainer.balance import load_balancing_loss
 from tandem.trainer.losses import LossInput, get_loss
@@ -49,6 +51,7 @@ from tandem.types import Episode, Group
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BALANCE = "load_balancing_loss"  # the step's metric (MoE models only)
+RAW_SUMS = {BALANCE, *replay.COUNTS}  # metrics summed over micro-batches as they are, not weighted by policy tokens
 # What a rank with fewer micro-batches than another runs instead (no policy token: no gradient, no metric).
 _PAD = Episode("pad", -1, tokens=[0, 0], loss_mask=[0, 0], behav_logprobs=[0.0, 0.0], versions=[-1, -1])
 
@@ -72,6 +75,8 @@ class Trainer:
 
     def __init__(self, model: Qwen3ForCausalLM, cfg: TrainerConfig, loss_cfg: LossConfig, temperature: float = 1.0):
         self.cfg, self.loss_cfg, self.temperature = cfg, loss_cfg, temperature
+        if cfg.routing_replay and not model.moe_blocks:
+            raise ValueError("trainer.routing_replay: needs a mixture-of-experts model (this one has no expert layers)")
         self.loss_fn = get_loss(cfg.loss)
         self.param_dtype = DTYPES[cfg.param_dtype]
         if cfg.fsdp and not dist.is_initialized():
@@ -131,6 +136,7 @@ class Trainer:
         total = sum(sum(e.loss_mask[1:]) for e in episodes)
         sums, extremes = self._accumulate_gradients(episodes, adv_GN.flatten().tolist(), total)
         balance = sums.pop(BALANCE, None)  # already the batch's: a sum of shares
+        routing = {key: sums.pop(key) for key in replay.COUNTS if key in sums}
         params = list(self.master.parameters())
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         if isinstance(grad_norm, DTensor):
@@ -145,6 +151,8 @@ class Trainer:
         out.update((k, v if math.isfinite(v) else 0.0) for k, v in extremes.items())
         if balance is not None:
             out[BALANCE] = balance
+        if routing:
+            out.update(replay.routing_metrics(routing))
         out.update(
             reward_mean=rewards_GN.mean().item(), reward_std=rewards_GN.std(unbiased=False).item(),
             adv_mean=adv_GN.mean().item(), adv_std=adv_GN.std(unbiased=False).item(),
@@ -160,10 +168,12 @@ class Trainer:
     def _accumulate_gradients(self, episodes: list[Episode], advantages: list[float],
                               total: int) -> tuple[dict[str, float], dict[str, float]]:
         """Forward and backward over this rank's share of the batch (`total` policy tokens in all), micro-batch by
-        micro-batch; returns the loss metrics over the whole batch: sums weighted by policy tokens (but `BALANCE`, the
-        sum of the micro-batches' shares of the batch's load-balancing loss), and extremes (-inf / inf where no token
-        counted)."""
+        micro-batch; returns the loss metrics over the whole batch: sums weighted by policy tokens (but `RAW_SUMS`:
+        the sum of the micro-batches' shares of the batch's load-balancing loss, and the routing's counts), and
+        extremes (-inf / inf where no token counted)."""
         all_tokens = sum(len(e.tokens) for e in episodes)  # of the batch, whatever this rank's share
+        # whether the batch carries routing decides every micro-batch's metrics (the same keys on every rank)
+        routed = bool(self.model.moe_blocks) and any(e.routed_experts is not None for e in episodes)
         if self.cfg.fsdp:
             share = parallel.split_episodes([len(e.tokens) for e in episodes], self.world)[self.rank]
             episodes, advantages = [episodes[i] for i in share], [advantages[i] for i in share]
@@ -176,10 +186,10 @@ class Trainer:
         extremes: dict[str, float] = {}
         for idx in micro:
             n, metrics = self._backward([episodes[i] for i in idx] or [_PAD], [advantages[i] for i in idx] or [0.0],
-                                        total, all_tokens)
+                                        total, all_tokens, routed)
             for key, value in metrics.items():
                 # a micro-batch without policy tokens reports zeros, which are no extremes
-                if key == BALANCE:
+                if key in RAW_SUMS:
                     sums[key] += value
                 elif key.endswith("_max"):
                     extremes[key] = max(extremes.get(key, -math.inf), value if n else -math.inf)
@@ -223,11 +233,12 @@ class Trainer:
         return torch.log_softmax(logits, dim=-1).gather(1, ids[rows + 1][:, None])[:, 0]
 
     def _backward(self, episodes: list[Episode], advantages: list[float], total: int,
-                  all_tokens: int | None = None) -> tuple[int, dict]:
+                  all_tokens: int | None = None, routed: bool = False) -> tuple[int, dict]:
         """Forward and backward over one micro-batch, its loss weighted by its share of the batch: of the batch's
         `total` policy tokens (the policy loss) and of its `all_tokens` tokens (the load-balancing loss, whose
-        share is the metric `BALANCE`; None: the micro-batch is the batch). Returns the micro-batch's policy tokens
-        and its loss metrics."""
+        share is the metric `BALANCE`; None: the micro-batch is the batch). `routed`: the batch carries the
+        rollout's routing (replayed under `routing_replay`, and its disagreement counted). Returns the micro-batch's
+        policy tokens and its loss metrics."""
         def flat(values):
             return torch.tensor([v for e in values for v in e], dtype=torch.float32, device=self.device)
 
@@ -236,44 +247,56 @@ class Trainer:
         select = mask.bool()
         if not n:
             select[0] = True  # one row at least (masked out): the loss stays connected to every weight
-        logprobs = self._token_logprobs(self.model, episodes, select)
-        balance = self._balance(episodes, all_tokens or sum(len(e.tokens) for e in episodes))
-        ref = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref = self._token_logprobs(self.ref_model, episodes, select)
-        inp = LossInput(
-            logprobs=logprobs, old_logprobs=logprobs.detach(), behav_logprobs=flat([e.behav_logprobs[1:]
-                                                                                   for e in episodes])[select],
-            advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)])[select],
-            loss_mask=mask[select], ref_logprobs=ref)
-        loss, metrics = self.loss_fn(inp, self.loss_cfg)
-        loss = loss * (n / max(total, 1))
-        coef = self.cfg.load_balancing_coef
-        if balance is not None:
-            metrics[BALANCE] = balance.item()
-            if coef > 0:
-                loss = loss + coef * balance
-        # under FSDP every rank runs every backward: its gradient reduction is collective
-        if n or self.cfg.fsdp or (balance is not None and coef > 0):
-            loss.backward()
+        rows = replay.packed_routing(episodes, self.model.config, self.device) if routed else None
+        replayed = rows if self.cfg.routing_replay else None
+        # (held through the backward: it recomputes checkpointed layers, which must route the same way)
+        with replay.replaying(self.model.moe_blocks, replayed):
+            logprobs = self._token_logprobs(self.model, episodes, select)
+            router_logits = self._take_router_logits()
+            balance = self._balance(router_logits, episodes, all_tokens or sum(len(e.tokens) for e in episodes))
+            counts = {} if rows is None else replay.disagreement(router_logits, self.model.moe_blocks, rows)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad(), replay.replaying(self.ref_model.moe_blocks, replayed):
+                    ref = self._token_logprobs(self.ref_model, episodes, select)
+            inp = LossInput(
+                logprobs=logprobs, old_logprobs=logprobs.detach(),
+                behav_logprobs=flat([e.behav_logprobs[1:] for e in episodes])[select],
+                advantages=flat([[a] * (len(e.tokens) - 1) for e, a in zip(episodes, advantages, strict=True)])[select],
+                loss_mask=mask[select], ref_logprobs=ref)
+            loss, metrics = self.loss_fn(inp, self.loss_cfg)
+            loss = loss * (n / max(total, 1))
+            coef = self.cfg.load_balancing_coef
+            if balance is not None:
+                metrics[BALANCE] = balance.item()
+                if coef > 0:
+                    loss = loss + coef * balance
+            if counts:
+                metrics.update(zip(counts, torch.stack(list(counts.values())).tolist(), strict=True))
+            # under FSDP every rank runs every backward: its gradient reduction is collective
+            if n or self.cfg.fsdp or (balance is not None and coef > 0):
+                loss.backward()
         return n, metrics
 
-    def _balance(self, episodes: list[Episode], all_tokens: int) -> torch.Tensor | None:
-        """The micro-batch's share of the batch's load-balancing loss: each episode's loss weighted by its share of
-        the batch's `all_tokens` tokens (a padding micro-batch's is 0). Reads the router logits the MoE blocks kept in
-        the forward just run (and drops them). None for a dense model."""
-        blocks = self.model.moe_blocks
-        if not blocks:
-            return None
-        logits = [block.router_logits for block in blocks]
-        for block in blocks:
+    def _take_router_logits(self) -> list[torch.Tensor]:
+        """The router logits [T, E] the MoE blocks kept in the forward just run, one per block (dropped from them)."""
+        logits = [block.router_logits for block in self.model.moe_blocks]
+        for block in self.model.moe_blocks:
             block.router_logits = None
+        return logits
+
+    def _balance(self, router_logits: list[torch.Tensor], episodes: list[Episode],
+                 all_tokens: int) -> torch.Tensor | None:
+        """The micro-batch's share of the batch's load-balancing loss over the forward's `router_logits`: each
+        episode's loss weighted by its share of the batch's `all_tokens` tokens (a padding micro-batch's is 0). None
+        for a dense model."""
+        if not router_logits:
+            return None
         lens = [len(e.tokens) for e in episodes]
         weights_S = torch.tensor([0.0 if e is _PAD else n / all_tokens for e, n in zip(episodes, lens, strict=True)],
                                  device=self.device)
         with torch.set_grad_enabled(self.cfg.load_balancing_coef > 0):  # (only reported: no graph to keep)
-            per_episode_S = load_balancing_loss(logits, self.model.config.num_experts_per_tok, lens)
+            per_episode_S = load_balancing_loss(router_logits, self.model.config.num_experts_per_tok, lens)
             return (per_episode_S * weights_S).sum()
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
