@@ -241,7 +241,7 @@ def _finish(pg_T, clipped_T, ratio_T, t: _Tokens, inp: LossInput, cfg: LossConfi
             "behav_weight_max": torch.where(mask_T, w_T, -math.inf).max(),
             "ess": mean(w_T) ** 2 / mean(w_T**2),
             "mismatch_kl": mean(t.behav_T - t.old_T),
-            "mismatch_k3": mean(w_T - 1 - (t.old_T - t.behav_T)),
+            "mismatch_k3": mean(torch.expm1(t.old_T - t.behav_T) - (t.old_T - t.behav_T)),  # (expm1: exact near 0)
             "mismatch_ratio_beyond_2": mean((t.old_T - t.behav_T).abs() > math.log(2)),
             "num_policy_tokens": count,
         }
