@@ -33,8 +33,9 @@ def assert_same(fused, reference, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64), (700, 16)], ids=str)  # 700 rows: programs loop over rows
-def test_rmsnorm_forward_and_backward(dtype, shape):
+@pytest.mark.parametrize("shape", [(5, 96), (3, 4, 64), (23, 16)], ids=str)  # 23 rows: programs loop over rows
+def test_rmsnorm_forward_and_backward(dtype, shape, monkeypatch):
+    monkeypatch.setattr(training, "MAX_PROGRAMS", 4)  # (few programs, each looping over rows, as over 512 rows)
     gen = torch.Generator().manual_seed(0)
     x = (torch.randn(shape, generator=gen) * 3).to(DEVICE, dtype)
     norm = RMSNorm(shape[-1], 1e-6).to(DEVICE, dtype)
