@@ -18,7 +18,11 @@ The protocol is tandem's own (SGLang pairs its servers through a bootstrap port 
   failed: the prefill server was unreachable, failed, timed out or sent KV that does not verify: the request ends
   with an abort naming the server and the cause, and the engine forgets it (nothing was written into its pool).
 A pause on the decode server holds imports that arrive during it (nothing is written until it continues); a pause in
-mode abort ends them, as it ends running requests.
+mode abort ends them, as it ends running requests; a pause in mode retract hands its running requests back (and an
+import whose KV is of other weights than it holds): `PrefillClient` then has the prefill server compute the prompt
+and the tokens so far again under the weights held now (`prompt_len` in `/pd/prefill`: sampling continues at the
+request's position), and the client sees one answer. Where both servers keep routed experts (routing replay) the
+KV carries them (`KVPages.routing`).
 
 The two transfers (`PrefillClient(transfer=...)`; by default reference where the pairing allows it, else bytes):
 - "bytes": the body is `KVPages.to_bytes()` (application/octet-stream). Nothing is held after the answer.
