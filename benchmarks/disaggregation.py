@@ -56,7 +56,7 @@ from collections import defaultdict
 
 import aiohttp
 import torch
-from engine_throughput import copy_bandwidth
+from engine_throughput import copy_bandwidth, parse_with_quick
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
@@ -288,13 +288,7 @@ def parse_args() -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout", type=float, default=600.0)
-    p.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
-    p.add_argument("--out", help="also write the results to this JSON file")
-    args = p.parse_args()
-    if args.quick:  # the quick sizes, unless given explicitly
-        p.set_defaults(**QUICK)
-        args = p.parse_args()
-    return args
+    return parse_with_quick(p, QUICK)
 
 
 def main() -> None:

@@ -28,6 +28,18 @@ from tandem.engine.engine import Engine
 from tandem.types import SamplingParams
 
 
+def parse_with_quick(parser, quick: dict):
+    """Parse the command line, adding `--quick` (and `--out FILE`): the sizes in `quick` as defaults, unless a
+    size is given explicitly."""
+    parser.add_argument("--quick", action="store_true", help=f"small sizes: {quick}")
+    parser.add_argument("--out", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    if args.quick:
+        parser.set_defaults(**quick)
+        args = parser.parse_args()
+    return args
+
+
 def seconds_per_call(fn, iters: int, device: torch.device | str = "cuda", warmup: int = 3) -> float:
     """Seconds one call of `fn` takes, after `warmup` calls: timed with CUDA events on a GPU, the host clock
     elsewhere."""

@@ -31,7 +31,14 @@ import sys
 import time
 
 import torch
-from engine_throughput import copy_bandwidth, decode_step, run_workload, seconds_per_call, workload
+from engine_throughput import (
+    copy_bandwidth,
+    decode_step,
+    parse_with_quick,
+    run_workload,
+    seconds_per_call,
+    workload,
+)
 
 from tandem.config import EngineConfig, resolve_model
 from tandem.distributed.parallel import cdiv
@@ -212,14 +219,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=192, help="decode sweep: tokens a row attends over")
     parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20, help="decode sweep: timed steps per batch size")
-    parser.add_argument("--quick", action="store_true", help=f"small sizes: {QUICK}")
     parser.add_argument("--decode-only", action="store_true", help="only the decode sweep (d) and profile (e)")
-    parser.add_argument("--out", help="also write the results to this JSON file")
-    args = parser.parse_args()
-    if args.quick:  # the quick sizes, unless given explicitly
-        parser.set_defaults(**QUICK)
-        args = parser.parse_args()
-    return args
+    return parse_with_quick(parser, QUICK)
 
 
 def measure(args: argparse.Namespace, results: dict) -> None:

@@ -370,10 +370,13 @@ def test_replay_asks_the_engine_for_its_routing_and_is_refused_where_it_cannot_w
         replay.packed_routing([e], MODEL, "cpu")
 
 
-def test_tandem_run_with_routing_replay_records_the_metrics(tmp_path):
+@pytest.mark.parametrize("placement", ["colocated", "separate"])
+def test_tandem_run_with_routing_replay_records_the_metrics(tmp_path, placement):
+    """In the engine's thread, and in a process of its own (the routing over HTTP, decoded by the client)."""
     from tandem.run.main import main
 
     records = main(None, [
+        f"placement={placement}",
         "model=tiny-moe", "steps=2", f"out_dir={tmp_path}", "trainer.routing_replay=true", "rollout.group_size=2",
         "rollout.batch_groups=2", "rollout.num_in_flight=4", "random_agent.prompt_len_max=24",
         "random_agent.response_len_median=6", "random_agent.response_len_max=16", "random_agent.max_context=96"])
