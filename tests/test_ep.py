@@ -23,7 +23,7 @@ MODEL = PRESETS["tiny-moe"]  # 6 experts, 2 per token, layer 0 dense
 POOL = EngineConfig(page_size=4, num_pages=40, max_prefill_tokens=32)
 
 
-def one_sided(logits, k, normalize):
+def one_sided(logits, k, normalize, recorded=None):
     """Routing that sends every token to experts 3..5 (rank 1's of two): the load-imbalance case."""
     weights, ids = moe_route(logits, k, normalize)
     return weights, ids % 3 + 3
@@ -35,7 +35,7 @@ class SkewedAfter:
     def __init__(self, calls: int):
         self.calls, self.count = calls, 0
 
-    def __call__(self, logits, k, normalize):
+    def __call__(self, logits, k, normalize, recorded=None):
         weights, ids = moe_route(logits, k, normalize)
         self.count += 1
         return weights, (ids + 1) % MODEL.num_experts if self.count > self.calls else ids

@@ -29,8 +29,8 @@ def reference_routing(model, tokens: list[int]) -> torch.Tensor:
     rows = torch.full((len(tokens), MODEL.num_hidden_layers, MODEL.num_experts_per_tok), -1, dtype=torch.int16)
     original = moe.route
 
-    def recording(logits, k, normalize):
-        weights, ids = original(logits, k, normalize)
+    def recording(logits, k, normalize, recorded=None):
+        weights, ids = original(logits, k, normalize, recorded)
         rows[:, layer.pop(0)] = ids.to(torch.int16).cpu()
         return weights, ids
     layer = [b.layer for b in model.moe_blocks]

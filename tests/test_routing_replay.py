@@ -61,7 +61,7 @@ def make_trainer(**cfg) -> Trainer:
     return Trainer(policy(), TrainerConfig(**dict(micro_batch_tokens=4096) | cfg), LossConfig())
 
 
-def biased_route(logits_TE, k, normalize):
+def biased_route(logits_TE, k, normalize, recorded_TK=None):
     """The rollout side's routing: experts from the biased probabilities, weighted as replay weights them."""
     probs_TE = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     ids_TK = torch.topk(probs_TE.log() + BIAS_E, k, dim=-1).indices
@@ -273,7 +273,7 @@ def test_replay_keeps_the_routers_gradient_and_the_weights_formula():
     router logits; rows of -1 are `route`'s, bit for bit."""
     logits_TE = torch.randn(5, 6, generator=torch.Generator().manual_seed(0)).requires_grad_()
     recorded_TK = torch.tensor([[4, 0], [-1, -1], [5, 3], [2, 1], [-1, -1]])
-    weights_TK, ids_TK = moe.replay_route(logits_TE, recorded_TK, 2, True)
+    weights_TK, ids_TK = moe.route(logits_TE, 2, True, recorded_TK)
     live_w, live_ids = moe.route(logits_TE, 2, True)
     for t in (1, 4):
         assert torch.equal(ids_TK[t], live_ids[t]) and torch.equal(weights_TK[t], live_w[t])

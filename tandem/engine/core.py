@@ -257,7 +257,7 @@ class EngineCore:
     def _probe(self, input_ids: list[int]) -> int:
         if self.cache is None:
             return 0
-        pages = self.cache.match(list(input_ids)).pages
+        pages = self.cache.match(input_ids).pages
         return next((i for i, page in enumerate(pages) if page is None), len(pages)) * self.pool.page_size
 
     def _import_request(self, cmd: commands.ImportRequest) -> None:
@@ -295,12 +295,13 @@ class EngineCore:
         other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
         versions that sampled them)."""
         n, P = len(req.tokens) - 1, self.pool.page_size
-        if req.weight_versions[-1] != self.weight_version and self.config.role == "decode":
+        stale = req.weight_versions[-1] != self.weight_version
+        if stale and self.config.role == "decode":
             self.scheduler.waiting.append(req)  # (a prefill server recomputes it under the weights held now)
             self._finish(req, FinishReason("abort", message=HANDED_BACK))
             return
         lead = self.cache.match(req.tokens[:n]).pages[:kv.start // P] if self.cache is not None else []
-        if req.weight_versions[-1] == self.weight_version and len(lead) == kv.start // P and None not in lead:
+        if not stale and len(lead) == kv.start // P and None not in lead:
             self.pool.incref(lead)
             fresh = self.scheduler.alloc(cdiv(n, P) - len(lead))
             if fresh is None:

@@ -22,25 +22,17 @@ from tandem.distributed import collectives
 from tandem.distributed.parallel import SINGLE, Layout, TPGroup
 
 
-def route(logits_TE: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits_TE: torch.Tensor, k: int, normalize: bool,
+          recorded_TK: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in the logits' dtype, expert ids [T, k]): the top-k of the fp32 softmax, renormalised to
-    sum to one if `normalize` (Hugging Face's `norm_topk_prob`)."""
+    sum to one if `normalize` (Hugging Face's `norm_topk_prob`). `recorded_TK` (rollout routing replay; int [T, k]):
+    its rows that hold no -1 impose their experts, weighted by the softmax gathered at them (so the router still
+    gets a gradient); the other rows route as without it, bit for bit."""
     probs = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
-    if normalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits_TE.dtype), ids
-
-
-def replay_route(logits_TE: torch.Tensor, recorded_TK: torch.Tensor, k: int,
-                 normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`route`, with the experts of the rows of `recorded_TK` (int, [T, k]) that hold no -1 imposed (rollout routing
-    replay): their weights are the fp32 softmax over all experts gathered at the recorded ids (renormalised if
-    `normalize`), so the router still gets a gradient. The other rows route as `route` does, bit for bit."""
-    probs = torch.softmax(logits_TE, dim=-1, dtype=torch.float32)
-    live = torch.topk(probs, k, dim=-1).indices
-    ids = torch.where((recorded_TK >= 0).all(-1, keepdim=True), recorded_TK.long(), live)
-    weights = probs.gather(-1, ids)
+    if recorded_TK is not None:
+        ids = torch.where((recorded_TK >= 0).all(-1, keepdim=True), recorded_TK.long(), ids)
+        weights = probs.gather(-1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits_TE.dtype), ids
@@ -108,10 +100,7 @@ class Qwen3SparseMoeBlock(nn.Module):
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TE = self.gate(x_TH)
-        if self.replay is None:
-            weights_TK, ids_TK = route(logits_TE, self.top_k, self.normalize)
-        else:
-            weights_TK, ids_TK = replay_route(logits_TE, self.replay, self.top_k, self.normalize)
+        weights_TK, ids_TK = route(logits_TE, self.top_k, self.normalize, self.replay)
         if self.keep_router_logits:
             self.router_logits = logits_TE
         if self.routing_checksum is not None:

@@ -2,7 +2,7 @@
 
 The engine records, for every token it computes, the experts each mixture-of-experts layer routed it to
 (`Episode.routed_experts`). Under replay the trainer's forward sends each token to those experts
-(`Qwen3SparseMoeBlock.replay`, `tandem.model.moe.replay_route`): the discrete choice, which the trainer's and the
+(`Qwen3SparseMoeBlock.replay`, `tandem.model.moe.route`): the discrete choice, which the trainer's and the
 engine's numerics would otherwise make apart (near-ties, other kernels, other batch shapes), is the rollout's, while
 the weights of the chosen experts stay the trainer's router's softmax, so the routers still learn. Tokens without a
 recorded row (-1: the engine never computed them) route live.
