@@ -26,6 +26,7 @@ from tandem.engine import commands
 from tandem.engine.core import EngineCore, EngineError
 from tandem.engine.request import validate_request
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.tokenizer import load_tokenizer
 from tandem.transport.weights import NamedWeights, as_mapping
 from tandem.types import EngineStats, GenerateOutput, SamplingParams
 
@@ -46,12 +47,15 @@ def make_watchdog(core: EngineCore) -> Watchdog:
 
 
 class Engine:
-    """`tp`: this rank's tensor-parallel group; the facade serves rank 0 (followers drive a bare `EngineCore`)."""
+    """`tp`: this rank's tensor-parallel group; the facade serves rank 0 (followers drive a bare `EngineCore`).
+    `tokenizer`: the one saved in directory `model` (`tandem.tokenizer.load_tokenizer`), else None (token ids
+    only); the engine itself never uses it, its callers' text fields do."""
 
     def __init__(self, model: str | ModelConfig | Qwen3ForCausalLM = "tiny", config: EngineConfig | None = None,
                  dtype: str | None = None, seed: int = 0, tp: TPGroup = SINGLE):
         assert tp.rank == 0, "ranks > 0 run tandem.run.tp.run_follower over an EngineCore"
         self.core = EngineCore(model, config, dtype=dtype, seed=seed, tp=tp)
+        self.tokenizer = load_tokenizer(model, self.model_config.vocab_size) if isinstance(model, str) else None
         self.watchdog = make_watchdog(self.core)
         self._inbox: queue.SimpleQueue[tuple[commands.Command, Future | None]] = queue.SimpleQueue()
         self._futures: dict[str, Future] = {}  # of the requests in the engine (touched by the engine thread)

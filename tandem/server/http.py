@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 
 from tandem.engine.engine import Engine, EngineError
 from tandem.model.loader import iter_safetensors
-from tandem.server import disagg
+from tandem.server import disagg, openai_api
 from tandem.server.bodies import (
     AbortBody,
     DiskUpdateBody,
@@ -164,6 +164,7 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
                 "weight_version": version}
 
     disagg.add_routes(app, engine, _unless_disconnected)
+    openai_api.add_routes(app, engine)
 
     @app.get("/health")
     async def health():
