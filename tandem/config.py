@@ -358,6 +358,9 @@ class TrainerConfig:
     fused_kernels: bool = False
     load_balancing_coef: NonNegativeFloat = 0.0
     routing_replay: bool = False
+    # every N steps (and at the end) the run writes its policy as a Hugging Face checkpoint to
+    # out_dir/exports/step_NNNNNN (`tandem.run.export`; 0: never, `tandem export` does it from the checkpoint)
+    export_every: NonNegativeInt = 0
 
     def __post_init__(self):
         check_fields(self)
@@ -389,6 +392,8 @@ class RunConfig:
     checkpoint_every: NonNegativeInt = 10  # steps between checkpoints (0: only at the end, on Ctrl-C and SIGTERM)
     resume: bool = False  # continue from out_dir's checkpoint (an error if there is none)
     tensorboard: bool = False  # also write scalars for TensorBoard to out_dir (needs the tensorboard package)
+    wandb: bool = False  # also log scalars to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
+    wandb_project: str = "tandem"
     compare_sync: bool = False  # afterwards, run synchronous RL (max_staleness 0) on the same seed and compare
     placement: Placement = "colocated"
     trainer_device: str | None = None
