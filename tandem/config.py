@@ -27,7 +27,7 @@ from tandem.config_checks import (
 # ---- the choices, each declared once (their tuples via get_args) ----------------------------------------------
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
-Placement = Literal["colocated", "separate", "disaggregated"]
+Placement = Literal["colocated", "separate", "disaggregated", "ray"]
 WeightTransport = Literal["auto", "group", "ipc"]
 BatchOrder = Literal["deadline", "admission"]
 Advantage = Literal["grpo", "rloo"]
@@ -319,6 +319,12 @@ class RolloutConfig:
     top_p: Annotated[float, Range(gt=0, le=1)] = 1.0
     pause_mode: PauseMode = "retract"
     batch_order: BatchOrder = "deadline"
+    # engine replicas (placement separate or ray): each an engine server of its own behind one router (an episode
+    # stays on one replica; a new one goes to the least loaded), all updated by one weight broadcast;
+    # `restart_engines`: a replica that dies is restarted, rejoins the weight group and gets traffic once it holds
+    # the current weights (without it the run goes on with the others, and fails when none is left)
+    num_engines: PositiveInt = 1
+    restart_engines: bool = False
 
     def __post_init__(self):
         check_fields(self)
@@ -373,7 +379,10 @@ class RunConfig:
     `task`: a registered task name or `package.module:factory` (checked by `tandem.rollout.registry`).
     Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory;
     "separate" runs the engine in a process of its own behind its HTTP server; "disaggregated" a prefill server and a
-    decode server, each in a process of its own, behind a router in the trainer's process (weights by ipc to both).
+    decode server, each in a process of its own, behind a router in the trainer's process (weights by ipc to both);
+    "ray" the trainer and `rollout.num_engines` engine replicas as Ray actors (`tandem.run.ray_placement`). With
+    several engines (`rollout.num_engines`, or `rollout.restart_engines`) "separate" and "ray" run replicas behind a
+    router in the trainer's process, all updated by one broadcast over a group (`tandem.run.replicas`).
     The separate engine's weights, by `weight_transport`:
     "group", broadcast over a torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of
     `weight_bucket_bytes`; "ipc", handed over by reference through the pipe to the engine's process (CUDA IPC, or
@@ -428,6 +437,17 @@ class RunConfig:
         if self.resolved_weight_transport == "ipc" and trainer.startswith("cuda") and not self._one_gpu:
             raise ValueError(f"run.weight_transport: ipc needs the trainer ({trainer}) and the engine ({engine}) on "
                              "the same device")
+        if (self.rollout.num_engines > 1 or self.rollout.restart_engines) and self.placement not in ("separate", "ray"):
+            raise ValueError(f"rollout.num_engines: replicas (and restart_engines) need placement separate or ray, got "
+                             f"{self.placement}")
+        if self.placement == "ray" and self.resolved_weight_transport != "group":
+            raise ValueError("run.weight_transport: placement ray broadcasts weights over a group (group or auto)")
+        if self.placement == "ray" and (trainer.startswith("cuda") != engine.startswith("cuda")):
+            raise ValueError(f"run.trainer_device: with placement ray the trainer ({trainer}) and the engines "
+                             f"({engine}) must both be on CUDA (NCCL) or both on the CPU (gloo)")
+        if self.replicas and self.resolved_weight_transport == "ipc":
+            raise ValueError("run.weight_transport: replicas take one broadcast over a group, not ipc: give each "
+                             "its own GPU (engine.device cuda:1 puts replica i on cuda:1+i)")
         if self.trainer.routing_replay:
             self._keep_routing_for_replay()
 
@@ -442,6 +462,12 @@ class RunConfig:
         self.engine = dataclasses.replace(self.engine, enable_return_routed_experts=True)
 
     @property
+    def replicas(self) -> bool:
+        """Whether the engines run as replicas behind a router (`tandem.run.replicas`)."""
+        return self.placement == "ray" or (self.placement == "separate" and (self.rollout.num_engines > 1
+                                                                             or self.rollout.restart_engines))
+
+    @property
     def _one_gpu(self) -> bool:
         """Trainer and engine on the same CUDA device."""
         trainer, engine = self.trainer_device or self.engine.device, self.engine.device
@@ -453,8 +479,8 @@ class RunConfig:
         disaggregated), else group."""
         if self.weight_transport != "auto":
             return self.weight_transport
-        if self.placement == "disaggregated":
-            return "ipc"
+        if self.placement in ("disaggregated", "ray"):
+            return "ipc" if self.placement == "disaggregated" else "group"  # (ray: every actor has its own device)
         return "ipc" if self._one_gpu else "group"
 
     @classmethod

@@ -37,7 +37,7 @@ def make_run(tmp_path, *overrides) -> Run:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["placement=apart"], "run.placement: must be colocated, separate or disaggregated"),
+    (["placement=apart"], "run.placement: must be colocated, separate, disaggregated or ray"),
     (["placement=separate", "trainer_device=cuda:0"], "must both be on CUDA (NCCL) or both on the CPU"),
     (["placement=separate", "trainer_device=cuda", "engine.device=cuda:0", "weight_transport=group"],
      "group needs two GPUs"),
