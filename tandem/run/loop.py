@@ -30,6 +30,7 @@ from tandem.engine.client import EngineUnreachable
 from tandem.model.loader import build_model
 from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
+from tandem.run.export import export_trainer
 from tandem.run.placement import place
 from tandem.trainer.trainer import Trainer
 from tandem.types import Group
@@ -146,6 +147,8 @@ class Run:
                     on_step(record)
                 if cfg.checkpoint_every and self.trainer.version % cfg.checkpoint_every == 0:
                     self._save_checkpoint()
+                if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every == 0:
+                    await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
         finally:
             if self._training is not None:
                 await self._settle_step(*self._training)
@@ -155,6 +158,8 @@ class Run:
             await self.manager.stop()
             await self.placement.disconnect()
             self._save_checkpoint()
+        if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every:  # (else written above)
+            export_trainer(cfg, self.trainer)
         return self.history
 
     async def _settle_step(self, step: asyncio.Future, batch: list[Group]) -> None:
