@@ -1,6 +1,7 @@
 """`tandem serve` (the engine behind SGLang's HTTP API), `tandem router` (one such endpoint in front of several
-servers), `tandem run` (the RL loop on the random agent) and `tandem analyze DUMP_DIR` (which rank hung where, from
-the flight recorders' files)."""
+servers), `tandem run` (the RL loop on the random agent), `tandem export RUN_DIR OUT_DIR` (a run's policy as a Hugging
+Face checkpoint), `tandem plot RUN_DIR` (charts of its metrics) and `tandem analyze DUMP_DIR` (which rank hung where,
+from the flight recorders' files)."""
 
 from __future__ import annotations
 
@@ -126,6 +127,26 @@ def _run(args) -> None:
         sys.exit(e.exit_code)
 
 
+def _export(args) -> None:
+    from tandem.run.export import CHECKPOINT, export_run, parse_size
+
+    exported = export_run(args.run_dir, args.out_dir, dtype=args.dtype, max_shard_bytes=parse_size(args.max_shard_size))
+    print(f"exported {os.path.join(args.run_dir, CHECKPOINT)} (step {exported.version}) in {exported.dtype} to "
+          f"{exported.out_dir}: {', '.join(exported.files)}")
+    if exported.no_tokenizer:
+        print(f"no tokenizer: {exported.no_tokenizer}")
+
+
+def _plot(args) -> None:
+    from tandem.plot import plot_run
+
+    report = plot_run(args.run_dir, args.out)
+    for path in report.written:
+        print(f"wrote {path}")
+    for line in report.skipped:
+        print(f"skipped {line}")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["analyze"]:  # the analyzer parses its own arguments
@@ -186,6 +207,20 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--config", default=None, help="a TOML run config; the embedded default if absent")
     run.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.max_staleness=2")
     run.set_defaults(fn=_run)
+
+    export = sub.add_parser("export", help="write a run's policy (its newest checkpoint) as a Hugging Face "
+                            "checkpoint: safetensors, config.json, generation_config.json and the tokenizer")
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a tandem run's out_dir (holding checkpoint.pt)")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="where to write it (must not exist, or be empty)")
+    export.add_argument("--dtype", default=None, choices=get_args(Dtype),
+                        help="the weights' dtype (default: the one the run trained in, trainer.param_dtype)")
+    export.add_argument("--max-shard-size", default="5GB", help="larger checkpoints are sharded, with an index")
+    export.set_defaults(fn=_export)
+
+    plot = sub.add_parser("plot", help="PNG charts of a run's metrics.jsonl (needs matplotlib: tandem-rl[plot])")
+    plot.add_argument("run_dir", metavar="RUN_DIR", help="a tandem run's out_dir (holding metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="where to write the PNGs (default: RUN_DIR/plots)")
+    plot.set_defaults(fn=_plot)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

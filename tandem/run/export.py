@@ -43,7 +43,7 @@ _STACKED = re.compile(r"(.+\.mlp\.experts)\.(gate_up_proj|down_proj)")
 @dataclasses.dataclass(frozen=True, slots=True)
 class Exported:
     """What an export wrote: `files` (names in `out_dir`), the weight `version` (trainer steps) and the `dtype`;
-    `tokenizer`: None, or why there is none."""
+    `no_tokenizer`: None, or why no tokenizer came along."""
 
     out_dir: Path
     version: int
