@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -28,7 +29,7 @@ from tandem.engine.request import validate_request
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.tokenizer import load_tokenizer
 from tandem.transport.weights import NamedWeights, as_mapping
-from tandem.types import EngineStats, GenerateOutput, SamplingParams
+from tandem.types import EngineStats, GenerateOutput, SamplingParams, TokenDelta
 
 __all__ = ["Engine", "EngineError", "make_watchdog"]
 
@@ -59,6 +60,7 @@ class Engine:
         self.watchdog = make_watchdog(self.core)
         self._inbox: queue.SimpleQueue[tuple[commands.Command, Future | None]] = queue.SimpleQueue()
         self._futures: dict[str, Future] = {}  # of the requests in the engine (touched by the engine thread)
+        self._watches: dict[str, list] = {}  # rid -> [callback, output tokens sent] (see `watch`)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="tandem-engine", daemon=True)
         self.watchdog.start()  # once built: loading a model is no stall
@@ -123,6 +125,16 @@ class Engine:
         """Raise ValueError naming what is wrong with a request; submits nothing."""
         validate_request(input_ids, sampling, rid, self.model_config.vocab_size, self.max_context_len,
                          self.pool.num_pages * self.pool.page_size)
+
+    def watch(self, rid: str, callback: Callable[[TokenDelta], None]) -> None:
+        """Have `callback` receive request `rid`'s output tokens as steps sample them, in order (`TokenDelta`s; the
+        tokens of the step that ends the request come only with its output). It runs on the engine's thread: it
+        must be quick and thread-safe (`loop.call_soon_threadsafe`), and what it raises is logged and ignored.
+        Call before submitting the request, and `unwatch` once its output has arrived."""
+        self._watches[rid] = [callback, 0]
+
+    def unwatch(self, rid: str) -> None:
+        self._watches.pop(rid, None)
 
     def abort(self, rid: str) -> None:
         """Abort a request if it is still running or queued (it returns with finish reason abort)."""
@@ -226,9 +238,21 @@ class Engine:
                 self._futures[command.rid] = fut
             elif fut is not None:
                 fut.set_result(result)
+        if self._watches:
+            self._notify()
         for out in self.core.take_finished():
             if (done := self._futures.pop(out.rid, None)) is not None and not done.done():
                 done.set_result(out)
+
+    def _notify(self) -> None:
+        """Send each watched request's newly sampled tokens to its callback."""
+        for rid, watch in list(self._watches.items()):
+            if (delta := self.core.progress(rid, watch[1])) is not None:
+                watch[1] = delta.start + len(delta.output_ids)
+                try:
+                    watch[0](delta)
+                except Exception:
+                    log.exception("engine: the watch callback of request %s failed", rid)
 
     def _idle_wait(self) -> tuple[commands.Command, Future | None]:
         """Nothing to run: wait for a command, and tell the watchdogs (ours and the followers') it is no hang."""
