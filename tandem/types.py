@@ -15,7 +15,13 @@ class SamplingParams:
     the scaled logits overflow). `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes sampling
     reproducible: the same seed, prompt and weights give the same tokens whatever else is batched alongside (the
     noise is a function of seed and position only). Every integer is bounded so that it fits the engine's
-    tensors; token ids are checked against the vocabulary when a request is submitted."""
+    tensors; token ids are checked against the vocabulary when a request is submitted.
+
+    `min_new_tokens`: EOS and `stop_token_ids` cannot be sampled before that many tokens. `top_logprobs_num`: each
+    output token also returns that many most likely tokens and their logprobs (SGLang's top-level /generate
+    field; the server puts it here). The engine itself ignores the rest, which the HTTP server's text layer
+    (`tandem.server.text`) and fan-out apply: `stop` strings (a tokenizer decodes the output), `skip_special_tokens`,
+    `spaces_between_special_tokens` and `no_stop_trim` for the returned text, `n` samples of one prompt."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -25,6 +31,13 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    min_new_tokens: int = 0
+    top_logprobs_num: int = 0
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
 
     def __post_init__(self):
         def bad(name, why):
@@ -41,8 +54,19 @@ class SamplingParams:
             bad("top_k", "must be an integer in [-2**31, 2**31) (<= 0 disables it)")
         if not _is_number(self.min_p) or not 0 <= self.min_p < 1:
             bad("min_p", "must be in [0, 1)")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a boolean")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens < INT32:
+            bad("min_new_tokens", "must be an integer in [0, 2**31)")
+        if not _is_int(self.top_logprobs_num) or not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            bad("top_logprobs_num", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, tuple | list) or not all(isinstance(s, str) and s for s in stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        object.__setattr__(self, "stop", tuple(stop))
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             bad("seed", "must be an integer in [0, 2**63)")
         ids = self.stop_token_ids
@@ -52,17 +76,31 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
-        """From SGLang's `sampling_params` JSON object. Unknown keys are an error (a typo must not be
-        silently ignored); `null` values mean the default."""
+        """From SGLang's `sampling_params` JSON object (every field SGLang documents is known; `sampling_seed` is
+        SGLang's name for `seed`). Unknown keys are an error (a typo must not be silently ignored); `null` values
+        mean the default. Fields of features tandem lacks (penalties, constrained decoding, logit bias) are refused
+        naming the field unless they hold their default; `custom_params` and `stream_interval` are accepted and
+        ignored (no custom logit processors; streams send every step's tokens)."""
         if d is None:
             d = {}
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params: must be an object, got {type(d).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} | set(_SGLANG_ONLY) | {"sampling_seed"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**{k: v for k, v in d.items() if v is not None})
+        given = {k: v for k, v in d.items() if v is not None and k not in _SGLANG_ONLY}
+        for name, (check, why) in _SGLANG_ONLY.items():
+            if d.get(name) is not None and not check(d[name]):
+                raise ValueError(f"sampling_params.{name}: {why}, got {d[name]!r}")
+        if given.get("sampling_seed") is not None:
+            if given.get("seed", given["sampling_seed"]) != given["sampling_seed"]:
+                raise ValueError("sampling_params.sampling_seed: SGLang's name for seed; send one of them, got "
+                                 f"both ({d['sampling_seed']!r} and {d['seed']!r})")
+            given["seed"] = given.pop("sampling_seed")
+        if isinstance(given.get("stop_token_ids"), list):  # SGLang drops null entries
+            given["stop_token_ids"] = [t for t in given["stop_token_ids"] if t is not None]
+        return cls(**given)
 
     @property
     def greedy(self) -> bool:
@@ -71,6 +109,29 @@ class SamplingParams:
 
 INT32 = 2**31
 MIN_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 64
+MAX_N = 64
+
+_PENALTY = "tandem implements no penalties"
+_CONSTRAINED = "tandem has no constrained decoding; send null"
+# SGLang's sampling fields for features tandem lacks: each with the check its value must pass (null always does) and
+# the rule a 400 quotes. `custom_params` (for custom logit processors, which tandem has none of) and
+# `stream_interval` (streams send every step's tokens) are accepted and ignored.
+_SGLANG_ONLY = {
+    "frequency_penalty": (lambda v: _is_number(v) and v == 0, f"{_PENALTY}; send 0 (the default) or null"),
+    "presence_penalty": (lambda v: _is_number(v) and v == 0, f"{_PENALTY}; send 0 (the default) or null"),
+    "repetition_penalty": (lambda v: _is_number(v) and v == 1, f"{_PENALTY}; send 1 (the default) or null"),
+    "json_schema": (lambda v: False, _CONSTRAINED),
+    "regex": (lambda v: False, _CONSTRAINED),
+    "ebnf": (lambda v: False, _CONSTRAINED),
+    "structural_tag": (lambda v: False, _CONSTRAINED),
+    "stop_regex": (lambda v: v in ("", []), "stop regexes are not supported (send stop strings); send null"),
+    "logit_bias": (lambda v: v == {}, "logit bias is not supported; send null"),
+    "custom_params": (lambda v: isinstance(v, dict), "must be an object (tandem ignores it: no custom logit "
+                      "processors)"),
+    "stream_interval": (lambda v: _is_int(v) and v >= 1, "must be a positive integer (tandem ignores it: streams "
+                        "send every step's tokens)"),
+}
 
 
 def _is_int(x) -> bool:
@@ -92,7 +153,7 @@ HANDED_BACK = "handed back to be prefilled again"
 class FinishReason:
     type: Literal["length", "stop", "abort"]
     length: int | None = None  # for "length": the number of tokens generated
-    matched: int | None = None  # for "stop": the stop/EOS token id that ended the request
+    matched: int | str | None = None  # for "stop": the stop/EOS token id, or the stop string, that ended it
     message: str | None = None  # for "abort": why
 
     def to_dict(self) -> dict:
@@ -117,7 +178,7 @@ class GenerateOutput:
     output_ids: list[int]
     output_logprobs: list[float]
     weight_versions: list[int]
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None  # None: still running (a streamed request's progress)
     prompt_tokens: int
     # when the request was first admitted: prompt tokens served from the prefix cache, and how many of them were
     # loaded back from the host tier (the rest came from the device)
@@ -131,29 +192,56 @@ class GenerateOutput:
     # [len(prompt) + len(output) - 1, num_hidden_layers, num_experts_per_tok] (-1 in dense layers); the server
     # sends it as SGLang does (`meta_info.routed_experts`)
     routed_experts: object = None
+    # when asked for (`SamplingParams.top_logprobs_num`): for each output token, the most likely tokens of the
+    # distribution it was sampled from, as (logprob, token id) pairs, most likely first
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
+    text: str = ""  # the output decoded (the server's text layer fills it in when it has a tokenizer)
 
     @property
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
-    def meta_info(self, return_logprob: bool = False) -> dict:
-        """SGLang's `meta_info` object."""
+    def meta_info(self, return_logprob: bool = False, token_texts: list[str] | None = None,
+                  top_texts: list[list[str]] | None = None) -> dict:
+        """SGLang's `meta_info` object; with `return_logprob`, `output_token_logprobs` as [logprob, token id, text]
+        triples (the texts from `token_texts`, else null) and, when kept, `output_top_logprobs` (one list of such
+        triples per output token; texts from `top_texts`)."""
         meta = {
             "id": self.rid,
-            "finish_reason": self.finish_reason.to_dict(),
+            "finish_reason": self.finish_reason.to_dict() if self.finish_reason is not None else None,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "cached_tokens": self.cached_tokens,
             "cached_tokens_details": {"device": self.cached_tokens - self.host_cached_tokens,
                                       "host": self.host_cached_tokens},
             "prefill_tokens": self.prefill_tokens,
+            "num_retractions": self.num_retractions,
             "weight_version": self.weight_version,
             "output_token_weight_versions": self.weight_versions,
         }
         if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(self.output_logprobs,
-                                                                           self.output_ids, strict=True)]
+            texts = token_texts or [None] * len(self.output_ids)
+            meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(self.output_logprobs, self.output_ids,
+                                                                             texts, strict=True)]
+            meta["output_token_logprobs_length"] = len(self.output_ids)
+            if self.output_top_logprobs is not None:
+                tops = top_texts or [[None] * len(top) for top in self.output_top_logprobs]
+                meta["output_top_logprobs"] = [[[lp, t, s] for (lp, t), s in zip(top, ts, strict=True)]
+                                               for top, ts in zip(self.output_top_logprobs, tops, strict=True)]
         return meta
+
+
+@dataclass(slots=True)
+class TokenDelta:
+    """Output tokens a running request sampled since an earlier delta (`Engine.watch`): `start` is the index of the
+    first of them among the request's output tokens; the lists are parallel (`output_top_logprobs` when kept)."""
+
+    rid: str
+    start: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    weight_versions: list[int]
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 @dataclass(slots=True)

@@ -152,10 +152,15 @@ BAD_GENERATE = [
     ({"input_ids": [1], "rid": 5}, "rid: must be a non-empty string"),
     ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid: 'a' appears more than once"),
     ({"input_ids": [[1], [2]], "rid": "a"}, "rid: a batch of 2 requests needs a list"),
-    ({"input_ids": [1], "stream": True}, "stream: streaming is not supported yet"),
+    ({"input_ids": [1], "stream": "yes"}, "stream: must be a valid boolean"),
     ({"input_ids": [1], "logprob_start_len": 0}, "logprob_start_len"),
     ({"input_ids": [1], "return_text_in_logprobs": 1}, "return_text_in_logprobs: must be a valid boolean, got 1"),
-    ({"text": "hello"}, "text: tandem is token-in token-out"),
+    ({"text": "hello"}, "text: this model directory has no tokenizer"),
+    ({"input_ids": [1], "sampling_params": {"stop": "x"}}, "sampling_params.stop: stop strings need a tokenizer"),
+    ({"input_ids": [1], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty: tandem"),
+    ({"input_ids": [1], "sampling_params": {"n": 5}}, "max_batch_requests"),
+    ({"input_ids": [1], "image_data": "x.png"}, "image_data: tandem has no multimodal input"),
+    ({"input_ids": [1], "return_logprobs": True}, "return_logprobs: unknown field"),
     ({"input_ids": [1], "temperature": 0}, "temperature: unknown field"),
 ]
 

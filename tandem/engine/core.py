@@ -57,7 +57,7 @@ from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Chunk, Scheduler
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
-from tandem.types import HANDED_BACK, PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput
+from tandem.types import HANDED_BACK, PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +141,17 @@ class EngineCore:
         """The outputs of the requests that ended since the last call (finished, stopped or aborted)."""
         finished, self._finished = self._finished, []
         return finished
+
+    def progress(self, rid: str, start: int) -> TokenDelta | None:
+        """The output tokens of request `rid` sampled so far from index `start` on (those of steps applied), or None
+        when there are none beyond `start` or the request is not in the engine (finished: its output has them)."""
+        req = self._requests.get(rid)
+        if req is None or len(req.output_logprobs) <= start:
+            return None
+        end = len(req.output_logprobs)
+        top = req.output_top_logprobs[start:end] if req.output_top_logprobs is not None else None
+        return TokenDelta(rid, start, req.tokens[req.prompt_len + start:req.prompt_len + end],
+                          req.output_logprobs[start:end], req.weight_versions[start:end], top)
 
     # ---- commands ------------------------------------------------------------------------------------------
     def apply(self, command: commands.Command) -> Any:

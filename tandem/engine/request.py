@@ -39,6 +39,8 @@ class Request:
     pending_row: int = -1  # while its last token is PENDING: that token's index among the in-flight step's samples
     export_kv_from: int | None = None  # a prefill server's request: export its prompt's KV from here on
     return_routed_experts: bool = False
+    # with `sampling.top_logprobs_num`: per output token, its distribution's most likely (logprob, token id) pairs
+    output_top_logprobs: list[list[tuple[float, int]]] | None = None
     finish_reason: FinishReason | None = None
     _page_array: array.array | None = field(default=None, repr=False)
 
@@ -69,7 +71,8 @@ class Request:
             weight_versions=list(self.weight_versions), finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len, cached_tokens=self.cached_tokens, prefill_tokens=self.prefill_tokens,
             host_cached_tokens=self.host_cached_tokens,
-            num_retractions=self.num_retractions, weight_version=weight_version)
+            num_retractions=self.num_retractions, weight_version=weight_version,
+            output_top_logprobs=list(self.output_top_logprobs) if self.output_top_logprobs is not None else None)
 
 
 def validate_request(input_ids, sampling: SamplingParams, rid: str, vocab: int, max_context_len: int,

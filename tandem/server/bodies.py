@@ -52,24 +52,70 @@ class _Body(BaseModel):
         return "; ".join(found.values())
 
 
-class GenerateBody(_Body):
-    """SGLang's `/generate`, token ids in and out; `input_ids` a list of lists is a batch. The prompts, rids and
-    sampling params themselves are checked by `Engine.validate` and `SamplingParams.from_dict`, as for callers in
-    process."""
+_NONE = "tandem has no {what}; send null"
 
-    text: None = Field(None, description="tandem is token-in token-out; send input_ids instead")
-    input_ids: list = Field(description="must be a non-empty list of token ids, or a batch: a list of such lists")
+
+class GenerateBody(_Body):
+    """SGLang's `/generate` (`GenerateReqInput`): the prompt as `input_ids`, or as `text` when the model directory
+    has a tokenizer; a list of prompts is a batch. Every field SGLang documents that RL clients send is known; null
+    means the default, as in SGLang. Fields of features tandem lacks (images, LoRA, hidden states...) are accepted
+    only null or false. The prompts, rids and sampling params themselves are checked by `Engine.validate` and
+    `SamplingParams.from_dict`, as for callers in process."""
+
+    text: str | list[str] | None = Field(
+        None, description="must be a string, or a batch: a list of strings (a model directory's tokenizer encodes "
+        "them)")
+    input_ids: list | None = Field(
+        None, description="must be a non-empty list of token ids, or a batch: a list of such lists")
     sampling_params: dict | list[dict] | None = Field(
         None, description="must be an object (a batch: one, or a list of one per request)")
     rid: str | list[str] | None = Field(
         None, description="must be a non-empty string (a batch: a list of one per request)")
-    return_logprob: bool | None = None
-    return_text_in_logprobs: bool | None = None  # accepted; the texts are always null (no tokenizer)
-    stream: Literal[False] | None = Field(None, description="streaming is not supported yet; send stream: false")
+    return_logprob: bool | list[bool] | None = Field(
+        None, description="must be true or false (a batch: one, or a list of one per request)")
+    return_text_in_logprobs: bool | None = None  # the logprobs' texts: each token decoded (null without a tokenizer)
+    top_logprobs_num: int | None = Field(
+        None, ge=0, description="must be a non-negative integer: the most likely tokens returned per output token")
+    stream: bool | None = None  # server-sent events, SGLang's chunks (see `tandem.server.http`)
     logprob_start_len: Literal[-1] | None = Field(
         None, description="only -1 (logprobs of the output tokens) is supported")
     return_routed_experts: bool | list[bool] | None = Field(
         None, description="must be true or false (a batch: one, or a list of one per request)")
+    routed_experts_start_len: Literal[0] | None = Field(
+        None, description="only 0 (the routing of every token) is supported")
+    # accepted and ignored: tandem's prefix cache holds one namespace (KV of the same tokens and weights is the
+    # same), and it has no priorities or metrics per request
+    extra_key: str | list[str] | None = None
+    cache_salt: str | list[str] | None = None
+    priority: int | None = None
+    log_metrics: bool | None = None
+    session_id: str | None = None
+    conversation_id: str | None = None
+    routing_key: str | None = None
+    custom_labels: dict | None = None
+    # SGLang's features tandem lacks: only null or false
+    return_indexer_topk: Literal[False] | None = Field(
+        None, description="the model has no sparse-attention indexer; send false or null")
+    return_sampling_mask: Literal[False] | None = Field(
+        None, description="sampling masks are not returned; send false or null")
+    return_hidden_states: Literal[False] | None = Field(
+        None, description="hidden states are not returned; send false or null")
+    return_entropy: Literal[False] | None = Field(None, description="entropy is not returned; send false or null")
+    token_ids_logprob: None = Field(None, description="logprobs of chosen token ids are not supported; send null")
+    input_embeds: None = Field(None, description="embeddings as input are not supported; send input_ids")
+    image_data: None = Field(None, description=_NONE.format(what="multimodal input"))
+    video_data: None = Field(None, description=_NONE.format(what="multimodal input"))
+    audio_data: None = Field(None, description=_NONE.format(what="multimodal input"))
+    modalities: None = Field(None, description=_NONE.format(what="multimodal input"))
+    lora_path: None = Field(None, description=_NONE.format(what="LoRA adapters"))
+    lora_id: None = Field(None, description=_NONE.format(what="LoRA adapters"))
+    custom_logit_processor: None = Field(None, description=_NONE.format(what="custom logit processors"))
+    session_params: None = Field(None, description=_NONE.format(what="SGLang sessions"))
+    bootstrap_host: None = Field(None, description="tandem's decode servers take bootstrap (a router adds it)")
+    bootstrap_port: None = Field(None, description="tandem's decode servers take bootstrap (a router adds it)")
+    bootstrap_room: None = Field(None, description="tandem's decode servers take bootstrap (a router adds it)")
+    data_parallel_rank: None = Field(None, description=_NONE.format(what="data-parallel ranks"))
+    routed_dp_rank: None = Field(None, description=_NONE.format(what="data-parallel ranks"))
     bootstrap: Bootstrap | None = Field(
         None, description="on a decode server: an object naming the prefill server, {\"prefill_url\": URL}")
 
