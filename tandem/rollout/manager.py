@@ -18,7 +18,10 @@ Accounting: every group admitted is, at any time, in flight, completed and buffe
 (once: a batch is popped from the buffer), or dropped with its reason counted in `dropped`. Completed
 groups beyond the current batch stay buffered for the next ones. A group whose episode failed because the engine
 could not be reached (`EngineUnreachable`: its process died or hangs) is not the group's fault: it is run again
-(from a checkpoint, if the run stops), and dropped only after `ENGINE_RETRIES` such failures.
+(from a checkpoint, if the run stops), and dropped only after `ENGINE_RETRIES` such failures. With engine replicas
+the re-run goes to another replica (`retry_delay_s` 0: at once); `rerun_groups` counts them. A group with a token
+sampled under weights older than its episode's start version (only a replica that got traffic before it held the
+current weights could sample one) is dropped with that reason: it would break the staleness bound.
 """
 
 from __future__ import annotations
@@ -80,8 +83,10 @@ class RolloutManager:
     mixture-of-experts model (routing replay and its metrics); the engine must keep them."""
 
     def __init__(self, client: GenerateClient, make_env: EnvFactory, cfg: RolloutConfig, max_context: int,
-                 seed: int, version: Callable[[], int], routing: bool = False):
+                 seed: int, version: Callable[[], int], routing: bool = False, retry_delay_s: float = RETRY_DELAY_S):
         self.client, self.make_env, self.cfg, self.routing = client, make_env, cfg, routing
+        self.retry_delay_s = retry_delay_s
+        self.rerun_groups = 0  # groups run again because the engine (a replica) could not be reached
         self.max_context, self.seed, self.version = max_context, seed, version
         self.next_index = 0  # number of the next group to admit
         self.batches_taken = 0  # batches handed to the trainer
@@ -162,6 +167,12 @@ class RolloutManager:
         elif exc is not None:
             log.warning("episode of group %d failed: %r", group.index, exc)
             group.failure = group.failure or f"{type(exc).__name__}: {exc}"
+        elif (oldest := min((v for v in task.result().versions if v >= 0), default=group.start_version)) < \
+                group.start_version:
+            log.error("group %d: a token of weights version %d, older than its start version %d", group.index,
+                      oldest, group.start_version)
+            group.failure = group.failure or ("a token sampled under weights older than the episode's start version "
+                                              "(an engine behind the current weights got traffic)")
         group.remaining -= 1
         if group.remaining == 0:
             del self.in_flight[group.index]
@@ -186,8 +197,9 @@ class RolloutManager:
             self._dropped_pending[index] = self.version()
             return
         log.warning("group %d: the engine could not be reached; it runs again", index)
+        self.rerun_groups += 1
         self._retrying.add(index)
-        delay = RETRY_DELAY_S * 2 ** (self._engine_failures[index] - 1)
+        delay = self.retry_delay_s * 2 ** (self._engine_failures[index] - 1)
         self._timers.append(asyncio.get_running_loop().call_later(delay, self._retry_now, index))
 
     def _retry_now(self, index: int) -> None:
@@ -264,4 +276,4 @@ class RolloutManager:
         self._count(0)
         return {"in_flight_episodes": self.num_in_flight_episodes, "episode_seconds": self._episode_seconds,
                 "buffered_groups": len(self.buffer), "admitted_groups": self.next_index,
-                "dropped_groups": sum(self.dropped.values())}
+                "dropped_groups": sum(self.dropped.values()), "rerun_groups": self.rerun_groups}

@@ -135,6 +135,10 @@ class EngineProcess:
             self.check()
             raise EngineUnreachable(f"{self}: the pipe to it broke off: {e}") from e
 
+    def kill(self) -> None:
+        """Stop it now (it failed, or froze): no grace period."""
+        self.stop(grace_s=0)
+
     def stop(self, grace_s: float = 30.0) -> None:
         """Ask the engine to stop (it finishes its server and its loop); kill it after `grace_s`. Idempotent.
         A weight sync still under way (its thread outlived a cancelled run) gets the grace period to finish first:

@@ -16,6 +16,7 @@ through the same async API wherever it runs (see `tandem.run.placement`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import random
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
+REPLICA_RETRY_DELAY_S = 0.5  # before a group cut short by a lost replica runs again (doubled each time)
 
 
 class Run:
@@ -64,13 +66,22 @@ class Run:
             raise
         max_context = min(cfg.random_agent.max_context, self.engine.max_context_len)
         # the episodes keep their routing whenever the engine does (always under trainer.routing_replay)
+        # with replicas, a group an unreachable replica cut short runs again on another one at once
         self.manager = RolloutManager(self.engine, env_factory, cfg.rollout, max_context, cfg.seed,
                                       version=lambda: self.engine.weight_version,
-                                      routing=cfg.engine.enable_return_routed_experts)
+                                      routing=cfg.engine.enable_return_routed_experts,
+                                      **({"retry_delay_s": REPLICA_RETRY_DELAY_S} if cfg.replicas else {}))
         self.out_dir = Path(cfg.out_dir)
         self.history: list[dict] = []
         self._training: tuple[asyncio.Future, list[Group]] | None = None  # a trainer step in its thread, its batch
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
+        self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
+
+    @contextlib.asynccontextmanager
+    async def _current_weights(self):
+        """The trainer's weights and version, unchanged while held (a replica rejoining gets them)."""
+        async with self._weights_lock:
+            yield self.trainer.named_weights(), self.trainer.version
 
     async def train(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
         """Run until `cfg.steps` optimizer steps are done. Saves a checkpoint at the end and when cancelled
@@ -90,7 +101,8 @@ class Run:
         start = time.perf_counter()
         idle0 = (await self.engine.get_stats()).idle_seconds
         runner = asyncio.create_task(self.manager.run())
-        monitor = asyncio.create_task(self.placement.monitor())
+        self._weights_lock = asyncio.Lock()
+        monitor = asyncio.create_task(self.placement.monitor(self._current_weights))
         waited = trained = 0.0
         try:
             while self.trainer.version < cfg.steps:
@@ -104,9 +116,10 @@ class Run:
                     self.on_batch(self.trainer.version, batch)
                 t1 = time.perf_counter()
                 # the step's thread runs on if the run is stopped meanwhile: `_settle_step` waits for it
-                self._training = asyncio.get_running_loop().run_in_executor(None, self.trainer.step, batch), batch
-                metrics = await asyncio.shield(self._training[0])
-                self._training = None
+                async with self._weights_lock:
+                    self._training = asyncio.get_running_loop().run_in_executor(None, self.trainer.step, batch), batch
+                    metrics = await asyncio.shield(self._training[0])
+                    self._training = None
                 metrics["group_ids"] = [g.index for g in batch]  # what this step trained (a soak checks it)
                 t2 = time.perf_counter()
                 try:
@@ -126,7 +139,8 @@ class Run:
                     wait_s=t1 - t0, train_s=t2 - t1, transfer_s=sync.transfer_s, transfer_wait_s=sync.wait_s,
                     pause_s=sync.pause_s,
                     sync_s=sync.sync_s, sync_bytes=sync.num_bytes, sync_gb_per_s=sync.gb_per_s,
-                    trainer_idle_frac=waited / wall, engine_idle_frac=(stats.idle_seconds - idle0) / wall,
+                    trainer_idle_frac=waited / wall,
+                    engine_idle_frac=(stats.idle_seconds - idle0) / wall / self.placement.num_engines,
                     trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
                                           + metrics["tokens_trained"]) / wall,
                     generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
@@ -141,6 +155,7 @@ class Run:
                     cache_hit_rate=stats.cache_hit_rate,
                     cache_reuse_vs_ideal=stats.reuse_vs_ideal if stats.ideal_measured else None,
                     dropped=dict(self.manager.dropped),
+                    **self.placement.view(),
                 )
                 self._append_record(record)
                 if on_step:
@@ -150,11 +165,11 @@ class Run:
                 if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every == 0:
                     await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
         finally:
+            runner.cancel()
+            monitor.cancel()  # (first: nothing may read the weights while a step's thread still runs)
+            await asyncio.gather(runner, monitor, return_exceptions=True)
             if self._training is not None:
                 await self._settle_step(*self._training)
-            runner.cancel()
-            monitor.cancel()
-            await asyncio.gather(runner, monitor, return_exceptions=True)
             await self.manager.stop()
             await self.placement.disconnect()
             self._save_checkpoint()

@@ -26,7 +26,8 @@ import dataclasses
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -43,6 +44,8 @@ from tandem.transport.sync import SyncReply, receive_and_load
 from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+# the trainer's weights and their version, unchanged while the context is held (no step runs meanwhile)
+CurrentWeights = Callable[[], AbstractAsyncContextManager[tuple[NamedTensors, int]]]
 MONITOR_S = 1.0  # how often the monitor looks at the engine
 GROUP = "tandem-weights"
 
@@ -83,6 +86,7 @@ class Placement(abc.ABC):
     """`engine`: what the rollout manager and the run loop drive (the `Engine`, or an `EngineClient` of one)."""
 
     engine: Engine | EngineClient
+    num_engines = 1  # engine replicas (the run's idle fraction is per engine)
 
     @abc.abstractmethod
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
@@ -98,11 +102,16 @@ class Placement(abc.ABC):
     def check(self) -> None:
         """Raise if the engine is gone (its thread or process ended)."""
 
-    async def monitor(self) -> NoReturn:
-        """Never returns; raises once the engine is gone."""
+    async def monitor(self, current_weights: CurrentWeights | None = None) -> NoReturn:
+        """Never returns; raises once the engine is gone. `current_weights`: for a placement that brings an engine
+        back (replicas), to give it the trainer's weights."""
         while True:
             await asyncio.sleep(MONITOR_S)
             self.check()
+
+    def view(self) -> dict:
+        """What each step's record adds about the engines (replicas: members, restarts, checksums)."""
+        return {}
 
     async def disconnect(self) -> None:  # noqa: B027 (most placements hold nothing per event loop)
         """Release what the current event loop holds (connections)."""
@@ -208,7 +217,7 @@ class Separate(Placement):
     def check(self) -> None:
         self.process.check()
 
-    async def monitor(self) -> NoReturn:
+    async def monitor(self, current_weights: CurrentWeights | None = None) -> NoReturn:
         last_answer = time.monotonic()
         while True:
             await asyncio.sleep(MONITOR_S)
@@ -292,4 +301,12 @@ class Disaggregated(Placement):
 
 
 def place(cfg: RunConfig) -> Placement:
+    if cfg.placement == "ray":
+        from tandem.run.ray_placement import ray_replicas
+
+        return ray_replicas(cfg)
+    if cfg.replicas:
+        from tandem.run.replicas import Replicas
+
+        return Replicas(cfg)
     return {"separate": Separate, "disaggregated": Disaggregated}.get(cfg.placement, Colocated)(cfg)

@@ -26,6 +26,11 @@ Routes:
     its counters).
     `/engine_stats`: the servers' engine stats summed (times in engine-seconds, `weight_version` the lowest), so
     `EngineClient.get_stats` reads the router as one engine. `/metrics`: the router's counters per server.
+  - `/add_worker?url=` and `/remove_worker?url=` (admin; SGLang router's names): a server joins or leaves the
+    replicas (a replica restarted, or one that died). A server joins only if it holds the weights of those already
+    there (its `/get_model_info` `weight_version` equal to theirs; `weight_version=` in the query: equal to that),
+    so a replica restarted with stale weights is refused rather than sent traffic; its first reply's lowest token
+    version is kept in the router's view (`first_token_version`).
   - the weight-group routes are a 400: a group is joined by one server per rank, so fanning them out is
     meaningless; send them to each server.
 Keys: `Guard` checks the router's clients under the router's own `ServerOptions`; the router sends its servers
@@ -85,8 +90,42 @@ class Router:
         pool = lambda urls, role: Pool([Backend(u, role) for u in urls], config.page_tokens, config.prefix_map_pages)
         self.pool = pool(config.servers, "unified") if config.servers else pool(config.decode, "decode")
         self.prefill = pool(config.prefill, "prefill") if config.prefill else None
-        self.backends = self.pool.backends + (self.prefill.backends if self.prefill else [])
         self.upstream = Upstream(config.connect_timeout_s, config.backend_api_key, config.backend_admin_api_key)
+
+    @property
+    def backends(self) -> list[Backend]:
+        """Every server in rotation (the decode or unified ones first)."""
+        return self.pool.backends + (self.prefill.backends if self.prefill else [])
+
+    async def add_worker(self, url: str, weight_version: int | None) -> dict:
+        """Put the unified server at `url` into rotation once it answers and holds the weights of the servers in
+        rotation (and `weight_version`, if given). ValueError (a 400) naming the difference otherwise."""
+        if self.prefill is not None:
+            raise ValueError("url: add_worker adds a replica; this router routes to prefill/decode pairs")
+        backend = Backend(url.rstrip("/"), "unified")
+        info = await self._model_info(backend)
+        held, others = info["weight_version"], [(await self._model_info(b))["weight_version"]
+                                               for b in self.pool.backends if not b.down]
+        expected = weight_version if weight_version is not None else (max(others) if others else held)
+        if held != expected or any(v != expected for v in others):
+            raise ValueError(f"url: {backend.url} holds weights version {held}, the servers in rotation "
+                             f"{sorted(set(others))}" + (f", the caller expects {weight_version}"
+                                                         if weight_version is not None else "")
+                             + ": it joins only with the same weights")
+        backend.weight_version = held
+        self.pool.add(backend)
+        return {"success": True, "message": f"added {backend.url} at weight version {held}",
+                "weight_version": held}
+
+    def remove_worker(self, url: str) -> dict:
+        backend = self.pool.remove(url.rstrip("/"))
+        return {"success": True, "message": f"removed {backend.url}"}
+
+    async def _model_info(self, backend: Backend) -> dict:
+        reply = await self.call(backend, "GET", "/get_model_info", None, self.config.health_timeout_s)
+        if reply.status != 200:
+            raise ValueError(f"url: {backend.url}: GET /get_model_info: {reply.reason()}")
+        return pydantic_core.from_json(reply.content)
 
     def place(self, raw: bytes) -> Placement:
         """Choose the server(s) for a `/generate` body (recording its prompts there) and shape the body it gets.
@@ -103,6 +142,8 @@ class Router:
         return Placement(target, source, pydantic_core.to_json(with_bootstrap(body, source.url)), prompts)
 
     async def generate(self, request: Request) -> Response:
+        if not self.pool.backends:
+            return _error(503, "no server to route to: every one has left the rotation", "ServiceUnavailable")
         placed = self.place(await request.body())
         servers, n = [b for b in (placed.target, placed.source) if b is not None], max(len(placed.prompts), 1)
         for b in servers:
@@ -127,15 +168,21 @@ class Router:
         for prompt, out in zip(placed.prompts, outs if isinstance(outs, list) else [outs], strict=False):
             if isinstance(out, dict) and isinstance(out.get("output_ids"), list):
                 self.pool.remember(prompt + out["output_ids"], placed.target)
+                versions = out.get("meta_info", {}).get("output_token_weight_versions")
+                if placed.target.first_token_version is None and versions:
+                    placed.target.first_token_version = min(versions)
 
     async def fan_out(self, path: str, raw: bytes) -> Response:
+        backends = self.backends  # (as they were when it began: servers may join or leave meanwhile)
+        if not backends:
+            return _error(503, f"{path}: no server in rotation", "ServiceUnavailable")
         replies = await asyncio.gather(*(self.call(b, "POST", path, raw, self.config.control_timeout_s, admin=True)
-                                         for b in self.backends))
-        failed = [(b, r) for b, r in zip(self.backends, replies, strict=True) if r.status != 200]
+                                         for b in backends))
+        failed = [(b, r) for b, r in zip(backends, replies, strict=True) if r.status != 200]
         if not failed:
             return Response(replies[0].content, 200, media_type="application/json")
-        succeeded = [b.url for b, r in zip(self.backends, replies, strict=True) if r.status == 200]
-        message = (f"{path} failed on {len(failed)} of {len(self.backends)} servers: "
+        succeeded = [b.url for b, r in zip(backends, replies, strict=True) if r.status == 200]
+        message = (f"{path} failed on {len(failed)} of {len(backends)} servers: "
                    + "; ".join(f"server {b.url}: {r.reason()}" for b, r in failed)
                    + (f" (it succeeded on {', '.join(succeeded)})" if succeeded else ""))
         refused = all(r.status == 400 for _, r in failed)
@@ -145,9 +192,10 @@ class Router:
                       extra={"success": False, "message": message})
 
     async def health(self) -> Response:
+        backends = self.backends
         replies = await asyncio.gather(*(self.call(b, "GET", "/health", None, self.config.health_timeout_s)
-                                         for b in self.backends))
-        failed = [f"server {b.url}: {r.reason()}" for b, r in zip(self.backends, replies, strict=True)
+                                         for b in backends))
+        failed = [f"server {b.url}: {r.reason()}" for b, r in zip(backends, replies, strict=True)
                   if r.status != 200]
         if failed:
             return _error(503, "unhealthy: " + "; ".join(failed), "ServiceUnavailable")
@@ -162,9 +210,12 @@ class Router:
         return pydantic_core.from_json(reply.content), None
 
     async def engine_stats(self) -> Response:
+        backends = self.backends
+        if not backends:
+            return _error(503, "no server in rotation", "ServiceUnavailable")
         replies = await asyncio.gather(*(self.call(b, "GET", "/engine_stats", None, self.config.control_timeout_s)
-                                         for b in self.backends))
-        for b, r in zip(self.backends, replies, strict=True):
+                                         for b in backends))
+        for b, r in zip(backends, replies, strict=True):
             if r.status != 200:
                 return self._relay(b, "GET /engine_stats", r)
         return _json(_sum_stats([pydantic_core.from_json(r.content) for r in replies]))
@@ -242,8 +293,8 @@ async def _disconnected(request: Request) -> None:
 class _Metrics:
     """The router's counters per server, under `tandem:router_`, in a Prometheus registry of its own."""
 
-    def __init__(self, backends: list[Backend]):
-        self.backends = backends
+    def __init__(self, router: Router):
+        self.router = router
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -257,7 +308,7 @@ class _Metrics:
                 ("server_up", "1 while the server answers (else new prompts go elsewhere)", GaugeMetricFamily,
                  lambda b: int(not b.down))):
             family = kind(f"tandem:router_{name}", doc, labels=["server", "role"])
-            for b in self.backends:
+            for b in self.router.backends:
                 family.add_metric([b.url, b.role], get(b))
             yield family
 
@@ -265,7 +316,7 @@ class _Metrics:
 def build_router_app(config: RouterConfig, options: ServerOptions | None = None) -> FastAPI:
     """A FastAPI app routing to `config`'s servers under `options` (the router's own keys and limits)."""
     router = Router(config)
-    metrics = _Metrics(router.backends)
+    metrics = _Metrics(router)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -290,6 +341,18 @@ def build_router_app(config: RouterConfig, options: ServerOptions | None = None)
 
     for path in WEIGHT_GROUP_PATHS:
         app.add_api_route(path, refuse_weight_group, methods=["POST"])
+
+    @app.post("/add_worker")
+    async def add_worker(request: Request, url: str, weight_version: int | None = None):
+        if not request.scope[ADMIN]:
+            raise Refused(403, "add_worker: needs the admin API key")
+        return await router.add_worker(url, weight_version)
+
+    @app.post("/remove_worker")
+    async def remove_worker(request: Request, url: str):
+        if not request.scope[ADMIN]:
+            raise Refused(403, "remove_worker: needs the admin API key")
+        return router.remove_worker(url)
 
     @app.get("/health")
     async def health():

@@ -28,6 +28,7 @@ class BucketMeta:
     numel: int = 0
     is_last: bool = False
     error: str | None = None  # set when the sender aborts the transfer; no data follows
+    hold: bool = False  # the receivers wait for the sender's commit before they return the transfer (`DistSender`)
 
     def to_bytes(self) -> bytes:
         # a shallow dict: `asdict` deep-copies every list, and this runs before the first bucket can leave

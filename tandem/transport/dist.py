@@ -18,6 +18,9 @@ One transfer over the group, every step bounded by `timeout_s`:
    link always has the next bucket queued: no host round trip between two buckets' data. At most two flat
    buckets exist on the sender at once.
 3. done: each engine sends DONE to rank 0, so `send` returns only once every engine holds every tensor.
+4. commit (only when `send` is given one): the sender runs its `commit` (replicas: pause every engine), then
+   broadcasts go (or, if `commit` failed, withdraw) on the control group; the receivers return the transfer only on
+   go. So several engines can be made to load together: none loads before every one holds the whole transfer.
 
 Bad input found by the sender mid-transfer is broadcast as an `error` bucket, so the engines raise at once instead of
 timing out, and the group stays usable. After a `TransportError` (a timeout, a dead peer) it is not: gloo closes the
@@ -290,15 +293,18 @@ class DistSender(_DistEnd, WeightSender):
         self.bucket_bytes, self.pipeline = bucket_bytes, pipeline
         super().__init__(init_method, world_size, rank, backend, timeout_s, label, device)
 
-    def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
+    def send(self, named_tensors: NamedTensors, version: int,
+             commit: Callable[[], None] | None = None) -> TransferStats:
+        """`commit`: called (in this thread) once every receiver holds the transfer and before any returns it;
+        an exception from it withdraws the transfer (every receiver raises) and is raised here."""
         self._begin()
         with _switching():
-            return self._send(named_tensors, version)
+            return self._send(named_tensors, version, commit)
 
-    def _send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
+    def _send(self, named_tensors: NamedTensors, version: int, commit: Callable[[], None] | None) -> TransferStats:
         # the hello, gathering and flattening buckets, their metadata, starting their data, waiting for the data of
-        # the one before last (its memory is reused), the last ones' data, the confirmation
-        laps = _Laps("hello", "flatten", "metadata", "post", "reuse", "land", "done")
+        # the one before last (its memory is reused), the last ones' data, the confirmation, the commit
+        laps = _Laps("hello", "flatten", "metadata", "post", "reuse", "land", "done", "commit")
         greeted = False  # the first bucket is gathered and flattened while the engines' hellos arrive
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
@@ -309,7 +315,7 @@ class DistSender(_DistEnd, WeightSender):
                 laps.lap("flatten")
                 self._land(in_flight, keep=1)  # the one before the last: its memory goes to the next flat bucket
                 laps.lap("reuse")
-                meta = BucketMeta(num_buckets, version, is_last=is_last)
+                meta = BucketMeta(num_buckets, version, is_last=is_last, hold=commit is not None)
                 flat_N = flatten(bucket, meta, self.device)
                 laps.lap("flatten")
                 if not greeted:
@@ -339,6 +345,16 @@ class DistSender(_DistEnd, WeightSender):
             raise
         self._gather(DONE, "confirm the transfer")
         laps.lap("done")
+        if commit is not None:
+            go = torch.ones(1, dtype=torch.int64)
+            try:
+                commit()
+            except BaseException:
+                go.zero_()
+                raise
+            finally:
+                self._broadcast(go, self.control, "commit", num_buckets)
+            laps.lap("commit")
         return TransferStats(version, num_bytes, num_buckets, num_tensors, laps.seconds, laps.phases["hello"],
                              laps.phases)
 
@@ -384,7 +400,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
             return self._receive()
 
     def _receive(self) -> tuple[int, FlatTensors]:
-        laps = _Laps("hello", "metadata", "post", "land", "ack")
+        laps = _Laps("hello", "metadata", "post", "land", "ack", "commit")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         laps.lap("hello")
         num_bytes = num_tensors = 0
@@ -417,6 +433,13 @@ class DistReceiver(_DistEnd, WeightReceiver):
         laps.lap("land")
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, DONE), "final acknowledgement")
         laps.lap("ack")
+        if meta.hold:
+            go = torch.zeros(1, dtype=torch.int64)
+            self._broadcast(go, self.control, "commit", index + 1)
+            if not go.item():
+                raise TransportError(f"weights (rank {self.rank}): {self._who([0])} withdrew weights version "
+                                     f"{meta.weight_version} after sending them", [0])
+            laps.lap("commit")
         self.last_stats = TransferStats(meta.weight_version, num_bytes, index + 1, num_tensors, laps.seconds,
                                         phases=laps.phases)
         return meta.weight_version, FlatTensors(posted)

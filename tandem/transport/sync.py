@@ -31,11 +31,13 @@ class SyncReply:
     num_buckets: int
     num_tensors: int
     receive_phases: dict[str, float] = field(default_factory=dict)
+    weights_checksum: str = ""  # of the engine's weights once loaded (`tandem.transport.checksum`); replicas compare
+
 
     @classmethod
-    def of(cls, received: TransferStats, pause_s: float, load_s: float) -> SyncReply:
+    def of(cls, received: TransferStats, pause_s: float, load_s: float, checksum: str = "") -> SyncReply:
         return cls(received.version, pause_s, load_s, received.seconds, received.num_bytes, received.num_buckets,
-                   received.num_tensors, dict(received.phases))
+                   received.num_tensors, dict(received.phases), checksum)
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -44,10 +46,12 @@ class SyncReply:
     def from_dict(cls, data: dict) -> SyncReply:
         """From `to_dict`'s JSON; other keys (SGLang's `success`, `message`) are ignored. Raises ValueError naming a
         missing field."""
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data]
+        fields = dataclasses.fields(cls)
+        required = [f.name for f in fields if f.default is f.default_factory is dataclasses.MISSING]
+        missing = [name for name in required if name not in data]
         if missing:
             raise ValueError(f"sync reply: missing {', '.join(missing)} (not a tandem engine's reply?)")
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in fields if f.name in data})
 
 
 async def receive_and_load(receiver: WeightReceiver, engine: Engine, version: int | None,
@@ -72,4 +76,17 @@ async def load_received(receiver: WeightReceiver, engine: Engine, received: tupl
     finally:
         del tensors
         receiver.release()
-    return SyncReply.of(receiver.last_stats, pause_s, time.perf_counter() - t0)
+    load_s = time.perf_counter() - t0
+    # generation goes on meanwhile (the weights stay as loaded until the next load); one on a GPU waits for its copies
+    return SyncReply.of(receiver.last_stats, pause_s, load_s, await asyncio.to_thread(_checksum, engine))
+
+
+def _checksum(engine: Engine) -> str:
+    from tandem.transport.checksum import weights_checksum
+
+    parameters = list(engine.model.named_parameters())
+    if parameters and parameters[0][1].is_cuda:
+        import torch
+
+        torch.cuda.synchronize(parameters[0][1].device)
+    return weights_checksum(parameters)
