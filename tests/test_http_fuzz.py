@@ -1,6 +1,8 @@
 """A fuzz of the HTTP endpoints: random JSON bodies (near-valid ones among them) never get a 500, never an engine
 error inside a 200, and the engine serves an innocent request exactly as before afterwards."""
 
+import json
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -50,7 +52,13 @@ def test_no_body_gets_a_500_or_an_engine_error_and_the_engine_serves_as_before(s
         r = httpx.post(server.url + path, json=body, timeout=60)
         assert r.status_code < 500, (path, body, r.text)
         if r.status_code == 200 and path == "/generate":
-            for out in r.json() if isinstance(r.json(), list) else [r.json()]:
+            if r.headers["content-type"].startswith("text/event-stream"):  # streamed: its chunks
+                chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+                assert chunks and r.text.endswith("data: [DONE]\n\n") and all("error" not in c for c in chunks), r.text
+                replies = [c for c in chunks if c["meta_info"]["finish_reason"] is not None]
+            else:
+                replies = r.json() if isinstance(r.json(), list) else [r.json()]
+            for out in replies:
                 reason = out["meta_info"]["finish_reason"]
                 assert "engine error" not in str(reason.get("message", "")), (body, reason)
 
