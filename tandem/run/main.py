@@ -14,6 +14,7 @@ from rich.table import Table
 from tandem.config import RunConfig
 from tandem.rollout.registry import resolve_task
 from tandem.run.loop import Run
+from tandem.run.wandb_log import open_wandb
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -95,6 +96,7 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
                   f"{cfg.engine.device}) out_dir={cfg.out_dir}")
     resolve_task(cfg.task)  # a bad task is an error before the engine starts
     writer = _tensorboard(cfg)
+    wandb_log = open_wandb(cfg)  # (before the engine starts: a missing package fails fast)
     run = Run(cfg)
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
@@ -114,6 +116,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
                 for key, value in record.items():
                     if writer is not None and isinstance(value, int | float):
                         writer.add_scalar(key, value, record["step"])
+                if wandb_log is not None:
+                    wandb_log.log(record)
 
             asyncio.run(run.train(on_step))
     except KeyboardInterrupt:
@@ -125,6 +129,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
         run.shutdown()
         if writer is not None:
             writer.close()
+        if wandb_log is not None:
+            wandb_log.close()
     if records:
         first, last = records[0], records[-1]
         console.print(f"\ndone: {last['step']} steps in {last['wall_s']:.1f} s; reward {first['reward_mean']:+.3f} -> "
