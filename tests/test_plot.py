@@ -1,28 +1,60 @@
 """`tandem plot` (tandem.plot) on a real run's metrics.jsonl: the PNGs written, and every chart drawing exactly the
-metrics it names (the values handed to matplotlib, read back from its figures); keys a run lacks skipped and said."""
+metrics it names (the values handed to matplotlib, read back from its figures); keys a run lacks skipped and said.
+The same run's records logged to Weights & Biases (run.wandb; wandb itself stood in for: no network)."""
 
+import io
 import json
 import sys
 
 import pytest
+from rich.console import Console
 
 from tandem.cli import main as cli_main
 from tandem.config import RunConfig
 from tandem.plot import CHARTS, METRICS, plot_run
-from tandem.run.loop import run_recording
+from tandem.run.main import run_with_display
+from tandem.run.wandb_log import open_wandb
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
+class WandbStandIn:
+    """The calls `tandem.run.wandb_log` makes of wandb, recorded (no account, no network)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def init(self, **kwargs):
+        self.calls.append(("init", kwargs))
+        return self
+
+    def log(self, data, step):
+        self.calls.append(("log", data, step))
+
+    def finish(self):
+        self.calls.append(("finish",))
+
+
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    """The metrics of a real three-step run (in process), staleness allowed so that the distribution has spread."""
+def logged_run(tmp_path_factory):
+    """A real three-step `tandem run` (in process, as the command runs it, with run.wandb on and wandb a stand-in),
+    staleness allowed so that the distribution has spread: its directory and what it logged to wandb."""
     out = tmp_path_factory.mktemp("run")
-    run_recording(RunConfig.load(None, [
-        "steps=3", f"out_dir=\"{out}\"", "rollout.group_size=2", "rollout.batch_groups=1", "rollout.num_in_flight=6",
-        "rollout.max_staleness=2", "random_agent.prompt_len_max=24", "random_agent.response_len_median=4",
-        "random_agent.response_len_max=12", "random_agent.turns_max=2"]))
-    return out
+    wandb = WandbStandIn()
+    cfg = RunConfig.load(None, [
+        "steps=3", f"out_dir=\"{out}\"", "wandb=true", "wandb_project=\"tests\"", "rollout.group_size=2",
+        "rollout.batch_groups=1", "rollout.num_in_flight=6", "rollout.max_staleness=2",
+        "random_agent.prompt_len_max=24", "random_agent.response_len_median=4", "random_agent.response_len_max=12",
+        "random_agent.turns_max=2"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "wandb", wandb)
+        run_with_display(cfg, Console(file=io.StringIO()))
+    return out, wandb.calls
+
+
+@pytest.fixture(scope="module")
+def run_dir(logged_run):
+    return logged_run[0]
 
 
 def records_of(run_dir):
@@ -102,3 +134,22 @@ def test_without_matplotlib_a_clear_message(run_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ValueError, match=r"needs matplotlib.*pip install 'tandem-rl\[plot\]'"):
         plot_run(run_dir)
+
+
+def test_wandb_gets_every_step_record_numbers(logged_run):
+    run_dir, calls = logged_run
+    (_, init), *logs, finish = calls
+    assert init["project"] == "tests" and init["dir"] == str(run_dir) and init["config"]["steps"] == 3
+    assert finish == ("finish",)
+    records = records_of(run_dir)
+    assert [step for _, _, step in logs] == [1, 2, 3]
+    for (_, data, _), record in zip(logs, records, strict=True):
+        assert data == {k: v for k, v in record.items() if type(v) in (int, float)}
+        assert "reward_mean" in data and "staleness_tokens" not in data and "dropped" not in data
+
+
+def test_wandb_not_installed_is_named(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert open_wandb(RunConfig()) is None  # (off by default: never imported)
+    with pytest.raises(ValueError, match=r"run.wandb: needs the wandb package \(pip install 'tandem-rl\[wandb\]'\)"):
+        open_wandb(RunConfig(wandb=True))
