@@ -63,11 +63,33 @@ class SamplingBatch:
     positions: torch.Tensor  # [B] int64: index of the token being sampled among the request's outputs
     # whether any row asks for top-k / top-p / min-p: known on the host, so sampling never syncs the device
     needs_filter: bool = True
+    # (rows, token ids) that cannot be sampled (a request's EOS and stop tokens before its min_new_tokens), or None
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    top_logprobs_num: int = 0  # the most any row asks for (`top_logprobs`)
+
+
+def with_requests(batch: SamplingBatch, reqs, eos_token_id: int | None) -> SamplingBatch:
+    """`batch` with what its requests (`tandem.engine.request.Request`, one per row) ask beyond the sampling
+    parameters: tokens banned while a request has fewer than `min_new_tokens` outputs (EOS unless it ignores EOS,
+    and its stop tokens), and how many top logprobs to keep."""
+    rows, ids = [], []
+    for row, req in enumerate(reqs):
+        sp = req.sampling
+        if sp.min_new_tokens and req.num_generated < sp.min_new_tokens:
+            stops = [*sp.stop_token_ids, *([eos_token_id] if eos_token_id is not None and not sp.ignore_eos else [])]
+            rows += [row] * len(stops)
+            ids += stops
+    device = batch.seeds.device
+    if rows:
+        batch.banned = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+    batch.top_logprobs_num = max((r.sampling.top_logprobs_num for r in reqs), default=0)
+    return batch
 
 
 def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (token ids [B] int64, logprobs [B] float32). On CUDA, batches without truncation go through one
     fused Triton pass over the logits (`tandem.kernels.sampling`, the same tokens)."""
+    logits_BV = _ban(logits_BV, batch)
     if logits_BV.is_cuda and not batch.needs_filter and _fused_sampler() is not None:
         return _fused_sampler()(logits_BV, batch.temperatures, batch.seeds, batch.positions)
     logits_BV = logits_BV.float()
@@ -80,6 +102,24 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
     sampled = torch.argmax(filtered_BV + gumbel_BV, dim=-1)
     tokens = torch.where(greedy, torch.argmax(logits_BV, dim=-1), sampled)
     return tokens, logprobs_BV.gather(1, tokens[:, None])[:, 0]
+
+
+def top_logprobs(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The `batch.top_logprobs_num` most likely tokens of each row's distribution (the one `sample`'s logprobs are
+    of: temperature-scaled, before truncation, banned tokens out): (logprobs [B, k] float32, ids [B, k] int64),
+    most likely first; None when no row asks for them."""
+    k = min(batch.top_logprobs_num, logits_BV.shape[-1])
+    if k <= 0:
+        return None
+    temps = torch.where(batch.temperatures == 0, torch.ones_like(batch.temperatures), batch.temperatures)
+    logprobs_BV = torch.log_softmax(_ban(logits_BV, batch).float() / temps[:, None], dim=-1)
+    return torch.topk(logprobs_BV, k, dim=-1)
+
+
+def _ban(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    if batch.banned is None:
+        return logits_BV
+    return logits_BV.index_put(batch.banned, torch.tensor(float("-inf"), device=logits_BV.device))
 
 
 def _filter(scaled_BV, batch: SamplingBatch):
