@@ -36,7 +36,7 @@ from tandem.distributed import collectives, faults
 from tandem.distributed.parallel import TPGroup, cdiv
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
-from tandem.engine.sampler import SamplingBatch, sample
+from tandem.engine.sampler import SamplingBatch, sample, top_logprobs, with_requests
 from tandem.engine.scheduler import PENDING, Chunk
 from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAttention, paged_decode_reference
 from tandem.model.qwen3 import Qwen3ForCausalLM
@@ -65,6 +65,13 @@ class Launched:
     ready: torch.cuda.Event | None = None
     routing: torch.Tensor | None = None  # the model's routing checksum after this step (see `routing_value`)
     host_routing: torch.Tensor | None = None
+    top: tuple[torch.Tensor, torch.Tensor] | None = None  # top logprobs and their ids [B, k], when a row asks
+
+    def top_result(self) -> list[list[tuple[float, int]]] | None:
+        """Per sampled row, `top` as (logprob, token id) pairs, most likely first (None: not asked). After `result`."""
+        if self.top is None:
+            return None
+        return [list(zip(lps, ids, strict=True)) for lps, ids in zip(*(t.tolist() for t in self.top), strict=True)]
 
     def result(self) -> tuple[list[int], list[float]]:
         if self.tokens is None:
@@ -179,6 +186,7 @@ class ModelRunner:
         if logits is None:
             return launched
         launched.tokens, launched.logprobs = sample(logits, sampling)
+        launched.top = top_logprobs(logits, sampling)
         if self.tp.size > 1:
             self._agree(launched)
         if self.model.routing_checksum is not None:
@@ -420,9 +428,9 @@ class ModelRunner:
     def _sampling_batch(self, reqs) -> SamplingBatch:
         """Per-request sampling parameters on the device: two host-to-device copies (floats, integers)."""
         floats, ints = map(self._to_device, self._sampling_tensors(reqs))
-        return SamplingBatch(
+        return with_requests(SamplingBatch(
             temperatures=floats[0], top_ps=floats[1], min_ps=floats[2], top_ks=ints[0], seeds=ints[1],
             positions=ints[2],
             needs_filter=any(0 < r.sampling.top_k < self.model.config.vocab_size or r.sampling.top_p < 1
                              or r.sampling.min_p > 0 for r in reqs),
-        )
+        ), reqs, self.model.config.eos_token_id)
