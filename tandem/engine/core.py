@@ -453,14 +453,16 @@ class EngineCore:
             return
         t0 = time.perf_counter()
         tokens, logprobs = launched.result()
+        tops = launched.top_result() or [None] * len(tokens)
         t1 = time.perf_counter()
-        sampled = iter(zip(tokens, logprobs, strict=True))
+        sampled = iter(zip(tokens, logprobs, tops, strict=True))
         for c in launched.chunks:
             if c.sample:
-                token, logprob = next(sampled)
+                token, logprob, top = next(sampled)
                 if c.req.status is not Status.FINISHED:
                     self.stats.generated_tokens += 1
-                    reason = self.scheduler.resolve(c.req, c.start + c.num_tokens, token, logprob, launched.version)
+                    reason = self.scheduler.resolve(c.req, c.start + c.num_tokens, token, logprob, launched.version,
+                                                    top)
                     if reason is not None:
                         self._finish(c.req, reason)
         if self.lockstep is not None:

@@ -225,14 +225,20 @@ class Scheduler:
         self._publish_prefixes(chunks)
         return num_prefill
 
-    def resolve(self, req: Request, index: int, token: int, logprob: float, version: int) -> FinishReason | None:
+    def resolve(self, req: Request, index: int, token: int, logprob: float, version: int,
+                top: list[tuple[float, int]] | None = None) -> FinishReason | None:
         """Fill in the sampled token at `index` (the request's oldest `PENDING` one), sampled under weight
-        `version`; returns why the request ends there (a stop or EOS token, `max_new_tokens`), or None."""
+        `version` (`top`: its distribution's most likely tokens, kept when the request asks for them); returns why
+        the request ends there (a stop or EOS token, `max_new_tokens`), or None."""
         assert req.tokens[index] == PENDING, "sampled tokens resolve in order"
         req.tokens[index] = token
         req.output_logprobs.append(logprob)
         req.weight_versions.append(version)
         sp = req.sampling
+        if sp.top_logprobs_num:
+            if req.output_top_logprobs is None:  # (outputs before this one, a continuation's: none known)
+                req.output_top_logprobs = [[] for _ in range(index - req.prompt_len)]
+            req.output_top_logprobs.append(top[:sp.top_logprobs_num] if top is not None else [])
         generated = index + 1 - req.prompt_len  # resolved so far (the next one may already be in flight)
         if token in sp.stop_token_ids or (not sp.ignore_eos and token == self.eos_token_id):
             return FinishReason("stop", matched=token)
