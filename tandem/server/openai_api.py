@@ -62,13 +62,14 @@ class Choice:
         return meta
 
 
-def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = None) -> None:
-    """Add the OpenAI-compatible and session routes to `app`, serving `engine` (its tokenizer: `engine.tokenizer`).
-    `sessions`: the store of session histories (default: `SessionStore()`'s bounds); kept as `app.state.sessions`."""
+def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = None, tokenizer=None) -> None:
+    """Add the OpenAI-compatible and session routes to `app`, serving `engine` with `tokenizer` (default:
+    `engine.tokenizer`). `sessions`: the store of session histories (default: `SessionStore()`'s bounds); kept as
+    `app.state.sessions`."""
     from tandem.server.http import _unless_disconnected  # (http imports this module)
 
     store = app.state.sessions = sessions or SessionStore()
-    tokenizer = engine.tokenizer
+    tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
     model_id = Path(tokenizer.name_or_path).name if tokenizer is not None else "tandem"
 
     @app.get("/v1/models")
