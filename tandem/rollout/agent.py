@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from tandem.rollout.chat_env import ChatEnvironment, run_chat_episode
 from tandem.rollout.env import Environment
 from tandem.types import PAUSED_ABORT, Episode, GenerateOutput, SamplingParams
 
@@ -28,7 +29,12 @@ async def run_episode(client: GenerateClient, env: Environment, episode: Episode
     history, so the engine's prefix cache serves everything computed before. A turn cut short by an
     abort-mode pause is resubmitted with its partial output and stitched together; every token keeps the
     weight version it was sampled under. With `routing`, every generate asks for the routed experts, and the episode
-    keeps one row per token (`Episode.keep_routing`: each request's rows cover the whole history it was given)."""
+    keeps one row per token (`Episode.keep_routing`: each request's rows cover the whole history it was given).
+    A chat environment (`tandem.rollout.chat_env`) plays through the engine's session chat endpoint instead."""
+    if isinstance(env, ChatEnvironment):
+        if routing:
+            raise EpisodeFailed("chat environments do not keep routed experts yet")
+        return await run_chat_episode(client, env, episode, temperature, top_p)
     await _play(client, env, episode, max_context, temperature, top_p, routing)
     if routing:
         episode.keep_routing()  # rows of -1 for what followed the last generate
