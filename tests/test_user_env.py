@@ -26,13 +26,14 @@ def calculator(monkeypatch):
 
 
 def test_registered_names_and_import_paths_resolve(calculator):
-    assert set(TASKS) == {"random", "target_tokens", "guess_number"}
+    assert set(TASKS) == {"random", "target_tokens", "guess_number", "chat_agent"}
     assert resolve_task("random") is TASKS["random"]
     assert resolve_task("calculator:task") is calculator.task
 
 
 @pytest.mark.parametrize("spec, says", [
-    ("no_such_task", "neither a registered task (random, target_tokens, guess_number) nor package.module:function"),
+    ("no_such_task", "neither a registered task (random, target_tokens, guess_number, chat_agent) nor "
+                     "package.module:function"),
     ("no_such_module_xyz:task", "cannot import module 'no_such_module_xyz'"),
     ("calculator:no_such_function", "has nothing named 'no_such_function'"),
     ("calculator:DIGIT0", "has a int named 'DIGIT0', not a function"),

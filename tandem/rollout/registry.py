@@ -14,6 +14,7 @@ from collections.abc import Callable
 from functools import partial
 
 from tandem.config import RunConfig
+from tandem.rollout import chat_agent
 from tandem.rollout.env import EnvFactory
 from tandem.rollout.random_agent import RandomAgentEnv
 from tandem.rollout.tasks import GuessNumberEnv, TargetTokensEnv
@@ -24,6 +25,7 @@ TASKS: dict[str, Task] = {
     "random": lambda cfg, vocab_size: partial(RandomAgentEnv, cfg.random_agent, vocab_size),
     "target_tokens": lambda cfg, vocab_size: partial(TargetTokensEnv, vocab_size),
     "guess_number": lambda cfg, vocab_size: partial(GuessNumberEnv, vocab_size),
+    "chat_agent": chat_agent.task,  # a tool-calling chat agent through the session chat endpoint
 }
 
 
