@@ -223,6 +223,9 @@ class EngineConfig:
     # steps are launch-bound); 0: they run eagerly
     prefill_graph_max_tokens: NonNegativeInt = 4096
     overlap: bool = True  # schedule and launch step n+1 before reading step n's tokens (see model_runner)
+    # count the elements of a fixed-buffer replay's inputs that change while it runs (on the device, no host sync;
+    # `ModelRunner.guard.count()`); a debugging aid, see docs/streams.md
+    race_guard: bool = False
     fused_kernels: bool = True  # on CUDA: Triton attention kernels, fused RMSNorm/RoPE/SiLU (off: PyTorch)
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree

@@ -31,6 +31,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.radix_cache import RadixCache
+from tandem.engine.streams import MUTANT_ENV
 from tandem.types import SamplingParams
 
 NUM_PAGES, HOST_PAGES, MAX_REQUESTS = 6, 10, 2  # a device pool smaller than two long requests: pressure
@@ -381,14 +382,14 @@ def test_gpu_copies_overlapping_compute_keep_every_kv_right(policy):
 
 @pytest.mark.gpu
 def test_gpu_a_copy_not_waiting_for_compute_is_caught(monkeypatch):
-    monkeypatch.setattr(HostTier, "_after_compute", lambda self: None)
+    monkeypatch.setenv(MUTANT_ENV, "copies_before_compute")  # the placement without rule 1's edges
     with pytest.raises(AssertionError, match="wrong KV"):
         run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", **STALL)
 
 
 @pytest.mark.gpu
 def test_gpu_a_load_read_before_it_completes_is_caught(monkeypatch):
-    monkeypatch.setattr(HostTier, "before_compute", lambda self: None)
+    monkeypatch.setenv(MUTANT_ENV, "load_not_joined")  # the placement without rule 2's edge
     with pytest.raises(AssertionError, match="wrong KV"):
         run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", **STALL)
 

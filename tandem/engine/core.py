@@ -55,6 +55,7 @@ from tandem.engine.observers import IdealReuse
 from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Chunk, Scheduler
+from tandem.engine.streams import StreamRuntime, engine_placements
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import HANDED_BACK, PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, TokenDelta
@@ -101,8 +102,9 @@ class EngineCore:
                            routing=config.enable_return_routed_experts)
         if self.pool.routing is not None:
             self.model.capture_routing(self.pool.routing)
-        self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache) \
-            if config.host_cache != "off" else None
+        self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
+        self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache,
+                             order=self.order) if config.host_cache != "off" else None
         self.cache = RadixCache(self.pool, self.tier) if config.enable_prefix_cache else None
         self.ideal = None  # what the cache is measured against: every prefix computed, up to 4x what both tiers hold
         if config.measure_ideal_reuse:
@@ -113,7 +115,7 @@ class EngineCore:
         log.info("KV cache: %d device pages of %d tokens (%.2f GiB)%s", num_pages, config.page_size,
                  num_pages * per_page / 2**30, f", {self.tier.num_pages} host pages ({self.tier.bytes / 2**30:.2f}"
                  f" GiB, {self.tier.policy})" if self.tier else "")
-        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, config, tp)
+        self.runner = ModelRunner(self.model, self.pool, self.max_context_len, config, tp, self.order)
         self.weight_version = 0
         self.paused: PauseMode | None = None  # the pause mode while paused
         self.stats = EngineStats(pages_total=self.pool.num_pages)
@@ -359,7 +361,8 @@ class EngineCore:
         return self.weight_version, time.perf_counter() - t0
 
     def _update_weights(self, named: Mapping[str, torch.Tensor], version: int | None) -> None:
-        self.loader.load(named)  # checks every tensor before it loads any
+        with self.order.work("weights_load"):
+            self.loader.load(named)  # checks every tensor before it loads any
         if self._update_empties_cache():
             self._mark_stale()
             self._empty_cache()

@@ -32,6 +32,7 @@ import torch
 
 from tandem.config import HostCache
 from tandem.engine.kv_pool import KVPool, PageAllocator
+from tandem.engine.streams import StreamRuntime, engine_placements
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ class CopyOp:
 
 
 class HostTier(PageAllocator):
-    def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False):
+    def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False,
+                 order: StreamRuntime | None = None):
         if policy not in POLICIES[1:]:
             raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
         super().__init__(num_pages, pool.page_size)
@@ -60,7 +62,10 @@ class HostTier(PageAllocator):
         self.kv = torch.zeros((num_pages, 2, L, pool.page_size, K, D), dtype=pool.k_cache.dtype, pin_memory=cuda)
         self.routing = None if pool.routing is None else torch.full(
             (num_pages, pool.page_size, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=cuda)
-        self.stream = torch.cuda.Stream(pool.k_cache.device) if cuda else None
+        # where the copies run and what they wait for: the works tier_backup, tier_load and tier_join of
+        # `tandem.engine.step_order` (rules 1 and 2); shared with the model runner by the engine core
+        self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
+        self.stream = self.order.stream("tier") if cuda else None
         self.ops: deque[CopyOp] = deque()
         self._last_load: CopyOp | None = None
         self.issued = 0  # id of the last copy issued
@@ -91,16 +96,15 @@ class HostTier(PageAllocator):
         self.issued += 1
         op = CopyOp(self.issued, list(device_pages), list(host_pages), is_load)
         self._hold(op)
-        if self.stream is not None:
-            self._after_compute()
-            with torch.cuda.stream(self.stream):
+        with self.order.work("tier_load" if is_load else "tier_backup"):  # (on CUDA: rule 1, the tier's stream)
+            if self.stream is not None:
                 op.keep = self._copy(op)
                 op.done = torch.cuda.Event()
                 op.done.record(self.stream)
-        elif self.deferred:
-            op.pending = lambda: self._copy(op)
-        else:
-            self._copy(op)
+            elif self.deferred:
+                op.pending = lambda: self._copy(op)
+            else:
+                self._copy(op)
         self.ops.append(op)
         self.issue_seconds += time.perf_counter() - t0
         return op
@@ -140,19 +144,14 @@ class HostTier(PageAllocator):
                 self.routing[h:h + n].copy_(staged[i:i + n], non_blocking=True)
         return staged
 
-    def _after_compute(self) -> None:
-        """Rule 1: the side stream waits for everything launched on the compute stream so far."""
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-
     def before_compute(self) -> None:
         """Make the compute stream wait for every load issued so far (rule 2)."""
         op, self._last_load = self._last_load, None
         if op is None:
             return
-        if op.done is not None:
-            torch.cuda.current_stream(self.stream.device).wait_event(op.done)
-        elif op.pending is not None:
-            self.land(op.id)
+        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's event)
+            if op.pending is not None:
+                self.land(op.id)
 
     # ---- completion ------------------------------------------------------------------------------------
     def land(self, upto: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import contextlib
 import functools
 import itertools
 import logging
@@ -38,6 +39,7 @@ from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
 from tandem.engine.sampler import SamplingBatch, sample, top_logprobs, with_requests
 from tandem.engine.scheduler import PENDING, Chunk
+from tandem.engine.streams import RaceGuard, StreamRuntime, engine_placements
 from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAttention, paged_decode_reference
 from tandem.model.qwen3 import Qwen3ForCausalLM
 
@@ -72,10 +74,13 @@ class Launched:
         if self.top is None:
             return None
         return [list(zip(lps, ids, strict=True)) for lps, ids in zip(*(t.tolist() for t in self.top), strict=True)]
+    order: StreamRuntime | None = None
 
     def result(self) -> tuple[list[int], list[float]]:
         if self.tokens is None:
             return [], []
+        if self.order is not None:
+            self.order.note("read_tokens")
         if self.ready is not None:
             self.ready.synchronize()
             return self.host_tokens.tolist(), self.host_logprobs.tolist()
@@ -116,8 +121,10 @@ def _kernels(device: torch.device, enabled: bool):
 
 class ModelRunner:
     def __init__(self, model: Qwen3ForCausalLM, pool: KVPool, max_context_len: int, config: EngineConfig,
-                 tp: TPGroup | None = None):
-        """`tp`: the engine's ranks (default: the model's tensor-parallel group). Reads `config`'s
+                 tp: TPGroup | None = None, order: StreamRuntime | None = None):
+        """`tp`: the engine's ranks (default: the model's tensor-parallel group). `order`: where each piece of
+        device work runs (`tandem.engine.streams`; default: the engine's placement, shared with the host tier by
+        the engine core). Reads `config`'s race_guard (count changes to a replay's inputs while it runs),
         max_running_requests (the largest decode batch), cuda_graphs, token_broadcast, fused_kernels (on CUDA,
         attention through the Triton kernels; off: the PyTorch references) and
         prefill_graph_max_tokens (steps with prefill chunks of up to this many tokens in all run through fixed
@@ -126,6 +133,7 @@ class ModelRunner:
         self.tp, self.token_broadcast = tp or model.tp, config.token_broadcast
         self.num_launches = 0
         self.device = next(model.parameters()).device
+        self.order = order or StreamRuntime(engine_placements(), self.device)
         self.kernel, self.prefill_kernel = _kernels(self.device, config.fused_kernels)
         S = config.max_running_requests  # (a step's chunks: one per running request)
         self.batch_sizes = [b for b in [1, 2, 4, 8, *range(16, S + 1, 16)] if b <= S]
@@ -154,6 +162,10 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[str]]] = {}
         self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, list[str]]] = {}
         self.last_prepare_seconds = 0.0
+        self.guard = None
+        if config.race_guard:
+            inputs = [self.ids_B, self.positions_B, self.slots_B, self.block_table_BP, self.seq_lens_B]
+            self.guard = RaceGuard(inputs + ([self.q_starts_S1, self.tiles_2N] if self.mixed_sizes else []))
         triton = self.kernel is not paged_decode_reference
         capturable = self.tp.size == 1 or dist.get_backend(self.tp.group) == "nccl"
         if config.cuda_graphs and self.device.type == "cuda" and triton and capturable:
@@ -173,7 +185,8 @@ class ModelRunner:
         self._t0 = time.perf_counter()
         sampling_reqs = [c.req for c in chunks if c.sample]
         try:
-            sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
+            with self.order.work("sampling_params"):
+                sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         except (RuntimeError, OverflowError, TypeError, ValueError) as e:
             raise StepInputError(f"the step's sampling parameters: {e}") from e
         if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
@@ -182,16 +195,24 @@ class ModelRunner:
             logits = self._mixed_static(chunks, prev)
         else:
             logits = self._mixed(chunks, prev)
-        launched = Launched(chunks)
+        launched = Launched(chunks, order=self.order)
         if logits is None:
             return launched
-        launched.tokens, launched.logprobs = sample(logits, sampling)
-        launched.top = top_logprobs(logits, sampling)
+        with self.order.work("sample"):
+            launched.tokens, launched.logprobs = sample(logits, sampling)
+            launched.top = top_logprobs(logits, sampling)
+            if self.model.routing_checksum is not None:
+                launched.routing = self.model.routing_checksum.clone()
         if self.tp.size > 1:
-            self._agree(launched)
-        if self.model.routing_checksum is not None:
-            launched.routing = self.model.routing_checksum.clone()
+            with self.order.work("agree"):
+                self._agree(launched)
         if self.device.type == "cuda":
+            self._copy_out(launched)
+        return launched
+
+    def _copy_out(self, launched: Launched) -> None:
+        """The sampled ids (and logprobs, routing checksum) on their way to pinned host memory, behind an event."""
+        with self.order.work("copy_out"):
             launched.host_tokens = torch.empty(launched.tokens.shape, dtype=torch.long, pin_memory=True)
             launched.host_logprobs = torch.empty(launched.logprobs.shape, dtype=torch.float32, pin_memory=True)
             launched.host_tokens.copy_(launched.tokens, non_blocking=True)
@@ -201,7 +222,6 @@ class ModelRunner:
                 launched.host_routing.copy_(launched.routing, non_blocking=True)
             launched.ready = torch.cuda.Event()
             launched.ready.record()
-        return launched
 
     def _agree(self, launched: Launched) -> None:
         """Every rank continues with rank 0's samples: ranks can differ in the last bits of their logits (other
@@ -256,7 +276,8 @@ class ModelRunner:
         pad = bs - n
         pending: list[tuple[int, int]] = []
         ids = [self._pending(i, c.req, c.req.tokens[c.start], pending) for i, c in enumerate(chunks)]
-        self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:bs])
+        with self.order.work("input_ids"):
+            self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:bs])
         host = {
             "positions": torch.tensor(starts + [0] * pad),
             "slots": torch.tensor([c.req.pages[s // page_size] * page_size + s % page_size
@@ -264,16 +285,28 @@ class ModelRunner:
                                   + [self.pool.scratch_slot] * pad),
             "seq_lens": torch.tensor([s + 1 for s in starts] + [0] * pad, dtype=torch.int32),
         }
-        self.positions_B[:bs].copy_(self._pinned(host["positions"]), non_blocking=True)
-        self.slots_B[:bs].copy_(self._pinned(host["slots"]), non_blocking=True)
-        self.seq_lens_B[:bs].copy_(self._pinned(host["seq_lens"]), non_blocking=True)
-        self.block_table_BP[:bs, :width].copy_(self._pinned(table), non_blocking=True)
+        with self.order.work("step_inputs"):
+            self.positions_B[:bs].copy_(self._pinned(host["positions"]), non_blocking=True)
+            self.slots_B[:bs].copy_(self._pinned(host["slots"]), non_blocking=True)
+            self.seq_lens_B[:bs].copy_(self._pinned(host["seq_lens"]), non_blocking=True)
+            self.block_table_BP[:bs, :width].copy_(self._pinned(table), non_blocking=True)
         self.last_prepare_seconds = time.perf_counter() - self._t0
-        if bs in self.graphs:
-            graph, logits, ops = self.graphs[bs]
-            collectives.replay(graph, bs, ops, self.tp.group)
-            return logits[:n]
-        return self._forward_decode(bs, width)[:n]
+        with self.order.work("replay"), self._guarded():
+            if bs in self.graphs:
+                graph, logits, ops = self.graphs[bs]
+                collectives.replay(graph, bs, ops, self.tp.group)
+                return logits[:n]
+            return self._forward_decode(bs, width)[:n]
+
+    @contextlib.contextmanager
+    def _guarded(self):
+        """The race guard (if on) around a replay of the fixed buffers: snapshot before, count changes after."""
+        if self.guard is None:
+            yield
+            return
+        self.guard.before()
+        yield
+        self.guard.after()
 
     def _forward_decode(self, bs: int, width: int | None = None) -> torch.Tensor:
         """Logits [bs, V] of the decode batch in the static buffers. `width` (eager only) limits the block
@@ -324,12 +357,14 @@ class ModelRunner:
 
     def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
         ids, positions, sample_rows, pending = self._flatten(chunks)
-        ctx = self._kernel_context(chunks) if self.prefill_kernel is not None else self._reference_context(chunks)
+        with self.order.work("eager_inputs"):
+            ctx = self._kernel_context(chunks) if self.prefill_kernel is not None else self._reference_context(chunks)
+            inputs = self._input_ids(ids, pending, prev), self._to_device(positions)
+            rows = self._to_device(sample_rows) if sample_rows else None
         self.last_prepare_seconds = time.perf_counter() - self._t0
-        hidden = self.model(self._input_ids(ids, pending, prev), self._to_device(positions), ctx)
-        if not sample_rows:
-            return None
-        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        with self.order.work("forward"):
+            hidden = self.model(*inputs, ctx)
+            return None if rows is None else self.model.compute_logits(hidden[rows])
 
     def _mixed_static(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
         """The step in the fixed buffers of the next mixed size up: padding tokens write the scratch slot,
@@ -338,7 +373,8 @@ class ModelRunner:
         n, S = len(ids), self.pad_seq
         size = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, n)]
         pad = size - n
-        self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:size])
+        with self.order.work("input_ids"):
+            self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:size])
         slots, q_starts, kv_lens, table = self._chunk_layout(chunks)
         host = {
             "positions": torch.tensor(positions + [0] * pad),
@@ -347,21 +383,23 @@ class ModelRunner:
             "kv_lens": torch.tensor(kv_lens, dtype=torch.int32),
             "tiles": self.fill_tiles([c.num_tokens for c in chunks], self.block_m, self.num_tiles[size], pad_seq=S),
         }
-        self.positions_B[:size].copy_(self._pinned(host["positions"]), non_blocking=True)
-        self.slots_B[:size].copy_(self._pinned(host["slots"]), non_blocking=True)
-        self.q_starts_S1.copy_(self._pinned(host["q_starts"]), non_blocking=True)
-        self.seq_lens_B[:len(chunks)].copy_(self._pinned(host["kv_lens"]), non_blocking=True)
-        self.tiles_2N[:, :self.num_tiles[size]].copy_(self._pinned(host["tiles"]), non_blocking=True)
-        self.block_table_BP[:len(chunks), :table.shape[1]].copy_(self._pinned(table), non_blocking=True)
+        with self.order.work("step_inputs"):
+            self.positions_B[:size].copy_(self._pinned(host["positions"]), non_blocking=True)
+            self.slots_B[:size].copy_(self._pinned(host["slots"]), non_blocking=True)
+            self.q_starts_S1.copy_(self._pinned(host["q_starts"]), non_blocking=True)
+            self.seq_lens_B[:len(chunks)].copy_(self._pinned(host["kv_lens"]), non_blocking=True)
+            self.tiles_2N[:, :self.num_tiles[size]].copy_(self._pinned(host["tiles"]), non_blocking=True)
+            self.block_table_BP[:len(chunks), :table.shape[1]].copy_(self._pinned(table), non_blocking=True)
         self.last_prepare_seconds = time.perf_counter() - self._t0
-        if size in self.mixed_graphs:
-            graph, hidden, ops = self.mixed_graphs[size]
-            collectives.replay(graph, size, ops, self.tp.group)
-        else:
-            hidden = self._forward_mixed(size)
-        if not sample_rows:
-            return None
-        return self.model.compute_logits(hidden[self._to_device(sample_rows)])
+        with self.order.work("replay"):
+            rows = self._to_device(sample_rows) if sample_rows else None
+            with self._guarded():
+                if size in self.mixed_graphs:
+                    graph, hidden, ops = self.mixed_graphs[size]
+                    collectives.replay(graph, size, ops, self.tp.group)
+                else:
+                    hidden = self._forward_mixed(size)
+            return None if rows is None else self.model.compute_logits(hidden[rows])
 
     def _forward_mixed(self, size: int) -> torch.Tensor:
         """Hidden states [size, E] of the mixed step in the static buffers."""

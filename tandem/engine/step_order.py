@@ -1,0 +1,310 @@
+"""Where the engine's device work runs, as data, and the ordering properties checked over it. Torch-free.
+
+A placement lists the device work of one engine iteration (`Work`), in the order the host issues it, with the
+stream each runs on and the cross-stream ordering edges (`after`). The engine's GPU paths take their streams and
+edges from it (`tandem.engine.streams.StreamRuntime`), so the description cannot drift from the code: entering a
+work the placement does not name is an error, and a CPU test traces what the code issues against it.
+
+`check` unrolls a sequence of iterations on `tp` ranks into a happens-before graph and checks, exhaustively over
+the schedules the graph allows:
+  - no hang: the graph is acyclic once each collective is one node that every rank must reach;
+  - `sync_behind_collective`: no host sync in an iteration's preparation is ordered behind a collective of an
+    earlier iteration (a bounded stall there becomes a cluster-wide hang: the hazard of sgl-project#622/#649);
+  - `race`: any two accesses to one buffer, one a write, are ordered in issue order. This covers the buffers a
+    graph replay reads (written before the replay, not rewritten until it retired) and every host-tier and
+    transfer copy (it follows the compute that produced its source; compute that reads its result waits for it).
+See docs/streams.md for the placement in words and why each edge exists.
+
+Edges. Work on one stream runs in issue order. `after` names a work (the instance issued last before this one
+in the same iteration, else the latest issued before it; `name@-1`: the instance of the previous iteration) or a
+stream (everything issued on it so far: `wait_stream`). A `sync` blocks the host: it completes after what it
+waits for (its `after`, and on a device stream everything issued there before it), and everything the host
+issues later follows it. Buffers named `x@-1` are the previous iteration's `x`; `fresh` buffers are allocated
+anew each iteration (so `x` in two iterations are two buffers), the others are one buffer reused by every
+iteration. `held` buffers: the elements a work touches stay referenced until it is reaped, so no later-issued
+work writes them (the host tier's rule 3); later writers of those buffers need no edge.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+DEVICE_STREAMS = ("compute", "prep", "tier", "transport", "collective")
+STREAMS = ("host", *DEVICE_STREAMS)
+Kind = Literal["copy", "kernel", "replay", "collective", "wait", "sync"]
+
+
+@dataclass(frozen=True)
+class Work:
+    name: str
+    stream: str
+    kind: Kind
+    phase: Literal["schedule", "prepare", "forward", "finish", "weights"] = "forward"
+    reads: tuple[str, ...] = ()
+    writes: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+    collective: bool = False  # holds collectives (under tensor parallelism: a graph replay, NCCL inside)
+    lag: int = 0  # 1: issued in iteration i on behalf of iteration i-1 (reading the step launched before)
+    held: tuple[str, ...] = ()
+    tp_only: bool = False  # issued only when tensor parallel (size > 1)
+
+    def __post_init__(self):
+        if self.stream not in STREAMS:
+            raise ValueError(f"work {self.name}: stream {self.stream!r} is not one of {STREAMS}")
+        if self.kind == "sync" and self.phase == "prepare" and self.stream == "host" and not self.after:
+            raise ValueError(f"work {self.name}: a host sync must name what it waits for")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One iteration kind's works in issue order; `fresh`: buffers allocated anew each iteration."""
+
+    name: str
+    works: tuple[Work, ...]
+    fresh: frozenset[str] = frozenset()
+
+    def __getitem__(self, name: str) -> Work:
+        for w in self.works:
+            if w.name == name:
+                return w
+        raise KeyError(f"work {name!r} is not in placement {self.name!r} (it names "
+                       f"{[w.name for w in self.works]})")
+
+    @property
+    def names(self) -> set[str]:
+        return {w.name for w in self.works}
+
+    def replaced(self, name: str, **changes) -> Placement:
+        """This placement with work `name` changed (mutants are built this way)."""
+        self[name]  # noqa: B018 (raises for an unknown name)
+        works = tuple(replace(w, **changes) if w.name == name else w for w in self.works)
+        return replace(self, name=f"{self.name}+{name}", works=works)
+
+    def swapped(self, a: str, b: str) -> Placement:
+        """This placement with works `a` and `b` issued in each other's place."""
+        i, j = self.works.index(self[a]), self.works.index(self[b])
+        works = list(self.works)
+        works[i], works[j] = works[j], works[i]
+        return replace(self, name=f"{self.name}~{a}~{b}", works=tuple(works))
+
+
+GRAPH_INPUTS = ("ids", "positions", "slots", "seq_lens", "block_table")
+_FRESH = frozenset({"sampling", "tokens", "host_tokens", "eager_inputs", "received"})
+
+# The schedule's host-tier copies (the radix cache issues them while scheduling, before the step's inputs).
+TIER = (
+    Work("tier_backup", "tier", "copy", "schedule", reads=("kv",), writes=("host_kv",), after=("compute",),
+         held=("kv", "host_kv")),
+    Work("tier_load", "tier", "copy", "schedule", reads=("host_kv",), writes=("kv",), after=("compute",),
+         held=("kv", "host_kv")),
+    Work("tier_join", "compute", "wait", "schedule", after=("tier_load",)),
+)
+# A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs copied
+# there from pinned memory (no host sync), sampled ids copied to pinned memory behind an event the host reads
+# after launching the next step.
+STEP = (
+    Work("sampling_params", "compute", "copy", "prepare", writes=("sampling",)),
+    Work("input_ids", "compute", "copy", "prepare", reads=("tokens@-1",), writes=("ids",)),
+    Work("step_inputs", "compute", "copy", "prepare", writes=GRAPH_INPUTS[1:]),
+    Work("replay", "compute", "replay", "forward", reads=(*GRAPH_INPUTS, "kv", "weights"),
+         writes=("kv", "logits"), collective=True),
+    Work("sample", "compute", "kernel", "forward", reads=("logits", "sampling"), writes=("tokens",)),
+    Work("agree", "compute", "collective", "forward", reads=("tokens",), writes=("tokens",), collective=True,
+         tp_only=True),
+    Work("copy_out", "compute", "copy", "forward", reads=("tokens",), writes=("host_tokens",)),
+    Work("read_tokens", "host", "sync", "finish", reads=("host_tokens",), after=("copy_out",), lag=1),
+)
+# A step too large for the fixed buffers: inputs in tensors of its own (fresh), run eagerly.
+EAGER_STEP = (
+    Work("sampling_params", "compute", "copy", "prepare", writes=("sampling",)),
+    Work("eager_inputs", "compute", "copy", "prepare", reads=("tokens@-1",), writes=("eager_inputs",)),
+    Work("forward", "compute", "kernel", "forward", reads=("eager_inputs", "kv", "weights"),
+         writes=("kv", "logits"), collective=True),
+    *STEP[4:],
+)
+# A weight update between steps (the engine is paused): the receive on the transport's own stream (so NCCL does
+# not wait for every step queued on the compute stream), the host waits for it, then copies into the parameters
+# on the compute stream, behind the steps that read the old ones.
+WEIGHTS = (
+    Work("weights_receive", "transport", "collective", "weights", writes=("received",), collective=True),
+    Work("weights_land", "host", "sync", "weights", after=("weights_receive",)),
+    Work("weights_load", "compute", "copy", "weights", reads=("received",), writes=("weights",)),
+)
+
+DECODE = Placement("decode", (*TIER, *STEP), _FRESH)
+EAGER = Placement("eager", (*TIER, *EAGER_STEP), _FRESH)
+UPDATE = Placement("weights", WEIGHTS, _FRESH)
+IN_USE = (DECODE, EAGER, UPDATE)  # the iteration kinds the engine runs
+# The graph's inputs copied on a stream of their own, done right: the copies wait for the replay before (write
+# after read), the replay waits for them (read after write). Accepted, not used (it buys nothing measurable:
+# the copies are a few microseconds); the race guard's mutant arm runs it without its first edge.
+PREP = DECODE.replaced("step_inputs", stream="prep", after=("replay@-1",)).replaced("replay", after=("step_inputs",))
+
+
+def mutants() -> dict[str, tuple[str, Placement]]:
+    """Broken placements, each with the property the checker must reject it for."""
+    return {
+        # a pageable host-to-device copy in preparation: the host waits for the stream, behind the last replay
+        "pageable_copy": ("sync_behind_collective", DECODE.replaced("step_inputs", kind="sync")),
+        # the collective moved to a stream of its own but joined back: compute still waits for it
+        "collective_joined": ("sync_behind_collective", DECODE.replaced("agree", stream="collective")
+                              .replaced("copy_out", after=("agree",)).replaced("step_inputs", kind="sync")),
+        # the graph's inputs copied on a stream of their own, the replay waiting for them, but the copies not
+        # waiting for the replay before (which still reads the same buffers)
+        "prep_without_war": ("race", PREP.replaced("step_inputs", after=())),
+        # the pending-token gather on the prep stream, not waiting for the tokens it reads
+        "gather_without_raw": ("race", PREP.replaced("input_ids", stream="prep", after=())),
+        # host-tier copies that do not wait for the compute before them (which writes a backup's pages, or still
+        # reads the pages a load overwrites)
+        "copies_before_compute": ("race", DECODE.replaced("tier_backup", after=()).replaced("tier_load", after=())),
+        # compute that does not wait for the load that fills its pages
+        "load_not_joined": ("race", DECODE.replaced("tier_join", after=())),
+        # parameters overwritten while the transport still receives them
+        "load_before_land": ("race", UPDATE.replaced("weights_land", after=())),
+    }
+
+
+@dataclass(frozen=True)
+class Violation:
+    property: str
+    message: str
+
+
+@dataclass
+class _Node:
+    key: tuple  # (rank or "all", iteration, work name)
+    work: Work
+    iteration: int  # whose buffers it touches (issue iteration - lag)
+    issued: int  # position in the rank's issue order (collectives: in the first rank's)
+    preds: set = field(default_factory=set)
+
+
+def check(iterations: list[Placement] | tuple[Placement, ...], tp: int = 1,
+          ranks: dict[int, list[Placement]] | None = None) -> list[Violation]:
+    """The violations of the properties above when the iterations run in sequence on `tp` ranks (`ranks`: other
+    iterations for some ranks)."""
+    nodes: dict[tuple, _Node] = {}
+    order: dict[int, list[tuple]] = {}  # rank -> node keys in issue order
+    for rank in range(tp):
+        order[rank] = []
+        last_on: dict[str, tuple] = {}
+        last_sync: tuple | None = None
+        for it, placement in enumerate((ranks or {}).get(rank, iterations)):
+            for w in placement.works:
+                if w.tp_only and tp == 1:
+                    continue
+                key = ("all" if w.collective and tp > 1 else rank, it, w.name)
+                node = nodes.get(key) or nodes.setdefault(key, _Node(key, w, it - w.lag, len(order[rank])))
+                preds = node.preds
+                if w.stream != "host" and w.stream in last_on:
+                    preds.add(last_on[w.stream])
+                if last_sync is not None:
+                    preds.add(last_sync)
+                for a in w.after:
+                    if a in STREAMS:
+                        if a in last_on:
+                            preds.add(last_on[a])
+                    elif (found := _instance(a, it - w.lag, order[rank], nodes)) is not None:
+                        preds.add(found)
+                if w.stream != "host":
+                    last_on[w.stream] = key
+                if w.kind == "sync":
+                    last_sync = key
+                order[rank].append(key)
+    reach = _closure(nodes)
+    if reach is None:
+        return [Violation("hang", f"the ordering graph has a cycle over {tp} ranks: a collective waits for a rank "
+                                  "that waits for it")]
+    found: list[Violation] = []
+    for key, node in nodes.items():
+        if node.work.kind == "sync" and node.work.phase == "prepare":
+            for other, onode in nodes.items():
+                if onode.work.collective and onode.iteration < node.iteration and key in reach[other]:
+                    found.append(Violation("sync_behind_collective",
+                                           f"{_name(node)} blocks the host behind {_name(onode)}"))
+    for keys in order.values():
+        found += _races(keys, nodes, reach, iterations)
+    return _unique(found)
+
+
+def _instance(ref: str, iteration: int, issued: list[tuple], nodes: dict) -> tuple | None:
+    """The node `ref` names for a work of `iteration`, among those issued so far (see the module's docstring)."""
+    name, _, back = ref.partition("@")
+    want = iteration - int(back[1:]) if back else iteration
+    same = [k for k in issued if k[2] == name and nodes[k].iteration == want]
+    if same:
+        return same[-1]
+    if back:
+        return None
+    earlier = [k for k in issued if k[2] == name]
+    return earlier[-1] if earlier else None
+
+
+def _closure(nodes: dict) -> dict | None:
+    """key -> the set of keys it reaches (happens before); None if the graph has a cycle."""
+    succs: dict[tuple, set] = {k: set() for k in nodes}
+    for k, n in nodes.items():
+        for p in n.preds:
+            succs[p].add(k)
+    indegree = {k: len(n.preds) for k, n in nodes.items()}
+    topo, ready = [], [k for k, d in indegree.items() if d == 0]
+    while ready:
+        k = ready.pop()
+        topo.append(k)
+        for s in succs[k]:
+            indegree[s] -= 1
+            if indegree[s] == 0:
+                ready.append(s)
+    if len(topo) != len(nodes):
+        return None
+    reach: dict[tuple, set] = {}
+    for k in reversed(topo):
+        reach[k] = set().union(*({s} | reach[s] for s in succs[k])) if succs[k] else set()
+    return reach
+
+
+def _buffers(node: _Node, names: tuple[str, ...], fresh: frozenset) -> set[tuple]:
+    out = set()
+    for b in names:
+        name, _, back = b.partition("@")
+        it = node.iteration - (int(back[1:]) if back else 0)
+        out.add((name, it if name in fresh else None))
+    return out
+
+
+def _races(keys: list[tuple], nodes: dict, reach: dict, iterations) -> list[Violation]:
+    fresh = frozenset().union(*(p.fresh for p in iterations))
+    access = []
+    for k in keys:
+        n = nodes[k]
+        access.append((k, _buffers(n, n.work.reads, fresh), _buffers(n, n.work.writes, fresh),
+                       {b for b in _buffers(n, n.work.held, fresh)}))
+    found = []
+    for (a, ra, wa, held), (b, rb, wb, _) in itertools.combinations(access, 2):
+        # b writing what a holds never touches the elements a does (a's references keep them)
+        conflict = (wa & rb) | (((wa | ra) & wb) - held)
+        if conflict and b not in reach[a] and a != b:
+            buffer = sorted(conflict, key=str)[0][0]
+            found.append(Violation("race", f"{_name(nodes[b])} and {_name(nodes[a])} both touch {buffer!r} "
+                                           "with no ordering between them"))
+    return found
+
+
+def _name(node: _Node) -> str:
+    rank = "every rank" if node.key[0] == "all" else f"rank {node.key[0]}"
+    return f"{node.work.name} (iteration {node.key[1]}, {node.work.stream} stream, {rank})"
+
+
+def _unique(found: list[Violation]) -> list[Violation]:
+    return list(dict.fromkeys(found))
+
+
+def check_all(placements: tuple[Placement, ...] = IN_USE, length: int = 3, tp_sizes=(1, 2, 4)) -> list[Violation]:
+    """`check` over every sequence of `length` iterations drawn from `placements`, at each TP size."""
+    found = []
+    for tp in tp_sizes:
+        for seq in itertools.product(placements, repeat=length):
+            found += check(seq, tp)
+    return _unique(found)

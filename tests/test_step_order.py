@@ -1,0 +1,152 @@
+"""The step placement as data (tandem.engine.step_order): the checker accepts the engine's placements and rejects
+every mutant; the engine's code issues exactly the work the placement describes; the race guard counts."""
+
+import asyncio
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import step_order
+from tandem.engine.engine import Engine
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.step_order import DECODE, EAGER, IN_USE, PREP, UPDATE, check, check_all, mutants
+from tandem.engine.streams import MUTANT_ENV, RaceGuard, StreamRuntime, engine_placements
+from tandem.types import SamplingParams
+
+
+def test_the_engines_placements_hold_every_property_at_small_tp_sizes():
+    assert check_all(IN_USE, length=3, tp_sizes=(1, 2, 4)) == []
+    assert check_all((PREP, EAGER, UPDATE), length=3, tp_sizes=(1, 2)) == []  # prep stream with both edges
+
+
+@pytest.mark.parametrize("name", sorted(mutants()))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_every_mutant_is_rejected_for_its_property(name, tp):
+    prop, placement = mutants()[name]
+    found = [v for seq in ([placement] * 3, [DECODE, placement, EAGER]) for v in check(seq, tp)]
+    assert prop in {v.property for v in found}, (name, found)
+
+
+def test_a_collective_on_its_own_stream_joined_back_still_stalls_preparation():
+    _, placement = mutants()["collective_joined"]
+    messages = [v.message for v in check([placement] * 3, tp=2) if v.property == "sync_behind_collective"]
+    assert any(m.startswith("step_inputs") and "agree (iteration" in m for m in messages), messages
+    # without the join the copy-out does not wait for it, yet the step's replay (collectives inside) still does
+    unjoined = DECODE.replaced("agree", stream="collective").replaced("step_inputs", kind="sync")
+    assert not any("agree" in v.message for v in check([unjoined] * 3, tp=2) if v.property == "sync_behind_collective")
+
+
+def test_ranks_issuing_collectives_in_different_orders_hang():
+    swapped = DECODE.swapped("replay", "agree")
+    assert [v.property for v in check([DECODE] * 2, tp=2, ranks={1: [swapped] * 2})] == ["hang"]
+    assert all(v.property != "hang" for v in check([swapped] * 2, tp=2))
+
+
+def test_placements_refuse_unknown_names():
+    with pytest.raises(KeyError, match="not in placement"):
+        DECODE["graph_replay"]
+    with pytest.raises(ValueError, match="stream"):
+        step_order.Work("x", "side", "copy")
+    runtime = StreamRuntime(IN_USE, torch.device("cpu"))
+    with pytest.raises(KeyError, match="describe it there first"), runtime.work("prefetch"):
+        pass
+
+
+def test_the_mutant_switch(monkeypatch):
+    assert engine_placements() == IN_USE
+    monkeypatch.setenv(MUTANT_ENV, "prep_without_war")
+    assert engine_placements()[0] is not DECODE and engine_placements()[0].name.startswith("decode")
+    monkeypatch.setenv(MUTANT_ENV, "prep_without_waw")
+    with pytest.raises(ValueError, match="prep_without_war"):
+        engine_placements()
+
+
+def _in_order(trace: list[str], placement) -> bool:
+    """Whether one step's traced works (from its sampling params to the next step's) appear in the placement's
+    issue order. The tier's copies are left out: the host issues backups wherever requests finish or prefixes
+    complete, and the checker's model places them where they wait for the least (`after` the compute so far)."""
+    names = [w.name for w in placement.works if w.phase != "schedule"]
+    positions = [names.index(n) for n in trace if n in names]
+    return positions == sorted(positions)
+
+
+def test_the_engine_issues_exactly_the_described_work_in_the_described_order():
+    """Decode steps, eager prefill steps, host-tier backups and loads, a weight update: every piece of device work
+    the engine issues is one the placement names, in its order, and every described work is issued."""
+    config = EngineConfig(page_size=4, num_pages=24, max_prefill_tokens=64, host_cache="write_through",
+                          host_cache_pages=64)
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    with Engine("tiny", config) as engine:
+        engine.core.order.trace = trace = []
+        prompts = [[(7 * i + j) % 500 + 2 for j in range(30 + 3 * i)] for i in range(6)]
+
+        async def turns():
+            outs = await asyncio.gather(*[engine.generate(p, sp) for p in prompts])
+            nexts = [p + o.output_ids for p, o in zip(prompts, outs, strict=True)]
+            return await asyncio.gather(*[engine.generate(n, sp) for n in nexts])
+
+        asyncio.run(turns())
+        named = dict(engine.model.state_dict())
+        asyncio.run(engine.pause("abort"))
+        asyncio.run(engine.update_weights({"model.norm.weight": named["model.norm.weight"]}))
+    issued = set(trace)
+    described = {w.name for p in IN_USE for w in p.works if not w.tp_only and w.stream != "transport"}
+    cpu_only_absent = {"copy_out", "weights_land"}  # the copy to pinned memory is CUDA's; the land the transport's
+    assert issued == described - cpu_only_absent, (issued ^ (described - cpu_only_absent))
+    steps, current = [], []
+    for name in trace:
+        if name == "sampling_params" and current:
+            steps.append(current)
+            current = []
+        current.append(name)
+    steps.append(current)
+    for step in steps:
+        assert _in_order(step, EAGER if "forward" in step else DECODE), step
+    loads = [i for i, n in enumerate(trace) if n == "tier_load"]
+    assert loads, "the test meant to make the tier load pages back"
+    for i in loads:  # every load joined before the next compute that may read its pages
+        rest = trace[i:]
+        next_compute = min(rest.index(n) for n in ("replay", "forward") if n in rest)
+        assert "tier_join" in rest[:next_compute], trace[i:i + 8]
+
+
+def test_race_guard_counts_changes_during_a_replay():
+    a, b = torch.arange(10), torch.zeros(3, 4, dtype=torch.int32)
+    guard = RaceGuard([a, b])
+    guard.before()
+    guard.after()
+    assert guard.count() == 0
+    guard.before()
+    a[2] += 1
+    b[1, :3] = 7
+    guard.after()
+    assert (guard.count(), guard.replays) == (4, 2)
+
+
+def test_race_guard_around_the_engines_fixed_buffer_replays(monkeypatch):
+    """Normal steps read 0; a forward pass that rewrites its own inputs while it runs (what a prep stream without
+    the write-after-read edge does) is counted."""
+    config = EngineConfig(page_size=4, num_pages=64, race_guard=True)
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+
+    def run():
+        with Engine("tiny", config) as engine:
+            async def four():
+                await asyncio.gather(*[engine.generate([5, 6, 7, i + 2], sp) for i in range(4)])
+
+            asyncio.run(four())
+            return engine.runner.guard.count(), engine.runner.guard.replays
+
+    changed, replays = run()
+    assert changed == 0 and replays >= 7
+    forward = ModelRunner._forward_decode
+
+    def racing(self, bs, width=None):
+        out = forward(self, bs, width)
+        self.seq_lens_B[:bs] += 1  # the next step's inputs landing while this one runs
+        return out
+
+    monkeypatch.setattr(ModelRunner, "_forward_decode", racing)
+    changed, replays = run()
+    assert changed >= replays
