@@ -17,7 +17,7 @@ from tandem.config import PRESETS, RunConfig
 from tandem.engine.engine import Engine
 from tandem.model.attention import PackedCausal
 from tandem.model.loader import build_model
-from tandem.run.export import CHECKPOINT, export_run, hf_tensors
+from tandem.run.export import CHECKPOINT, export_run, hf_tensors, parse_size
 from tandem.run.main import run_with_display
 from tandem.tokenizer import load_tokenizer, train_tokenizer
 from tandem.trainer.trainer import Trainer
@@ -29,9 +29,11 @@ SHORT_RUN = ["steps=2", "rollout.group_size=2", "rollout.batch_groups=1", "rollo
 
 
 def model_dir(path, preset: str, tokenizer: bool = True):
-    """A model directory as users bring one: a config.json (no weights: random) and maybe a tokenizer."""
+    """A model directory as users bring one: a config.json (no weights: random) and maybe a tokenizer. "tiny-tied":
+    tiny with its head tied to the embedding."""
     path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(PRESETS[preset].to_hf_dict()))
+    config = PRESETS["tiny"].with_(tie_word_embeddings=True) if preset == "tiny-tied" else PRESETS[preset]
+    (path / "config.json").write_text(json.dumps(config.to_hf_dict()))
     if tokenizer:
         train_tokenizer(path, vocab_size=400)
     return str(path)
@@ -158,16 +160,24 @@ def test_moe_export_sharded_loads_in_transformers_with_equal_logits(tmp_path):
         assert_close(served.compute_logits(served(ids, torch.arange(11), PackedCausal([11]))), expected)
 
 
-def test_dtype_is_the_trained_one_unless_asked(tmp_path):
-    run = checkpoint_dir(tmp_path, "tiny", param_dtype="bfloat16")
+def test_dtype_is_the_trained_one_unless_asked_and_a_tied_head_is_written_once(tmp_path):
+    run = checkpoint_dir(tmp_path, "tiny-tied", param_dtype="bfloat16")
     export_run(run, tmp_path / "bf16")
-    assert {t.dtype for t in load_file(tmp_path / "bf16" / "model.safetensors").values()} == {torch.bfloat16}
+    weights = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16} and "lm_head.weight" not in weights
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
     assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
-    export_run(run, tmp_path / "fp32", dtype="float32")
+    cli_main(["export", str(run), str(tmp_path / "fp32"), "--dtype", "float32", "--max-shard-size", "20MB"])
     weights = load_file(tmp_path / "fp32" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.float32}
-    assert torch.equal(weights["model.norm.weight"], trained_state(run)["model.norm.weight"])
+    state = trained_state(run)
+    assert torch.equal(weights["model.norm.weight"], state["model.norm.weight"])
+    ids = torch.randint(0, 512, (10,), generator=torch.Generator().manual_seed(3))
+    model = json.loads((run / "config.json").read_text())["model"]
+    assert_close(hf_logits(tmp_path / "fp32", ids), tandem_logits(state, model, ids))
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("64kb") == 64_000 and parse_size("123") == 123
+    with pytest.raises(ValueError, match="max shard size '5 parsecs'"):
+        parse_size("5 parsecs")
 
 
 def test_refuses_a_run_without_what_it_needs(tmp_path, capsys):
