@@ -46,7 +46,7 @@ from contextlib import asynccontextmanager
 import pydantic_core
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -144,10 +144,13 @@ class Router:
     async def generate(self, request: Request) -> Response:
         if not self.pool.backends:
             return _error(503, "no server to route to: every one has left the rotation", "ServiceUnavailable")
-        placed = self.place(await request.body())
+        raw = await request.body()
+        placed = self.place(raw)
         servers, n = [b for b in (placed.target, placed.source) if b is not None], max(len(placed.prompts), 1)
         for b in servers:
             b.in_flight, b.routed = b.in_flight + n, b.routed + n
+        if _streamed(raw):
+            return await self._relay_stream(placed, servers, n)
         try:
             reply = await _unless_disconnected(request, self.call(placed.target, "POST", "/generate", placed.body))
         finally:
@@ -158,6 +161,27 @@ class Router:
         if reply.status == 200:
             self._remember_outputs(placed, reply.content)
         return self._relay(placed.target, "POST /generate", reply)
+
+    async def _relay_stream(self, placed: Placement, servers: list[Backend], n: int) -> Response:
+        """A streamed `/generate` (`stream: true`): the target's events relayed as they come; a client that goes
+        away closes the connection to the target, which aborts its requests there."""
+        reply, upstream = await self.upstream.open_stream(placed.target.url, "/generate", placed.body)
+        placed.target.down = not reply.status
+        if upstream is None:
+            for b in servers:
+                b.in_flight -= n
+            return self._relay(placed.target, "POST /generate", reply)
+
+        async def relay():
+            try:
+                async for chunk in upstream.content.iter_any():
+                    yield chunk
+            finally:
+                upstream.close()
+                for b in servers:
+                    b.in_flight -= n
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
 
     def _remember_outputs(self, placed: Placement, content: bytes) -> None:
         """The target's cache now holds each prompt followed by its output, which the episode's next turn extends."""
@@ -243,6 +267,15 @@ class Router:
         backend.errors += 1
         message = f"server {backend.url}: {what}: {reply.reason()}"
         return _error(502, message, "BadGateway", extra={"success": False, "message": message})
+
+
+def _streamed(raw: bytes) -> bool:
+    """Whether a `/generate` body asks for a stream."""
+    try:
+        body = pydantic_core.from_json(raw)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 def _prompts(body) -> list[list[int]]:

@@ -69,6 +69,23 @@ class Upstream:
             return Reply(0, failure=f"{type(e).__name__}: {str(e) or 'no answer'}")
 
 
+    async def open_stream(self, url: str, path: str, body: bytes) -> tuple[Reply, aiohttp.ClientResponse | None]:
+        """POST `body` to `path` of the server at `url` for a stream of server-sent events: (Reply(200), the open
+        response, whose `content` the caller reads and which it must `close`: closing it early tells the server the
+        client went away); any other answer: (its Reply, None)."""
+        key = next((k for k in self._keys[::-1] if k), None)
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        timeout = aiohttp.ClientTimeout(sock_connect=self.connect_timeout_s)
+        try:
+            reply = await self._http.request("POST", url + path, data=body, headers=headers, timeout=timeout)
+            if reply.status == 200 and reply.content_type == "text/event-stream":
+                return Reply(200), reply
+            async with reply:
+                return Reply(reply.status, await reply.read()), None
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return Reply(0, failure=f"{type(e).__name__}: {str(e) or 'no answer'}"), None
+
+
 def _keepalive_socket(addr_info) -> socket.socket:
     """A TCP socket that probes an idle connection (`KEEPALIVE_S`), failing it within about 25 s of the peer's
     vanishing."""
