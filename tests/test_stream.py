@@ -12,6 +12,8 @@ from wire_helpers import events, model_dir_with_tokenizer
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
 from tandem.server.http import ServerThread
+from tandem.server.router import build_router_app
+from tandem.server.router_config import RouterConfig
 
 PROMPT = [5, 6, 7, 8]
 SEEDED = {"temperature": 1.0, "sampling_seed": 3, "max_new_tokens": 16, "ignore_eos": True}
@@ -23,6 +25,7 @@ def served(tmp_path_factory):
     tokenizer = model_dir_with_tokenizer(path)
     with Engine(str(path), EngineConfig(page_size=16, max_batch_requests=4)) as engine, ServerThread(engine) as s:
         with httpx.Client(base_url=s.url, timeout=60) as client:
+            client.server_url = s.url
             yield client, engine, tokenizer
 
 
@@ -101,3 +104,23 @@ def test_a_client_that_goes_away_mid_stream_has_its_request_aborted_and_pages_fr
     assert stats.generated_tokens - before.generated_tokens < 3000
     cached = engine.cache.num_pages if engine.cache else 0
     assert stats.pages_free + cached == engine.pool.num_pages  # no page held by it
+
+
+def test_a_router_relays_the_stream_as_it_comes_and_a_client_gone_aborts_it(served):
+    client, engine, _ = served
+    body = {"input_ids": PROMPT, "sampling_params": SEEDED, "return_logprob": True}
+    whole = client.post("/generate", json=body).json()
+    with ServerThread(app=build_router_app(RouterConfig(servers=(client.server_url,)))) as router, \
+            httpx.Client(base_url=router.url, timeout=60) as via_router:
+        chunks = stream(via_router, body)
+        assert len(chunks) > 1 and chunks[-1]["output_ids"] == whole["output_ids"]
+        before = asyncio.run(engine.get_stats()).num_aborted
+        long = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 3000,
+                                                          "ignore_eos": True}, "stream": True}
+        with via_router.stream("POST", "/generate", json=long) as r:
+            assert next(line for line in r.iter_lines() if line.startswith("data: {"))
+        deadline = time.monotonic() + 20
+        while (stats := asyncio.run(engine.get_stats())).num_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.num_running == 0 and stats.num_aborted == before + 1
+        assert via_router.post("/generate", json={**body, "stream": True, "input_ids": [1, 999]}).status_code == 400
