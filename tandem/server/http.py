@@ -10,6 +10,13 @@ Endpoints: `POST /generate`, `/pause_generation`, `/continue_generation`, `/abor
 Each route's JSON body is a pydantic model (`tandem.server.bodies`: unknown fields refused, JSON types strict); an
 empty body is `{}`.
 
+`/generate` speaks SGLang's `GenerateReqInput` whole as RL clients send it (null is the default): `input_ids`, or
+`text` when the model directory has a tokenizer; every sampling field (`SamplingParams.from_dict`); `n` samples per
+prompt; each reply `{"text", "output_ids", "meta_info"}` (a list for a batch or n > 1), `text` decoded by the
+tokenizer ("" without one), stop strings and trimming as `tandem.server.text` states. `stream: true` answers with
+server-sent events, SGLang's default (non-incremental) chunks: `data: {...}` per step that sampled tokens, each the
+output so far (`finish_reason` null until the last), then `data: [DONE]`.
+
 Contract: a malformed request or one the engine refuses in its state gets a 400 whose body is
 `{"error": {"message": ..., "type": "BadRequest"}, "success": false, "message": ...}` (the shapes of SGLang's
 generate and weight-update errors at once) and whose message names the field; nothing of it reaches the engine.

@@ -25,8 +25,6 @@ from collections.abc import AsyncIterator, Awaitable
 from tandem.engine.engine import Engine
 from tandem.types import FinishReason, GenerateOutput, SamplingParams, TokenDelta
 
-STOPPED = "stop string matched"  # the message of the abort that ends a request at a stop string (never returned)
-
 
 def check_text(sampling: SamplingParams, tokenizer, name: str = "sampling_params") -> None:
     """Refuse (ValueError naming the field) the text-level fields a server without a tokenizer cannot honour."""
