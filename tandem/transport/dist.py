@@ -102,7 +102,7 @@ class _Laps:
 
     def lap(self, phase: str) -> None:
         now = time.perf_counter()
-        self.phases[phase] += now - self.last
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self.last
         self.last = now
 
     @property
@@ -304,7 +304,7 @@ class DistSender(_DistEnd, WeightSender):
     def _send(self, named_tensors: NamedTensors, version: int, commit: Callable[[], None] | None) -> TransferStats:
         # the hello, gathering and flattening buckets, their metadata, starting their data, waiting for the data of
         # the one before last (its memory is reused), the last ones' data, the confirmation, the commit
-        laps = _Laps("hello", "flatten", "metadata", "post", "reuse", "land", "done", "commit")
+        laps = _Laps("hello", "flatten", "metadata", "post", "reuse", "land", "done")  # (and "commit", if any)
         greeted = False  # the first bucket is gathered and flattened while the engines' hellos arrive
         num_buckets = num_tensors = num_bytes = 0
         in_flight: list[tuple[dist.Work, Tensor, int]] = []  # (operation, flat_N kept alive, bucket index), two at most
@@ -400,7 +400,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
             return self._receive()
 
     def _receive(self) -> tuple[int, FlatTensors]:
-        laps = _Laps("hello", "metadata", "post", "land", "ack", "commit")
+        laps = _Laps("hello", "metadata", "post", "land", "ack")  # (and "commit", if any)
         self._wait(lambda: self.control.send([torch.tensor([self.rank])], 0, HELLO), "handshake")
         laps.lap("hello")
         num_bytes = num_tensors = 0

@@ -1,0 +1,188 @@
+"""Engine replicas (issue 22): two engine processes behind the router, one weight broadcast to both, one of them
+SIGKILLed mid-run and restarted; and the protections one by one: a replica joins the router only with the others'
+weights, no replica loads before every one holds the transfer, a token older than its episode's start is caught."""
+
+import asyncio
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from test_transport import free_port
+
+from tandem.config import EngineConfig, RandomAgentConfig, RolloutConfig, RunConfig
+from tandem.engine.engine import Engine
+from tandem.model.loader import build_model
+from tandem.rollout.manager import RolloutManager
+from tandem.rollout.random_agent import RandomAgentEnv
+from tandem.run.loop import Run
+from tandem.server.http import ServerThread
+from tandem.server.router import RouterConfig, build_router_app
+from tandem.transport.checksum import weights_checksum
+from tandem.transport.dist import DistReceiver, DistSender
+from tandem.transport.weights import TransportError
+from tandem.types import FinishReason, GenerateOutput
+
+REPLICAS = ["placement=separate", "rollout.num_engines=2", "rollout.restart_engines=true", "rollout.group_size=2",
+            "rollout.batch_groups=2", "rollout.num_in_flight=8", "rollout.max_staleness=1",
+            "random_agent.prompt_len_max=24", "random_agent.response_len_median=4", "random_agent.response_len_max=24",
+            "random_agent.max_context=128", "random_agent.tool_latency_s=0.05", "weight_bucket_bytes=65536",
+            "weight_sync_timeout_s=20", "engine_timeout_s=20", "checkpoint_every=0"]
+
+
+def replica_run(tmp_path, *overrides) -> Run:
+    return Run(RunConfig.load(None, [*REPLICAS, f"out_dir={tmp_path}", *overrides]))
+
+
+def kill_one_replica_mid_run(run: Run, at_batch: int) -> dict:
+    """Before batch `at_batch` is taken, SIGKILL replica 0's process (episodes are in flight on it), then wait
+    (without holding anything the restart needs) until its replacement is in rotation."""
+    placement, take, seen = run.placement, run.manager.next_batch, {}
+
+    async def next_batch():
+        if run.trainer.version == at_batch and not seen:
+            victim = placement.members[0]
+            seen.update(pid=victim.handle.pid, url=victim.handle.url, t=time.monotonic())
+            os.kill(victim.handle.pid, signal.SIGKILL)
+            while placement.restarts < 1:
+                assert time.monotonic() - seen["t"] < 120, placement.lost
+                await asyncio.sleep(0.05)
+        return await take()
+
+    run.manager.next_batch = next_batch
+    return seen
+
+
+def test_a_replica_killed_mid_run_is_replaced_and_no_group_is_lost_or_trained_twice(tmp_path):
+    run = replica_run(tmp_path, "steps=5")
+    trained: list[tuple[int, list]] = []
+    run.on_batch = lambda version, batch: trained.append((version, batch))
+    killed = kill_one_replica_mid_run(run, at_batch=2)
+    try:
+        history = asyncio.run(run.train())
+        view = httpx.get(f"{run.placement.router.url}/get_server_info", timeout=10).json()["router"]["servers"]
+    finally:
+        run.shutdown()
+    placement, manager = run.placement, run.manager
+
+    # the run finished; the dead replica left, a new one took its slot (a new process) and rejoined
+    assert [(h["step"], h["version"]) for h in history] == [(s, s) for s in range(1, 6)]
+    assert placement.restarts == 1 and [m.slot for m in placement.members] == [0, 1]
+    assert placement.members[0].handle.pid != killed["pid"] and "exited with code -9" in placement.lost[0]
+    assert [s["url"] for s in view] == [placement.members[1].handle.url, placement.members[0].handle.url]
+
+    # every replica held the same weights after every update (checksums), and they are the trainer's
+    for h in history:
+        assert len(set(h["replica_checksums"].values())) == 1 and len(h["replica_checksums"]) == 2, h
+    trainer_weights = {n: p.to(torch.float32) for n, p in run.trainer.named_weights()}
+    assert history[-1]["replica_checksums"][0] == weights_checksum(trainer_weights.items())
+
+    # the restarted replica got traffic only with the current weights: its first tokens carry that version
+    rejoined = placement.members[0].handle.url
+    first = next(s for s in view if s["url"] == rejoined)
+    assert first["weight_version"] == placement.first_versions[rejoined] >= 2
+    assert first["first_token_version"] >= first["weight_version"], first
+
+    # every admitted group: trained once, or dropped with its reason, or still unfinished when the run stopped;
+    # the groups the kill cut short ran again (counted), and the staleness bound held for every trained token
+    ids = [g.index for _, batch in trained for g in batch]
+    assert len(ids) == len(set(ids)), ids
+    unfinished = set(manager.buffer) | set(manager.in_flight) | set(manager._readmit) | manager._retrying
+    assert set(range(manager.next_index)) == set(ids) | manager._dropped_indices | unfinished
+    assert not set(ids) & (manager._dropped_indices | unfinished)
+    assert manager.dropped == {} and history[-1]["rerun_groups"] >= 1, (manager.dropped, history[-1])
+    for version, batch in trained:
+        for g in batch:
+            for e in g.episodes:
+                assert min(v for v in e.versions if v >= 0) >= max(g.start_version, version - 1), (version, g.index)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    config = EngineConfig(max_batch_requests=4)
+    with Engine("tiny", config) as a, Engine("tiny", config) as b:
+        yield a, b
+
+
+def test_the_router_admits_a_replica_only_with_the_weights_of_those_in_rotation(engines):
+    """The protection against a restarted replica taking traffic before it holds the current weights (the
+    placement admits it after the update; this catches one admitted before)."""
+    behind, current = engines
+    weights = list(build_model("tiny", seed=3).named_parameters())
+    asyncio.run(current.load_paused(weights, 4, "abort"))
+    with ServerThread(behind) as b, ServerThread(current) as c, \
+            ServerThread(app=build_router_app(RouterConfig(servers=(c.url,)))) as router:
+        refused = httpx.post(f"{router.url}/add_worker", params={"url": b.url}, timeout=10)
+        assert refused.status_code == 400, refused.text
+        assert f"{b.url} holds weights version 0, the servers in rotation [4]" in refused.text
+        asyncio.run(behind.load_paused(weights, 4, "abort"))
+        added = httpx.post(f"{router.url}/add_worker", params={"url": b.url, "weight_version": 4}, timeout=10)
+        assert added.status_code == 200 and added.json()["weight_version"] == 4, added.text
+        servers = httpx.get(f"{router.url}/get_server_info", timeout=10).json()["router"]["servers"]
+        assert [s["url"] for s in servers] == [c.url, b.url]
+        assert httpx.post(f"{router.url}/remove_worker", params={"url": c.url}, timeout=10).status_code == 200
+        out = httpx.post(f"{router.url}/generate", timeout=30, json={
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 3}}).json()
+        assert out["meta_info"]["weight_version"] == 4  # from the one left: b
+
+
+def test_no_receiver_returns_the_transfer_before_the_commit_and_a_failed_commit_withdraws_it():
+    """Replicas pause in the transfer's commit, once every one holds the weights; none may load before."""
+    init, named = f"tcp://127.0.0.1:{free_port()}", [("a", torch.randn(100)), ("b", torch.randn(7, 3))]
+    returned: list[int] = []
+
+    def receive(receiver):
+        try:
+            version, tensors = receiver.receive()
+            returned.append(version)
+            return {n: tensors[n].clone() for n in tensors}
+        finally:
+            receiver.release()
+
+    with ThreadPoolExecutor(4) as pool:
+        joining = [pool.submit(DistReceiver, init, 3, rank, "gloo", 10) for rank in (1, 2)]
+        with DistSender(init, 3, timeout_s=10, bucket_bytes=256) as sender:
+            receivers = [j.result() for j in joining]
+            got = [pool.submit(receive, r) for r in receivers]
+            seen_in_commit = []
+            sender.send(named, 1, commit=lambda: (time.sleep(0.2), seen_in_commit.append(list(returned))))
+            assert all(torch.equal(g.result()["b"], named[1][1]) for g in got)
+            assert seen_in_commit == [[]] and sorted(returned) == [1, 1]
+
+            got = [pool.submit(receive, r) for r in receivers]
+            with pytest.raises(RuntimeError, match="pause failed"):
+                sender.send(named, 2, commit=lambda: (_ for _ in ()).throw(RuntimeError("pause failed")))
+            for g in got:
+                with pytest.raises(TransportError, match="rank 0 withdrew weights version 2 after sending them"):
+                    g.result()
+            got = [pool.submit(receive, r) for r in receivers]  # the group stays usable
+            sender.send(named, 3)
+            assert all(torch.equal(g.result()["a"], named[0][1]) for g in got)
+        for r in receivers:
+            r.close()
+
+
+class _StaleClient:
+    """An engine that samples under weights version 0 whatever the run's version (a replica behind)."""
+
+    async def generate(self, input_ids, sampling=None, rid=None, **_):
+        n = sampling.max_new_tokens
+        return GenerateOutput(rid or "r", [5] * n, [-1.0] * n, [0] * n, FinishReason("length", n), len(input_ids), 0)
+
+
+def test_a_token_older_than_its_episodes_start_drops_the_group_with_that_reason():
+    cfg = RolloutConfig(group_size=2, batch_groups=1, num_in_flight=2, max_staleness=0)
+
+    async def go():
+        env = lambda seed, j: RandomAgentEnv(RandomAgentConfig(), 512, seed, j)
+        manager = RolloutManager(_StaleClient(), env, cfg, 128, 0, version=lambda: 1)
+        manager.fill()
+        while manager.in_flight:
+            await asyncio.sleep(0.01)
+        return manager.dropped
+
+    dropped = asyncio.run(go())
+    assert list(dropped.values()) == [1] and "older than the episode's start version" in next(iter(dropped)), dropped
