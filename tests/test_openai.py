@@ -57,6 +57,16 @@ def test_chat_completion_returns_the_exact_ids(served):
                                                             choice.model_extra["meta_info"]["output_token_logprobs"]]
 
 
+def test_top_logprobs(served):
+    client, _, _ = served
+    reply = client.chat.completions.create(model="any", messages=HI, max_tokens=4, logprobs=True, top_logprobs=3)
+    for token in reply.choices[0].logprobs.content:
+        assert len(token.top_logprobs) == 3 and token.logprob <= token.top_logprobs[0].logprob + 1e-6
+        assert [t.logprob for t in token.top_logprobs] == sorted((t.logprob for t in token.top_logprobs), reverse=True)
+    text = client.completions.create(model="any", prompt="Hello", max_tokens=4, logprobs=2).choices[0]
+    assert [len(top) for top in text.logprobs.top_logprobs] == [2] * len(text.model_extra["token_ids"])
+
+
 def test_tools_reach_the_template(served):
     client, _, tokenizer = served
     reply = client.chat.completions.create(model="any", messages=HI, tools=[CALCULATOR], max_tokens=2)
@@ -73,6 +83,9 @@ def test_streams_give_what_the_whole_reply_gives(served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    streamed_ids = [t for c in chunks if c.choices for t in (c.choices[0].model_extra.get("token_ids") or [])]
+    assert streamed_ids == whole.choices[0].model_extra["token_ids"]
+    assert len(chunks) > 4  # as the tokens are sampled, not at once
     text = client.completions.create(model="any", prompt="Hello", max_tokens=8, seed=9)
     streamed = list(client.completions.create(model="any", prompt="Hello", max_tokens=8, seed=9, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == text.choices[0].text
@@ -94,7 +107,7 @@ def test_stop_strings_cut_the_text_and_the_ids(served):
 def test_errors_are_openai_shaped(served):
     client, server, _ = served
     cases = [
-        (dict(top_logprobs=2, logprobs=True), "top_logprobs"),
+        (dict(top_logprobs=21, logprobs=True), "top_logprobs"),
         (dict(max_tokens=10**6), "prompt"),
         (dict(temperature=-1), "temperature"),
         (dict(extra_body={"max_tokns": 3}), "max_tokns"),

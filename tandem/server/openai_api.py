@@ -1,24 +1,22 @@
 """OpenAI-compatible endpoints, and session-scoped chat with exact token histories.
 
 Routes: `GET /v1/models`; `POST /v1/completions`, `/v1/chat/completions` (bodies: `tandem.server.openai_bodies`),
-with `stream` (server-sent events of OpenAI's chunks, then `data: [DONE]`), `n`, `seed` (choice j samples with
-seed + j), `stop` (strings; `stop_token_ids` too), `logprobs` (the sampled tokens'; `top_logprobs` > 0 is refused:
-the engine computes no alternatives), `max_tokens` / `max_completion_tokens` (default: what the context leaves),
-`tools` (rendered by the model's chat template; `<tool_call>` JSON in the reply becomes `message.tool_calls`).
-Session-scoped chat (`tandem.server.sessions`): `POST /sessions/{id}/v1/chat/completions` (the same body, n = 1),
-`GET /sessions/{id}` (its token history: ids, loss mask, logprobs, weight versions), `DELETE /sessions/{id}`,
-`GET /sessions` (the store's counters: turns, reused, fallbacks, expiries...).
+with `stream` (server-sent events of OpenAI's chunks as the tokens are sampled, then `data: [DONE]`), `n`, `seed`
+(choice j samples with seed + j), `stop` (strings, `tandem.server.text`: they end the request; `stop_token_ids`
+too), `logprobs` and `top_logprobs` (completions: `logprobs` = the number of top logprobs), `max_tokens` /
+`max_completion_tokens` (default: what the context leaves), `tools` (rendered by the model's chat template;
+`<tool_call>` JSON in the reply becomes `message.tool_calls`; in a stream the content then comes whole at the end).
+Session-scoped chat (`tandem.server.sessions`): `POST /sessions/{id}/v1/chat/completions` (the same body, n = 1; a
+stream is sent once the turn is complete), `GET /sessions/{id}` (its token history: ids, loss mask, logprobs,
+weight versions), `DELETE /sessions/{id}`, `GET /sessions` (the store's counters: turns, reused, fallbacks...).
 
-Exact tokens (field names of SGLang's `return_token_ids`, sglang#30917, which vLLM's also uses): every choice
-carries `prompt_token_ids` (what the engine was given) and `token_ids` (what it sampled, through the token that
-completed a stop string; the text stops before it), and `meta_info`, the object `/generate` returns
-(`output_token_logprobs` as [logprob, id, null], `output_token_weight_versions`, `weight_version`, `cached_tokens`);
+Exact tokens: every choice carries `prompt_token_ids`, `token_ids` and `meta_info` (`tandem.server.openai_replies`);
 a session reply also carries `session` (`reused_tokens`, `appended_tokens`, `fallback`, `num_fallbacks`).
 
-Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (a chat request
-to a server without a tokenizer too), 404 for an unknown session, 409 for a session busy with another request.
-A request cut short by an abort-mode pause is continued from where it stopped, as the rollout's agent loop does.
-Streams are sent once the choices are complete (the engine returns a request's tokens when it finishes).
+Errors are OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for a bad request (a chat or text
+request to a server without a tokenizer too), 404 for an unknown session, 409 for a session busy with another
+request; an error after a stream began is sent as an `error` event. A request cut short by an abort-mode pause is
+continued from where it stopped (resubmitted with its output so far), as the rollout's agent loop does.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -36,30 +33,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from tandem.engine.engine import Engine, EngineError
-from tandem.server import chat
+from tandem.server import chat, text
 from tandem.server.openai_bodies import ChatBody, CompletionBody, OpenAIError, _Body
+from tandem.server.openai_replies import Choice, Stream, chat_choice, completion_choice, head, usage
 from tandem.server.sessions import SessionStore
 from tandem.types import PAUSED_ABORT, FinishReason, GenerateOutput, SamplingParams
 
 # where an engine's field names differ from OpenAI's
-_PARAM = {"input_ids": "prompt", "sampling_params.max_new_tokens": "max_tokens"}
-
-
-@dataclasses.dataclass(slots=True)
-class Choice:
-    """One sampled completion: `out` cut at a stop string (ids, logprobs, versions), its text, OpenAI's finish."""
-
-    prompt_ids: list[int]
-    out: GenerateOutput
-    text: str
-    finish: str  # "stop" | "length"
-    stop: str | None = None  # the stop string that ended it
-
-    def meta_info(self) -> dict:
-        meta = self.out.meta_info(return_logprob=True)
-        if self.stop is not None:
-            meta["finish_reason"] = {"type": "stop", "matched": self.stop}
-        return meta
+_PARAM = {"input_ids": "prompt", "sampling_params.max_new_tokens": "max_tokens",
+          "sampling_params.top_logprobs_num": "top_logprobs"}
 
 
 def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = None, tokenizer=None) -> None:
@@ -74,36 +56,38 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
-                                            "owned_by": "tandem", "max_model_len": engine.max_context_len}]}
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "tandem",
+                                            "max_model_len": engine.max_context_len}]}
 
     @app.post("/v1/completions")
     @_openai_errors
     async def completions(request: Request):
         body = await CompletionBody.from_request(request)
-        if body.logprobs:
-            raise OpenAIError("logprobs: only 0 (the sampled token's logprob) is supported; the engine computes no "
-                              "alternatives", "logprobs")
         prompts = _prompt_ids(body.prompt, tokenizer)
-        jobs = [(p, _sampling(body, p, engine, seed_offset=j, stop_ids=())) for p in prompts for j in range(body.n)]
-        choices = await _unless_disconnected(request, _sample_all(engine, tokenizer, jobs, body))
+        jobs = [(p, _sampling(body, p, engine, j, (), body.logprobs or 0)) for p in prompts for j in range(body.n)]
+        logprobs = body.logprobs is not None
+        if body.stream:
+            stream = Stream("text_completion", model_id, tokenizer, logprobs)
+            return _stream(stream, _progress(engine, tokenizer, jobs), body.stream_options)
+        choices = await _unless_disconnected(request, _finished(engine, tokenizer, jobs))
         if choices is None:
             return Response(status_code=499)
-        reply = _reply("cmpl", "text_completion", model_id, choices)
-        if body.stream:
-            return _stream(_completion_chunks(reply, choices, body, tokenizer))
-        reply["choices"] = [_completion_choice(i, c, body, tokenizer) for i, c in enumerate(choices)]
-        return _json(reply)
+        return _json(head("text_completion", model_id) | {
+            "choices": [completion_choice(c, logprobs, tokenizer) for c in choices], "usage": usage(choices)})
 
     @app.post("/v1/chat/completions")
     @_openai_errors
     async def chat_completions(request: Request):
         body, messages, tools = await _chat_request(request, tokenizer)
         prompt = chat.encode(tokenizer, chat.render(tokenizer, messages, tools, body.chat_template_kwargs))
-        sampled = await chat_sample(request, body, [prompt] * body.n)
-        if sampled is None:
+        jobs = _chat_jobs(body, [prompt] * body.n)
+        if body.stream:
+            stream = Stream("chat.completion.chunk", model_id, tokenizer, body.logprobs, hold_all=bool(tools))
+            return _stream(stream, _progress(engine, tokenizer, jobs), body.stream_options)
+        choices = await _unless_disconnected(request, _finished(engine, tokenizer, jobs))
+        if choices is None:
             return Response(status_code=499)
-        return _stream(_chat_chunks(sampled[0], body)) if body.stream else _json(sampled[0])
+        return _json(_chat_reply(choices, body, tools))
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     @_openai_errors
@@ -116,17 +100,20 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
             raise OpenAIError(f"session {session_id!r} is busy with another request", status=409, code="busy")
         async with session.lock:
             prompt = session.prompt(tokenizer, messages, tools, body.chat_template_kwargs)
-            sampled = await chat_sample(request, body, [prompt.ids])
-            if sampled is None:
+            choices = await _unless_disconnected(request, _finished(engine, tokenizer, _chat_jobs(body, [prompt.ids])))
+            if choices is None:
                 return Response(status_code=499)
-            reply, choices = sampled
+            reply = _chat_reply(choices, body, tools)
             store.count_turn(prompt)
             session.record(prompt, messages, reply["choices"][0]["message"], tools, body.chat_template_kwargs,
                            choices[0].out)
         reply["session"] = {"id": session_id, "reused_tokens": prompt.reused,
                             "appended_tokens": len(prompt.ids) - prompt.reused, "fallback": prompt.fallback,
                             "num_fallbacks": session.num_fallbacks}
-        return _stream(_chat_chunks(reply, body)) if body.stream else _json(reply)
+        if body.stream:  # (the turn is complete: its chunks at once)
+            stream = Stream("chat.completion.chunk", model_id, tokenizer, body.logprobs, hold_all=bool(tools))
+            return _stream(stream, _finished_one(choices[0]), body.stream_options, reply["session"])
+        return _json(reply)
 
     @app.get("/sessions")
     async def session_stats():
@@ -148,17 +135,18 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
             raise OpenAIError(f"no session {session_id!r}", status=404, code="session_not_found")
         return {"id": session_id, "object": "session", "deleted": True}
 
-    async def chat_sample(request: Request, body: ChatBody,
-                          prompts: list[list[int]]) -> tuple[dict, list[Choice]] | None:
-        """The chat reply to `prompts` (one per choice) and its choices; None if the client went away."""
+    def _chat_jobs(body: ChatBody, prompts: list[list[int]]) -> list[tuple[list[int], SamplingParams]]:
+        """One job per choice; the end-of-turn token ends a reply (unless `ignore_eos`)."""
         stop_ids = () if body.ignore_eos else (tokenizer.eos_token_id,)
-        jobs = [(p, _sampling(body, p, engine, j, stop_ids)) for j, p in enumerate(prompts)]
-        choices = await _unless_disconnected(request, _sample_all(engine, tokenizer, jobs, body))
-        if choices is None:
-            return None
-        reply = _reply("chatcmpl", "chat.completion", model_id, choices)
-        reply["choices"] = [_chat_choice(i, c, body, tokenizer) for i, c in enumerate(choices)]
-        return reply, choices
+        tops = (body.top_logprobs or 0) if body.logprobs else 0
+        jobs = [(p, _sampling(body, p, engine, j, stop_ids, tops)) for j, p in enumerate(prompts)]
+        _check(engine, tokenizer, jobs)
+        return jobs
+
+    def _chat_reply(choices: list[Choice], body: ChatBody, tools) -> dict:
+        return head("chat.completion", model_id) | {
+            "choices": [chat_choice(c, bool(tools), body.logprobs, tokenizer) for c in choices],
+            "usage": usage(choices)}
 
 
 # ---- requests ----------------------------------------------------------------------------------------------
@@ -171,11 +159,14 @@ def _openai_errors(route):
         except OpenAIError as e:
             return _json(e.body(), e.status)
         except (ValueError, EngineError) as e:
-            message = str(e)
-            field = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
-            param = _PARAM.get(field, field.removeprefix("sampling_params.") if field else None)
-            return _json(OpenAIError(message, param).body(), 400)
+            return _json(_refusal(e).body(), 400)
     return wrapper
+
+
+def _refusal(e: Exception) -> OpenAIError:
+    message = str(e)
+    field = message.split(":", 1)[0] if ":" in message and " " not in message.split(":", 1)[0] else None
+    return OpenAIError(message, _PARAM.get(field, field.removeprefix("sampling_params.") if field else None))
 
 
 def _need_tokenizer(tokenizer, what: str) -> None:
@@ -188,9 +179,6 @@ async def _chat_request(request: Request, tokenizer) -> tuple[ChatBody, list[dic
     """The body, its messages normalised (`chat.normalize`) and its tools as the template takes them."""
     body = await ChatBody.from_request(request)
     _need_tokenizer(tokenizer, "chat")
-    if body.top_logprobs:
-        raise OpenAIError("top_logprobs: only 0 is supported; the engine returns the sampled token's logprob only",
-                          "top_logprobs")
     messages = [chat.normalize(m) for m in body.messages]
     tools = [t.model_dump() for t in body.tools] if body.tools and body.tool_choice != "none" else None
     return body, messages, tools
@@ -207,161 +195,136 @@ def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
     return ids
 
 
-def _sampling(body: _Body, prompt: list[int], engine: Engine, seed_offset: int, stop_ids: tuple) -> SamplingParams:
+def _sampling(body: _Body, prompt: list[int], engine: Engine, seed_offset: int, stop_ids: tuple,
+              top_logprobs: int) -> SamplingParams:
     limit = body.token_limit if isinstance(body, ChatBody) else body.max_tokens
     if limit is None:
         limit = max(0, engine.max_context_len - len(prompt))
     seed = None if body.seed is None else (body.seed + seed_offset) % 2**63
     return SamplingParams(max_new_tokens=limit, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                           min_p=body.min_p, ignore_eos=body.ignore_eos, seed=seed,
-                          stop_token_ids=tuple(body.stop_token_ids or ()) + stop_ids)
+                          stop_token_ids=tuple(body.stop_token_ids or ()) + stop_ids, stop=tuple(body.stops),
+                          skip_special_tokens=body.skip_special_tokens, top_logprobs_num=top_logprobs)
+
+
+def _check(engine: Engine, tokenizer, jobs: list[tuple[list[int], SamplingParams]]) -> None:
+    """Refuse a request before anything of it is submitted (ValueError naming the field)."""
+    for prompt, sampling in jobs:
+        text.check_text(sampling, tokenizer)
+        engine.validate(prompt, sampling, "check")
 
 
 # ---- sampling ----------------------------------------------------------------------------------------------
-async def _sample_all(engine: Engine, tokenizer, jobs: list[tuple[list[int], SamplingParams]],
-                      body: _Body) -> list[Choice]:
-    """Sample every (prompt, params) job concurrently; the first failure cancels the rest and is raised."""
-    if body.stops:
-        _need_tokenizer(tokenizer, "stop")
-    for prompt, sampling in jobs:  # refuse before anything is submitted
-        engine.validate(prompt, sampling, "check")
+async def _choice(engine: Engine, tokenizer, index: int, prompt: list[int], sampling: SamplingParams,
+                  stream: bool) -> AsyncIterator[Choice]:
+    """Yield a choice's progress (when `stream`: after each step that sampled its tokens), then the choice
+    finished. A request cut short by an abort-mode pause is resubmitted with its output so far."""
+    done: GenerateOutput | None = None
+    while True:
+        ids = done.output_ids if done else []
+        left = dataclasses.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(ids))
+        if stream:
+            async for out in text.generate_stream(engine, prompt + ids, left, uuid.uuid4().hex, tokenizer=tokenizer):
+                out = _joined(done, out)
+                if out.finish_reason is None:
+                    yield Choice(index, prompt, out, sampling)
+        else:
+            out = _joined(done, await text.generate(engine, prompt + ids, left, uuid.uuid4().hex,
+                                                    tokenizer=tokenizer))
+        reason = out.finish_reason
+        if reason.type != "abort" or len(out.output_ids) >= sampling.max_new_tokens:
+            break
+        if reason.message != PAUSED_ABORT:
+            raise OpenAIError(f"the engine aborted the request: {reason.message}", status=500)
+        done = out
+    if done is not None:  # continued: the text (and a stop string across the seam) from the whole output
+        matcher = text.OutputText(tokenizer, sampling)
+        if (keep := matcher.feed(out.output_ids)) is not None:
+            out = text.cut(out, keep, matcher.matched)
+    if out.finish_reason.type == "abort":  # (paused as its last token was sampled)
+        out = dataclasses.replace(out, finish_reason=FinishReason("length", length=len(out.output_ids)))
+    out.text = text.final_text(tokenizer, out, sampling)
+    yield Choice(index, prompt, out, sampling)
+
+
+def _joined(done: GenerateOutput | None, out: GenerateOutput) -> GenerateOutput:
+    """`out` of a resubmitted request after the output `done` of the requests before it."""
+    if done is None:
+        return out
+    tops = None if done.output_top_logprobs is None or out.output_top_logprobs is None else \
+        done.output_top_logprobs + out.output_top_logprobs
+    return dataclasses.replace(out, output_ids=done.output_ids + out.output_ids,
+                               output_logprobs=done.output_logprobs + out.output_logprobs,
+                               weight_versions=done.weight_versions + out.weight_versions, output_top_logprobs=tops,
+                               prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens,
+                               text=done.text + out.text)
+
+
+async def _finished(engine: Engine, tokenizer, jobs: list[tuple[list[int], SamplingParams]]) -> list[Choice]:
+    """Every job's finished choice, sampled concurrently; the first failure cancels the rest and is raised."""
+    async def last(index, prompt, sampling):
+        return [c async for c in _choice(engine, tokenizer, index, prompt, sampling, stream=False)][-1]
+
     try:
         async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(_sample(engine, tokenizer, p, s, body.stops, body.skip_special_tokens))
-                     for p, s in jobs]
+            tasks = [group.create_task(last(i, p, s)) for i, (p, s) in enumerate(jobs)]
     except BaseExceptionGroup as eg:
         raise eg.exceptions[0] from None
     return [t.result() for t in tasks]
 
 
-async def _sample(engine: Engine, tokenizer, prompt: list[int], sampling: SamplingParams, stops: list[str],
-                  skip_special: bool) -> Choice:
-    """One completion: continued after abort-mode pauses, then cut where a stop string is complete."""
-    out = None
-    while True:
-        done = out.output_ids if out else []
-        step = await engine.generate(prompt + done, dataclasses.replace(
-            sampling, max_new_tokens=sampling.max_new_tokens - len(done)))
-        out = step if out is None else dataclasses.replace(
-            step, output_ids=done + step.output_ids, output_logprobs=out.output_logprobs + step.output_logprobs,
-            weight_versions=out.weight_versions + step.weight_versions, prompt_tokens=out.prompt_tokens,
-            cached_tokens=out.cached_tokens)
-        if step.finish_reason.type != "abort" or len(out.output_ids) >= sampling.max_new_tokens:
-            break
-        if step.finish_reason.message != PAUSED_ABORT:
-            raise OpenAIError(f"the engine aborted the request: {step.finish_reason.message}", status=500)
-    if out.finish_reason.type == "abort":
-        out = dataclasses.replace(out, finish_reason=FinishReason("length", length=len(out.output_ids)))
-    decode = (lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special)) if tokenizer else (lambda _: "")
-    choice = Choice(prompt, out, decode(out.output_ids), out.finish_reason.type)
-    if stops and any(s in choice.text for s in stops):
-        _cut_at_stop(choice, stops, decode)
-    return choice
+async def _progress(engine: Engine, tokenizer, jobs: list[tuple[list[int], SamplingParams]]) -> AsyncIterator[Choice]:
+    """Every job's progress and finished choice as they come (choices interleaved). Closing it cancels the rest."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, prompt, sampling):
+        try:
+            async for choice in _choice(engine, tokenizer, index, prompt, sampling, stream=True):
+                queue.put_nowait(choice)
+        except Exception as e:  # (sent to the reader; a cancellation is the reader's own)
+            queue.put_nowait(e)
+
+    tasks = [asyncio.create_task(pump(i, p, s)) for i, (p, s) in enumerate(jobs)]
+    try:
+        finished = 0
+        while finished < len(jobs):
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            finished += item.finished
+            yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _cut_at_stop(choice: Choice, stops: list[str], decode) -> None:
-    """Cut `choice` after the first token whose text completes a stop string (a binary search over prefixes),
-    its text before that string."""
-    ids = choice.out.output_ids
-    lo, hi = 1, len(ids)  # the shortest prefix whose text holds a stop string
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in decode(ids[:mid]) for s in stops):
-            hi = mid
-        else:
-            lo = mid + 1
-    text = decode(ids[:lo])
-    stop = min((s for s in stops if s in text), key=text.index)
-    out = choice.out
-    choice.out = dataclasses.replace(out, output_ids=ids[:lo], output_logprobs=out.output_logprobs[:lo],
-                                     weight_versions=out.weight_versions[:lo],
-                                     finish_reason=FinishReason("stop"))
-    choice.text, choice.finish, choice.stop = text[:text.index(stop)], "stop", stop
+async def _finished_one(choice: Choice) -> AsyncIterator[Choice]:
+    yield choice
 
 
 # ---- replies -----------------------------------------------------------------------------------------------
-def _reply(prefix: str, kind: str, model_id: str, choices: list[Choice]) -> dict:
-    prompt_tokens = sum(len(p) for p in {tuple(c.prompt_ids) for c in choices})
-    completion_tokens = sum(len(c.out.output_ids) for c in choices)
-    return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": kind, "created": int(time.time()), "model": model_id,
-            "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                     "total_tokens": prompt_tokens + completion_tokens}}
-
-
-def _token_texts(ids: list[int], tokenizer) -> list[str]:
-    return [tokenizer.decode([t]) for t in ids] if tokenizer else [f"token_id:{t}" for t in ids]
-
-
-def _exact(c: Choice) -> dict:
-    return {"prompt_token_ids": c.prompt_ids, "token_ids": c.out.output_ids, "meta_info": c.meta_info()}
-
-
-def _chat_choice(i: int, c: Choice, body: ChatBody, tokenizer) -> dict:
-    content, calls = chat.parse_tool_calls(c.text) if body.tools and body.tool_choice != "none" else (c.text, [])
-    message = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = calls
-    logprobs = None
-    if body.logprobs:
-        logprobs = {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(_token_texts(c.out.output_ids, tokenizer), c.out.output_logprobs,
-                                                 strict=True)]}
-    finish = "tool_calls" if calls and c.finish == "stop" else c.finish
-    return {"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish, **_exact(c)}
-
-
-def _completion_choice(i: int, c: Choice, body: CompletionBody, tokenizer) -> dict:
-    logprobs = None
-    if body.logprobs is not None:
-        tokens = _token_texts(c.out.output_ids, tokenizer)
-        offsets = [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
-        logprobs = {"tokens": tokens, "token_logprobs": c.out.output_logprobs, "top_logprobs": None,
-                    "text_offset": offsets}
-    return {"index": i, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish, **_exact(c)}
-
-
-async def _chat_chunks(reply: dict, body: ChatBody) -> AsyncIterator[dict]:
-    """A chat reply as OpenAI's chunks: per choice its role, its content, its tool calls, its finish; then the
-    usage when asked for. `token_ids` ride with the content, `prompt_token_ids` with the first chunk."""
-    head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    for choice in reply["choices"]:
-        i, message = choice["index"], choice["message"]
-        yield head | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                   "finish_reason": None, "prompt_token_ids": choice["prompt_token_ids"]}]}
-        if message["content"] or choice["token_ids"]:
-            yield head | {"choices": [{"index": i, "delta": {"content": message["content"] or ""},
-                                       "logprobs": choice["logprobs"], "finish_reason": None,
-                                       "token_ids": choice["token_ids"]}]}
-        if message.get("tool_calls"):
-            calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-            yield head | {"choices": [{"index": i, "delta": {"tool_calls": calls}, "finish_reason": None}]}
-        yield head | {"choices": [{"index": i, "delta": {}, "finish_reason": choice["finish_reason"],
-                                   "meta_info": choice["meta_info"]}]}
-    if body.stream_options and body.stream_options.include_usage:
-        yield head | {"choices": [], "usage": reply["usage"], **({"session": reply["session"]}
-                                                                  if "session" in reply else {})}
-
-
-async def _completion_chunks(reply: dict, choices: list[Choice], body: CompletionBody,
-                             tokenizer) -> AsyncIterator[dict]:
-    head = {k: reply[k] for k in ("id", "created", "model")} | {"object": "text_completion"}
-    for i, c in enumerate(choices):
-        full = _completion_choice(i, c, body, tokenizer)
-        yield head | {"choices": [{**full, "finish_reason": None, "meta_info": None}]}
-        yield head | {"choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish,
-                                   "meta_info": full["meta_info"]}]}
-    if body.stream_options and body.stream_options.include_usage:
-        yield head | {"choices": [], "usage": reply["usage"]}
-
-
-def _stream(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _stream(stream: Stream, choices: AsyncIterator[Choice], options, extra: dict | None = None) -> StreamingResponse:
+    """Server-sent events: the chunks of each choice's progress, the usage when asked for, then `[DONE]`; an error
+    once streaming has begun is an `error` event."""
     async def events():
-        async for chunk in chunks:
-            yield b"data: " + pydantic_core.to_json(chunk, inf_nan_mode="null") + b"\n\n"
+        seen: dict[int, Choice] = {}
+        try:
+            async for choice in choices:
+                seen[choice.index] = choice
+                for chunk in stream.chunks(choice):
+                    yield _event(chunk)
+            if options and options.include_usage:
+                yield _event(stream.usage_chunk(list(seen.values()), extra))
+        except (OpenAIError, ValueError, EngineError) as e:
+            yield _event((e if isinstance(e, OpenAIError) else _refusal(e)).body())
         yield b"data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _event(chunk: dict) -> bytes:
+    return b"data: " + pydantic_core.to_json(chunk, inf_nan_mode="null") + b"\n\n"
+
+
 def _json(content, status_code: int = 200) -> Response:
     return Response(pydantic_core.to_json(content, inf_nan_mode="null"), status_code, media_type="application/json")
-
