@@ -72,7 +72,7 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
     naming the file when it is missing, empty or not JSON lines."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
-        raise ValueError(f"plot: {str(run_dir)!r} has no {METRICS} (a run appends a record to it every step)")
+        raise ValueError(f"{str(run_dir)!r} has no {METRICS} (a run appends a record to it every step)")
     by_step: dict[int, dict] = {}
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -81,9 +81,9 @@ def read_metrics(run_dir: str | Path) -> list[dict]:
             record = json.loads(line)
             by_step[int(record["step"])] = record
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"plot: {path} line {number} is not a step record ({e})") from None
+            raise ValueError(f"{path} line {number} is not a step record ({e})") from None
     if not by_step:
-        raise ValueError(f"plot: {path} holds no records yet")
+        raise ValueError(f"{path} holds no records yet")
     return [by_step[step] for step in sorted(by_step)]
 
 
@@ -176,6 +176,6 @@ def _matplotlib_figure():
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise ValueError("plot: needs matplotlib, an optional dependency (pip install 'tandem-rl[plot]', or "
+        raise ValueError("tandem.plot needs matplotlib, an optional dependency (pip install 'tandem-rl[plot]', or "
                          "pip install matplotlib)") from None
     return Figure

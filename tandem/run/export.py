@@ -60,9 +60,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, dtype: Dtype | None = N
     the wrong shape or not finite."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not run_dir.is_dir():
-        raise ValueError(f"export: RUN_DIR {str(run_dir)!r} is not a directory")
+        raise ValueError(f"RUN_DIR {str(run_dir)!r} is not a directory")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise ValueError(f"export: OUT_DIR {str(out_dir)!r} exists and is not an empty directory")
+        raise ValueError(f"OUT_DIR {str(out_dir)!r} exists and is not an empty directory")
     cfg = _run_config(run_dir)
     state = _read_checkpoint(run_dir)
     return write_hf_checkpoint(state["model"], cfg, out_dir, dtype or cfg.trainer.param_dtype, state["version"],
@@ -84,7 +84,7 @@ def write_hf_checkpoint(state: Mapping[str, torch.Tensor], cfg: RunConfig, out_d
     checkpoint in `out_dir`, replacing what is there. Everything is checked before anything is written, and the
     directory appears whole or not at all (it is written beside and renamed into place)."""
     if dtype not in DTYPES:
-        raise ValueError(f"export: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     config = _model_config(cfg.model)
     tensors = hf_tensors(state, config)
     tokenizer = load_tokenizer(cfg.model, config.vocab_size)
@@ -116,19 +116,19 @@ def hf_tensors(state: Mapping[str, torch.Tensor], config: ModelConfig) -> dict[s
         params = {name: tuple(p.shape) for name, p in Qwen3ForCausalLM(config).named_parameters()}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # (the embedding's twin)
     if missing := [name for name in params if name not in state]:
-        raise ValueError(f"export: the checkpoint lacks {len(missing)} tensor(s) of the model: "
+        raise ValueError(f"the checkpoint lacks {len(missing)} tensor(s) of the model: "
                          f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if unknown := sorted(set(state) - set(params) - ignored):
-        raise ValueError(f"export: the checkpoint holds tensors the model does not have: {unknown[:5]}")
+        raise ValueError(f"the checkpoint holds tensors the model does not have: {unknown[:5]}")
     out: dict[str, torch.Tensor] = {}
     for name, shape in params.items():
         tensor = state[name]
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"export: {name} has shape {tuple(tensor.shape)}, the model expects {shape}")
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, the model expects {shape}")
         if not tensor.dtype.is_floating_point:
-            raise ValueError(f"export: {name} has dtype {tensor.dtype}, expected floating point")
+            raise ValueError(f"{name} has dtype {tensor.dtype}, expected floating point")
         if not torch.isfinite(tensor).all():
-            raise ValueError(f"export: {name} holds NaN or infinite values")
+            raise ValueError(f"{name} holds NaN or infinite values")
         out.update(_hf_named(name, tensor))
     return out
 
@@ -203,18 +203,18 @@ def _model_config(model: str) -> ModelConfig:
     try:
         return resolve_model(model)[0]
     except ValueError as e:
-        raise ValueError(f"export: the run's model is no longer readable ({e})") from None
+        raise ValueError(f"the run's model is no longer readable ({e})") from None
 
 
 def _run_config(run_dir: Path) -> RunConfig:
     path = run_dir / RUN_CONFIG
     if not path.is_file():
-        raise ValueError(f"export: {str(run_dir)!r} has no {RUN_CONFIG} (the run's config, which `tandem run` writes "
+        raise ValueError(f"{str(run_dir)!r} has no {RUN_CONFIG} (the run's config, which `tandem run` writes "
                          "as it starts): it names the model whose weights the checkpoint holds")
     try:
         return _build(RunConfig, json.loads(path.read_text()), "run")
     except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise ValueError(f"export: cannot read {path}: {e}") from None
+        raise ValueError(f"cannot read {path}: {e}") from None
 
 
 def _read_checkpoint(run_dir: Path) -> dict:
@@ -223,15 +223,15 @@ def _read_checkpoint(run_dir: Path) -> dict:
     path = run_dir / CHECKPOINT
     if not path.is_file():
         partial = " (only an unfinished save, checkpoint.pt.tmp)" if (run_dir / f"{CHECKPOINT}.tmp").exists() else ""
-        raise ValueError(f"export: {str(run_dir)!r} has no {CHECKPOINT}{partial}: a run writes it every "
+        raise ValueError(f"{str(run_dir)!r} has no {CHECKPOINT}{partial}: a run writes it every "
                          "checkpoint_every steps and when it ends")
     try:
         state = torch.load(path, weights_only=True, mmap=True)
     except Exception as e:  # (pickle, zip and torch's own errors: no common type)
-        raise ValueError(f"export: cannot read {path}: {e}") from None
+        raise ValueError(f"cannot read {path}: {e}") from None
     trainer = state.get("trainer") if isinstance(state, dict) else None
     if not isinstance(trainer, dict) or not isinstance(trainer.get("model"), Mapping) or "version" not in trainer:
-        raise ValueError(f"export: {path} is not a tandem run checkpoint (no trainer model state and version)")
+        raise ValueError(f"{path} is not a tandem run checkpoint (no trainer model state and version)")
     return trainer
 
 
@@ -239,6 +239,6 @@ def parse_size(text: str) -> int:
     """'5GB', '500MB', '64KB' or a number of bytes (decimal units, as Hugging Face's `max_shard_size`)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B?)\s*", text.upper())
     if m is None:
-        raise ValueError(f"export: max shard size {text!r}: expected bytes or a size such as 5GB or 500MB")
+        raise ValueError(f"max shard size {text!r}: expected bytes or a size such as 5GB or 500MB")
     return math.floor(float(m[1]) * {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "M": 1e6, "MB": 1e6, "G": 1e9,
                                      "GB": 1e9}[m[2]])
