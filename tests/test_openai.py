@@ -2,6 +2,8 @@
 serving a tiny random model with the shipped test tokenizer."""
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -139,3 +141,20 @@ def test_tool_calls_are_parsed_from_tool_call_json():
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
         ("calculator", {"expression": "12 + 30"})]
     assert chat.parse_tool_calls("no calls") == ("no calls", [])
+
+
+def test_a_reply_cut_by_an_abort_pause_is_continued(served):
+    """A weight update's abort-mode pause ends the engine's request; the endpoint resubmits it with its output so
+    far, so the client gets every token it asked for (falsifier: without the resubmission the reply is short)."""
+    _, server, _ = served
+    with ThreadPoolExecutor(1) as pool, httpx.Client(base_url=server.url, timeout=60) as http:
+        future = pool.submit(http.post, "/v1/chat/completions", json={
+            "messages": HI, "max_tokens": 400, "ignore_eos": True, "seed": 1})
+        deadline = time.monotonic() + 30
+        while http.get("/engine_stats").json()["generated_tokens"] < 20 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert http.post("/pause_generation", json={"mode": "abort"}).status_code == 200
+        assert http.post("/continue_generation").status_code == 200
+        choice = future.result().json()["choices"][0]
+    assert len(choice["token_ids"]) == 400 and choice["finish_reason"] == "length"
+    assert len(choice["meta_info"]["output_token_weight_versions"]) == 400
