@@ -1,6 +1,9 @@
 """Session-scoped chat (tandem.server.sessions): a session's history keeps the sampled ids where re-tokenizing the
 conversation would change them (a template that drops earlier thinking, BPE that merges what was sampled apart)."""
 
+import time
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
 import pytest
 from chat_models import chain_model_dir
@@ -135,3 +138,17 @@ def test_render_suffix_tokenizes_as_the_whole_conversation_does(tmp_path):
         history = history[:len(history) - history[::-1].index(tokenizer.eos_token_id)]  # through the last <|im_end|>
         suffix = chat.encode(tokenizer, chat.render_suffix(tokenizer, appended, tool_list, None))
         assert history + suffix == whole
+
+
+def test_one_request_at_a_time_per_session(setup):
+    client, _, _ = setup
+    with ThreadPoolExecutor(1) as pool:
+        long = pool.submit(client.post, "/sessions/busy/v1/chat/completions",
+                           json={"messages": [HI], "max_tokens": 400, "ignore_eos": True, "temperature": 0})
+        deadline = time.monotonic() + 30
+        while client.get("/engine_stats").json()["num_running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        r = client.post("/sessions/busy/v1/chat/completions", json={"messages": [HI], **GREEDY})
+        assert r.status_code == 409 and r.json()["error"]["code"] == "busy"
+        assert long.result().status_code == 200
+    assert client.get("/sessions/busy").json()["num_turns"] == 1
