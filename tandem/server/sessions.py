@@ -11,8 +11,9 @@ whole conversation is rendered and tokenized again, the history starts over from
 then gone from it: what the template and BPE make of their text replaces them), and the fallback is counted in the
 reply and the store's counters. The first request of a session is neither.
 
-Bounds: at most `max_sessions` (the least recently used is evicted to admit another); a session unused for
-`ttl_s` expires; `DELETE /sessions/{id}` ends one. One request at a time per session (another is refused: 409).
+Bounds: at most `max_sessions` (the least recently used is evicted to admit another), each holding at most the
+engine's context (17 bytes a token: arrays, not lists); a session unused for `ttl_s` expires; `DELETE
+/sessions/{id}` ends one. One request at a time per session (another is refused: 409).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -39,11 +41,14 @@ class Prompt:
 
 @dataclass(slots=True)
 class Session:
+    """A session's token history, as parallel arrays: `tokens`, `loss_mask` (1: sampled by the engine), `logprobs`
+    and `weight_versions` (the sampled tokens'; 0.0 and -1 for the rest)."""
+
     id: str
-    tokens: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)  # 1: sampled by the engine
-    logprobs: list[float] = field(default_factory=list)  # the sampled tokens' (0.0 for the rest)
-    weight_versions: list[int] = field(default_factory=list)  # the sampled tokens' (-1 for the rest)
+    tokens: array = field(default_factory=lambda: array("i"))
+    loss_mask: array = field(default_factory=lambda: array("b"))
+    logprobs: array = field(default_factory=lambda: array("d"))
+    weight_versions: array = field(default_factory=lambda: array("i"))
     seen: list[dict] = field(default_factory=list)  # normalised messages, through the last reply
     context: tuple = ()  # (tools, template arguments) of the history
     num_turns: int = 0
@@ -63,7 +68,8 @@ class Session:
                 pass
             else:
                 close = [] if self.tokens[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id]
-                return Prompt(self.tokens + close + chat.encode(tokenizer, suffix), len(self.tokens), False)
+                ids = self.tokens.tolist() + close + chat.encode(tokenizer, suffix)
+                return Prompt(ids, len(self.tokens), False)
         full = chat.encode(tokenizer, chat.render(tokenizer, messages, tools, template_kwargs))
         return Prompt(full, 0, fallback=n > 0)
 
@@ -71,12 +77,13 @@ class Session:
         """Keep a finished turn: `prompt` as sent, `output` (a GenerateOutput, cut to what was returned) and the
         `reply` message returned for `messages`."""
         if prompt.reused == 0:
-            self.tokens, self.loss_mask, self.logprobs, self.weight_versions = [], [], [], []
+            for column in (self.tokens, self.loss_mask, self.logprobs, self.weight_versions):
+                del column[:]
         appended = prompt.ids[prompt.reused:]
-        self.tokens += appended + output.output_ids
-        self.loss_mask += [0] * len(appended) + [1] * len(output.output_ids)
-        self.logprobs += [0.0] * len(appended) + list(output.output_logprobs)
-        self.weight_versions += [-1] * len(appended) + list(output.weight_versions)
+        self.tokens.extend(appended + output.output_ids)
+        self.loss_mask.extend([0] * len(appended) + [1] * len(output.output_ids))
+        self.logprobs.extend([0.0] * len(appended) + list(output.output_logprobs))
+        self.weight_versions.extend([-1] * len(appended) + list(output.weight_versions))
         self.seen = [*messages, chat.normalize(reply)]
         self.context = (tools, template_kwargs)
         self.num_turns += 1
@@ -85,8 +92,9 @@ class Session:
 
     def to_dict(self) -> dict:
         """The history, as a trainer takes it (parallel lists, one entry per token)."""
-        return {"id": self.id, "token_ids": self.tokens, "loss_mask": self.loss_mask, "logprobs": self.logprobs,
-                "weight_versions": self.weight_versions, "num_turns": self.num_turns,
+        return {"id": self.id, "token_ids": self.tokens.tolist(), "loss_mask": self.loss_mask.tolist(),
+                "logprobs": self.logprobs.tolist(), "weight_versions": self.weight_versions.tolist(),
+                "num_turns": self.num_turns,
                 "num_reused": self.num_reused, "num_fallbacks": self.num_fallbacks}
 
 
