@@ -56,48 +56,65 @@ def kill_one_replica_mid_run(run: Run, at_batch: int) -> dict:
     return seen
 
 
-def test_a_replica_killed_mid_run_is_replaced_and_no_group_is_lost_or_trained_twice(tmp_path):
-    run = replica_run(tmp_path, "steps=5")
-    trained: list[tuple[int, list]] = []
-    run.on_batch = lambda version, batch: trained.append((version, batch))
-    killed = kill_one_replica_mid_run(run, at_batch=2)
-    try:
-        history = asyncio.run(run.train())
-        view = httpx.get(f"{run.placement.router.url}/get_server_info", timeout=10).json()["router"]["servers"]
-    finally:
-        run.shutdown()
-    placement, manager = run.placement, run.manager
+def prepare_kill(run: Run) -> None:
+    run.killed = kill_one_replica_mid_run(run, at_batch=2)
 
+
+def outcome(run: Run, trained: list[tuple[int, list]]) -> dict:
+    """What the run did, as plain data (computed in the trainer's process, before it shuts down)."""
+    placement, manager = run.placement, run.manager
+    view = httpx.get(f"{placement.router.url}/get_server_info", timeout=10).json()["router"]["servers"]
+    return dict(
+        history=run.history, restarts=placement.restarts, slots=[m.slot for m in placement.members],
+        pids=[m.handle.pid for m in placement.members], urls=[m.handle.url for m in placement.members],
+        killed=run.killed["pid"], lost=placement.lost, view=view, first_versions=placement.first_versions,
+        trainer_checksum=weights_checksum((n, p.to(torch.float32)) for n, p in run.trainer.named_weights()),
+        trained=[(version, g.index, g.start_version, min(v for e in g.episodes for v in e.versions if v >= 0))
+                 for version, batch in trained for g in batch],
+        admitted=manager.next_index, dropped=dict(manager.dropped), dropped_ids=sorted(manager._dropped_indices),
+        unfinished=sorted(set(manager.buffer) | set(manager.in_flight) | set(manager._readmit) | manager._retrying))
+
+
+def check_outcome(o: dict, steps: int) -> None:
     # the run finished; the dead replica left, a new one took its slot (a new process) and rejoined
-    assert [(h["step"], h["version"]) for h in history] == [(s, s) for s in range(1, 6)]
-    assert placement.restarts == 1 and [m.slot for m in placement.members] == [0, 1]
-    assert placement.members[0].handle.pid != killed["pid"] and "exited with code -9" in placement.lost[0]
-    assert [s["url"] for s in view] == [placement.members[1].handle.url, placement.members[0].handle.url]
+    assert [(h["step"], h["version"]) for h in o["history"]] == [(s, s) for s in range(1, steps + 1)]
+    assert o["restarts"] == 1 and o["slots"] == [0, 1] and o["killed"] not in o["pids"], o
+    assert len(o["lost"]) == 1 and "replica 0" in o["lost"][0], o["lost"]
+    assert [s["url"] for s in o["view"]] == [o["urls"][1], o["urls"][0]]
 
     # every replica held the same weights after every update (checksums), and they are the trainer's
-    for h in history:
+    for h in o["history"]:
         assert len(set(h["replica_checksums"].values())) == 1 and len(h["replica_checksums"]) == 2, h
-    trainer_weights = {n: p.to(torch.float32) for n, p in run.trainer.named_weights()}
-    assert history[-1]["replica_checksums"][0] == weights_checksum(trainer_weights.items())
+    assert o["history"][-1]["replica_checksums"][0] == o["trainer_checksum"]
 
     # the restarted replica got traffic only with the current weights: its first tokens carry that version
-    rejoined = placement.members[0].handle.url
-    first = next(s for s in view if s["url"] == rejoined)
-    assert first["weight_version"] == placement.first_versions[rejoined] >= 2
+    first = next(s for s in o["view"] if s["url"] == o["urls"][0])
+    assert first["weight_version"] == o["first_versions"][o["urls"][0]] >= 2
     assert first["first_token_version"] >= first["weight_version"], first
 
     # every admitted group: trained once, or dropped with its reason, or still unfinished when the run stopped;
     # the groups the kill cut short ran again (counted), and the staleness bound held for every trained token
-    ids = [g.index for _, batch in trained for g in batch]
+    ids = [index for _, index, _, _ in o["trained"]]
     assert len(ids) == len(set(ids)), ids
-    unfinished = set(manager.buffer) | set(manager.in_flight) | set(manager._readmit) | manager._retrying
-    assert set(range(manager.next_index)) == set(ids) | manager._dropped_indices | unfinished
-    assert not set(ids) & (manager._dropped_indices | unfinished)
-    assert manager.dropped == {} and history[-1]["rerun_groups"] >= 1, (manager.dropped, history[-1])
-    for version, batch in trained:
-        for g in batch:
-            for e in g.episodes:
-                assert min(v for v in e.versions if v >= 0) >= max(g.start_version, version - 1), (version, g.index)
+    assert set(range(o["admitted"])) == set(ids) | set(o["dropped_ids"]) | set(o["unfinished"])
+    assert not set(ids) & (set(o["dropped_ids"]) | set(o["unfinished"]))
+    assert o["dropped"] == {} and o["history"][-1]["rerun_groups"] >= 1, (o["dropped"], o["history"][-1])
+    for version, index, start_version, oldest in o["trained"]:
+        assert oldest >= max(start_version, version - 1), (version, index, start_version, oldest)
+
+
+def test_a_replica_killed_mid_run_is_replaced_and_no_group_is_lost_or_trained_twice(tmp_path):
+    run = replica_run(tmp_path, "steps=5")
+    trained: list[tuple[int, list]] = []
+    run.on_batch = lambda version, batch: trained.append((version, batch))
+    prepare_kill(run)
+    try:
+        asyncio.run(run.train())
+        o = outcome(run, trained)
+    finally:
+        run.shutdown()
+    assert "exited with code -9" in o["lost"][0]
+    check_outcome(o, steps=5)
 
 
 @pytest.fixture(scope="module")

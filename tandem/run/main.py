@@ -97,7 +97,12 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
     resolve_task(cfg.task)  # a bad task is an error before the engine starts
     writer = _tensorboard(cfg)
     wandb_log = open_wandb(cfg)  # (before the engine starts: a missing package fails fast)
-    run = Run(cfg)
+    if cfg.placement == "ray":
+        from tandem.run.ray_placement import RayRun
+
+        run = RayRun(cfg)
+    else:
+        run = Run(cfg)
     run.out_dir.mkdir(parents=True, exist_ok=True)
     (run.out_dir / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
     records: list[dict] = []
