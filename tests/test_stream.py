@@ -92,7 +92,7 @@ def test_a_client_that_goes_away_mid_stream_has_its_request_aborted_and_pages_fr
     client, engine, _ = served
     before = asyncio.run(engine.get_stats())
     body = {"input_ids": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 3000, "ignore_eos": True},
-            "stream": True}
+            "stream": True, "rid": "impatient"}
     with httpx.Client(base_url=str(client.base_url), timeout=60) as impatient:
         with impatient.stream("POST", "/generate", json=body) as r:
             lines = r.iter_lines()
@@ -104,6 +104,8 @@ def test_a_client_that_goes_away_mid_stream_has_its_request_aborted_and_pages_fr
     assert stats.generated_tokens - before.generated_tokens < 3000
     cached = engine.cache.num_pages if engine.cache else 0
     assert stats.pages_free + cached == engine.pool.num_pages  # no page held by it
+    again = {**body, "stream": False, "sampling_params": {"max_new_tokens": 2}}
+    assert client.post("/generate", json=again).status_code == 200  # its rid is no longer in flight
 
 
 def test_a_router_relays_the_stream_as_it_comes_and_a_client_gone_aborts_it(served):
