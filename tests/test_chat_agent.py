@@ -3,6 +3,7 @@ are the session's token history, and `tandem run task=chat_agent` learns."""
 
 import asyncio
 
+import openai
 import pytest
 from chat_models import chat_model_dir
 
@@ -16,25 +17,33 @@ from tandem.types import Episode
 
 
 class TwoTurns(ChatEnvironment):
-    """Two turns, keeping what each reply said."""
+    """Two turns, keeping what each reply said: through `chat.complete`, or as an agent written against the
+    official OpenAI client would (its messages sent back as the client returned them)."""
 
-    def __init__(self):
-        self.choices = []
+    def __init__(self, with_openai: bool):
+        self.with_openai, self.choices = with_openai, []
 
     async def play(self, chat) -> float:
         messages = [{"role": "user", "content": "What is 2 + 3?"}]
+        client = openai.AsyncOpenAI(base_url=chat.base_url, http_client=chat.http, api_key="none")
         for follow_up in ("Are you sure?", None):
-            self.choices.append(await chat.complete(messages, max_tokens=6, seed=len(self.choices)))
+            if self.with_openai:
+                reply = await client.chat.completions.create(model="any", messages=messages, max_tokens=6,
+                                                             seed=len(self.choices), **chat.sampling)
+                self.choices.append(reply.choices[0].model_dump())
+            else:
+                self.choices.append(await chat.complete(messages, max_tokens=6, seed=len(self.choices)))
             messages.append(self.choices[-1]["message"])
             if follow_up:
                 messages.append({"role": "user", "content": follow_up})
         return 0.5
 
 
-def test_a_chat_episode_is_the_session_token_history(tmp_path):
+@pytest.mark.parametrize("with_openai", [False, True])
+def test_a_chat_episode_is_the_session_token_history(tmp_path, with_openai):
     chat_model_dir(tmp_path)
     with Engine(str(tmp_path), EngineConfig(page_size=16)) as engine:
-        env = TwoTurns()
+        env = TwoTurns(with_openai)
         episode = asyncio.run(run_episode(engine, env, Episode("e", 0), max_context=4096))
     first, second = env.choices
     assert episode.reward == 0.5 and episode.num_turns == 2
