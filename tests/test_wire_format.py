@@ -252,3 +252,30 @@ def test_min_new_tokens_bans_eos_and_stop_tokens_until_reached(without_tok):
     held = asyncio.run(engine.generate(PROMPT, SamplingParams(
         temperature=0, max_new_tokens=6, ignore_eos=True, stop_token_ids=(first,), min_new_tokens=3)))
     assert len(held.output_ids) >= 3 and first not in held.output_ids[:3]
+
+
+def test_top_logprobs_and_bans_against_a_reference():
+    """The sampler's top logprobs are log_softmax(logits / temperature)'s largest (temperature 1 for greedy rows);
+    a banned token is never sampled and has no probability, while the other rows are untouched."""
+    import torch
+
+    from tandem.engine.sampler import SamplingBatch, sample, top_logprobs
+
+    B, V = 3, 50
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0)) * 3
+    temps = torch.tensor([0.0, 0.7, 1.3])
+    batch = SamplingBatch(temperatures=temps, top_ps=torch.ones(B), top_ks=torch.zeros(B, dtype=torch.int64),
+                          min_ps=torch.zeros(B), seeds=torch.arange(B), positions=torch.zeros(B, dtype=torch.int64),
+                          needs_filter=False, top_logprobs_num=4)
+    values, ids = top_logprobs(logits, batch)
+    want = torch.log_softmax(logits / torch.tensor([1.0, 0.7, 1.3])[:, None], dim=-1).topk(4)
+    torch.testing.assert_close(values, want.values)
+    assert ids.tolist() == want.indices.tolist()
+    greedy = int(logits[0].argmax())
+    batch.banned = (torch.tensor([0]), torch.tensor([greedy]))
+    tokens, _ = sample(logits, batch)
+    assert int(tokens[0]) != greedy  # falsifier: unbanned, row 0 (greedy) takes it
+    assert greedy not in top_logprobs(logits, batch)[1][0].tolist()
+    unbanned = SamplingBatch(**{**batch.__dict__, "banned": None})
+    assert int(sample(logits, unbanned)[0][0]) == greedy
+    assert sample(logits, unbanned)[0][1:].tolist() == tokens[1:].tolist()
