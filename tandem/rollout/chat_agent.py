@@ -11,8 +11,8 @@ tool call pays.
 
 The model's tokenizer and chat template come from its directory; for a preset without one (the default `tiny`),
 the task trains the shipped test tokenizer (`tandem.tokenizer.train_tokenizer`) into `out_dir/tokenizer` and the
-in-process endpoint serves with it (placement `colocated` only: another placement needs a model directory that
-holds a tokenizer, since the engine's server has only its own).
+in-process endpoint serves with it (placement `colocated` only: `separate` needs a model directory that holds a
+tokenizer, since the engine's server has only its own; `disaggregated` is refused, a router forwards no sessions).
 """
 
 from __future__ import annotations
@@ -94,6 +94,9 @@ def _run_call(call: dict) -> str:
 
 def task(cfg: RunConfig, vocab_size: int) -> EnvFactory:
     """What `task=chat_agent` names: the tokenizer found or made once per run, then one environment per episode."""
+    if cfg.placement == "disaggregated":
+        raise ValueError("run.placement: chat_agent talks to the engine's session endpoint, which a router does not "
+                         "forward; use placement colocated or separate")
     tokenizer = load_tokenizer(cfg.model, vocab_size)
     if tokenizer is None:
         if cfg.placement != "colocated":
