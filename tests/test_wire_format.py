@@ -279,3 +279,4 @@ def test_top_logprobs_and_bans_against_a_reference():
     unbanned = SamplingBatch(**{**batch.__dict__, "banned": None})
     assert int(sample(logits, unbanned)[0][0]) == greedy
     assert sample(logits, unbanned)[0][1:].tolist() == tokens[1:].tolist()
+    assert int(sample(logits.bfloat16(), batch)[0][0]) != greedy  # (logits of the model's dtype)

@@ -119,7 +119,8 @@ def top_logprobs(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
 def _ban(logits_BV: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.banned is None:
         return logits_BV
-    return logits_BV.index_put(batch.banned, torch.tensor(float("-inf"), device=logits_BV.device))
+    return logits_BV.index_put(batch.banned, torch.tensor(float("-inf"), dtype=logits_BV.dtype,
+                                                          device=logits_BV.device))
 
 
 def _filter(scaled_BV, batch: SamplingBatch):
