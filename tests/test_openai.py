@@ -158,3 +158,11 @@ def test_a_reply_cut_by_an_abort_pause_is_continued(served):
         choice = future.result().json()["choices"][0]
     assert len(choice["token_ids"]) == 400 and choice["finish_reason"] == "length"
     assert len(choice["meta_info"]["output_token_weight_versions"]) == 400
+
+
+def test_a_refused_stream_is_a_400_before_any_event(served):
+    _, server, _ = served
+    for path, body in [("/v1/completions", {"prompt": "Hi", "max_tokens": 10**6}),
+                       ("/v1/chat/completions", {"messages": HI, "max_tokens": 10**6})]:
+        r = httpx.post(f"{server.url}{path}", json=body | {"stream": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text

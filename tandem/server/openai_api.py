@@ -65,6 +65,7 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
         body = await CompletionBody.from_request(request)
         prompts = _prompt_ids(body.prompt, tokenizer)
         jobs = [(p, _sampling(body, p, engine, j, (), body.logprobs or 0)) for p in prompts for j in range(body.n)]
+        _check(engine, tokenizer, jobs)
         logprobs = body.logprobs is not None
         if body.stream:
             stream = Stream("text_completion", model_id, tokenizer, logprobs)
