@@ -84,11 +84,8 @@ def randn(*shape, dtype, seed=2):
     (7, 5, 2, 40, 36),  # H and I not powers of two, each under one block
     (5, 3, 2, 72, 52),  # H and I past a block, tails masked in both kernels
     (37, 5, 3, 24, 20),  # about 22 pairs per expert: tiles of one expert spill into a second
-    (38, 5, 3, 24, 20),  # the same through the sorting grouping (which a prefill's many pairs take)
 ])
-def test_kernel_equals_reference(T, E, k, H, inter, dtype, monkeypatch):
-    if T == 38:
-        monkeypatch.setattr(moe_kernels, "COUNTING_UPTO", 0)
+def test_kernel_equals_reference(T, E, k, H, inter, dtype):
     experts = make_experts(E, H, inter, dtype, seed=T)
     check(experts, randn(T, H, dtype=dtype), distinct_ids(T, k, E, seed=T), routing_weights(T, k, dtype, seed=T))
 
@@ -152,11 +149,10 @@ def test_deterministic():
 @pytest.mark.parametrize("T,E,k", [(1, 128, 8), (300, 8, 2), (50, 3, 3)])
 def test_tiles_hold_each_local_pair_once(T, E, k, block_m, grouping, monkeypatch):
     """The grouping at every tile height the GPU uses (the interpreter runs only 16), by each of its ways (a tile
-    per pair, counting, sorting): each pair of a local expert in exactly one tile, of that expert and at most
+    per pair, sorting): each pair of a local expert in exactly one tile, of that expert and at most
     block_m tall; another rank's pairs in none."""
     if grouping == "sorted":
         monkeypatch.setattr(moe_kernels, "PAIR_TILES_UPTO", 0)
-        monkeypatch.setattr(moe_kernels, "COUNTING_UPTO", 0)
     gen = torch.Generator().manual_seed(T)
     ids = torch.randint(-3, E + 3, (T, k), generator=gen)
     ids[: T // 2, 0] = E - 1  # imbalance

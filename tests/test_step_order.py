@@ -56,7 +56,12 @@ def test_placements_refuse_unknown_names():
 def test_the_mutant_switch(monkeypatch):
     assert engine_placements() == IN_USE
     monkeypatch.setenv(MUTANT_ENV, "prep_without_war")
-    assert engine_placements()[0] is not DECODE and engine_placements()[0].name.startswith("decode")
+    assert engine_placements()[0]["step_inputs"].stream == "prep" and engine_placements()[1:] == IN_USE[1:]
+    monkeypatch.setenv(MUTANT_ENV, "copies_before_compute")  # every placement that holds the work gets the mutant's
+    assert [p["tier_load"].after for p in engine_placements()[:2]] == [(), ()]
+    StreamRuntime(engine_placements(), torch.device("cpu"))
+    with pytest.raises(ValueError, match="described twice"):
+        StreamRuntime((DECODE, EAGER.replaced("tier_join", after=())), torch.device("cpu"))
     monkeypatch.setenv(MUTANT_ENV, "prep_without_waw")
     with pytest.raises(ValueError, match="prep_without_war"):
         engine_placements()
@@ -150,3 +155,36 @@ def test_race_guard_around_the_engines_fixed_buffer_replays(monkeypatch):
     monkeypatch.setattr(ModelRunner, "_forward_decode", racing)
     changed, replays = run()
     assert changed >= replays
+
+
+def _guard_reading(monkeypatch, mutant: str | None) -> tuple[int, int]:
+    if mutant:
+        monkeypatch.setenv(MUTANT_ENV, mutant)
+    config = EngineConfig(device="cuda", num_pages=4096, max_running_requests=64, race_guard=True)
+    sp = [SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i) for i in range(64)]
+    # (a model whose replays take long enough for the next step's copies to land during them when unordered)
+    with Engine("qwen3-0.6b", config, dtype="bfloat16") as engine:
+        async def batch():
+            await asyncio.gather(*[engine.generate(list(range(2, 200 + i)), s) for i, s in enumerate(sp)])
+
+        asyncio.run(batch())
+        return engine.runner.guard.count(), engine.runner.guard.replays
+
+
+@pytest.mark.gpu
+def test_gpu_race_guard_reads_zero_on_the_placement_and_fires_on_the_broken_one(monkeypatch):
+    changed, replays = _guard_reading(monkeypatch, None)
+    assert changed == 0 and replays > 60
+    changed, replays = _guard_reading(monkeypatch, "prep_without_war")
+    assert changed > 0, replays
+
+
+@pytest.mark.gpu
+def test_gpu_the_engine_issues_the_described_work_on_cuda():
+    with Engine("tiny", EngineConfig(device="cuda", page_size=4, num_pages=64)) as engine:
+        engine.core.order.trace = trace = []
+        asyncio.run(engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4)))
+    assert {"sampling_params", "input_ids", "step_inputs", "replay", "sample", "copy_out", "read_tokens"} <= set(trace)
+    first = trace.index("sampling_params")
+    step = trace[first:trace.index("sampling_params", first + 1)] if trace.count("sampling_params") > 1 else trace
+    assert _in_order(step, DECODE), trace

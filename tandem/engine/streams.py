@@ -6,6 +6,7 @@ together; and the race guard, which counts changes to a graph replay's input buf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import torch
@@ -26,7 +27,9 @@ def engine_placements() -> tuple[Placement, ...]:
     mutants = step_order.mutants()
     if name not in mutants:
         raise ValueError(f"{MUTANT_ENV}: {name!r} is not one of {sorted(mutants)}")
-    return (mutants[name][1], *step_order.IN_USE[1:])
+    broken = {w.name: w for w in mutants[name][1].works}
+    return tuple(dataclasses.replace(p, works=tuple(broken.get(w.name, w) for w in p.works))
+                 for p in step_order.IN_USE)
 
 
 class StreamRuntime:
@@ -37,7 +40,10 @@ class StreamRuntime:
     it holds): `note` only traces them. Elsewhere than CUDA it only traces."""
 
     def __init__(self, placements: tuple[Placement, ...], device: torch.device, trace: bool = False):
-        self.works = {w.name: w for p in placements for w in p.works}
+        self.works = {}
+        for w in (w for p in placements for w in p.works):
+            if self.works.setdefault(w.name, w) != w:
+                raise ValueError(f"work {w.name!r} is described twice, differently: {self.works[w.name]} and {w}")
         self.cuda = device.type == "cuda"
         self.trace: list[str] | None = [] if trace else None
         self._waited = {a.partition("@")[0] for w in self.works.values() if w.stream != "host"

@@ -126,15 +126,8 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
         order = torch.arange(M, device=device)
         end = torch.where(keys < E, order + 1, order)  # (another rank's pair: an empty tile)
         return order, torch.stack([keys.clamp(max=E - 1), order, end]).to(torch.int32)
-    if M * (E + 1) <= COUNTING_UPTO:  # a counting sort: a few elementwise kernels, where a sort costs more
-        onehot = keys[:, None] == torch.arange(E + 1, device=device)  # [M, E + 1]
-        counts = onehot.sum(dim=0)
-        bounds = torch.cumsum(counts, 0) - counts  # expert e: [bounds[e], bounds[e + 1])
-        rank = torch.cumsum(onehot, 0).gather(1, keys[:, None]).squeeze(1) - 1  # among the pairs of its expert
-        order = torch.empty_like(keys).scatter_(0, bounds[keys] + rank, torch.arange(M, device=device))
-    else:
-        sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
-        bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))
+    sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
+    bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))
     num_expert_tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
     tiles_end = torch.cumsum(num_expert_tiles, 0)
     tile = torch.arange(M // block_m + min(E, M), device=device)
@@ -151,9 +144,6 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 # Up to this many pairs (decode at a batch of a few tokens) each pair is its own tile: the grouping's sort and
 # searches cost more than reading an expert twice when two of so few pairs share it.
 PAIR_TILES_UPTO = 32
-# Up to this many (pair, expert) cells the pairs are grouped by counting (a one-hot matrix's prefix sums) rather than
-# sorted (decode batches; a prefill's tens of thousands of pairs sort).
-COUNTING_UPTO = 1 << 20
 
 
 def _blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:
