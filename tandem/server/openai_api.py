@@ -34,7 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.engine.engine import Engine, EngineError
 from tandem.server import chat, text
-from tandem.server.openai_bodies import ChatBody, CompletionBody, OpenAIError, _Body
+from tandem.server.openai_bodies import ChatBody, CompletionBody, OpenAIBody, OpenAIError
 from tandem.server.openai_replies import Choice, Stream, chat_choice, completion_choice, head, usage
 from tandem.server.sessions import SessionStore
 from tandem.types import PAUSED_ABORT, FinishReason, GenerateOutput, SamplingParams
@@ -196,7 +196,7 @@ def _prompt_ids(prompt, tokenizer) -> list[list[int]]:
     return ids
 
 
-def _sampling(body: _Body, prompt: list[int], engine: Engine, seed_offset: int, stop_ids: tuple,
+def _sampling(body: OpenAIBody, prompt: list[int], engine: Engine, seed_offset: int, stop_ids: tuple,
               top_logprobs: int) -> SamplingParams:
     limit = body.token_limit if isinstance(body, ChatBody) else body.max_tokens
     if limit is None:

@@ -30,7 +30,7 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.code}}
 
 
-class _Body(BaseModel):
+class OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True)
 
     @classmethod
@@ -99,7 +99,7 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False  # vLLM's; accepted, usage comes in the last chunk
 
 
-class CompletionBody(_Body):
+class CompletionBody(OpenAIBody):
     """`/v1/completions`: `prompt` a string, a list of strings, a list of token ids, or a list of such lists."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
@@ -120,7 +120,7 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
-class ChatBody(_Body):
+class ChatBody(OpenAIBody):
     """`/v1/chat/completions`. `messages` are passed to the model's chat template as given (roles, content as text
     or text parts, assistant `tool_calls`, tool results)."""
 
@@ -151,6 +151,6 @@ class ChatBody(_Body):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-_Body.model_rebuild()
+OpenAIBody.model_rebuild()
 CompletionBody.model_rebuild()
 ChatBody.model_rebuild()
