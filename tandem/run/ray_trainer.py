@@ -1,0 +1,79 @@
+"""The trainer data parallel under Ray: `world` `TrainerRank` actors, one per bundle of a placement group, in one
+torch.distributed group (gloo on CPUs, NCCL on GPUs) with the model sharded over them by FSDP2 (`trainer.fsdp`,
+`tandem.trainer.parallel`): every rank gets the whole batch and trains on its share of the episodes.
+
+`RayTrainers` drives them as one trainer: `step(groups)` runs the step on every rank at once and returns rank 0's
+metrics; `named_weights()` gathers the full tensors (a collective: every rank takes part) and returns rank 0's.
+Rank order is the bundles' order. Ray is imported here only (`pip install "tandem-rl[ray]"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import socket
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tandem.config import LossConfig, TrainerConfig
+
+
+@ray.remote
+class TrainerRank:
+    """One rank: joins the group, then builds the sharded trainer (the same seed on every rank: the same weights)."""
+
+    def address(self) -> tuple[str, int]:
+        """This node's address and a free port on it (rank 0 hosts the group's store there)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, rank: int, world: int, master: tuple[str, int], model: str, cfg: TrainerConfig,
+              loss: LossConfig, temperature: float, seed: int, cuda: bool, timeout_s: float) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from tandem.model.loader import build_model
+        from tandem.trainer.trainer import Trainer
+
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        if not cuda:
+            torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        policy = build_model(model, device="cuda:0" if cuda else "cpu", dtype="float32", seed=seed)
+        self.trainer = Trainer(policy, dataclasses.replace(cfg, fsdp=True), loss, temperature)
+
+    def step(self, groups) -> dict:
+        return self.trainer.step(groups)
+
+    def weights(self) -> dict:
+        return {name: t.cpu().clone() for name, t in self.trainer.named_weights()}
+
+    def version(self) -> int:
+        return self.trainer.version
+
+
+class RayTrainers:
+    """`world` ranks in bundles `first_bundle` .. `first_bundle + world - 1` of `pg` (one CPU, or one GPU, each)."""
+
+    def __init__(self, pg, world: int, model: str, cfg: TrainerConfig, loss: LossConfig, temperature: float = 1.0,
+                 seed: int = 0, cuda: bool = False, first_bundle: int = 0, timeout_s: float = 300.0):
+        self.ranks = [TrainerRank.options(num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0,
+                                          scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                              pg, placement_group_bundle_index=first_bundle + r)).remote()
+                      for r in range(world)]
+        master = ray.get(self.ranks[0].address.remote(), timeout=timeout_s)
+        ray.get([a.setup.remote(r, world, master, model, cfg, loss, temperature, seed, cuda, timeout_s)
+                 for r, a in enumerate(self.ranks)], timeout=timeout_s)
+
+    def step(self, groups) -> dict:
+        return ray.get([a.step.remote(groups) for a in self.ranks])[0]
+
+    def named_weights(self) -> list:
+        return list(ray.get([a.weights.remote() for a in self.ranks])[0].items())
+
+    def shutdown(self) -> None:
+        for a in self.ranks:
+            ray.kill(a, no_restart=True)
