@@ -162,8 +162,7 @@ def _guard_reading(monkeypatch, mutant: str | None) -> tuple[int, int]:
         monkeypatch.setenv(MUTANT_ENV, mutant)
     config = EngineConfig(device="cuda", num_pages=4096, max_running_requests=64, race_guard=True)
     sp = [SamplingParams(max_new_tokens=64, ignore_eos=True, seed=i) for i in range(64)]
-    # (a model whose replays take long enough for the next step's copies to land during them when unordered)
-    with Engine("qwen3-0.6b", config, dtype="bfloat16") as engine:
+    with Engine("small", config, dtype="bfloat16") as engine:
         async def batch():
             await asyncio.gather(*[engine.generate(list(range(2, 200 + i)), s) for i, s in enumerate(sp)])
 
@@ -173,6 +172,15 @@ def _guard_reading(monkeypatch, mutant: str | None) -> tuple[int, int]:
 
 @pytest.mark.gpu
 def test_gpu_race_guard_reads_zero_on_the_placement_and_fires_on_the_broken_one(monkeypatch):
+    """Every replay stalled (the device sleeps ~1 ms after the snapshot), so that the next step's copies, which the
+    host issues meanwhile, land during it unless ordered after it."""
+    before = RaceGuard.before
+
+    def stalled(self):
+        before(self)
+        torch.cuda._sleep(2_000_000)
+
+    monkeypatch.setattr(RaceGuard, "before", stalled)
     changed, replays = _guard_reading(monkeypatch, None)
     assert changed == 0 and replays > 60
     changed, replays = _guard_reading(monkeypatch, "prep_without_war")
