@@ -83,7 +83,7 @@ class RolloutManager:
     mixture-of-experts model (routing replay and its metrics); the engine must keep them."""
 
     def __init__(self, client: GenerateClient, make_env: EnvFactory, cfg: RolloutConfig, max_context: int,
-                 seed: int, version: Callable[[], int], routing: bool = False, retry_delay_s: float = RETRY_DELAY_S):
+                 seed: int, version: Callable[[], int], routing: bool = False, retry_delay_s: float | None = None):
         self.client, self.make_env, self.cfg, self.routing = client, make_env, cfg, routing
         self.retry_delay_s = retry_delay_s
         self.rerun_groups = 0  # groups run again because the engine (a replica) could not be reached
@@ -199,7 +199,8 @@ class RolloutManager:
         log.warning("group %d: the engine could not be reached; it runs again", index)
         self.rerun_groups += 1
         self._retrying.add(index)
-        delay = self.retry_delay_s * 2 ** (self._engine_failures[index] - 1)
+        first = RETRY_DELAY_S if self.retry_delay_s is None else self.retry_delay_s
+        delay = first * 2 ** (self._engine_failures[index] - 1)
         self._timers.append(asyncio.get_running_loop().call_later(delay, self._retry_now, index))
 
     def _retry_now(self, index: int) -> None:

@@ -131,13 +131,14 @@ class Replicas(Placement):
             if not self.members:
                 raise EngineUnreachable(f"no engine replica left to update to version {version}: "
                                         + "; ".join(self.lost))
+            before = list(self.members)
             try:
                 if self._group_stale:
                     await self._form_group()
                 return await self._push_once(named, version)
             except (TransportError, EngineClientError) as e:
                 failed = await self._failed_members(e)
-                if not failed:
+                if not failed and self.members == before:  # (a member the monitor retired meanwhile explains it)
                     raise
                 for member in failed:
                     await self._retire(member, f"failed the update to version {version}: {e}")

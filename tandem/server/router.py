@@ -25,7 +25,8 @@ Routes:
     down). `/get_server_info`: that server's, with the router's view under `"router"` (its mode and, per server,
     its counters).
     `/engine_stats`: the servers' engine stats summed (times in engine-seconds, `weight_version` the lowest), so
-    `EngineClient.get_stats` reads the router as one engine. `/metrics`: the router's counters per server.
+    `EngineClient.get_stats` reads the router as one engine; a server that does not answer is left out while
+    another does (and marked down). `/metrics`: the router's counters per server.
   - `/add_worker?url=` and `/remove_worker?url=` (admin; SGLang router's names): a server joins or leaves the
     replicas (a replica restarted, or one that died). A server joins only if it holds the weights of those already
     there (its `/get_model_info` `weight_version` equal to theirs; `weight_version=` in the query: equal to that),
@@ -239,10 +240,12 @@ class Router:
             return _error(503, "no server in rotation", "ServiceUnavailable")
         replies = await asyncio.gather(*(self.call(b, "GET", "/engine_stats", None, self.config.control_timeout_s)
                                          for b in backends))
+        answered = [r for r in replies if r.status]
         for b, r in zip(backends, replies, strict=True):
-            if r.status != 200:
+            if r.status != 200 and (r.status or not answered):
                 return self._relay(b, "GET /engine_stats", r)
-        return _json(_sum_stats([pydantic_core.from_json(r.content) for r in replies]))
+        # a server that did not answer (now marked down) is left out while others answer: a replica that just died
+        return _json(_sum_stats([pydantic_core.from_json(r.content) for r in answered]))
 
     def view(self) -> dict:
         return {"mode": self.config.mode, "servers": [dataclasses.asdict(b) for b in self.backends]}
