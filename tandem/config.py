@@ -367,6 +367,8 @@ class TrainerConfig:
     fused_kernels: bool = False
     load_balancing_coef: NonNegativeFloat = 0.0
     routing_replay: bool = False
+    # placement ray: the trainer's actors, FSDP2 over them (`fsdp`; one process trains otherwise)
+    num_ranks: PositiveInt = 1
     # every N steps (and at the end) the run writes its policy as a Hugging Face checkpoint to
     # out_dir/exports/step_NNNNNN (`tandem.run.export`; 0: never, `tandem export` does it from the checkpoint)
     export_every: NonNegativeInt = 0
@@ -451,6 +453,9 @@ class RunConfig:
         if self.replicas and self.resolved_weight_transport == "ipc":
             raise ValueError("run.weight_transport: replicas take one broadcast over a group, not ipc: give each "
                              "its own GPU (engine.device cuda:1 puts replica i on cuda:1+i)")
+        if self.trainer.num_ranks > 1 and not (self.placement == "ray" and self.trainer.fsdp):
+            raise ValueError(f"trainer.num_ranks: {self.trainer.num_ranks} trainer ranks need placement ray and "
+                             "trainer.fsdp (other placements train in one process)")
         if self.trainer.routing_replay:
             self._keep_routing_for_replay()
 

@@ -38,13 +38,18 @@ def replica_run(tmp_path, *overrides) -> Run:
 
 
 def kill_one_replica_mid_run(run: Run, at_batch: int) -> dict:
-    """Before batch `at_batch` is taken, SIGKILL replica 0's process (episodes are in flight on it), then wait
-    (without holding anything the restart needs) until its replacement is in rotation."""
+    """Before batch `at_batch` is taken, SIGKILL replica 0's process once it has requests (episodes in flight on
+    it), then wait (without holding anything the restart needs) until its replacement is in rotation."""
     placement, take, seen = run.placement, run.manager.next_batch, {}
 
     async def next_batch():
         if run.trainer.version == at_batch and not seen:
-            victim = placement.members[0]
+            victim, t0 = placement.members[0], time.monotonic()
+            while time.monotonic() - t0 < 30:
+                stats = await victim.client.get_stats()
+                if stats.num_running + stats.num_queued:
+                    break
+                await asyncio.sleep(0.01)
             seen.update(pid=victim.handle.pid, url=victim.handle.url, t=time.monotonic())
             os.kill(victim.handle.pid, signal.SIGKILL)
             while placement.restarts < 1:

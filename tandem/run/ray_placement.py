@@ -1,7 +1,9 @@
 """Placement "ray": the trainer and the engine replicas as Ray actors in one placement group, the same loop inside.
 
-    a placement group of num_engines + 1 bundles (one GPU each on CUDA, one logical CPU otherwise), PACKed:
-        bundle 0 the trainer (`TrainerActor`, running `Run` as `tandem run` would), bundle i + 1 replica slot i
+    a placement group of trainer.num_ranks + num_engines bundles (one GPU each on CUDA, one logical CPU otherwise),
+        PACKed: bundle 0 the trainer (`TrainerActor`, running `Run` as `tandem run` would; with trainer.num_ranks
+        R > 1, FSDP2 over it and R - 1 `TrainerRank` actors in bundles 1 .. R - 1, `tandem.run.ray_trainer`),
+        bundle R + i replica slot i
     replicas (`EngineActor`: an engine and its HTTP server on its node's address) started by `Replicas` through
         `ray_launcher`; a restarted replica goes to its slot's bundle again, so rank order is stable across restarts
     the weight group's store on the trainer's node address; the router in the trainer's process
@@ -45,8 +47,10 @@ def init_ray(num_bundles: int, cuda: bool) -> None:
 
 
 def bundles(cfg: RunConfig) -> list[dict]:
+    """The trainer's ranks (`trainer.num_ranks`), then the replicas: one device each."""
     cuda = cfg.engine.device.startswith("cuda")
-    return [{"CPU": 1, "GPU": 1} if cuda else {"CPU": 1} for _ in range(cfg.rollout.num_engines + 1)]
+    return [{"CPU": 1, "GPU": 1} if cuda else {"CPU": 1}
+            for _ in range(cfg.trainer.num_ranks + cfg.rollout.num_engines)]
 
 
 def _in_bundle(pg, index: int, cfg: RunConfig) -> dict:
@@ -118,8 +122,8 @@ class RayReplica:
 
 def ray_launcher(cfg: RunConfig, pg) -> Launcher:
     def launch(slot: int) -> RayReplica:
-        actor = EngineActor.options(**_in_bundle(pg, slot + 1, cfg)).remote(cfg.model, cfg.engine, cfg.seed,
-                                                                            cfg.engine_dtype)
+        actor = EngineActor.options(**_in_bundle(pg, cfg.trainer.num_ranks + slot, cfg)).remote(
+            cfg.model, cfg.engine, cfg.seed, cfg.engine_dtype)
         return RayReplica(actor, slot, cfg.engine_start_timeout_s)
 
     return launch
@@ -143,10 +147,19 @@ class TrainerActor:
 
     def __init__(self, cfg: RunConfig, prepare: Callable | None = None):
         from tandem.run.loop import Run
+        from tandem.run.ray_trainer import FollowedTrainer, start_followers
 
-        if cfg.engine.device.startswith("cuda"):
+        cuda = cfg.engine.device.startswith("cuda")
+        if cuda:
             cfg = dataclasses.replace(cfg, trainer_device="cuda:0")
+        followers = []
+        if cfg.trainer.num_ranks > 1:  # FSDP2 over this actor (rank 0) and the others
+            followers, joined = start_followers(get_current_placement_group(), cfg.trainer.num_ranks, cfg, cuda,
+                                                cfg.engine_start_timeout_s)
         self.run = Run(cfg)
+        if followers:
+            ray.get(joined, timeout=cfg.engine_start_timeout_s)
+            self.run.trainer = FollowedTrainer(self.run.trainer, followers)
         self.records: list[dict] = []
         self.trained: list[tuple[int, list]] = []
         self.run.on_batch = lambda version, batch: self.trained.append((version, batch))

@@ -4,7 +4,10 @@ torch.distributed group (gloo on CPUs, NCCL on GPUs) with the model sharded over
 
 `RayTrainers` drives them as one trainer: `step(groups)` runs the step on every rank at once and returns rank 0's
 metrics; `named_weights()` gathers the full tensors (a collective: every rank takes part) and returns rank 0's.
-Rank order is the bundles' order. Ray is imported here only (`pip install "tandem-rl[ray]"`).
+In a run (`placement=ray`, `trainer.num_ranks`) rank 0 is the trainer's own actor (`TrainerActor`), which runs
+`Run` with its trainer wrapped as `FollowedTrainer`: each collective call (a step, gathering the weights, the state
+for a checkpoint) starts on the other ranks first, then runs on rank 0. Rank order is the bundles' order. Ray is
+imported here only (`pip install "tandem-rl[ray]"`).
 """
 
 from __future__ import annotations
@@ -51,8 +54,71 @@ class TrainerRank:
     def weights(self) -> dict:
         return {name: t.cpu().clone() for name, t in self.trainer.named_weights()}
 
+    def take_part(self, call: str, *args) -> None:
+        """Rank 0's collective `call` ("named_weights", "state_dict", "load_state_dict"), this rank's part."""
+        if call == "named_weights":
+            for _ in self.trainer.named_weights():
+                pass
+        else:
+            getattr(self.trainer, call)(*args)
+
     def version(self) -> int:
         return self.trainer.version
+
+
+def start_followers(pg, world: int, cfg, cuda: bool, timeout_s: float) -> list:
+    """Ranks 1 .. world - 1 in bundles 1 .. world - 1 of `pg`, joining the group this process (rank 0, in bundle 0)
+    hosts; returns them once this process has joined too (it must build its trainer the same way: `setup`'s)."""
+    import torch.distributed as dist
+
+    followers = [TrainerRank.options(num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0,
+                                     scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                         pg, placement_group_bundle_index=r)).remote() for r in range(1, world)]
+    with socket.socket() as s:
+        s.bind(("", 0))
+        master = ray.util.get_node_ip_address(), s.getsockname()[1]
+    refs = [a.setup.remote(r, world, master, cfg.model, cfg.trainer, cfg.loss, cfg.rollout.temperature, cfg.seed,
+                           cuda, timeout_s) for r, a in enumerate(followers, 1)]
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=0,
+                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    return followers, refs
+
+
+class FollowedTrainer:
+    """Rank 0's `Trainer` with its followers: every call that is a collective under FSDP runs on all ranks."""
+
+    def __init__(self, trainer, followers: list):
+        self.trainer, self.followers = trainer, followers
+
+    def __getattr__(self, name):
+        return getattr(self.trainer, name)
+
+    def _all(self, call: str, *args):
+        refs = [f.take_part.remote(call, *args) for f in self.followers]
+        try:
+            return getattr(self.trainer, call)(*args)
+        finally:
+            ray.get(refs)
+
+    def step(self, groups) -> dict:
+        refs = [f.step.remote(groups) for f in self.followers]
+        try:
+            return self.trainer.step(groups)
+        finally:
+            ray.get(refs)
+
+    def named_weights(self):
+        refs = [f.take_part.remote("named_weights") for f in self.followers]
+        try:
+            yield from self.trainer.named_weights()
+        finally:
+            ray.get(refs)
+
+    def state_dict(self) -> dict:
+        return self._all("state_dict")
+
+    def load_state_dict(self, state: dict) -> None:
+        self._all("load_state_dict", state)
 
 
 class RayTrainers:
