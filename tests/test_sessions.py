@@ -76,6 +76,9 @@ def test_a_conversation_that_does_not_extend_the_history_falls_back_and_is_count
     assert second["session"]["reused_tokens"] == 0
     after = client.get("/sessions").json()
     assert after["fallbacks"] == before["fallbacks"] + 1 and after["turns"] == before["turns"] + 1
+    metrics = client.get("/metrics").text  # the same counters for Prometheus
+    assert f"tandem:session_fallbacks_total {float(after['fallbacks'])}" in metrics
+    assert f"tandem:sessions_active {float(after['active'])}" in metrics
     # the history starts over from the re-tokenized conversation: the first turn's sampled ids are gone from it
     history = client.get("/sessions/edit").json()
     assert sum(history["loss_mask"]) == len(sampled)

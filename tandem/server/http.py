@@ -194,7 +194,9 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(exporter.render(await engine.get_stats()), media_type=CONTENT_TYPE_LATEST)
+        sessions = getattr(app.state, "sessions", None)
+        stats = exporter.render(await engine.get_stats(), sessions.stats() if sessions is not None else None)
+        return Response(stats, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/engine_stats")
     async def engine_stats():

@@ -42,17 +42,27 @@ _COUNTERS = [
 ]
 
 
+# the chat sessions' store (`tandem.server.sessions.SessionStore.stats`): counters by its key
+_SESSION_COUNTERS = {
+    "created": "Chat sessions created", "expired": "Chat sessions expired (idle too long)",
+    "evicted": "Chat sessions evicted (the store full)", "deleted": "Chat sessions deleted by their clients",
+    "turns": "Session chat turns served", "reused": "Session turns served from the session's token history",
+    "fallbacks": "Session turns that re-tokenized the whole conversation (it did not extend the history)",
+}
+
+
 class MetricsExporter:
     """A Prometheus registry of its own (so several servers in one process do not collide) exporting one
-    `EngineStats` snapshot per scrape, under the `tandem:` prefix."""
+    `EngineStats` snapshot (and the chat sessions' counters, if the server keeps sessions) per scrape, under the
+    `tandem:` prefix."""
 
     def __init__(self):
-        self.stats = EngineStats()
+        self.stats, self.sessions = EngineStats(), None
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
-    def render(self, stats: EngineStats) -> bytes:
-        self.stats = stats
+    def render(self, stats: EngineStats, sessions: dict | None = None) -> bytes:
+        self.stats, self.sessions = stats, sessions
         return generate_latest(self.registry)
 
     def collect(self):
@@ -60,3 +70,7 @@ class MetricsExporter:
             yield GaugeMetricFamily(f"tandem:{name}", doc, value=get(self.stats))
         for name, doc, get in _COUNTERS:
             yield CounterMetricFamily(f"tandem:{name}", doc, value=get(self.stats))
+        if self.sessions is not None:
+            yield GaugeMetricFamily("tandem:sessions_active", "Chat sessions held", value=self.sessions["active"])
+            for key, doc in _SESSION_COUNTERS.items():
+                yield CounterMetricFamily(f"tandem:session_{key}", doc, value=self.sessions[key])
