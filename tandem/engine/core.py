@@ -248,7 +248,9 @@ class EngineCore:
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
             if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
-                kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.pool.k_cache.device)
+                with self.order.work("kv_export"):
+                    kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
+                                    self.pool.k_cache.device)
             if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
                 known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
                 routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()
@@ -322,7 +324,8 @@ class EngineCore:
             else:
                 req.pages, req.num_computed = lead + fresh, n
                 req.pages_replaced()
-                write_pages(self.pool, req.pages, kv)
+                with self.order.work("kv_import"):
+                    write_pages(self.pool, req.pages, kv)
         if not req.pages:
             self.stats.imports_recomputed += 1
             log.info("engine: request %s recomputes its prompt (the import's cached prefix is gone, no pages are "

@@ -8,21 +8,23 @@ work the placement does not name is an error, and a CPU test traces what the cod
 `check` unrolls a sequence of iterations on `tp` ranks into a happens-before graph and checks, exhaustively over
 the schedules the graph allows:
   - no hang: the graph is acyclic once each collective is one node that every rank must reach;
-  - `sync_behind_collective`: no host sync in an iteration's preparation is ordered behind a collective of an
-    earlier iteration (a bounded stall there becomes a cluster-wide hang: the hazard of sgl-project#622/#649);
+  - `sync_behind_collective`: no host sync before an iteration's launch (its scheduling and preparation) newly
+    waits for a collective of an earlier iteration (a bounded stall there becomes a cluster-wide hang: the hazard
+    of sgl-project#622/#649); one an earlier host sync of the rank already waited for is known complete;
   - `race`: any two accesses to one buffer, one a write, are ordered in issue order. This covers the buffers a
     graph replay reads (written before the replay, not rewritten until it retired) and every host-tier and
     transfer copy (it follows the compute that produced its source; compute that reads its result waits for it).
 See docs/streams.md for the placement in words and why each edge exists.
 
-Edges. Work on one stream runs in issue order. `after` names a work (the instance issued last before this one
-in the same iteration, else the latest issued before it; `name@-1`: the instance of the previous iteration) or a
-stream (everything issued on it so far: `wait_stream`). A `sync` blocks the host: it completes after what it
-waits for (its `after`, and on a device stream everything issued there before it), and everything the host
-issues later follows it. Buffers named `x@-1` are the previous iteration's `x`; `fresh` buffers are allocated
-anew each iteration (so `x` in two iterations are two buffers), the others are one buffer reused by every
-iteration. `held` buffers: the elements a work touches stay referenced until it is reaped, so no later-issued
-work writes them (the host tier's rule 3); later writers of those buffers need no edge.
+Edges. Work on one stream runs in issue order. `after` names a work (the latest instance issued before this one,
+as the runtime waits for the event recorded last; `name@-1`: the latest of an earlier iteration; a lagging work's,
+which waits on an event it holds: the instance of its own iteration) or a stream (everything issued on it so far:
+`wait_stream`). A `sync` blocks the host: it completes after what it waits for (its `after`, and on a device stream
+everything issued there before it). What the host does (syncs, host work) precedes everything it issues later.
+Buffers named `x@-1` are the previous iteration's `x`; `fresh` buffers are allocated anew each iteration (so `x` in
+two iterations are two buffers), the others are one buffer reused by every iteration. `held` buffers: the elements
+a work touches stay referenced until it is reaped, so no later-issued work writes them (the host tier's rule 3);
+later writers of those buffers need no edge.
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class Work:
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
-    collective: bool = False  # holds collectives (under tensor parallelism: a graph replay, NCCL inside)
+    # holds collectives: "tp" of the engine's tensor-parallel group (only when its size > 1: a graph replay, NCCL
+    # inside), "weights" of the trainer's weight group (always)
+    collective: Literal["", "tp", "weights"] = ""
     lag: int = 0  # 1: issued in iteration i on behalf of iteration i-1 (reading the step launched before)
     held: tuple[str, ...] = ()
     tp_only: bool = False  # issued only when tensor parallel (size > 1)
@@ -82,6 +86,11 @@ class Placement:
         works = tuple(replace(w, **changes) if w.name == name else w for w in self.works)
         return replace(self, name=f"{self.name}+{name}", works=works)
 
+    def inserted(self, before: str, work: Work) -> Placement:
+        """This placement with `work` issued just before work `before`."""
+        i = self.works.index(self[before])
+        return replace(self, name=f"{self.name}+{work.name}", works=(*self.works[:i], work, *self.works[i:]))
+
     def swapped(self, a: str, b: str) -> Placement:
         """This placement with works `a` and `b` issued in each other's place."""
         i, j = self.works.index(self[a]), self.works.index(self[b])
@@ -109,9 +118,9 @@ STEP = (
     Work("input_ids", "compute", "copy", "prepare", reads=("tokens@-1",), writes=("ids",)),
     Work("step_inputs", "compute", "copy", "prepare", writes=GRAPH_INPUTS[1:]),
     Work("replay", "compute", "replay", "forward", reads=(*GRAPH_INPUTS, "kv", "weights"),
-         writes=("kv", "logits"), collective=True),
+         writes=("kv", "logits"), collective="tp"),
     Work("sample", "compute", "kernel", "forward", reads=("logits", "sampling"), writes=("tokens",)),
-    Work("agree", "compute", "collective", "forward", reads=("tokens",), writes=("tokens",), collective=True,
+    Work("agree", "compute", "collective", "forward", reads=("tokens",), writes=("tokens",), collective="tp",
          tp_only=True),
     Work("copy_out", "compute", "copy", "forward", reads=("tokens",), writes=("host_tokens",)),
     Work("read_tokens", "host", "sync", "finish", reads=("host_tokens",), after=("copy_out",), lag=1),
@@ -121,22 +130,31 @@ EAGER_STEP = (
     Work("sampling_params", "compute", "copy", "prepare", writes=("sampling",)),
     Work("eager_inputs", "compute", "copy", "prepare", reads=("tokens@-1",), writes=("eager_inputs",)),
     Work("forward", "compute", "kernel", "forward", reads=("eager_inputs", "kv", "weights"),
-         writes=("kv", "logits"), collective=True),
+         writes=("kv", "logits"), collective="tp"),
     *STEP[4:],
 )
 # A weight update between steps (the engine is paused): the receive on the transport's own stream (so NCCL does
 # not wait for every step queued on the compute stream), the host waits for it, then copies into the parameters
 # on the compute stream, behind the steps that read the old ones.
 WEIGHTS = (
-    Work("weights_receive", "transport", "collective", "weights", writes=("received",), collective=True),
+    Work("weights_receive", "transport", "collective", "weights", writes=("received",), collective="weights"),
     Work("weights_land", "host", "sync", "weights", after=("weights_receive",)),
     Work("weights_load", "compute", "copy", "weights", reads=("received",), writes=("weights",)),
 )
 
+# Prefill/decode disaggregation (one rank a server): a decode server writes imported KV into its pool from the host
+# (pageable: the host waits) as a command between steps; a prefill server reads a finished request's KV out of
+# its pool after applying the step that completed it (onto the host: the host waits for the stream).
+KV_IMPORT = Work("kv_import", "compute", "sync", "schedule", writes=("kv",))
+KV_EXPORT = Work("kv_export", "compute", "sync", "finish", reads=("kv",), lag=1)
+
 DECODE = Placement("decode", (*TIER, *STEP), _FRESH)
 EAGER = Placement("eager", (*TIER, *EAGER_STEP), _FRESH)
 UPDATE = Placement("weights", WEIGHTS, _FRESH)
-IN_USE = (DECODE, EAGER, UPDATE)  # the iteration kinds the engine runs
+DECODE_SERVER = Placement("decode_server", (*TIER, KV_IMPORT, *STEP), _FRESH)
+PREFILL_SERVER = Placement("prefill_server", (*TIER, *STEP, KV_EXPORT), _FRESH)
+IN_USE = (DECODE, EAGER, UPDATE, DECODE_SERVER, PREFILL_SERVER)  # the iteration kinds the engine runs
+SINGLE_RANK = {DECODE_SERVER, PREFILL_SERVER}  # kinds only one-rank engines run (`--role` refuses --tp and --ep)
 # The graph's inputs copied on a stream of their own, done right: the copies wait for the replay before (write
 # after read), the replay waits for them (read after write). Accepted, not used (it buys nothing measurable:
 # the copies are a few microseconds); the race guard's mutant arm runs it without its first edge.
@@ -163,6 +181,9 @@ def mutants() -> dict[str, tuple[str, Placement]]:
         "load_not_joined": ("race", DECODE.replaced("tier_join", after=())),
         # parameters overwritten while the transport still receives them
         "load_before_land": ("race", UPDATE.replaced("weights_land", after=())),
+        # a KV import that only queues its copy (asynchronous) from a host buffer the host refills for the next
+        "import_without_wait": ("race", DECODE_SERVER.replaced("kv_import", kind="copy", reads=("kv_in",)).inserted(
+            "kv_import", Work("kv_receive", "host", "kernel", "schedule", writes=("kv_in",)))),
     }
 
 
@@ -178,6 +199,7 @@ class _Node:
     work: Work
     iteration: int  # whose buffers it touches (issue iteration - lag)
     issued: int  # position in the rank's issue order (collectives: in the first rank's)
+    collective: bool  # holds collectives in this run (one node for every rank)
     preds: set = field(default_factory=set)
 
 
@@ -190,38 +212,45 @@ def check(iterations: list[Placement] | tuple[Placement, ...], tp: int = 1,
     for rank in range(tp):
         order[rank] = []
         last_on: dict[str, tuple] = {}
-        last_sync: tuple | None = None
+        last_host: tuple | None = None
         for it, placement in enumerate((ranks or {}).get(rank, iterations)):
             for w in placement.works:
                 if w.tp_only and tp == 1:
                     continue
-                key = ("all" if w.collective and tp > 1 else rank, it, w.name)
-                node = nodes.get(key) or nodes.setdefault(key, _Node(key, w, it - w.lag, len(order[rank])))
+                shared = (w.collective == "tp" and tp > 1) or w.collective == "weights"
+                key = ("all" if shared and tp > 1 else rank, it, w.name)
+                node = nodes.get(key) or nodes.setdefault(key, _Node(key, w, it - w.lag, len(order[rank]), shared))
                 preds = node.preds
                 if w.stream != "host" and w.stream in last_on:
                     preds.add(last_on[w.stream])
-                if last_sync is not None:
-                    preds.add(last_sync)
+                if last_host is not None:
+                    preds.add(last_host)
                 for a in w.after:
                     if a in STREAMS:
                         if a in last_on:
                             preds.add(last_on[a])
-                    elif (found := _instance(a, it - w.lag, order[rank], nodes)) is not None:
+                    elif (found := _instance(a, it - w.lag, w.lag, order[rank], nodes)) is not None:
                         preds.add(found)
                 if w.stream != "host":
                     last_on[w.stream] = key
-                if w.kind == "sync":
-                    last_sync = key
+                if w.kind == "sync" or w.stream == "host":  # what the host does: after it in host order
+                    last_host = key
                 order[rank].append(key)
     reach = _closure(nodes)
     if reach is None:
         return [Violation("hang", f"the ordering graph has a cycle over {tp} ranks: a collective waits for a rank "
                                   "that waits for it")]
     found: list[Violation] = []
-    for key, node in nodes.items():
-        if node.work.kind == "sync" and node.work.phase == "prepare":
+    for keys in order.values():
+        syncs = [k for k in keys if nodes[k].work.kind == "sync"]
+        for i, key in enumerate(syncs):
+            node = nodes[key]
+            if node.work.phase not in ("schedule", "prepare"):
+                continue
             for other, onode in nodes.items():
-                if onode.work.collective and onode.iteration < node.iteration and key in reach[other]:
+                # (a collective an earlier host sync of this rank already waited for is known complete)
+                if onode.collective and onode.iteration < node.iteration and key in reach[other] and not any(
+                        k in reach[other] for k in syncs[:i]):
                     found.append(Violation("sync_behind_collective",
                                            f"{_name(node)} blocks the host behind {_name(onode)}"))
     for keys in order.values():
@@ -229,17 +258,17 @@ def check(iterations: list[Placement] | tuple[Placement, ...], tp: int = 1,
     return _unique(found)
 
 
-def _instance(ref: str, iteration: int, issued: list[tuple], nodes: dict) -> tuple | None:
-    """The node `ref` names for a work of `iteration`, among those issued so far (see the module's docstring)."""
+def _instance(ref: str, iteration: int, lag: int, issued: list[tuple], nodes: dict) -> tuple | None:
+    """The node `ref` names for a work of `iteration`, among those issued so far: as the runtime waits, the latest
+    instance (`name@-1`: of an earlier iteration); for a lagging work, which waits on events it holds, the
+    instance of its own iteration."""
     name, _, back = ref.partition("@")
-    want = iteration - int(back[1:]) if back else iteration
-    same = [k for k in issued if k[2] == name and nodes[k].iteration == want]
-    if same:
-        return same[-1]
+    found = [k for k in issued if k[2] == name]
     if back:
-        return None
-    earlier = [k for k in issued if k[2] == name]
-    return earlier[-1] if earlier else None
+        found = [k for k in found if nodes[k].iteration < iteration]
+    elif lag:
+        found = [k for k in found if nodes[k].iteration == iteration]
+    return found[-1] if found else None
 
 
 def _closure(nodes: dict) -> dict | None:
@@ -302,9 +331,11 @@ def _unique(found: list[Violation]) -> list[Violation]:
 
 
 def check_all(placements: tuple[Placement, ...] = IN_USE, length: int = 3, tp_sizes=(1, 2, 4)) -> list[Violation]:
-    """`check` over every sequence of `length` iterations drawn from `placements`, at each TP size."""
+    """`check` over every sequence of `length` iterations drawn from `placements`, at each TP size (the
+    `SINGLE_RANK` kinds at size 1 only)."""
     found = []
     for tp in tp_sizes:
-        for seq in itertools.product(placements, repeat=length):
+        kinds = [p for p in placements if tp == 1 or p not in SINGLE_RANK]
+        for seq in itertools.product(kinds, repeat=length):
             found += check(seq, tp)
     return _unique(found)
