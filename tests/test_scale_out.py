@@ -3,6 +3,7 @@ SIGKILLed mid-run and restarted; and the protections one by one: a replica joins
 weights, no replica loads before every one holds the transfer, a token older than its episode's start is caught."""
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -39,7 +40,7 @@ def replica_run(tmp_path, *overrides) -> Run:
 
 def kill_one_replica_mid_run(run: Run, at_batch: int) -> dict:
     """Before batch `at_batch` is taken, SIGKILL replica 0's process once it has requests (episodes in flight on
-    it), then wait (without holding anything the restart needs) until its replacement is in rotation."""
+    it), then wait (holding nothing the restart needs) until its replacement is in rotation."""
     placement, take, seen = run.placement, run.manager.next_batch, {}
 
     async def next_batch():
@@ -120,6 +121,35 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_group_is_lost_or_trained_tw
         run.shutdown()
     assert "exited with code -9" in o["lost"][0]
     check_outcome(o, steps=5)
+
+
+def test_a_frozen_replica_fails_the_update_naming_it_and_the_others_go_on_without_it(tmp_path):
+    """SIGSTOP (alive, silent): the update's collective times out naming the replica's rank; the replica is retired
+    (killed), the group rebuilt with the other one, the update and the run go on; its groups run again."""
+    run = replica_run(tmp_path, "steps=4", "rollout.restart_engines=false", "weight_sync_timeout_s=3",
+                      "engine_timeout_s=30")
+    frozen = {}
+
+    def freeze(version, batch):  # after batch 2 is taken: the update to version 3 finds replica 0 silent
+        if version == 2 and not frozen:
+            victim = run.placement.members[0].handle
+            frozen.update(pid=victim.pid, url=victim.url)
+            os.kill(victim.pid, signal.SIGSTOP)
+
+    run.on_batch = freeze
+    try:
+        history = asyncio.run(run.train())
+    finally:
+        if frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(frozen["pid"], signal.SIGCONT)
+        run.shutdown()
+    placement = run.placement
+    assert [(h["step"], h["version"]) for h in history] == [(s, s) for s in range(1, 5)]
+    assert [m.slot for m in placement.members] == [1] and len(placement.lost) == 1, placement.lost
+    assert "replica 0" in placement.lost[0] and "failed the update to version 3" in placement.lost[0]
+    assert f"rank 1 (engine pid {frozen['pid']} at {frozen['url']}) did not" in placement.lost[0], placement.lost
+    assert run.manager.dropped == {} and history[-1]["replicas"] == [1]
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import asyncio
 import base64
 import dataclasses
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import aiohttp
@@ -122,6 +123,16 @@ class EngineClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    # ---- a router's replicas (SGLang router's endpoints) ----------------------------------------------------------
+    async def add_worker(self, url: str, weight_version: int | None = None) -> None:
+        """Have the router put the server at `url` into rotation (refused, ValueError, unless it holds the weights
+        of those in rotation, and `weight_version` if given)."""
+        query = {"url": url} | ({} if weight_version is None else {"weight_version": weight_version})
+        await self._post(f"/add_worker?{urllib.parse.urlencode(query)}", {})
+
+    async def remove_worker(self, url: str) -> None:
+        await self._post(f"/remove_worker?{urllib.parse.urlencode({'url': url})}", {})
 
     # ---- plumbing ----------------------------------------------------------------------------------------------
     async def _post(self, path: str, body: dict) -> dict:

@@ -151,15 +151,26 @@ class Replicas(Placement):
             pauses = asyncio.run_coroutine_threadsafe(self._each(members, lambda c: c.pause(mode)), loop)
             pauses.result(self.cfg.engine_timeout_s)
 
-        sent = asyncio.to_thread(self.sender.send, named, version, commit)
-        loads = [m.client.update_weights_from_distributed(self.group_name, version, mode) for m in members]
+        sent = asyncio.ensure_future(asyncio.to_thread(self.sender.send, named, version, commit))
+        loads = [asyncio.ensure_future(m.client.update_weights_from_distributed(self.group_name, version, mode))
+                 for m in members]
+        answered = members
         try:
-            results = await asyncio.gather(sent, *loads, return_exceptions=True)
+            await asyncio.wait([sent])  # (bounded by the transport's timeouts)
+            # then the members' replies: a member that has not answered within the group's timeout is silent
+            _, silent = await asyncio.wait(loads, timeout=self.cfg.weight_sync_timeout_s)
+            for load in silent:
+                load.cancel()
+            answered = [m for m, load in zip(members, loads, strict=True) if load not in silent]
         finally:
-            resumed = await asyncio.gather(*(m.client.resume() for m in members), return_exceptions=True)
+            resumed = await asyncio.gather(*(m.client.resume() for m in answered), return_exceptions=True)
+        results = [sent.exception() or sent.result()] + [
+            EngineUnreachable(f"{m}: did not answer the update within weight_sync_timeout_s="
+                              f"{self.cfg.weight_sync_timeout_s:g}") if load.cancelled()
+            else load.exception() or load.result() for m, load in zip(members, loads, strict=True)]
         errors = [(who, r) for who, r in zip(["the trainer's send", *members], results, strict=True)
                   if isinstance(r, BaseException)]
-        errors += [(m, r) for m, r in zip(members, resumed, strict=True) if isinstance(r, BaseException)]
+        errors += [(m, r) for m, r in zip(answered, resumed, strict=True) if isinstance(r, BaseException)]
         if errors:
             self._group_stale = True
             raise TransportError(f"weight sync of version {version} failed: "
@@ -230,7 +241,7 @@ class Replicas(Placement):
         self.lost.append(f"{member}: {reason}")
         self._group_stale = True
         with contextlib.suppress(EngineClientError, ValueError):
-            await self.engine._post(f"/remove_worker?url={member.handle.url}", {})
+            await self.engine.remove_worker(member.handle.url)
         with contextlib.suppress(EngineClientError):
             await member.client.aclose()
         await asyncio.to_thread(member.handle.kill)
@@ -288,7 +299,7 @@ class Replicas(Placement):
                 await self._push(list(named), version)
             if member not in self.members:  # it failed the update: retired, and its slot free again
                 return
-            await self.engine._post(f"/add_worker?url={member.handle.url}&weight_version={self.version}", {})
+            await self.engine.add_worker(member.handle.url, self.version)
             self.first_versions[member.handle.url] = self.version
             log.warning("%s rejoined at weight version %d", member, self.version)
 
