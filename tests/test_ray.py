@@ -33,6 +33,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_placement_ray_passes_the_replica_test_on_a_local_cpu_cluster(tmp_path):
     overrides = [o for o in REPLICAS if not o.startswith("placement=")]
@@ -72,6 +73,7 @@ def ranks_and_replica(run, trained) -> dict:
         run.trainer.named_weights()))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_ray_run_trains_with_fsdp_over_two_trainer_actors(tmp_path):
     overrides = [o for o in REPLICAS if not o.startswith(("placement=", "rollout.num_engines", "rollout.restart"))]

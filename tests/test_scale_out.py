@@ -109,6 +109,7 @@ def check_outcome(o: dict, steps: int) -> None:
         assert oldest >= max(start_version, version - 1), (version, index, start_version, oldest)
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_run_is_replaced_and_no_group_is_lost_or_trained_twice(tmp_path):
     run = replica_run(tmp_path, "steps=5")
     trained: list[tuple[int, list]] = []
@@ -123,6 +124,7 @@ def test_a_replica_killed_mid_run_is_replaced_and_no_group_is_lost_or_trained_tw
     check_outcome(o, steps=5)
 
 
+@pytest.mark.slow
 def test_a_frozen_replica_fails_the_update_naming_it_and_the_others_go_on_without_it(tmp_path):
     """SIGSTOP (alive, silent): the update's collective times out naming the replica's rank; the replica is retired
     (killed), the group rebuilt with the other one, the update and the run go on; its groups run again."""
