@@ -226,8 +226,8 @@ def test_an_engine_that_tags_tokens_when_applied_fails_the_model_check():
     engine = Engine("tiny", CONFIG)
     weights = _perturbed(engine.model, 1)
     resolve = engine.core.scheduler.resolve
-    engine.core.scheduler.resolve = lambda req, index, token, logprob, version: resolve(
-        req, index, token, logprob, engine.core.weight_version)
+    engine.core.scheduler.resolve = lambda req, index, token, logprob, version, top=None: resolve(
+        req, index, token, logprob, engine.core.weight_version, top)
     log = _record(engine)
 
     async def go():
