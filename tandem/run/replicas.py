@@ -147,7 +147,10 @@ class Replicas(Placement):
         t0, mode, loop = time.perf_counter(), self.cfg.rollout.pause_mode, asyncio.get_running_loop()
         members = list(self.members)
 
+        paused_at = []
+
         def commit() -> None:  # every member holds the transfer: all pause before any loads
+            paused_at.append(time.perf_counter())
             pauses = asyncio.run_coroutine_threadsafe(self._each(members, lambda c: c.pause(mode)), loop)
             pauses.result(self.cfg.engine_timeout_s)
 
@@ -164,6 +167,7 @@ class Replicas(Placement):
             answered = [m for m, load in zip(members, loads, strict=True) if load not in silent]
         finally:
             resumed = await asyncio.gather(*(m.client.resume() for m in answered), return_exceptions=True)
+            resumed_at = time.perf_counter()
         results = [sent.exception() or sent.result()] + [
             EngineUnreachable(f"{m}: did not answer the update within weight_sync_timeout_s="
                               f"{self.cfg.weight_sync_timeout_s:g}") if load.cancelled()
@@ -183,7 +187,9 @@ class Replicas(Placement):
                 for m, r in zip(members, replies, strict=True)))
         self.version, self.checksums = version, checksums
         self.engine.weight_version = version
-        return SyncStats(results[0], replies[0], time.perf_counter() - t0)
+        # generation was excluded from the first pause to the last resume (the replies' pause_s: their loads only)
+        reply = dataclasses.replace(replies[0], pause_s=resumed_at - paused_at[0])
+        return SyncStats(results[0], reply, time.perf_counter() - t0)
 
     async def _form_group(self) -> None:
         """A new weight group of the trainer and every member (in slot order); the old one is left first."""
