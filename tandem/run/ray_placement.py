@@ -30,6 +30,7 @@ from tandem.engine.client import EngineUnreachable
 from tandem.run.replicas import Launcher, Replicas
 
 ADDRESS_ENV = "TANDEM_RAY_ADDRESS"
+STOP_S = 20.0  # how long a stopped run may take to save its checkpoint (and then to stop its replicas)
 
 
 def init_ray(num_bundles: int, cuda: bool) -> None:
@@ -167,7 +168,20 @@ class TrainerActor:
             prepare(self.run)
 
     def train(self) -> list[dict]:
-        return asyncio.run(self.run.train(self.records.append))
+        async def train():
+            self._task = asyncio.current_task()
+            return await self.run.train(self.records.append)
+
+        self._loop = asyncio.new_event_loop()
+        try:
+            return self._loop.run_until_complete(train())
+        finally:
+            self._loop.close()
+
+    def stop(self) -> None:
+        """Stop the run as Ctrl-C stops `tandem run`: it saves its checkpoint, then `train` raises."""
+        if getattr(self, "_task", None) is not None:
+            self._loop.call_soon_threadsafe(self._task.cancel)
 
     def close(self) -> None:
         self.run.shutdown()
@@ -201,16 +215,23 @@ class RayRun:
             raise
 
     async def train(self, on_step: Callable[[dict], None] | None = None) -> list[dict]:
+        """Cancelled (Ctrl-C), it stops the trainer's run, which saves its checkpoint, before it returns."""
         done, seen = self.actor.train.remote(), 0
-        while True:
-            finished, _ = ray.wait([done], timeout=0.25)
-            records = await asyncio.to_thread(ray.get, self.actor.records_since.remote(seen))
-            for record in records:
-                if on_step is not None:
-                    on_step(record)
-            seen += len(records)
-            if finished:
-                return await asyncio.to_thread(ray.get, done)
+        try:
+            while True:
+                finished, _ = await asyncio.to_thread(ray.wait, [done], timeout=0.25)
+                records = await asyncio.to_thread(ray.get, self.actor.records_since.remote(seen))
+                for record in records:
+                    if on_step is not None:
+                        on_step(record)
+                seen += len(records)
+                if finished:
+                    return await asyncio.to_thread(ray.get, done)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                ray.get(self.actor.stop.remote(), timeout=STOP_S)
+                ray.wait([done], timeout=STOP_S)
+            raise
 
     def inspect(self, probe: Callable):
         return ray.get(self.actor.inspect.remote(probe))
@@ -218,7 +239,7 @@ class RayRun:
     def shutdown(self) -> None:
         """Stop the replicas and the trainer, and free their bundles."""
         with contextlib.suppress(Exception):
-            ray.get(self.actor.close.remote(), timeout=60)
+            ray.get(self.actor.close.remote(), timeout=2 * STOP_S)
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)
         with contextlib.suppress(Exception):
