@@ -113,6 +113,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, stop)
+    # (under Ray, asyncio's own Ctrl-C handling did not reach the run: Ctrl-C is made to stop it as SIGTERM does)
+    previous_int = signal.signal(signal.SIGINT, stop) if cfg.placement == "ray" else None
     try:
         with Live(RunTable(records), console=console, refresh_per_second=4) as live:
             def on_step(record):
@@ -131,6 +133,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
         console.print(f"\ninterrupted: checkpoint saved in {run.out_dir}")
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_int is not None:
+            signal.signal(signal.SIGINT, previous_int)
         run.shutdown()
         if writer is not None:
             writer.close()
