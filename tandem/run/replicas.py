@@ -178,7 +178,8 @@ class Replicas(Placement):
         if errors:
             self._group_stale = True
             raise TransportError(f"weight sync of version {version} failed: "
-                                 + "; ".join(f"{who}: {r}" for who, r in errors), ranks=(1,)) from errors[0][1]
+                                 + "; ".join(f"{who}: {r}" for who, r in errors),
+                                 ranks=_blamed(results[0], results[1:])) from errors[0][1]
         replies = results[1:]
         checksums = {m.slot: r.weights_checksum for m, r in zip(members, replies, strict=True)}
         if len({r.weight_version for r in replies}) != 1 or len(set(checksums.values())) != 1:
@@ -210,7 +211,7 @@ class Replicas(Placement):
             self.sender = results[0]
         if errors := [r for r in results if isinstance(r, BaseException)]:
             raise TransportError(f"forming the weight group of {world - 1} replicas failed: "
-                                 + "; ".join(map(str, errors)), ranks=(1,)) from errors[0]
+                                 + "; ".join(map(str, errors)), ranks=_blamed(results[0], results[1:])) from errors[0]
         self._group_stale = False
 
     async def _leave_group(self) -> None:
@@ -350,6 +351,14 @@ class Replicas(Placement):
         for starting in self._restarting.values():  # a restart still starting: stopped once it has started
             with contextlib.suppress(BaseException):
                 starting.result().stop() if starting.done() else None
+
+
+def _blamed(trainer_side, member_sides: list) -> tuple[int, ...]:
+    """The group ranks a failed step names: those the trainer's transport named, else the members whose side
+    failed (rank = position + 1)."""
+    if isinstance(trainer_side, TransportError) and trainer_side.ranks:
+        return tuple(r for r in trainer_side.ranks if r > 0)
+    return tuple(rank for rank, r in enumerate(member_sides, 1) if isinstance(r, BaseException))
 
 
 def _start_all(launcher: Launcher, slots) -> list[ReplicaHandle]:
