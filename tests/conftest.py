@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# under pytest-xdist (`make test` runs two workers) each worker takes one core
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 if not torch.cuda.is_available():
     # Triton kernels run under its CPU interpreter here. Triton reads this once, when it is first imported,
     # and other modules (torch among them) may import it before the kernel tests do.
