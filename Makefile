@@ -3,6 +3,8 @@
 # CPU build; on a GPU machine install your CUDA torch into .venv first (see README).
 PY := .venv/bin/python
 TORCH ?= torch==2.13.0
+# pytest-xdist workers (the CPU machines have 2 cores; many tests wait on processes and sockets)
+JOBS ?= 2
 
 .venv/.installed: pyproject.toml
 	test -d .venv || python3 -m venv .venv
@@ -16,6 +18,6 @@ run: .venv/.installed
 
 test: .venv/.installed
 	$(PY) -m ruff check tandem tests benchmarks examples
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) $(ARGS)
 
 .PHONY: run test
