@@ -129,6 +129,18 @@ def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
     return sum(outputs) / elapsed
 
 
+def bandwidth_bound(prompts, outputs, weight_bytes: int, kv_per_token: int, bandwidth: float) -> float:
+    """Output tokens a second that the workload's bytes allow: every decode step reads the weights and the KV of
+    every sequence still running (all admitted at once, as the pool holds them all), at `bandwidth` (the copy's, as
+    the decode sweep's "of copy BW" compares); step s runs the sequences with more than s outputs. Prefill's
+    compute and the KV writes are left out, so no run can beat it."""
+    seconds = 0.0
+    for s in range(max(outputs)):
+        context = sum(len(p) + s for p, n in zip(prompts, outputs, strict=True) if n > s)
+        seconds += (weight_bytes + context * kv_per_token) / bandwidth
+    return sum(outputs) / seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"])
@@ -163,6 +175,9 @@ def main() -> None:
         steps = after.num_steps - before.num_steps
         print(f"(a) {args.num_seqs} sequences, in/out uniform [100, 1024]: {tok_s:,.0f} output tok/s; {steps} steps, "
               + ", ".join(f"{k} {1e3 * v / steps:.2f} ms" for k, v in spent.items()) + " per step")
+        bound = bandwidth_bound(prompts, outputs, weight_bytes, kv_per_token, bw)
+        print(f"    the workload's bandwidth bound (weights and running KV each step, at the copy's bandwidth): "
+              f"{bound:,.0f} tok/s; measured {tok_s / bound:.0%} of it")
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW |\n|---|---|---|---|---|---|")
         for batch in args.batches:
             sec = decode_step_seconds(engine, batch)
