@@ -34,6 +34,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from tandem.engine.engine import Engine, EngineError
 from tandem.server import chat, text
+from tandem.server.generate import unless_disconnected
 from tandem.server.openai_bodies import ChatBody, CompletionBody, OpenAIBody, OpenAIError
 from tandem.server.openai_replies import Choice, Stream, chat_choice, completion_choice, head, usage
 from tandem.server.sessions import SessionStore
@@ -48,7 +49,6 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
     """Add the OpenAI-compatible and session routes to `app`, serving `engine` with `tokenizer` (default:
     `engine.tokenizer`). `sessions`: the store of session histories (default: `SessionStore()`'s bounds); kept as
     `app.state.sessions`."""
-    from tandem.server.http import _unless_disconnected  # (http imports this module)
 
     store = app.state.sessions = sessions or SessionStore()
     tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
@@ -70,7 +70,7 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
         if body.stream:
             stream = Stream("text_completion", model_id, tokenizer, logprobs)
             return _stream(stream, _progress(engine, tokenizer, jobs), body.stream_options)
-        choices = await _unless_disconnected(request, _finished(engine, tokenizer, jobs))
+        choices = await unless_disconnected(request, _finished(engine, tokenizer, jobs))
         if choices is None:
             return Response(status_code=499)
         return _json(head("text_completion", model_id) | {
@@ -85,7 +85,7 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
         if body.stream:
             stream = Stream("chat.completion.chunk", model_id, tokenizer, body.logprobs, hold_all=bool(tools))
             return _stream(stream, _progress(engine, tokenizer, jobs), body.stream_options)
-        choices = await _unless_disconnected(request, _finished(engine, tokenizer, jobs))
+        choices = await unless_disconnected(request, _finished(engine, tokenizer, jobs))
         if choices is None:
             return Response(status_code=499)
         return _json(_chat_reply(choices, body, tools))
@@ -101,7 +101,7 @@ def add_routes(app: FastAPI, engine: Engine, sessions: SessionStore | None = Non
             raise OpenAIError(f"session {session_id!r} is busy with another request", status=409, code="busy")
         async with session.lock:
             prompt = session.prompt(tokenizer, messages, tools, body.chat_template_kwargs)
-            choices = await _unless_disconnected(request, _finished(engine, tokenizer, _chat_jobs(body, [prompt.ids])))
+            choices = await unless_disconnected(request, _finished(engine, tokenizer, _chat_jobs(body, [prompt.ids])))
             if choices is None:
                 return Response(status_code=499)
             reply = _chat_reply(choices, body, tools)

@@ -32,11 +32,7 @@ Routes:
     there (its `/get_model_info` `weight_version` equal to theirs; `weight_version=` in the query: equal to that),
     so a replica restarted with stale weights is refused rather than sent traffic; its first reply's lowest token
     version is kept in the router's view (`first_token_version`).
-  - the OpenAI-compatible routes (replicas mode; in prefill/decode mode a 400: they are a unified server's):
-    `/v1/models` from the first server; `/v1/completions` and `/v1/chat/completions` to the least loaded, relayed as
-    they are (a stream as it comes); session chat (`/sessions/{id}/...`) to one server per session, the one its
-    first turn went to, since a session's token history lives on that server (a server that left the rotation: its
-    sessions start over on another); `GET /sessions` the servers' counters summed.
+  - the OpenAI-compatible routes and session chat, in front of replicas: `tandem.server.router_chat`.
   - the weight-group routes are a 400: a group is joined by one server per rank, so fanning them out is
     meaningless; send them to each server.
 Keys: `Guard` checks the router's clients under the router's own `ServerOptions`; the router sends its servers
@@ -46,7 +42,6 @@ Keys: `Guard` checks the router's clients under the router's own `ServerOptions`
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 from contextlib import asynccontextmanager
 
@@ -61,6 +56,7 @@ from tandem.server.bodies import AbortBody, DiskUpdateBody, NoBody, PauseBody
 from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions
 from tandem.server.http import MAX_CONNECTIONS, _bad_request, _error, _InternalErrors, _json, _refuse
 from tandem.server.prefix_map import Backend, Pool
+from tandem.server.router_chat import add_chat_routes
 from tandem.server.router_config import RouterConfig
 from tandem.server.upstream import Reply, Upstream
 
@@ -69,8 +65,6 @@ FAN_OUT = {"/pause_generation": PauseBody, "/continue_generation": NoBody, "/flu
 WEIGHT_GROUP_PATHS = ("/init_weights_update_group", "/update_weights_from_distributed",
                       "/destroy_weights_update_group")
 RELAYED = frozenset({200, 400, 408, 413})  # a server's statuses passed on as they are; others make a 502
-OPENAI_RELAYED = RELAYED | {404, 409}  # (an unknown session, a session busy with another request)
-MAX_SESSIONS = 1 << 16  # sessions whose server the router remembers (least recently used forgotten first)
 
 
 def with_bootstrap(body: dict, prefill_url: str) -> dict:
@@ -100,7 +94,6 @@ class Router:
         self.pool = pool(config.servers, "unified") if config.servers else pool(config.decode, "decode")
         self.prefill = pool(config.prefill, "prefill") if config.prefill else None
         self.upstream = Upstream(config.connect_timeout_s, config.backend_api_key, config.backend_admin_api_key)
-        self.sessions: collections.OrderedDict[str, Backend] = collections.OrderedDict()  # session id -> server
 
     @property
     def backends(self) -> list[Backend]:
@@ -257,53 +250,22 @@ class Router:
         # a server that did not answer (now marked down) is left out while others answer: a replica that just died
         return _json(_sum_stats([pydantic_core.from_json(r.content) for r in answered]))
 
-    # ---- the OpenAI-compatible routes ---------------------------------------------------------------------
-    def _unified(self, path: str) -> None:
-        if self.prefill is not None:
-            raise ValueError(f"{path}: the OpenAI-compatible routes are a unified server's; this router routes to "
-                             "prefill/decode pairs (send /generate)")
-        if not self.pool.backends:
-            raise ValueError(f"{path}: no server in rotation")
-
-    def session_server(self, session_id: str) -> Backend:
-        """The server of session `session_id`: the one its first turn went to while it stays in rotation, else
-        the least loaded (remembered from then on)."""
-        backend = self.sessions.get(session_id)
-        if backend is None or backend not in self.pool.backends:
-            backend = self.sessions[session_id] = self.pool.choose([])
-        self.sessions.move_to_end(session_id)
-        while len(self.sessions) > MAX_SESSIONS:
-            self.sessions.popitem(last=False)
-        return backend
-
-    async def forward(self, request: Request, backend: Backend | None = None) -> Response:
+    async def forward(self, request: Request, backend: Backend | None = None,
+                      relayed: frozenset = RELAYED) -> Response:
         """`request` relayed to `backend` (default: the least loaded) as it is, a stream as it comes."""
         path = request.url.path
-        self._unified(path)
         backend = backend or self.pool.choose([])
         raw = await request.body() if request.method == "POST" else None
         backend.in_flight, backend.routed = backend.in_flight + 1, backend.routed + 1
         if raw is not None and _streamed(raw):
-            return await self._relay_stream(backend, path, raw, [backend], 1, OPENAI_RELAYED)
+            return await self._relay_stream(backend, path, raw, [backend], 1, relayed)
         try:
             reply = await _unless_disconnected(request, self.call(backend, request.method, path, raw))
         finally:
             backend.in_flight -= 1
         if reply is None:
             return Response(status_code=499)
-        return self._relay(backend, f"{request.method} {path}", reply, OPENAI_RELAYED)
-
-    async def session_counters(self) -> Response:
-        """`GET /sessions` of every server, its counters summed."""
-        self._unified("/sessions")
-        backends = self.pool.backends
-        replies = await asyncio.gather(*(self.call(b, "GET", "/sessions", None, self.config.control_timeout_s)
-                                         for b in backends))
-        for b, r in zip(backends, replies, strict=True):
-            if r.status != 200:
-                return self._relay(b, "GET /sessions", r, OPENAI_RELAYED)
-        counters = [pydantic_core.from_json(r.content) for r in replies]
-        return _json({**_sum_stats(counters), "ttl_s": counters[0].get("ttl_s")})
+        return self._relay(backend, f"{request.method} {path}", reply, relayed)
 
     def view(self) -> dict:
         return {"mode": self.config.mode, "servers": [dataclasses.asdict(b) for b in self.backends]}
@@ -426,6 +388,7 @@ def build_router_app(config: RouterConfig, options: ServerOptions | None = None)
     app.add_middleware(Guard, options=options or ServerOptions(), reply=_refuse)  # outermost
 
     app.add_api_route("/generate", router.generate, methods=["POST"])
+    add_chat_routes(app, router)
     for path, body_type in FAN_OUT.items():
         app.add_api_route(path, _fan_out_route(router, path, body_type), methods=["POST"])
 
@@ -451,30 +414,6 @@ def build_router_app(config: RouterConfig, options: ServerOptions | None = None)
     @app.get("/health")
     async def health():
         return await router.health()
-
-    @app.post("/v1/completions")
-    @app.post("/v1/chat/completions")
-    async def openai_route(request: Request):
-        return await router.forward(request)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        router._unified("/v1/models")
-        return await router.forward(request, next((b for b in router.pool.backends if not b.down),
-                                                  router.pool.backends[0]))
-
-    @app.get("/sessions")
-    async def sessions():
-        return await router.session_counters()
-
-    @app.api_route("/sessions/{session_id}/v1/chat/completions", methods=["POST"])
-    @app.api_route("/sessions/{session_id}", methods=["GET", "DELETE"])
-    async def session(request: Request, session_id: str):
-        router._unified(request.url.path)
-        backend = router.session_server(session_id)
-        if request.method == "DELETE":
-            router.sessions.pop(session_id, None)
-        return await router.forward(request, backend)
 
     @app.get("/get_model_info")
     async def get_model_info():
