@@ -57,8 +57,6 @@ class Work:
     def __post_init__(self):
         if self.stream not in STREAMS:
             raise ValueError(f"work {self.name}: stream {self.stream!r} is not one of {STREAMS}")
-        if self.kind == "sync" and self.phase == "prepare" and self.stream == "host" and not self.after:
-            raise ValueError(f"work {self.name}: a host sync must name what it waits for")
 
 
 @dataclass(frozen=True)
@@ -75,10 +73,6 @@ class Placement:
                 return w
         raise KeyError(f"work {name!r} is not in placement {self.name!r} (it names "
                        f"{[w.name for w in self.works]})")
-
-    @property
-    def names(self) -> set[str]:
-        return {w.name for w in self.works}
 
     def replaced(self, name: str, **changes) -> Placement:
         """This placement with work `name` changed (mutants are built this way)."""
