@@ -7,6 +7,9 @@
 (b) decode sweep at context 1024, batch 1 / 64 / 256: one decode step (the captured graph) timed with CUDA
     events; achieved bandwidth = (weight bytes + KV bytes read) / step time, against a device-to-device copy
     measured in the same run.
+    With `--small-ab`, each batch of at most `small_linear.MAX_ROWS` rows is timed again with its projections as
+    plain matrix multiplies (the model's `_forward_fused`, a graph captured for it), the same run's A/B of the
+    few-row fusions. `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
 (c) with `--hf`: workload (a) through Hugging Face `generate` (all sequences in one left-padded batch, greedy,
     max_new_tokens = the longest output; only each sequence's requested tokens count), and the ratio.
 """
@@ -106,6 +109,24 @@ def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: 
         return seconds_per_call(decode_step(engine, batch, context), iters, engine.runner.device)
 
 
+def unfused_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: int = 20) -> float:
+    """`decode_step_seconds` with the few-row fusions off (a graph of its own, captured here)."""
+    model, small = engine.model, engine.model.small
+    decode_step(engine, batch, context)  # (fills the buffers)
+    model.small = None
+    try:
+        with torch.inference_mode():
+            engine.runner._forward_decode(batch)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                engine.runner._forward_decode(batch)
+            seconds = seconds_per_call(graph.replay, iters, engine.runner.device)
+        del graph
+        return seconds
+    finally:
+        model.small = small
+
+
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
     import transformers
 
@@ -147,6 +168,9 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--hf", action="store_true")
+    parser.add_argument("--small-ab", action="store_true", help="time batches of few rows without their fusions too")
+    parser.add_argument("--profile-batch", type=int, help="the top kernels of a decode step at this batch")
+    parser.add_argument("--skip-workload", action="store_true", help="only the decode sweep")
     args = parser.parse_args()
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
@@ -165,25 +189,39 @@ def main() -> None:
               f"{engine.pool.num_pages} pages, start-up (weights, pool, graphs) {startup:.1f} s\n")
         # warm-up on the same workload: Triton compiles a kernel per new constexpr signature (batch-dependent split
         # counts, block sizes), which must not be timed
-        asyncio.run(run_workload(engine, prompts, outputs))
-        asyncio.run(engine.flush_cache())  # the timed run must prefill its prompts again
-        before = asyncio.run(engine.get_stats())
-        tok_s = asyncio.run(run_workload(engine, prompts, outputs))
-        after = asyncio.run(engine.get_stats())
-        spent = {k: getattr(after, f"{k}_seconds") - getattr(before, f"{k}_seconds")
-                 for k in ("busy", "schedule", "prepare", "forward", "postprocess")}
-        steps = after.num_steps - before.num_steps
-        print(f"(a) {args.num_seqs} sequences, in/out uniform [100, 1024]: {tok_s:,.0f} output tok/s; {steps} steps, "
-              + ", ".join(f"{k} {1e3 * v / steps:.2f} ms" for k, v in spent.items()) + " per step")
-        bound = bandwidth_bound(prompts, outputs, weight_bytes, kv_per_token, bw)
-        print(f"    the workload's bandwidth bound (weights and running KV each step, at the copy's bandwidth): "
-              f"{bound:,.0f} tok/s; measured {tok_s / bound:.0%} of it")
-        print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW |\n|---|---|---|---|---|---|")
+        if not args.skip_workload:
+            asyncio.run(run_workload(engine, prompts, outputs))
+            asyncio.run(engine.flush_cache())  # the timed run must prefill its prompts again
+            before = asyncio.run(engine.get_stats())
+            tok_s = asyncio.run(run_workload(engine, prompts, outputs))
+            after = asyncio.run(engine.get_stats())
+            spent = {k: getattr(after, f"{k}_seconds") - getattr(before, f"{k}_seconds")
+                     for k in ("busy", "schedule", "prepare", "forward", "postprocess")}
+            steps = after.num_steps - before.num_steps
+            print(f"(a) {args.num_seqs} sequences, in/out uniform [100, 1024]: {tok_s:,.0f} output tok/s; "
+                  f"{steps} steps, " + ", ".join(f"{k} {1e3 * v / steps:.2f} ms" for k, v in spent.items())
+                  + " per step")
+            bound = bandwidth_bound(prompts, outputs, weight_bytes, kv_per_token, bw)
+            print(f"    the workload's bandwidth bound (weights and running KV each step, at the copy's bandwidth): "
+                  f"{bound:,.0f} tok/s; measured {tok_s / bound:.0%} of it")
+        print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
+              "fusions: step ms |\n|---|---|---|---|---|---|---|")
         for batch in args.batches:
             sec = decode_step_seconds(engine, batch)
             read = weight_bytes + batch * 1024 * kv_per_token
+            unfused = (f"{unfused_step_seconds(engine, batch) * 1e3:.2f}" if args.small_ab and engine.model.small
+                       and batch <= engine.model.small.MAX_ROWS else "-")
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} |")
+                  f"{read / sec / bw:.0%} | {unfused} |")
+        if args.profile_batch:
+            from moe_throughput import top_kernels
+
+            with torch.inference_mode():
+                rows, total = top_kernels(decode_step(engine, args.profile_batch), engine.runner.device, top=16)
+            print(f"\none decode step at batch {args.profile_batch}, context 1024: {total / 1e3:.3f} ms of kernels\n"
+                  "| kernel | calls / step | us / step | share |\n|---|---|---|---|")
+            for k in rows:
+                print(f"| `{k['kernel'][:80]}` | {k['calls']:g} | {k['us']:,.1f} | {k['share']:.0%} |")
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()

@@ -20,6 +20,7 @@ pytest.importorskip("triton")
 from tandem.engine.sampler import SamplingBatch, hash_uniform, sample  # noqa: E402
 from tandem.kernels.fused import fused_add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul, silu_mul_merged  # noqa: E402
 from tandem.kernels.sampling import sample_gumbel  # noqa: E402
+from tandem.kernels.small_linear import MAX_ROWS, small_linear  # noqa: E402
 from tandem.model.qwen3 import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,6 +184,42 @@ def check_sampling(logits, temps, seeds, positions, num_splits=None):
     torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=2e-5)
 
 
+# ------------------------------------------------------------------------------------------- few-row projections
+
+
+def check_small_linear(T, E, N, dtype, x_pad=0):
+    """Each fusion of `small_linear` against the model's own ops, with the projection in fp32 over the same
+    rounded inputs (cuBLAS's bf16 products are exact in fp32 too; only the summation order differs)."""
+    norm = norm_module(E, dtype, seed=3)
+    x = randn(T, E + x_pad, dtype=dtype, seed=4, scale=2.0)[:, :E]
+    w = randn(2 * N, E, dtype=dtype, seed=5, scale=E ** -0.5)
+
+    def linear(a, b):
+        return F.linear(a.float(), b.float()).to(dtype)
+
+    with torch.no_grad():
+        assert_matches(small_linear(x, w), linear(x, w))
+        assert_matches(small_linear(x, w, norm.weight, EPS), linear(norm(x), w))
+        residual = randn(T, 2 * N, dtype=dtype, seed=6)
+        want = residual + linear(x, w)
+        out = residual.clone()
+        assert small_linear(x, w, out=out) is out
+        assert_matches(out, want)
+        gate, up = linear(norm(x), w).chunk(2, dim=-1)
+        assert_matches(small_linear(x, w, norm.weight, EPS, silu=True), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,E,N,pad", [(1, 64, 48, 0), (5, 96, 40, 32), (MAX_ROWS, 300, 20, 0), (0, 64, 16, 0)])
+def test_small_linear_small(T, E, N, pad, dtype):
+    check_small_linear(T, E, N, dtype, pad)
+
+
+def test_small_linear_refuses_more_rows_than_a_program_holds():
+    with pytest.raises(AssertionError, match="at most"):
+        small_linear(randn(MAX_ROWS + 1, 32), randn(16, 32))
+
+
 @pytest.mark.parametrize("num_splits", [None, 3])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_sample_gumbel_small(dtype, num_splits):
@@ -238,6 +275,13 @@ def test_silu_mul_gpu(T, inter, dtype):
 @pytest.mark.parametrize("B,num_splits", [(256, None), (1, None), (17, 1), (64, 7)])
 def test_sample_gumbel_gpu(B, num_splits, dtype):
     check_sampling(*make_sampling_case(B, 151_936, seed=B, dtype=dtype), num_splits=num_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,E,N", [(1, 1024, 2048), (7, 1024, 3072), (16, 2048, 512), (3, 4096, 6144)])
+def test_small_linear_gpu(T, E, N, dtype):
+    check_small_linear(T, E, N, dtype)
 
 
 @pytest.mark.gpu

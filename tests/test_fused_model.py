@@ -19,17 +19,24 @@ SHAPES = {  # the fused q/k-norm + RoPE kernel takes head_dim 64, 128 or 256
 }
 
 
+@pytest.mark.parametrize("lens", [[5, 3], [1], [13, 9]], ids=["small-8", "small-1", "wide-22"])
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-def test_fused_forward_equals_reference_forward(shape):
+def test_fused_forward_equals_reference_forward(shape, lens, monkeypatch):
+    """Up to `small_linear.MAX_ROWS` rows the projections fuse the norms, the residual adds and SiLU
+    (`_forward_small`); above it they run as matrix multiplies beside the fused norms (`_forward_fused`)."""
     config = SHAPES[shape]
     model = tandem_twin(hf_model(config), config).to(DEVICE)
-    lens = [5, 3]
+    paths = []
+    for path in ("_forward_small", "_forward_fused"):
+        original = getattr(type(model), path)
+        monkeypatch.setattr(type(model), path, lambda self, *a, _p=path, _f=original: paths.append(_p) or _f(self, *a))
     ids = torch.randint(0, config.vocab_size, (sum(lens),), device=DEVICE)
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
     with torch.no_grad():
         ref = model(ids, positions, PackedCausal(lens))
         assert model.use_fused_kernels().fused is not None  # the fused path must really run
         fused = model(ids, positions, PackedCausal(lens))
+    assert paths == ["_forward_small" if sum(lens) <= 16 else "_forward_fused"]
     torch.testing.assert_close(fused, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -167,11 +167,12 @@ def test_tiles_hold_each_local_pair_once(T, E, k, block_m, grouping, monkeypatch
     assert torch.equal(seen, local.reshape(-1).long())
 
 
-def test_use_fused_kernels_runs_the_experts_through_the_kernel():
-    """The model's fused path (`use_fused_kernels`) on a MoE model equals its reference path, through the kernel."""
+@pytest.mark.parametrize("lens", [[5, 3], [13, 9]], ids=["small-rows", "wide"])
+def test_use_fused_kernels_runs_the_experts_through_the_kernel(lens):
+    """The model's fused path (`use_fused_kernels`) on a MoE model equals its reference path, through the kernel,
+    with few rows (`_forward_small`) and more."""
     config = dataclasses.replace(PRESETS["tiny-moe"], vocab_size=128, hidden_size=48, moe_intermediate_size=40)
     model = Qwen3ForCausalLM(config).to(DEVICE).init_random(0)
-    lens = [5, 3]
     ids = torch.randint(0, config.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     positions = torch.cat([torch.arange(n) for n in lens]).to(DEVICE)
     with torch.no_grad():

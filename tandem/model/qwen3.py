@@ -173,6 +173,7 @@ class Qwen3ForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     fused = None  # tandem.kernels.fused when `use_fused_kernels()` was called (GPU inference)
+    small = None  # tandem.kernels.small_linear, for steps of few rows, where `use_fused_kernels()` can use it
 
     def capture_routing(self, store: torch.Tensor) -> None:
         """Have every forward over a KV cache write each token's expert ids, per MoE layer, into `store`
@@ -206,6 +207,10 @@ class Qwen3ForCausalLM(nn.Module):
         from tandem.kernels import fused, moe
 
         self.fused = fused
+        if self.tp.size == 1:  # (under TP a projection's output is all-reduced before the residual add)
+            from tandem.kernels import small_linear
+
+            self.small = small_linear
         for block in self.moe_blocks:
             block.experts.kernel = moe.fused_experts
         for layer in self.model.layers:
@@ -254,6 +259,8 @@ class Qwen3ForCausalLM(nn.Module):
         """Final hidden states [T, E] (after the last norm); `compute_logits` turns rows into logits."""
         if self.moe_blocks:
             self._set_capture(ctx)
+        if self.small is not None and input_ids_T.shape[0] <= self.small.MAX_ROWS:
+            return self._forward_small(input_ids_T, positions_T, ctx)
         if self.fused is not None:
             return self._forward_fused(input_ids_T, positions_T, ctx)
         cos, sin = rope_cos_sin(positions_T, self.config.head_dim, self.config.rope_theta)
@@ -265,22 +272,14 @@ class Qwen3ForCausalLM(nn.Module):
     def _forward_fused(self, input_ids_T, positions_T, ctx):
         """`forward` with the residual stream carried beside the hidden state, as fused kernels want it:
         each norm also adds the sublayer's output into the residual."""
-        f, cfg, eps = self.fused, self.config, self.config.rms_norm_eps
+        f, eps = self.fused, self.config.rms_norm_eps
         residual = self.model.embed_tokens(input_ids_T)
         layers = self.model.layers
         h = f.rmsnorm(residual, layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
-            T, D = h.shape[0], attn.head_dim
-            q, k, v = F.linear(h, attn.qkv_weight).split(  # views: the kernels take any row stride
-                [attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], dim=-1)
-            q, k, v = q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D)
-            dest = ctx.kv_destination(attn.layer)  # the keys and values straight into the KV cache, if it has one
-            if dest is not None and dest[0].dtype != q.dtype:
-                dest = None  # (a cache of another dtype: `attend` converts them)
-            q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, cfg.rope_theta, eps,
-                                  kv_cache=None if dest is None else (v, *dest))
-            o = attn.o_proj(ctx.attend(attn.layer, q, k, v if dest is None else None).reshape(T, -1))
+            q, k, v = self._attention_qkv(attn, F.linear(h, attn.qkv_weight), positions_T, ctx)
+            o = attn.o_proj(ctx.attend(attn.layer, q, k, v).reshape(h.shape[0], -1))
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
             if isinstance(mlp, Qwen3SparseMoeBlock):
@@ -291,6 +290,38 @@ class Qwen3ForCausalLM(nn.Module):
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
             h, residual = f.fused_add_rmsnorm(out, residual, norm.weight, eps)
         return h
+
+    def _attention_qkv(self, attn, qkv, positions_T, ctx):
+        """The queries (normalised, rotated) and, where the context has no cache to take them directly, the keys
+        and values, from one fused q/k/v projection's output."""
+        f, T, D = self.fused, qkv.shape[0], attn.head_dim
+        q, k, v = qkv.split([attn.num_heads * D, attn.num_kv_heads * D, attn.num_kv_heads * D], dim=-1)
+        q, k, v = q.view(T, attn.num_heads, D), k.view(T, attn.num_kv_heads, D), v.view(T, attn.num_kv_heads, D)
+        dest = ctx.kv_destination(attn.layer)  # the keys and values straight into the KV cache, if it has one
+        if dest is not None and dest[0].dtype != q.dtype:
+            dest = None  # (a cache of another dtype: `attend` converts them)
+        q, k = f.qk_norm_rope(q, k, attn.q_norm.weight, attn.k_norm.weight, positions_T, self.config.rope_theta,
+                              self.config.rms_norm_eps, kv_cache=None if dest is None else (v, *dest))
+        return q, k, (v if dest is None else None)
+
+    def _forward_small(self, input_ids_T, positions_T, ctx):
+        """`forward` for a few rows (one tensor-parallel rank): each projection also normalises its input, adds its
+        output into the residual stream or applies SiLU-and-multiply (`tandem.kernels.small_linear`), five kernels
+        and attention's a dense layer instead of ten."""
+        f, s, eps = self.fused, self.small.small_linear, self.config.rms_norm_eps
+        residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
+        T = residual.shape[0]
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
+            o = ctx.attend(attn.layer, *self._attention_qkv(attn, qkv, positions_T, ctx)).reshape(T, -1)
+            s(o, attn.o_proj.weight, out=residual)
+            if isinstance(mlp, Qwen3SparseMoeBlock):
+                residual += mlp(f.rmsnorm(residual, layer.post_attention_layernorm.weight, eps))
+            else:
+                act = s(residual, mlp.gate_up_weight, layer.post_attention_layernorm.weight, eps, silu=True)
+                s(act, mlp.down_proj.weight, out=residual)
+        return f.rmsnorm(residual, self.model.norm.weight, eps)
 
     def compute_logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_NE).float()
