@@ -19,20 +19,55 @@ squares) tips a rounding. Grids are fixed by shapes (CUDA-graph safe, no host sy
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: no programmatic dependent launches
+    gdc_launch_dependents = gdc_wait = None
+
 from tandem.kernels.fused import _exp, _interpreted, _round
 
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
+# programmatic dependent launches where Triton and the GPU have them (TANDEM_PDL=0: never)
+PDL = os.environ.get("TANDEM_PDL", "1") != "0" and gdc_wait is not None
+
+
+@triton.jit
+def _dot(acc, x, w, DOT_FP32: tl.constexpr):
+    if DOT_FP32:  # fp32 weights, or the CPU interpreter (its bf16 dots are wrong): exact fp32 products
+        acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    else:
+        acc += tl.dot(x, tl.trans(w))
+    return acc
+
+
+@triton.jit
+def _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM: tl.constexpr, dtype: tl.constexpr,
+           INTERPRET: tl.constexpr):
+    """Columns kk of the input rows, normalised (the model's RMSNorm, rounded where it rounds) if NORM."""
+    mask_k = kk < E
+    x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+    if NORM:
+        norm_w = tl.load(norm_w_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
+        x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32) * norm_w[None, :],
+                   dtype, INTERPRET)
+    return x
 
 
 @triton.jit
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, T, N, E, stride_x, stride_w, stride_o, up_rows, eps,
                          NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
                          INTERPRET: tl.constexpr):
+    """PDL: launched as a programmatic dependent of the kernel before it, this program loads its first weight
+    tile (never written by a step) while that kernel finishes, and waits for it (`gdc_wait`) before reading
+    anything else or writing anything."""
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,6 +76,14 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, T, N, E, stride_x, s
     dtype = out_ptr.dtype.element_ty
     x_rows = x_ptr + offs_t[:, None] * stride_x
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    up_rows_ptr = w_rows + up_rows * stride_w
+    w_mask = mask_n[:, None] & (offs_k < E)[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SILU:
+        w_up = tl.load(up_rows_ptr + offs_k[None, :], mask=w_mask, other=0.0)
+    if PDL:
+        gdc_wait()
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if NORM:
         squares = tl.zeros([BLOCK_T], tl.float32)
@@ -49,28 +92,20 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, T, N, E, stride_x, s
             x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & (kk < E)[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(x * x, 1)
         rstd = tl.rsqrt(squares / E + eps)
-    acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    x = _input(x_rows, norm_w_ptr, offs_k, mask_t, E, rstd, NORM, dtype, INTERPRET)
+    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32)
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    for k0 in range(0, E, BLOCK_K):
+    if SILU:
+        acc_up = _dot(acc_up, x, w_up, DOT_FP32)
+    for k0 in range(BLOCK_K, E, BLOCK_K):
         kk = k0 + offs_k
-        mask_k = kk < E
-        x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-        if NORM:
-            norm_w = tl.load(norm_w_ptr + kk, mask=mask_k, other=0.0).to(tl.float32)
-            x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32) * norm_w[None, :],
-                       dtype, INTERPRET)
-        w_mask = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-        if DOT_FP32:  # fp32 weights, or the CPU interpreter (its bf16 dots are wrong): exact fp32 products
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        x = _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM, dtype, INTERPRET)
+        w_mask = mask_n[:, None] & (kk < E)[None, :]
+        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
         if SILU:
-            w_up = tl.load(w_rows + up_rows * stride_w + kk[None, :], mask=w_mask, other=0.0)
-            if DOT_FP32:
-                acc_up += tl.dot(x.to(tl.float32), tl.trans(w_up.to(tl.float32)), input_precision="ieee")
-            else:
-                acc_up += tl.dot(x, tl.trans(w_up))
+            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
+    if PDL:
+        gdc_launch_dependents()
     y = _round(acc, dtype, INTERPRET)
     if SILU:  # F.silu(gate) * up: x / (1 + exp(-x)), rounded, times up, rounded
         gate = y.to(tl.float32)
@@ -83,19 +118,32 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, T, N, E, stride_x, s
     tl.store(out, y, mask=mask)
 
 
-def _blocks(N: int, E: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): narrow output tiles so that even a 1024-wide output spreads over 64 programs."""
-    return (16 if N <= 2048 else 32), min(256, triton.next_power_of_2(E))
+@dataclass(frozen=True)
+class Blocks:
+    """A launch's tiling: output columns and input columns per tile, warps, pipeline stages, and whether it is a
+    programmatic dependent launch (PDL: Hopper and later; never under the CPU interpreter)."""
+
+    n: int
+    k: int
+    warps: int = 4
+    stages: int = 3
+    pdl: bool = False
+
+
+def default_blocks(N: int, E: int, device: torch.device) -> Blocks:
+    """Narrow output tiles, so that even a 1024-wide output spreads over 64 programs."""
+    pdl = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreted()
+    return Blocks(16 if N <= 2048 else 32, min(256, triton.next_power_of_2(E)), pdl=pdl)
 
 
 def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 out: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+                 out: torch.Tensor | None = None, silu: bool = False, blocks: Blocks | None = None) -> torch.Tensor:
     """`x @ w.T` for T <= MAX_ROWS rows (see the module docstring for what it fuses).
 
     x_TE: [T, E], last dim contiguous, any row stride; w_NE: [N, E] contiguous, x's dtype. norm_weight: [E], RMSNorm
     x first (with `eps`). out: a [T, N] tensor (last dim contiguous) the result is ADDED INTO in place and which is
     returned (the residual); else a new contiguous tensor is returned. silu: w is [2I, E], gate then up; returns
-    `silu(gate) * up` [T, I] (not with `out`)."""
+    `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None)."""
     T, E = x_TE.shape
     assert T <= MAX_ROWS, f"small_linear: at most {MAX_ROWS} rows, got {T}"
     assert w_NE.shape[1] == E and w_NE.is_contiguous() and w_NE.dtype == x_TE.dtype, (x_TE.shape, w_NE.shape)
@@ -112,10 +160,12 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
         y = out
     if T == 0:
         return y
-    block_n, block_k = _blocks(N, E)
+    b = blocks or default_blocks(N, E, x_TE.device)
     dot_fp32 = x_TE.dtype == torch.float32 or _interpreted()
-    _small_linear_kernel[(triton.cdiv(N, block_n),)](
+    pdl = {"launch_pdl": True} if b.pdl else {}
+    _small_linear_kernel[(triton.cdiv(N, b.n),)](
         x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, T, N, E, x_TE.stride(0), w_NE.stride(0),
         y.stride(0), N, eps, NORM=norm_weight is not None, RESIDUAL=out is not None, SILU=silu, BLOCK_T=MAX_ROWS,
-        BLOCK_N=block_n, BLOCK_K=block_k, DOT_FP32=dot_fp32, INTERPRET=_interpreted(), num_warps=4, num_stages=3)
+        BLOCK_N=b.n, BLOCK_K=b.k, DOT_FP32=dot_fp32, PDL=b.pdl, INTERPRET=_interpreted(), num_warps=b.warps,
+        num_stages=b.stages, **pdl)
     return y

@@ -1,0 +1,133 @@
+"""The few-row projections (`tandem.kernels.small_linear`) on a GPU: tilings and programmatic dependent launch.
+
+    python benchmarks/small_linear_blocks.py [--model qwen3-0.6b] [--rows 1 4 16] [--out blocks.json]
+
+For each projection of a dense layer at the model's shape (q/k/v with the input norm, o with the residual add,
+gate/up with the norm and SiLU, down with the residual add), a CUDA graph of as many of them back to back as the
+model has layers is timed per tiling, and the best kept. Then one graph of the whole chain, layer after layer, is
+timed with the best tilings against the chain the model runs without these kernels (cuBLAS matrix multiplies
+beside the fused norm, residual and SiLU kernels), attention left out of both. Bytes: the weights a chain reads,
+against a device-to-device copy measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+from engine_throughput import copy_bandwidth, seconds_per_call
+
+from tandem.config import PRESETS
+from tandem.kernels import fused
+from tandem.kernels.small_linear import Blocks, default_blocks, small_linear
+
+EPS = 1e-6
+
+
+def graph_seconds(fn, iters: int = 20) -> float:
+    fn()  # compile and warm up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return seconds_per_call(graph.replay, iters)
+
+
+def projections(cfg, T: int):
+    """name -> (weight, input, norm weight or None, residual or None, silu)."""
+    E, H, K, D, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.intermediate_size)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
+
+    norm = torch.ones(E, device="cuda", dtype=torch.bfloat16)
+    return {"qkv": (rand((H + 2 * K) * D, E), rand(T, E), norm, None, False),
+            "o": (rand(E, H * D), rand(T, H * D), None, rand(T, E), False),
+            "gate_up": (rand(2 * inter, E), rand(T, E), norm, None, True),
+            "down": (rand(E, inter), rand(T, inter), None, rand(T, E), False)}
+
+
+def run_small(proj, blocks: Blocks | None):
+    w, x, norm, residual, silu = proj
+    return lambda: small_linear(x, w, norm, EPS, out=residual, silu=silu, blocks=blocks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    cfg = PRESETS[args.model]
+    L = cfg.num_hidden_layers
+    bw = copy_bandwidth()
+    print(f"## few-row projections ({datetime.date.today()}, {torch.cuda.get_device_name()}, {args.model}, {L} "
+          f"layers; copy {bw / 1e12:.2f} TB/s)\n")
+    tilings = [Blocks(n, k, warps, stages, pdl) for n, k, warps, stages, pdl in
+               itertools.product((16, 32, 64), (128, 256), (4, 8), (3,), (False, True))]
+    results = {"model": args.model, "copy_bytes_per_s": bw, "rows": {}}
+    for T in args.rows:
+        projs = projections(cfg, T)
+        best, rows = {}, []
+        for name, proj in projs.items():
+            default = default_blocks(proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1], proj[0].device)
+            timed = []
+            for blocks in [default, *tilings]:
+                try:
+                    sec = graph_seconds(lambda p=proj, b=blocks: [run_small(p, b)() for _ in range(L)]) / L
+                except Exception as e:  # a tiling the GPU cannot take (shared memory): skipped, and said
+                    print(f"  {name} T={T} {blocks}: {type(e).__name__}: {str(e)[:100]}")
+                    continue
+                timed.append((sec, blocks))
+            sec, blocks = min(timed, key=lambda t: t[0])
+            best[name] = blocks
+            no_pdl = min(s for s, b in timed if not b.pdl)
+            mb = proj[0].numel() * 2 / 1e6
+            rows.append({"projection": name, "weights_mb": mb, "default_us": timed[0][0] * 1e6, "best_us": sec * 1e6,
+                         "best": dataclasses.asdict(blocks),
+                         "best_without_pdl_us": no_pdl * 1e6, "of_copy": mb * 1e6 / sec / bw})
+        chain_small, chain_default, chain_matmul = chains(projs, best, L)
+        weight_bytes = L * sum(p[0].numel() * 2 for p in projs.values())
+        results["rows"][T] = {"projections": rows, "chain_best_s": chain_small, "chain_default_s": chain_default,
+                              "chain_matmul_s": chain_matmul, "weight_bytes": weight_bytes}
+        print(f"### {T} rows\n\n| projection | weights MB | default us | best us | best tiling | best without PDL us "
+              "| of copy BW |\n|---|---|---|---|---|---|---|")
+        for r in rows:
+            b = r["best"]
+            print(f"| {r['projection']} | {r['weights_mb']:.1f} | {r['default_us']:.1f} | {r['best_us']:.1f} | "
+                  f"n {b['n']} k {b['k']} warps {b['warps']} pdl {b['pdl']} | {r['best_without_pdl_us']:.1f} | "
+                  f"{r['of_copy']:.0%} |")
+        print(f"\nthe {L} layers' projections in one graph: best tilings {chain_small * 1e3:.3f} ms, default tilings "
+              f"{chain_default * 1e3:.3f} ms, matrix multiplies + fused norm/SiLU kernels {chain_matmul * 1e3:.3f} ms "
+              f"({chain_matmul / chain_small:.2f}x); the weights' bytes at the copy's bandwidth "
+              f"{weight_bytes / bw * 1e3:.3f} ms\n")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def chains(projs, best, L: int) -> tuple[float, float, float]:
+    """Seconds of L layers' projections: best tilings, default tilings, the matrix multiplies' chain."""
+    return (graph_seconds(lambda: [run_small(p, best[n])() for _ in range(L) for n, p in projs.items()]),
+            graph_seconds(lambda: [run_small(p, None)() for _ in range(L) for p in projs.values()]),
+            graph_seconds(lambda: [matmul_layer(projs) for _ in range(L)]))
+
+
+def matmul_layer(projs) -> None:
+    """One layer's projections as `Qwen3ForCausalLM._forward_fused` runs them (attention left out)."""
+    w_qkv, x, norm, _, _ = projs["qkv"]
+    w_o, o, _, residual, _ = projs["o"]
+    h, residual = fused.fused_add_rmsnorm(x, residual, norm, EPS)
+    F.linear(h, w_qkv)
+    h, residual = fused.fused_add_rmsnorm(F.linear(o, w_o), residual, norm, EPS)
+    gate, up = F.linear(h, projs["gate_up"][0]).chunk(2, dim=-1)
+    F.linear(fused.silu_mul(gate, up), projs["down"][0])
+
+
+if __name__ == "__main__":
+    main()
