@@ -24,7 +24,7 @@ from engine_throughput import copy_bandwidth, seconds_per_call
 
 from tandem.config import PRESETS
 from tandem.kernels import fused
-from tandem.kernels.small_linear import Blocks, default_blocks, small_linear
+from tandem.kernels.small_linear import Blocks, arrival_counts, default_blocks, small_linear
 
 EPS = 1e-6
 
@@ -52,9 +52,13 @@ def projections(cfg, T: int):
             "down": (rand(E, inter), rand(T, inter), None, rand(T, E), False)}
 
 
+ARRIVED = {}
+
+
 def run_small(proj, blocks: Blocks | None):
     w, x, norm, residual, silu = proj
-    return lambda: small_linear(x, w, norm, EPS, out=residual, silu=silu, blocks=blocks)
+    arrived = ARRIVED.setdefault("counts", arrival_counts("cuda"))
+    return lambda: small_linear(x, w, norm, EPS, out=residual, silu=silu, blocks=blocks, arrived=arrived)
 
 
 def main() -> None:
@@ -68,14 +72,15 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"## few-row projections ({datetime.date.today()}, {torch.cuda.get_device_name()}, {args.model}, {L} "
           f"layers; copy {bw / 1e12:.2f} TB/s)\n")
-    tilings = [Blocks(n, k, warps, stages, pdl) for n, k, warps, stages, pdl in
-               itertools.product((16, 32, 64), (128, 256), (4, 8), (3,), (False, True))]
+    tilings = [Blocks(n, k, warps, 3, pdl, splits) for n, k, warps, pdl, splits in
+               itertools.product((16, 32), (128, 256), (4, 8), (False, True), (1, 2, 4, 8))]
     results = {"model": args.model, "copy_bytes_per_s": bw, "rows": {}}
     for T in args.rows:
         projs = projections(cfg, T)
         best, rows = {}, []
         for name, proj in projs.items():
             default = default_blocks(proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1], proj[0].device)
+            print(f"  {name} T={T}: default {default}")
             timed = []
             for blocks in [default, *tilings]:
                 try:
@@ -87,21 +92,23 @@ def main() -> None:
             sec, blocks = min(timed, key=lambda t: t[0])
             best[name] = blocks
             no_pdl = min(s for s, b in timed if not b.pdl)
+            no_split = min(s for s, b in timed if b.splits == 1)
             mb = proj[0].numel() * 2 / 1e6
             rows.append({"projection": name, "weights_mb": mb, "default_us": timed[0][0] * 1e6, "best_us": sec * 1e6,
                          "best": dataclasses.asdict(blocks),
-                         "best_without_pdl_us": no_pdl * 1e6, "of_copy": mb * 1e6 / sec / bw})
+                         "best_without_pdl_us": no_pdl * 1e6, "best_unsplit_us": no_split * 1e6,
+                         "of_copy": mb * 1e6 / sec / bw})
         chain_small, chain_default, chain_matmul = chains(projs, best, L)
         weight_bytes = L * sum(p[0].numel() * 2 for p in projs.values())
         results["rows"][T] = {"projections": rows, "chain_best_s": chain_small, "chain_default_s": chain_default,
                               "chain_matmul_s": chain_matmul, "weight_bytes": weight_bytes}
         print(f"### {T} rows\n\n| projection | weights MB | default us | best us | best tiling | best without PDL us "
-              "| of copy BW |\n|---|---|---|---|---|---|---|")
+              "| best unsplit us | of copy BW |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
             b = r["best"]
             print(f"| {r['projection']} | {r['weights_mb']:.1f} | {r['default_us']:.1f} | {r['best_us']:.1f} | "
-                  f"n {b['n']} k {b['k']} warps {b['warps']} pdl {b['pdl']} | {r['best_without_pdl_us']:.1f} | "
-                  f"{r['of_copy']:.0%} |")
+                  f"n {b['n']} k {b['k']} warps {b['warps']} pdl {b['pdl']} splits {b['splits']} | "
+                  f"{r['best_without_pdl_us']:.1f} | {r['best_unsplit_us']:.1f} | {r['of_copy']:.0%} |")
         print(f"\nthe {L} layers' projections in one graph: best tilings {chain_small * 1e3:.3f} ms, default tilings "
               f"{chain_default * 1e3:.3f} ms, matrix multiplies + fused norm/SiLU kernels {chain_matmul * 1e3:.3f} ms "
               f"({chain_matmul / chain_small:.2f}x); the weights' bytes at the copy's bandwidth "

@@ -7,6 +7,7 @@ Sampled tokens must equal `sample`'s exactly; activations must agree to fp32 rou
 everywhere) bit for bit in bf16, where a differently ordered sum of squares may tip a rounding by one ulp.
 """
 
+import functools
 import os
 
 import pytest
@@ -20,7 +21,8 @@ pytest.importorskip("triton")
 from tandem.engine.sampler import SamplingBatch, hash_uniform, sample  # noqa: E402
 from tandem.kernels.fused import fused_add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul, silu_mul_merged  # noqa: E402
 from tandem.kernels.sampling import sample_gumbel  # noqa: E402
-from tandem.kernels.small_linear import MAX_ROWS, small_linear  # noqa: E402
+from tandem.kernels.small_linear import MAX_ROWS, Blocks, arrival_counts  # noqa: E402
+from tandem.kernels.small_linear import small_linear as split_linear  # noqa: E402
 from tandem.model.qwen3 import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,7 +35,7 @@ def randn(*shape, dtype=torch.float32, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=gen) * scale).to(DEVICE, dtype)
 
 
-def assert_matches(out, want, fp32_tol=1e-5, bf16_atol=1e-5, max_bf16_mismatch=0.001):
+def assert_bits(out, want, fp32_tol=1e-5, bf16_atol=1e-5, max_bf16_mismatch=0.001):
     """fp32: equal to rounding; bf16: within an ulp or two everywhere and bit-equal almost everywhere."""
     assert out.shape == want.shape and out.dtype == want.dtype, (out.shape, want.shape, out.dtype, want.dtype)
     assert torch.isfinite(out).all()
@@ -42,6 +44,9 @@ def assert_matches(out, want, fp32_tol=1e-5, bf16_atol=1e-5, max_bf16_mismatch=0
     else:
         torch.testing.assert_close(out.float(), want.float(), rtol=1.6e-2, atol=bf16_atol)
         assert (out != want).sum().item() <= max_bf16_mismatch * out.numel()
+
+
+assert_matches = assert_bits
 
 
 def norm_module(dim, dtype, seed):
@@ -187,9 +192,14 @@ def check_sampling(logits, temps, seeds, positions, num_splits=None):
 # ------------------------------------------------------------------------------------------- few-row projections
 
 
-def check_small_linear(T, E, N, dtype, x_pad=0):
+def check_small_linear(T, E, N, dtype, x_pad=0, blocks=None):
     """Each fusion of `small_linear` against the model's own ops, with the projection in fp32 over the same
-    rounded inputs (cuBLAS's bf16 products are exact in fp32 too; only the summation order differs)."""
+    rounded inputs (cuBLAS's bf16 products are exact in fp32 too; only the summation order differs, which tips a
+    bf16 rounding in a few outputs in a thousand). With `blocks.splits` > 1 the input columns are split over
+    programs, and the arrival counts must be left zero for the next launch."""
+    arrived = arrival_counts(DEVICE)
+    small_linear = functools.partial(split_linear, blocks=blocks, arrived=arrived)
+    assert_matches = functools.partial(assert_bits, max_bf16_mismatch=0.005)
     norm = norm_module(E, dtype, seed=3)
     x = randn(T, E + x_pad, dtype=dtype, seed=4, scale=2.0)[:, :E]
     w = randn(2 * N, E, dtype=dtype, seed=5, scale=E ** -0.5)
@@ -207,6 +217,7 @@ def check_small_linear(T, E, N, dtype, x_pad=0):
         assert_matches(out, want)
         gate, up = linear(norm(x), w).chunk(2, dim=-1)
         assert_matches(small_linear(x, w, norm.weight, EPS, silu=True), F.silu(gate) * up)
+    assert not arrived.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -215,9 +226,19 @@ def test_small_linear_small(T, E, N, pad, dtype):
     check_small_linear(T, E, N, dtype, pad)
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_small_linear_split_over_input_columns(splits):
+    """Input columns split over programs (the last of a column block to arrive adds the partials): 300 columns
+    in tiles of 32, so the last split is short."""
+    check_small_linear(3, 300, 40, torch.float32, blocks=Blocks(16, 32, splits=splits))
+    check_small_linear(2, 300, 24, torch.bfloat16, blocks=Blocks(16, 32, splits=splits))
+
+
 def test_small_linear_refuses_more_rows_than_a_program_holds():
     with pytest.raises(AssertionError, match="at most"):
-        small_linear(randn(MAX_ROWS + 1, 32), randn(16, 32))
+        split_linear(randn(MAX_ROWS + 1, 32), randn(16, 32))
+    with pytest.raises(AssertionError, match="arrival_counts"):
+        split_linear(randn(2, 64), randn(16, 64), blocks=Blocks(16, 32, splits=2))
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])
@@ -281,7 +302,7 @@ def test_sample_gumbel_gpu(B, num_splits, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,E,N", [(1, 1024, 2048), (7, 1024, 3072), (16, 2048, 512), (3, 4096, 6144)])
 def test_small_linear_gpu(T, E, N, dtype):
-    check_small_linear(T, E, N, dtype)
+    check_small_linear(T, E, N, dtype)  # (split as the model splits it)
 
 
 @pytest.mark.gpu

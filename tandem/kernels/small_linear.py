@@ -19,6 +19,7 @@ squares) tips a rounding. Grids are fixed by shapes (CUDA-graph safe, no host sy
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ except ImportError:  # an older Triton: no programmatic dependent launches
 from tandem.kernels.fused import _exp, _interpreted, _round
 
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
+MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
 # programmatic dependent launches where Triton and the GPU have them (TANDEM_PDL=0: never)
 PDL = os.environ.get("TANDEM_PDL", "1") != "0" and gdc_wait is not None
 
@@ -61,51 +63,9 @@ def _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM: tl.constexpr, dtype: t
 
 
 @triton.jit
-def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, T, N, E, stride_x, stride_w, stride_o, up_rows, eps,
-                         NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
-                         INTERPRET: tl.constexpr):
-    """PDL: launched as a programmatic dependent of the kernel before it, this program loads its first weight
-    tile (never written by a step) while that kernel finishes, and waits for it (`gdc_wait`) before reading
-    anything else or writing anything."""
-    offs_t = tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
+def _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL: tl.constexpr,
+              SILU: tl.constexpr, INTERPRET: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
-    x_rows = x_ptr + offs_t[:, None] * stride_x
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    up_rows_ptr = w_rows + up_rows * stride_w
-    w_mask = mask_n[:, None] & (offs_k < E)[None, :]
-    w = tl.load(w_rows + offs_k[None, :], mask=w_mask, other=0.0)
-    w_up = w
-    if SILU:
-        w_up = tl.load(up_rows_ptr + offs_k[None, :], mask=w_mask, other=0.0)
-    if PDL:
-        gdc_wait()
-    rstd = tl.zeros([BLOCK_T], tl.float32)
-    if NORM:
-        squares = tl.zeros([BLOCK_T], tl.float32)
-        for k0 in range(0, E, BLOCK_K):
-            kk = k0 + offs_k
-            x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & (kk < E)[None, :], other=0.0).to(tl.float32)
-            squares += tl.sum(x * x, 1)
-        rstd = tl.rsqrt(squares / E + eps)
-    x = _input(x_rows, norm_w_ptr, offs_k, mask_t, E, rstd, NORM, dtype, INTERPRET)
-    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32)
-    acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    if SILU:
-        acc_up = _dot(acc_up, x, w_up, DOT_FP32)
-    for k0 in range(BLOCK_K, E, BLOCK_K):
-        kk = k0 + offs_k
-        x = _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM, dtype, INTERPRET)
-        w_mask = mask_n[:, None] & (kk < E)[None, :]
-        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
-        if SILU:
-            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
-    if PDL:
-        gdc_launch_dependents()
     y = _round(acc, dtype, INTERPRET)
     if SILU:  # F.silu(gate) * up: x / (1 + exp(-x)), rounded, times up, rounded
         gate = y.to(tl.float32)
@@ -118,6 +78,80 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, T, N, E, stride_x, s
     tl.store(out, y, mask=mask)
 
 
+@triton.jit
+def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived_ptr, T, N, E, stride_x, stride_w,
+                         stride_o, up_rows, k_split, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                         SILU: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+    """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
+    SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
+    [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
+    partials in split order (the result does not depend on which is last), resets the count to zero for the next
+    launch, and writes the output. PDL: launched as a programmatic dependent of the kernel before it, a program
+    loads its first weight tile (never written by a step) while that kernel finishes, and waits for it
+    (`gdc_wait`) before reading anything else or writing anything."""
+    pid_n, pid_s = tl.program_id(0), tl.program_id(1)
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_start = pid_s * k_split
+    k_end = tl.minimum(E, k_start + k_split)
+    kk = k_start + tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    x_rows = x_ptr + offs_t[:, None] * stride_x
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    up_rows_ptr = w_rows + up_rows * stride_w
+    w_mask = mask_n[:, None] & (kk < k_end)[None, :]
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    w_up = w
+    if SILU:
+        w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
+    if PDL:
+        gdc_wait()
+    rstd = tl.zeros([BLOCK_T], tl.float32)
+    if NORM:  # over the whole row, whatever this program's share of it
+        squares = tl.zeros([BLOCK_T], tl.float32)
+        for k0 in range(0, E, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + cols[None, :], mask=mask_t[:, None] & (cols < E)[None, :], other=0.0)
+            squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+        rstd = tl.rsqrt(squares / E + eps)
+    x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
+    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32)
+    acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+    if SILU:
+        acc_up = _dot(acc_up, x, w_up, DOT_FP32)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
+        w_mask = mask_n[:, None] & (kk < k_end)[None, :]
+        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
+        if SILU:
+            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
+    if PDL:
+        gdc_launch_dependents()
+    if SPLITS == 1:
+        _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
+    else:
+        tile = offs_t[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_s * 2 * BLOCK_T * N + tile, acc, mask=mask_n[None, :])
+        if SILU:
+            tl.store(partial_ptr + (pid_s * 2 + 1) * BLOCK_T * N + tile, acc_up, mask=mask_n[None, :])
+        tl.debug_barrier()  # every thread's partials stored before the count says so
+        if tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel") == SPLITS - 1:
+            acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLITS):
+                acc += tl.load(partial_ptr + s * 2 * BLOCK_T * N + tile, mask=mask_n[None, :], other=0.0,
+                               cache_modifier=".cg")
+                if SILU:
+                    acc_up += tl.load(partial_ptr + (s * 2 + 1) * BLOCK_T * N + tile, mask=mask_n[None, :],
+                                      other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(arrived_ptr + pid_n, 0)
+            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
+
+
 @dataclass(frozen=True)
 class Blocks:
     """A launch's tiling: output columns and input columns per tile, warps, pipeline stages, and whether it is a
@@ -128,22 +162,40 @@ class Blocks:
     warps: int = 4
     stages: int = 3
     pdl: bool = False
+    splits: int = 1
 
 
-def default_blocks(N: int, E: int, device: torch.device) -> Blocks:
-    """Narrow output tiles, so that even a 1024-wide output spreads over 64 programs."""
+def default_blocks(N: int, E: int, device: torch.device, split: bool = True) -> Blocks:
+    """Narrow output tiles, so that even a 1024-wide output spreads over 64 programs; with `split`, the input
+    columns split so that about two programs run per multiprocessor."""
     pdl = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreted()
-    return Blocks(16 if N <= 2048 else 32, min(256, triton.next_power_of_2(E)), pdl=pdl)
+    n, k = 16 if N <= 2048 else 32, min(256, triton.next_power_of_2(E))
+    splits = max(1, min(8, 2 * _multiprocessors(device) // triton.cdiv(N, n), triton.cdiv(E, k))) if split else 1
+    return Blocks(n, k, pdl=pdl, splits=splits)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def arrival_counts(device: torch.device | str) -> torch.Tensor:
+    """The zeroed counts a split projection needs (`small_linear(arrived=...)`), for one stream of launches:
+    kernels that may run at the same time need counts of their own. Create it outside CUDA-graph capture."""
+    return torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
 
 
 def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                 out: torch.Tensor | None = None, silu: bool = False, blocks: Blocks | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, silu: bool = False, blocks: Blocks | None = None,
+                 arrived: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T` for T <= MAX_ROWS rows (see the module docstring for what it fuses).
 
     x_TE: [T, E], last dim contiguous, any row stride; w_NE: [N, E] contiguous, x's dtype. norm_weight: [E], RMSNorm
     x first (with `eps`). out: a [T, N] tensor (last dim contiguous) the result is ADDED INTO in place and which is
     returned (the residual); else a new contiguous tensor is returned. silu: w is [2I, E], gate then up; returns
-    `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None)."""
+    `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None). arrived: the
+    counts of `arrival_counts`, which splitting the input columns over programs needs (without, no split); the
+    kernel leaves them zero."""
     T, E = x_TE.shape
     assert T <= MAX_ROWS, f"small_linear: at most {MAX_ROWS} rows, got {T}"
     assert w_NE.shape[1] == E and w_NE.is_contiguous() and w_NE.dtype == x_TE.dtype, (x_TE.shape, w_NE.shape)
@@ -160,12 +212,19 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
         y = out
     if T == 0:
         return y
-    b = blocks or default_blocks(N, E, x_TE.device)
+    b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None)
+    k_split = triton.cdiv(triton.cdiv(E, b.splits), b.k) * b.k  # a whole number of tiles each
+    splits = triton.cdiv(E, k_split)
+    partial = x_TE  # (not read without splits)
+    if splits > 1:
+        assert arrived is not None and arrived.dtype == torch.int32 and arrived.numel() >= triton.cdiv(N, b.n), (
+            "small_linear: splitting the input columns needs `arrived` (arrival_counts)")
+        partial = torch.empty(splits, 2, MAX_ROWS, N, dtype=torch.float32, device=x_TE.device)
     dot_fp32 = x_TE.dtype == torch.float32 or _interpreted()
     pdl = {"launch_pdl": True} if b.pdl else {}
-    _small_linear_kernel[(triton.cdiv(N, b.n),)](
-        x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, T, N, E, x_TE.stride(0), w_NE.stride(0),
-        y.stride(0), N, eps, NORM=norm_weight is not None, RESIDUAL=out is not None, SILU=silu, BLOCK_T=MAX_ROWS,
-        BLOCK_N=b.n, BLOCK_K=b.k, DOT_FP32=dot_fp32, PDL=b.pdl, INTERPRET=_interpreted(), num_warps=b.warps,
-        num_stages=b.stages, **pdl)
+    _small_linear_kernel[(triton.cdiv(N, b.n), splits)](
+        x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, partial, arrived if splits > 1 else x_TE, T, N,
+        E, x_TE.stride(0), w_NE.stride(0), y.stride(0), N, k_split, eps, NORM=norm_weight is not None,
+        RESIDUAL=out is not None, SILU=silu, SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_N=b.n, BLOCK_K=b.k,
+        DOT_FP32=dot_fp32, PDL=b.pdl, INTERPRET=_interpreted(), num_warps=b.warps, num_stages=b.stages, **pdl)
     return y

@@ -211,6 +211,7 @@ class Qwen3ForCausalLM(nn.Module):
             from tandem.kernels import small_linear
 
             self.small = small_linear
+            self.small_arrived = small_linear.arrival_counts(next(self.parameters()).device)
         for block in self.moe_blocks:
             block.experts.kernel = moe.fused_experts
         for layer in self.model.layers:
@@ -308,7 +309,8 @@ class Qwen3ForCausalLM(nn.Module):
         """`forward` for a few rows (one tensor-parallel rank): each projection also normalises its input, adds its
         output into the residual stream or applies SiLU-and-multiply (`tandem.kernels.small_linear`), five kernels
         and attention's a dense layer instead of ten."""
-        f, s, eps = self.fused, self.small.small_linear, self.config.rms_norm_eps
+        f, eps = self.fused, self.config.rms_norm_eps
+        s = functools.partial(self.small.small_linear, arrived=self.small_arrived)
         residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
         T = residual.shape[0]
         for layer in self.model.layers:
