@@ -24,7 +24,7 @@ from engine_throughput import copy_bandwidth, seconds_per_call
 
 from tandem.config import PRESETS
 from tandem.kernels import fused
-from tandem.kernels.small_linear import Blocks, arrival_counts, default_blocks, small_linear
+from tandem.kernels.small_linear import Blocks, arrival_counts, default_blocks, small_linear, small_qkv
 
 EPS = 1e-6
 
@@ -38,7 +38,8 @@ def graph_seconds(fn, iters: int = 20) -> float:
 
 
 def projections(cfg, T: int):
-    """name -> (weight, input, norm weight or None, residual or None, silu)."""
+    """name -> (weight, input, norm weight or None, residual or None, silu, heads or None); q/k/v as the model
+    runs it (`small_qkv`: q/k norm, RoPE and the KV written in its epilogue)."""
     E, H, K, D, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.intermediate_size)
 
@@ -46,18 +47,24 @@ def projections(cfg, T: int):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
 
     norm = torch.ones(E, device="cuda", dtype=torch.bfloat16)
-    return {"qkv": (rand((H + 2 * K) * D, E), rand(T, E), norm, None, False),
-            "o": (rand(E, H * D), rand(T, H * D), None, rand(T, E), False),
-            "gate_up": (rand(2 * inter, E), rand(T, E), norm, None, True),
-            "down": (rand(E, inter), rand(T, inter), None, rand(T, E), False)}
+    slots = torch.arange(T, device="cuda")
+    caches = tuple(torch.zeros(T, K, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    heads = (norm[:D], norm[:D], slots, H, (*caches, slots))  # q/k norms, positions, heads, KV destination
+    return {"qkv": (rand((H + 2 * K) * D, E), rand(T, E), norm, None, False, heads),
+            "o": (rand(E, H * D), rand(T, H * D), None, rand(T, E), False, None),
+            "gate_up": (rand(2 * inter, E), rand(T, E), norm, None, True, None),
+            "down": (rand(E, inter), rand(T, inter), None, rand(T, E), False, None)}
 
 
 ARRIVED = {}
 
 
 def run_small(proj, blocks: Blocks | None):
-    w, x, norm, residual, silu = proj
+    w, x, norm, residual, silu, heads = proj
     arrived = ARRIVED.setdefault("counts", arrival_counts("cuda"))
+    if heads is not None:
+        q_norm, k_norm, positions, H, dest = heads
+        return lambda: small_qkv(x, w, norm, EPS, q_norm, k_norm, positions, 1e6, H, dest, arrived, blocks)
     return lambda: small_linear(x, w, norm, EPS, out=residual, silu=silu, blocks=blocks, arrived=arrived)
 
 
@@ -72,17 +79,18 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"## few-row projections ({datetime.date.today()}, {torch.cuda.get_device_name()}, {args.model}, {L} "
           f"layers; copy {bw / 1e12:.2f} TB/s)\n")
-    tilings = [Blocks(n, k, warps, 3, pdl, splits) for n, k, warps, pdl, splits in
-               itertools.product((16, 32), (128, 256), (4, 8), (False, True), (1, 2, 4, 8))]
+    tilings = [Blocks(n, k, 4, 3, True, splits) for n, k, splits in itertools.product((16, 32), (128, 256),
+                                                                                        (1, 2, 4, 8))]
     results = {"model": args.model, "copy_bytes_per_s": bw, "rows": {}}
     for T in args.rows:
         projs = projections(cfg, T)
         best, rows = {}, []
         for name, proj in projs.items():
-            default = default_blocks(proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1], proj[0].device)
+            default = default_blocks(proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1], proj[0].device,
+                                     heads=proj[0].shape[0] // cfg.head_dim if proj[5] else None)
             print(f"  {name} T={T}: default {default}")
             timed = []
-            for blocks in [default, *tilings]:
+            for blocks in [default, dataclasses.replace(default, pdl=False), *tilings]:
                 try:
                     sec = graph_seconds(lambda p=proj, b=blocks: [run_small(p, b)() for _ in range(L)]) / L
                 except Exception as e:  # a tiling the GPU cannot take (shared memory): skipped, and said
@@ -126,11 +134,15 @@ def chains(projs, best, L: int) -> tuple[float, float, float]:
 
 
 def matmul_layer(projs) -> None:
-    """One layer's projections as `Qwen3ForCausalLM._forward_fused` runs them (attention left out)."""
-    w_qkv, x, norm, _, _ = projs["qkv"]
-    w_o, o, _, residual, _ = projs["o"]
+    """One layer's projections as `Qwen3ForCausalLM._forward_fused` runs them, with the q/k norm and RoPE kernel
+    (attention left out)."""
+    w_qkv, x, norm, _, _, (q_norm, k_norm, positions, H, (k_cache, v_cache, slots)) = projs["qkv"]
+    w_o, o, _, residual, _, _ = projs["o"]
     h, residual = fused.fused_add_rmsnorm(x, residual, norm, EPS)
-    F.linear(h, w_qkv)
+    q, k, v = F.linear(h, w_qkv).split([H * k_cache.shape[2], k_cache[0].numel(), k_cache[0].numel()], dim=-1)
+    T, D = x.shape[0], k_cache.shape[2]
+    fused.qk_norm_rope(q.view(T, H, D), k.view(T, -1, D), q_norm, k_norm, positions, 1e6, EPS,
+                       kv_cache=(v.view(T, -1, D), k_cache, v_cache, slots))
     h, residual = fused.fused_add_rmsnorm(F.linear(o, w_o), residual, norm, EPS)
     gate, up = F.linear(h, projs["gate_up"][0]).chunk(2, dim=-1)
     F.linear(fused.silu_mul(gate, up), projs["down"][0])

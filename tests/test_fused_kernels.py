@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from tandem.engine.sampler import SamplingBatch, hash_uniform, sample  # noqa: E402
 from tandem.kernels.fused import fused_add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul, silu_mul_merged  # noqa: E402
 from tandem.kernels.sampling import sample_gumbel  # noqa: E402
-from tandem.kernels.small_linear import MAX_ROWS, Blocks, arrival_counts  # noqa: E402
+from tandem.kernels.small_linear import MAX_ROWS, Blocks, arrival_counts, small_qkv  # noqa: E402
 from tandem.kernels.small_linear import small_linear as split_linear  # noqa: E402
 from tandem.model.qwen3 import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
@@ -234,6 +234,33 @@ def test_small_linear_split_over_input_columns(splits):
     check_small_linear(2, 300, 24, torch.bfloat16, blocks=Blocks(16, 32, splits=splits))
 
 
+def check_small_qkv(T, E, H, K, D, dtype, blocks=None):
+    """`small_qkv` against the unfused chain: rmsnorm, the projection (fp32 over the same rounded inputs), then
+    `qk_norm_rope` writing into caches of its own; rows at scattered slots and positions."""
+    arrived = arrival_counts(DEVICE)
+    x = randn(T, E, dtype=dtype, seed=8, scale=2.0)
+    w = randn((H + 2 * K) * D, E, dtype=dtype, seed=9, scale=E ** -0.5)
+    norm, q_norm, k_norm = (norm_module(n, dtype, seed=s).weight for s, n in ((10, E), (11, D), (12, D)))
+    positions = torch.randint(0, 4000, (T,), generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    slots = torch.randperm(2 * T + 3, generator=torch.Generator().manual_seed(1))[:T].to(DEVICE)
+    caches = [torch.zeros(2 * T + 3, K, D, dtype=dtype, device=DEVICE) for _ in range(4)]
+    with torch.no_grad():
+        q = small_qkv(x, w, norm, EPS, q_norm, k_norm, positions, THETA, H, (*caches[:2], slots), arrived, blocks)
+        qkv = F.linear(rmsnorm(x, norm, EPS).float(), w.float()).to(dtype)
+        q_in, k_in, v_in = qkv.split([H * D, K * D, K * D], dim=-1)
+        want, _ = qk_norm_rope(q_in.view(T, H, D), k_in.view(T, K, D), q_norm, k_norm, positions, THETA, EPS,
+                               kv_cache=(v_in.view(T, K, D), *caches[2:], slots))
+    for out, ref in ((q, want), (caches[0], caches[2]), (caches[1], caches[3])):
+        assert_bits(out, ref, max_bf16_mismatch=0.005)
+    assert caches[0][slots].abs().sum() > 0 and not arrived.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("blocks", [None, Blocks(16, 32, splits=3)], ids=["default", "split3"])
+def test_small_qkv_small(blocks, dtype):
+    check_small_qkv(3, 96, 4, 2, 64, dtype, blocks)
+
+
 def test_small_linear_refuses_more_rows_than_a_program_holds():
     with pytest.raises(AssertionError, match="at most"):
         split_linear(randn(MAX_ROWS + 1, 32), randn(16, 32))
@@ -303,6 +330,13 @@ def test_sample_gumbel_gpu(B, num_splits, dtype):
 @pytest.mark.parametrize("T,E,N", [(1, 1024, 2048), (7, 1024, 3072), (16, 2048, 512), (3, 4096, 6144)])
 def test_small_linear_gpu(T, E, N, dtype):
     check_small_linear(T, E, N, dtype)  # (split as the model splits it)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T,E,H,K", [(1, 1024, 16, 8), (16, 4096, 32, 8), (5, 2048, 16, 2)])
+def test_small_qkv_gpu(T, E, H, K, dtype):
+    check_small_qkv(T, E, H, K, 128, dtype)
 
 
 @pytest.mark.gpu

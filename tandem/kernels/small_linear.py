@@ -32,7 +32,7 @@ try:
 except ImportError:  # an older Triton: no programmatic dependent launches
     gdc_launch_dependents = gdc_wait = None
 
-from tandem.kernels.fused import _exp, _interpreted, _round
+from tandem.kernels.fused import _cos_sin, _exp, _interpreted, _round, rope_inv_freq
 
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
 MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
@@ -79,21 +79,62 @@ def _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RE
 
 
 @triton.jit
-def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived_ptr, T, N, E, stride_x, stride_w,
-                         stride_o, up_rows, k_split, eps, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                         SILU: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+def _heads_epilogue(acc, acc_hi, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, q_out_ptr,
+                    k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, D: tl.constexpr, INTERPRET: tl.constexpr):
+    """Head pid_n of a fused q/k/v projection (acc: its first D / 2 columns, acc_hi the rest): q/k RMSNorm then
+    RoPE for a query or key head (as `fused.qk_norm_rope`), a query into q_out [T, H, D], a key or value into its
+    cache at the row's slot."""
+    dtype = q_out_ptr.dtype.element_ty
+    offs_d = tl.arange(0, D // 2)
+    x1, x2 = _round(acc, dtype, INTERPRET), _round(acc_hi, dtype, INTERPRET)
+    slots = tl.load(slots_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+    mask = mask_t[:, None]
+    if pid_n >= H + K:  # a value head: as it is
+        dst = v_cache_ptr + (slots[:, None] * K + pid_n - H - K) * D + offs_d[None, :]
+        tl.store(dst, x1, mask=mask)
+        tl.store(dst + D // 2, x2, mask=mask)
+    else:
+        norm_ptr = q_norm_ptr if pid_n < H else k_norm_ptr
+        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
+        w1 = tl.load(norm_ptr + offs_d).to(tl.float32)[None, :]
+        w2 = tl.load(norm_ptr + D // 2 + offs_d).to(tl.float32)[None, :]
+        x1 = _round(_round(x1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
+        x2 = _round(_round(x2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
+        freq = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.float32)[:, None] * tl.load(
+            inv_freq_ptr + offs_d)[None, :]
+        cos, sin = _cos_sin(freq, INTERPRET)
+        y1 = _round(x1 * cos - x2 * sin, dtype, INTERPRET)
+        y2 = _round(x2 * cos + x1 * sin, dtype, INTERPRET)
+        if pid_n < H:
+            dst = q_out_ptr + (offs_t[:, None] * H + pid_n) * D + offs_d[None, :]
+        else:
+            dst = k_cache_ptr + (slots[:, None] * K + pid_n - H) * D + offs_d[None, :]
+        tl.store(dst, y1, mask=mask)
+        tl.store(dst + D // 2, y2, mask=mask)
+
+
+@triton.jit
+def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived_ptr, q_norm_ptr, k_norm_ptr, pos_ptr,
+                         inv_freq_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, N, E, stride_x,
+                         stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
+                         RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+                         PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
     SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
     [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
     partials in split order (the result does not depend on which is last), resets the count to zero for the next
-    launch, and writes the output. PDL: launched as a programmatic dependent of the kernel before it, a program
-    loads its first weight tile (never written by a step) while that kernel finishes, and waits for it
-    (`gdc_wait`) before reading anything else or writing anything."""
+    launch, and writes the output. SILU: a second tile `up_rows` rows below the first (the up projection's);
+    HEADS: program n's columns are head n's, its first half in the first tile and the second in the second
+    (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). PDL: launched as a programmatic dependent of the
+    kernel before it, a program loads its first weight tile (never written by a step) while that kernel
+    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    PAIRED: tl.constexpr = SILU or HEADS  # two accumulators
+    offs_n = pid_n * (2 * BLOCK_N if HEADS else BLOCK_N) + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = pid_s * k_split
     k_end = tl.minimum(E, k_start + k_split)
@@ -105,7 +146,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     w_mask = mask_n[:, None] & (kk < k_end)[None, :]
     w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
     w_up = w
-    if SILU:
+    if PAIRED:
         w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
     if PDL:
         gdc_wait()
@@ -120,23 +161,27 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
     acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32)
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
-    if SILU:
+    if PAIRED:
         acc_up = _dot(acc_up, x, w_up, DOT_FP32)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
         w_mask = mask_n[:, None] & (kk < k_end)[None, :]
         acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
-        if SILU:
+        if PAIRED:
             acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
     if PDL:
         gdc_launch_dependents()
     if SPLITS == 1:
-        _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
+        if HEADS:
+            _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
+                                out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
+        else:
+            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
     else:
         tile = offs_t[:, None] * N + offs_n[None, :]
         tl.store(partial_ptr + pid_s * 2 * BLOCK_T * N + tile, acc, mask=mask_n[None, :])
-        if SILU:
+        if PAIRED:
             tl.store(partial_ptr + (pid_s * 2 + 1) * BLOCK_T * N + tile, acc_up, mask=mask_n[None, :])
         tl.debug_barrier()  # every thread's partials stored before the count says so
         if tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel") == SPLITS - 1:
@@ -145,11 +190,16 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
             for s in tl.static_range(SPLITS):
                 acc += tl.load(partial_ptr + s * 2 * BLOCK_T * N + tile, mask=mask_n[None, :], other=0.0,
                                cache_modifier=".cg")
-                if SILU:
+                if PAIRED:
                     acc_up += tl.load(partial_ptr + (s * 2 + 1) * BLOCK_T * N + tile, mask=mask_n[None, :],
                                       other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(arrived_ptr + pid_n, 0)
-            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
+            if HEADS:
+                _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
+                                out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
+            else:
+                _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU,
+                          INTERPRET)
 
 
 @dataclass(frozen=True)
@@ -165,12 +215,13 @@ class Blocks:
     splits: int = 1
 
 
-def default_blocks(N: int, E: int, device: torch.device, split: bool = True) -> Blocks:
-    """Narrow output tiles, so that even a 1024-wide output spreads over 64 programs; with `split`, the input
-    columns split so that about two programs run per multiprocessor."""
+def default_blocks(N: int, E: int, device: torch.device, split: bool = True, heads: int | None = None) -> Blocks:
+    """Narrow output tiles, so that even a 1024-wide output spreads over 64 programs (`heads`: a program per
+    head); with `split`, the input columns split so that about two programs run per multiprocessor."""
     pdl = PDL and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreted()
     n, k = 16 if N <= 2048 else 32, min(256, triton.next_power_of_2(E))
-    splits = max(1, min(8, 2 * _multiprocessors(device) // triton.cdiv(N, n), triton.cdiv(E, k))) if split else 1
+    blocks = heads or triton.cdiv(N, n)
+    splits = max(1, min(8, 2 * _multiprocessors(device) // blocks, triton.cdiv(E, k))) if split else 1
     return Blocks(n, k, pdl=pdl, splits=splits)
 
 
@@ -213,18 +264,57 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
     if T == 0:
         return y
     b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None)
+    _launch(x_TE, w_NE, y, norm_weight, eps, b, arrived, N, triton.cdiv(N, b.n), b.n, RESIDUAL=out is not None,
+            SILU=silu, HEADS=False)
+    return y
+
+
+def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_norm: torch.Tensor,
+              k_norm: torch.Tensor, positions_T: torch.Tensor, theta: float, num_heads: int,
+              kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], arrived: torch.Tensor | None = None,
+              blocks: Blocks | None = None) -> torch.Tensor:
+    """A decoder layer's attention inputs in one kernel: `rmsnorm(x) @ w_qkv.T` split into query, key and value
+    heads, q/k RMSNorm then RoPE on queries and keys (`fused.qk_norm_rope`'s arithmetic), keys and values written
+    into `kv_cache` = (k_cache_SKD, v_cache_SKD, slots_T) at each row's slot. Returns the queries [T, H, D].
+
+    w_qkv: [(H + 2K) * D, E], queries then keys then values (the fused path's concatenation); q_norm, k_norm: [D];
+    the caches contiguous, of x's dtype. `rope_inv_freq`'s first call per (D, theta, device) must come before any
+    CUDA-graph capture. Other arguments as `small_linear`'s (blocks.n is ignored: a program holds a head)."""
+    T, E = x_TE.shape
+    k_cache, v_cache, slots_T = kv_cache
+    K, D = k_cache.shape[1], k_cache.shape[2]
+    N = w_qkv.shape[0]
+    assert T <= MAX_ROWS and (num_heads + 2 * K) * D == N and D % 2 == 0, (T, N, num_heads, K, D)
+    assert w_qkv.shape[1] == E and w_qkv.is_contiguous() and w_qkv.dtype == x_TE.dtype and x_TE.stride(1) == 1
+    for cache in (k_cache, v_cache):
+        assert cache.is_contiguous() and cache.dtype == x_TE.dtype and cache.shape[1:] == (K, D), cache.shape
+    assert slots_T.shape == (T,) and positions_T.shape == (T,) and not positions_T.is_floating_point()
+    q = torch.empty(T, num_heads, D, dtype=x_TE.dtype, device=x_TE.device)
+    if T == 0:
+        return q
+    b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None, heads=N // D)
+    inv_freq = rope_inv_freq(D, theta, x_TE.device)
+    _launch(x_TE, w_qkv, q, norm_weight, eps, b, arrived, N, N // D, D // 2, RESIDUAL=False, SILU=False,
+            HEADS=True, heads=(q_norm, k_norm, positions_T, inv_freq, k_cache, v_cache, slots_T, num_heads, K))
+    return q
+
+
+def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_blocks, block_n, RESIDUAL, SILU, HEADS,
+            heads=None) -> None:
+    T, E = x_TE.shape
     k_split = triton.cdiv(triton.cdiv(E, b.splits), b.k) * b.k  # a whole number of tiles each
     splits = triton.cdiv(E, k_split)
     partial = x_TE  # (not read without splits)
     if splits > 1:
-        assert arrived is not None and arrived.dtype == torch.int32 and arrived.numel() >= triton.cdiv(N, b.n), (
+        assert arrived is not None and arrived.dtype == torch.int32 and arrived.numel() >= column_blocks, (
             "small_linear: splitting the input columns needs `arrived` (arrival_counts)")
         partial = torch.empty(splits, 2, MAX_ROWS, N, dtype=torch.float32, device=x_TE.device)
-    dot_fp32 = x_TE.dtype == torch.float32 or _interpreted()
+    q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, H, K = heads or (x_TE,) * 7 + (0, 0)
     pdl = {"launch_pdl": True} if b.pdl else {}
-    _small_linear_kernel[(triton.cdiv(N, b.n), splits)](
-        x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, partial, arrived if splits > 1 else x_TE, T, N,
-        E, x_TE.stride(0), w_NE.stride(0), y.stride(0), N, k_split, eps, NORM=norm_weight is not None,
-        RESIDUAL=out is not None, SILU=silu, SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_N=b.n, BLOCK_K=b.k,
-        DOT_FP32=dot_fp32, PDL=b.pdl, INTERPRET=_interpreted(), num_warps=b.warps, num_stages=b.stages, **pdl)
-    return y
+    _small_linear_kernel[(column_blocks, splits)](
+        x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, partial, arrived if splits > 1 else x_TE,
+        q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, T, N, E, x_TE.stride(0), w_NE.stride(0),
+        y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
+        RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=b.k,
+        DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
+        num_warps=b.warps, num_stages=b.stages, enable_fp_fusion=not HEADS, **pdl)  # RoPE without FMA, as PyTorch

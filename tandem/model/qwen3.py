@@ -307,16 +307,24 @@ class Qwen3ForCausalLM(nn.Module):
 
     def _forward_small(self, input_ids_T, positions_T, ctx):
         """`forward` for a few rows (one tensor-parallel rank): each projection also normalises its input, adds its
-        output into the residual stream or applies SiLU-and-multiply (`tandem.kernels.small_linear`), five kernels
-        and attention's a dense layer instead of ten."""
+        output into the residual stream or applies SiLU-and-multiply, and the q/k/v projection also q/k-normalises,
+        rotates and writes keys and values into the KV cache (`tandem.kernels.small_linear`): four kernels and
+        attention's a dense layer instead of ten."""
         f, eps = self.fused, self.config.rms_norm_eps
         s = functools.partial(self.small.small_linear, arrived=self.small_arrived)
         residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
         T = residual.shape[0]
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
-            o = ctx.attend(attn.layer, *self._attention_qkv(attn, qkv, positions_T, ctx)).reshape(T, -1)
+            dest = ctx.kv_destination(attn.layer)
+            if dest is not None and dest[0].dtype == residual.dtype:  # the keys and values straight into the cache
+                q = self.small.small_qkv(residual, attn.qkv_weight, layer.input_layernorm.weight, eps,
+                                         attn.q_norm.weight, attn.k_norm.weight, positions_T, self.config.rope_theta,
+                                         attn.num_heads, dest, arrived=self.small_arrived)
+                o = ctx.attend(attn.layer, q, None, None).reshape(T, -1)
+            else:
+                qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
+                o = ctx.attend(attn.layer, *self._attention_qkv(attn, qkv, positions_T, ctx)).reshape(T, -1)
             s(o, attn.o_proj.weight, out=residual)
             if isinstance(mlp, Qwen3SparseMoeBlock):
                 residual += mlp(f.rmsnorm(residual, layer.post_attention_layernorm.weight, eps))
