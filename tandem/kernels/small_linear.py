@@ -94,22 +94,22 @@ def _heads_epilogue(acc, acc_hi, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, 
         tl.store(dst, x1, mask=mask)
         tl.store(dst + D // 2, x2, mask=mask)
     else:
-        norm_ptr = q_norm_ptr if pid_n < H else k_norm_ptr
-        x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
-        w1 = tl.load(norm_ptr + offs_d).to(tl.float32)[None, :]
-        w2 = tl.load(norm_ptr + D // 2 + offs_d).to(tl.float32)[None, :]
-        x1 = _round(_round(x1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
-        x2 = _round(_round(x2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
+        is_q = pid_n < H
+        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)[:, None]
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + offs_d), tl.load(k_norm_ptr + offs_d)).to(tl.float32)[None, :]
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + D // 2 + offs_d),
+                      tl.load(k_norm_ptr + D // 2 + offs_d)).to(tl.float32)[None, :]
+        f1 = _round(_round(f1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
+        f2 = _round(_round(f2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
         freq = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.float32)[:, None] * tl.load(
             inv_freq_ptr + offs_d)[None, :]
         cos, sin = _cos_sin(freq, INTERPRET)
-        y1 = _round(x1 * cos - x2 * sin, dtype, INTERPRET)
-        y2 = _round(x2 * cos + x1 * sin, dtype, INTERPRET)
-        if pid_n < H:
-            dst = q_out_ptr + (offs_t[:, None] * H + pid_n) * D + offs_d[None, :]
-        else:
-            dst = k_cache_ptr + (slots[:, None] * K + pid_n - H) * D + offs_d[None, :]
+        y1 = _round(f1 * cos - f2 * sin, dtype, INTERPRET)
+        y2 = _round(f2 * cos + f1 * sin, dtype, INTERPRET)
+        q_dst = q_out_ptr + (offs_t[:, None] * H + pid_n) * D + offs_d[None, :]
+        k_dst = k_cache_ptr + (slots[:, None] * K + pid_n - H) * D + offs_d[None, :]
+        dst = tl.where(is_q, q_dst, k_dst)
         tl.store(dst, y1, mask=mask)
         tl.store(dst + D // 2, y2, mask=mask)
 
