@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tandem.model.loader import build_model
+from tandem.model.loader import WeightLoader, build_model
 from tandem.transport.dist import DistReceiver, DistSender
 from tandem.transport.inprocess import InProcessReceiver, InProcessSender
 from tandem.transport.ipc import IpcReceiver, IpcSender
@@ -293,3 +293,123 @@ def test_sync_reply_is_json_under_its_field_names():
     assert SyncReply.from_dict({"success": True, "message": "loaded", **data}) == reply
     with pytest.raises(ValueError, match="missing pause_s"):
         SyncReply.from_dict({k: v for k, v in data.items() if k != "pause_s"})
+
+
+# ---- by reference in one process: the checks the engine's copy honours -------------------------------------------
+
+
+def test_a_load_that_starts_after_the_release_is_refused_and_copies_nothing():
+    """The sync has ended (released: the trainer may be changing its tensors); a load that only now reaches the
+    engine (its caller cancelled, the command ran late) must not read them."""
+    model, trainer = build_model("tiny", seed=0), build_model("tiny", seed=1)
+    before = digest(model.named_parameters())
+    receiver = InProcessReceiver(5.0)
+    handover = InProcessSender.offer(trainer.named_parameters())
+    receiver.take(1, handover)
+    receiver.release()
+    with pytest.raises(ValueError, match="released before this load read it"):
+        WeightLoader(model).load(handover)
+    assert digest(model.named_parameters()) == before
+    fresh = InProcessSender.offer(trainer.named_parameters())
+    WeightLoader(model).load(fresh)  # an unreleased one loads
+    assert digest(model.named_parameters()) == digest(trainer.named_parameters()) and fresh.read
+
+
+def test_in_process_handover_is_the_senders_memory_not_a_copy():
+    trainer = build_model("tiny", seed=1)
+    handover = InProcessSender.offer(trainer.named_parameters())
+    assert all(handover[n].data_ptr() == p.data_ptr() for n, p in trainer.named_parameters())
+    with pytest.raises(ValueError, match="all on one device"):
+        InProcessSender.offer([("a", torch.ones(1)), ("b", torch.ones(1, device="meta"))])
+
+
+# ---- the weights' checksum ----------------------------------------------------------------------------------------
+
+
+def reference_checksum(named) -> str:
+    """The checksum computed tensor by tensor, one host read each (the definition, as first written)."""
+    from tandem.transport.checksum import MASK, ROW_WORDS, _odd_weights
+
+    total = 0
+    for name, tensor in named:
+        raw = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        words = raw.view(torch.int32) if raw.numel() % 4 == 0 else torch.nn.functional.pad(
+            raw, (0, raw.numel() % 2)).view(torch.int16)
+        rows = torch.nn.functional.pad(words, (0, -words.numel() % ROW_WORDS)).view(-1, ROW_WORDS)
+        cols_sum = (rows.sum(0, dtype=torch.int64) * _odd_weights(ROW_WORDS, rows.device)).sum()
+        rows_sum = (rows.sum(1, dtype=torch.int64) * _odd_weights(rows.shape[0], rows.device)).sum()
+        tag = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") | 1
+        total = (total + (int(cols_sum + rows_sum) & MASK) * tag) & MASK
+    return f"{total:016x}"
+
+
+def checksum_cases(device: str = "cpu") -> list:
+    gen = torch.Generator().manual_seed(0)
+    named = [(name, p.to(device)) for name, p in mixed_model(seed=2).named_parameters()]
+    odd = [(f"odd.{i}", (torch.randn(n, generator=gen) * 1e4).to(dtype).to(device))
+           for i, (n, dtype) in enumerate([(1, torch.bfloat16), (3, torch.float16), (7, torch.float32),
+                                           (129, torch.bfloat16), (0, torch.float32), (64, torch.int8)])]
+    same_shape = [(f"same.{i}", torch.randint(-2**31, 2**31 - 1, (5, 64), generator=gen, dtype=torch.int32).to(device))
+                  for i in range(4)]  # large words: the int64 sums wrap, as they must the same way
+    return named + odd + same_shape
+
+
+def test_weights_checksum_equals_the_tensor_by_tensor_definition_in_any_order():
+    from tandem.transport.checksum import weights_checksum
+
+    named = checksum_cases()
+    value = weights_checksum(named)
+    assert value == reference_checksum(named) == weights_checksum(reversed(named))
+    changed = [(n, t.clone()) for n, t in named]
+    changed[-2][1][4, 63] += 1  # one word of one of several tensors summed together
+    assert weights_checksum(changed) != value
+    swapped = [*named[:-2], (named[-1][0], named[-2][1]), (named[-2][0], named[-1][1])]  # same bytes, other names
+    assert weights_checksum(swapped) != value
+
+
+@pytest.mark.gpu
+def test_weights_checksum_is_the_same_on_a_gpu():
+    from tandem.transport.checksum import weights_checksum
+
+    assert weights_checksum(checksum_cases("cuda")) == reference_checksum(checksum_cases())
+
+
+SLEEP_CYCLES = int(2e8)  # a kernel of about 0.1 s, ahead of the work whose order a test checks
+
+
+def equal_weights(model, reference) -> bool:
+    theirs = dict(reference.named_parameters())
+    return all(torch.equal(p, theirs[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("late", ["the trainer's writes", "the engine's copy"])
+def test_in_process_handover_orders_the_copy_after_the_sends_writes_and_before_the_next_on_the_device(late):
+    """The engine copies on a stream of its own (as placement colocated has it), and neither side waits on the host.
+    The trainer's last writes held up on its stream (a long kernel before them): the copy must still read them. The
+    copy held up on the engine's stream: the trainer's writes right after `send` returns must not reach it."""
+    device = torch.device("cuda")
+    engine_model, trainer = build_model("tiny", seed=0).to(device), build_model("tiny", seed=1).to(device)
+    sent = build_model("tiny", seed=2).to(device)
+    loader, engine_stream = WeightLoader(engine_model), torch.cuda.Stream(device)
+    sender, receiver = in_process_pair(10.0)
+    torch.cuda.synchronize()
+
+    def engine():
+        _, tensors = receiver.receive()
+        with torch.cuda.stream(engine_stream):
+            if late == "the engine's copy":
+                torch.cuda._sleep(SLEEP_CYCLES)
+            loader.load(tensors)
+        receiver.release()
+
+    thread = in_thread(engine)
+    with torch.no_grad():
+        if late == "the trainer's writes":
+            torch.cuda._sleep(SLEEP_CYCLES)
+        torch._foreach_copy_(list(trainer.parameters()), list(sent.parameters()))  # the trainer's step, last writes
+        sender.send(trainer.named_parameters(), 1)
+        torch._foreach_add_(list(trainer.parameters()), 1.0)  # the next step
+    thread.join(timeout=10)
+    torch.cuda.synchronize()
+    assert equal_weights(engine_model, sent)

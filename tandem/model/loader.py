@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tandem.config import ModelConfig, resolve_model
 from tandem.distributed.parallel import SINGLE, TPGroup, layouts, shard_into, zero_padding
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.transport.handover import Handover
 from tandem.transport.weights import FlatTensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,12 +60,15 @@ class WeightLoader:
     The model's parameters and their layouts are looked up once, here: an engine loads every weight update inside
     its pause, and re-deriving them was most of a load's host time (BENCHMARKS.md, weight sync). Tensors
     that arrive in flat buffers (`FlatTensors`, from a transport) are copied from pieces of those buffers into flat
-    views of the parameters: no per-tensor view is made on either side."""
+    views of the parameters: no per-tensor view is made on either side. Tensors by reference (`Handover`, the
+    sender's own memory) are read inside its `reading`: on CUDA the copies wait for the sender's writes and the
+    sender's next writes wait for the copies, on the device."""
 
     def __init__(self, model: Qwen3ForCausalLM):
         self.model, self.params, self.layout = model, dict(model.named_parameters()), layouts(model)
         self.flat: dict[str, torch.Tensor] = {}  # name -> a flat view of the parameter, made at its first flat load
         self.unsplit = all(layout.dim is None or layout.group.size == 1 for layout in self.layout.values())
+        self.device = next(iter(self.params.values())).device
 
     def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Raise ValueError if the tensor does not fit; whether it is copied (a tied head is the embedding)."""
@@ -141,6 +145,10 @@ class WeightLoader:
             dests, sources = [d for d, _ in pairs], [s for _, s in pairs]
         if strict and (missing := self._missing(given)):
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if isinstance(named, Handover):  # the sender's memory: it stays alive, and the events order the reads
+            with named.reading(self.device):
+                torch._foreach_copy_(dests, sources)
+            return sorted(given)
         torch._foreach_copy_(dests, sources)  # one call for every copy: an update is a few hundred tensors
         # sources made on another stream (a transport's buckets) may be freed and reused there once the caller
         # drops them: not before this stream's copy has read them (once per storage: a bucket holds many views)

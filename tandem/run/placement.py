@@ -1,9 +1,10 @@
 """Where the engine runs relative to the trainer, and how new weights reach it.
 
-`Colocated`: the engine's thread in the trainer's process (on one GPU they share it); weights handed over in memory
-(`InProcessSender`). `Disaggregated`: a prefill and a decode server behind a router. `Separate`: the engine in a
-process of its own (`EngineProcess`), driven over its HTTP API
-(`EngineClient`). Its weights, by `RunConfig.weight_transport`:
+`Colocated` (the one to use on one GPU): the engine's thread in the trainer's process, on a CUDA stream of its own;
+weights handed over by reference in memory (`InProcessSender`): the engine copies the trainer's tensors into its
+parameters, ordered on the device. `Disaggregated`: a prefill and a decode server behind a router. `Separate`: the
+engine in a process of its own (`EngineProcess`), driven over its HTTP API (`EngineClient`). Its weights, by
+`RunConfig.weight_transport`:
 - "group": broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the trainer has the
   engine join with `/init_weights_update_group` once, then per update calls `/update_weights_from_distributed`
   while its `DistSender` broadcasts the buckets (pipelined, see `tandem.transport.dist`). Never a call per tensor.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
@@ -40,7 +42,7 @@ from tandem.run.engine_process import EngineProcess
 from tandem.transport.dist import DistSender
 from tandem.transport.inprocess import InProcessReceiver, InProcessSender
 from tandem.transport.ipc import IpcSender
-from tandem.transport.sync import SyncReply, receive_and_load
+from tandem.transport.sync import SyncReply, load_received
 from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -122,8 +124,17 @@ class Placement(abc.ABC):
 
 
 class Colocated(Placement):
+    """The engine's thread in this process. On CUDA the engine runs on a stream of its own (high priority): its
+    steps then never queue behind the trainer's kernels on the default stream, and the GPU interleaves the two. A
+    push hands the trainer's tensors over by reference, in this thread (no worker thread, no copy but the engine's
+    own into its parameters, no checksum: nobody compares one engine's); the engine's copy waits for the trainer's
+    writes, and the trainer's next writes for the copy, on the device."""
+
     def __init__(self, cfg: RunConfig):
-        self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
+        device = torch.device(cfg.engine.device)
+        stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
         self.receiver = InProcessReceiver(cfg.weight_sync_timeout_s)
         self.sender = InProcessSender(self.receiver, cfg.weight_sync_timeout_s)
         self.pause_mode = cfg.rollout.pause_mode
@@ -133,13 +144,16 @@ class Colocated(Placement):
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        results = await asyncio.gather(asyncio.to_thread(self.sender.send, named_weights, version),
-                                       receive_and_load(self.receiver, self.engine, version, self.pause_mode),
-                                       return_exceptions=True)  # both sides end before this returns or raises
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return SyncStats(*results, time.perf_counter() - t0)
+        handover = self.sender.offer(named_weights)  # ValueError on bad input: refused before the engine hears of it
+        t1 = time.perf_counter()
+        received = self.receiver.take(version, handover)
+        try:
+            reply = await load_received(self.receiver, self.engine, received, version, self.pause_mode, checksum=False)
+        finally:
+            self.receiver.release()
+            handover.wait_read()  # this thread's stream, the trainer's, waits for the engine's copy
+        sent = TransferStats(version, reply.num_bytes, 1, reply.num_tensors, t1 - t0, phases={"offer": t1 - t0})
+        return SyncStats(sent, reply, time.perf_counter() - t0)
 
     def check(self) -> None:
         if not self.engine.is_alive():
