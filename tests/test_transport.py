@@ -413,3 +413,89 @@ def test_in_process_handover_orders_the_copy_after_the_sends_writes_and_before_t
     thread.join(timeout=10)
     torch.cuda.synchronize()
     assert equal_weights(engine_model, sent)
+
+
+# ---- ipc: mapped once, remapped when the memory changes -----------------------------------------------------------
+
+
+def test_ipc_maps_each_tensor_once_and_again_only_when_it_is_other_memory():
+    """In-place updates travel as names alone (the engine reads the memory it mapped before); a parameter given other
+    memory under the same name is mapped again, and the engine reads the new memory, not the old."""
+    trainer, engine = build_model("tiny", seed=0), build_model("tiny", seed=5)
+    loader, (sender, receiver) = WeightLoader(engine), ipc_pair(10.0)
+
+    def sync(version: int) -> int:
+        thread = in_thread(lambda: (loader.load(receiver.receive()[1]), receiver.release()))
+        sender.send(trainer.named_parameters(), version)
+        thread.join(timeout=10)
+        assert digest(engine.named_parameters()) == digest(trainer.named_parameters()), version
+        return sender.last_mapped
+
+    with sender, receiver:
+        assert sync(1) == len(list(trainer.parameters()))
+        with torch.no_grad():
+            torch._foreach_add_(list(trainer.parameters()), 1.0)
+        assert sync(2) == 0
+        norm = trainer.model.norm.weight
+        norm.data = norm.data * 3  # other memory; the old stays alive (the sender keeps it until replaced)
+        assert sync(3) == 1
+        assert sync(4) == 0
+
+
+def _ipc_gpu_end(rank: int, results, conns, sleep_cycles: int) -> None:
+    """Rank 0 the trainer: changes its weights at once after each `send` returns, and before one `send` behind a
+    long kernel. Rank 1 the engine: copies on a stream of its own behind a long kernel. Neither waits on the host
+    around the transfer; rank 1 reports what it loaded."""
+    try:
+        device = torch.device("cuda:0")
+        if rank == 0:
+            trainer = build_model("tiny", seed=1).to(device)
+            with IpcSender(conns[0], 30.0, "engine") as sender, torch.no_grad():
+                params, mapped = list(trainer.parameters()), []
+                sender.send(trainer.named_parameters(), 1)
+                mapped.append(sender.last_mapped)
+                torch._foreach_add_(params, 1.0)  # the next step, at once
+                torch.cuda._sleep(sleep_cycles)
+                torch._foreach_mul_(params, 2.0)  # the last writes, held up behind the kernel
+                sender.send(trainer.named_parameters(), 2)
+                mapped.append(sender.last_mapped)
+                torch._foreach_add_(params, 1.0)
+                trainer.model.norm.weight.data = trainer.model.norm.weight.data * 3  # other memory
+                sender.send(trainer.named_parameters(), 3)
+                mapped.append(sender.last_mapped)
+                torch.cuda.synchronize()
+            results.put((0, mapped))
+        else:
+            engine, side = build_model("tiny", seed=0).to(device), torch.cuda.Stream(device)
+            loader, loaded = WeightLoader(engine), {}
+            with IpcReceiver(conns[1], 30.0, "trainer") as receiver:
+                for _ in range(3):
+                    version, tensors = receiver.receive()
+                    with torch.cuda.stream(side):
+                        torch.cuda._sleep(sleep_cycles)
+                        loader.load(tensors)
+                    receiver.release()
+                    torch.cuda.synchronize()
+                    loaded[version] = digest((n, p.cpu()) for n, p in engine.named_parameters())
+            results.put((1, loaded))
+    except Exception as e:
+        results.put((rank, repr(e)))
+
+
+@pytest.mark.gpu
+def test_ipc_on_one_gpu_orders_the_engines_copy_and_remaps_changed_memory():
+    ctx = mp.get_context("spawn")
+    out = run_pair(_ipc_gpu_end, ctx.Pipe(), SLEEP_CYCLES, timeout_s=120)
+    assert isinstance(out[1], dict), out
+    model = build_model("tiny", seed=1)
+    expected = {1: digest(model.named_parameters())}
+    with torch.no_grad():
+        params = list(model.parameters())
+        torch._foreach_add_(params, 1.0)
+        torch._foreach_mul_(params, 2.0)
+        expected[2] = digest(model.named_parameters())
+        torch._foreach_add_(params, 1.0)
+        model.model.norm.weight.mul_(3)
+        expected[3] = digest(model.named_parameters())
+    assert out[1] == expected
+    assert out[0] == [len(params), 0, 1]
