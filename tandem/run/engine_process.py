@@ -168,6 +168,7 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
     from tandem.engine.engine import Engine, EngineError
     from tandem.server.http import ServerThread
     from tandem.transport.ipc import IpcReceiver
+    from tandem.transport.switch import switching
 
     try:
         engine = Engine(model, config, dtype=dtype, seed=seed)
@@ -179,10 +180,12 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
     conn.send(Ready(server.url))
 
     def load(command: LoadWeights) -> SyncReply | Failed:
-        try:  # the receive on this thread, which has nothing else to do meanwhile
+        try:  # the receive on this thread, which has nothing else to do meanwhile; it wakes several times and
+            # takes the GIL from the engine's thread each time (`switching`)
             # (no checksum: one engine's is compared with nothing, and it would read every weight once more)
-            return loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
-                                                         command.pause_mode, checksum=False))
+            with switching():
+                return loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
+                                                             command.pause_mode, checksum=False))
         except (ValueError, EngineError, TransportError) as e:
             return Failed(type(e).__name__, str(e))
 

@@ -42,6 +42,7 @@ from tandem.run.engine_process import EngineProcess
 from tandem.transport.dist import DistSender
 from tandem.transport.inprocess import InProcessReceiver, InProcessSender
 from tandem.transport.ipc import IpcSender
+from tandem.transport.switch import switching
 from tandem.transport.sync import SyncReply, load_received
 from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
@@ -148,7 +149,9 @@ class Colocated(Placement):
         t1 = time.perf_counter()
         received = self.receiver.take(version, handover)
         try:
-            reply = await load_received(self.receiver, self.engine, received, version, self.pause_mode, checksum=False)
+            with switching():  # this thread wakes when the engine's thread set the load's result: take the GIL soon
+                reply = await load_received(self.receiver, self.engine, received, version, self.pause_mode,
+                                            checksum=False)
         finally:
             self.receiver.release()
             handover.wait_read()  # this thread's stream, the trainer's, waits for the engine's copy

@@ -6,7 +6,9 @@ come after the sender's last writes (the reader's stream waits for `ready`, an e
 them), and the sender's next writes come after the reads (the reader records `done` after enqueuing them; the
 sender's stream waits for it once the receiver released the transfer). A reader that copies on another device than
 the tensors' waits for its copies on the host instead. After `release` nothing may start reading: the sender may be
-changing the memory already.
+changing the memory already. The sender keeps the tensors alive until `send` returns; a tensor it drops then must
+have been allocated on the stream that waits for `done` (the caller's current stream), whose later work the
+allocator orders after the reads.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ import torch.multiprocessing  # noqa: F401 (registers torch's sharing reductions
 from torch import Tensor
 
 from tandem.transport.handover import Handover, cuda_device
+from tandem.transport.switch import switching
 from tandem.transport.weights import (
     NamedTensors,
     TransferStats,
@@ -130,6 +131,10 @@ class IpcSender(_IpcEnd, WeightSender):
 
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         """On CUDA, returns once the engine's copy is enqueued, with the caller's current stream waiting for it."""
+        with switching():  # this thread wakes at each acknowledgement: take the GIL soon
+            return self._send_weights(named_tensors, version)
+
+    def _send_weights(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         self._begin()
         t0 = time.perf_counter()
         try:
