@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import logging
 import math
@@ -82,16 +83,41 @@ class SlowIterations(logging.Handler):
             self.ms.append(float(message.split(" took ")[1].split(" ms")[0]))
 
 
+class Collections:
+    """The garbage collector's passes in this process (they hold every thread, the engine's too when colocated)
+    once the run has started (the placement froze the heap built until then: `freeze_heap`): how many, and the
+    longest, by generation; and the longest before."""
+
+    def __init__(self):
+        self.started = 0.0
+        self.ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.before_ms = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif gc.get_freeze_count():
+            self.ms[info["generation"]].append(1e3 * (time.perf_counter() - self.started))
+        else:
+            self.before_ms = max(self.before_ms, 1e3 * (time.perf_counter() - self.started))
+
+    def summary(self) -> dict:
+        return {**{f"gc{g}": (len(ms), max(ms, default=0.0)) for g, ms in self.ms.items()},
+                "longest_before_start_ms": self.before_ms}
+
+
 def measure(overrides: list[str], warmup: int) -> dict:
     """One run; rates and fractions over the steps after the first `warmup` (the first steps pay for CUDA
     kernels' first launches and the allocators' growth)."""
-    slow = SlowIterations()
+    slow, collections = SlowIterations(), Collections()
     core_log = logging.getLogger("tandem.engine.core")
     core_log.addHandler(slow)
+    gc.callbacks.append(collections)
     try:
         _, history, _ = run_recording(RunConfig.load(None, overrides))
     finally:
         core_log.removeHandler(slow)
+        gc.callbacks.remove(collections)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step
@@ -133,6 +159,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
         # the engine's loop held past 200 ms (colocated: its log; with the steps' numbers), over the whole run
         "slow_iterations": len(slow.ms), "slowest_iteration_ms": max(slow.ms, default=0.0),
         "slow_iteration_reports": slow.what[:20],
+        # the collector's passes over the whole run: generation -> (count, longest ms)
+        "gc": collections.summary(),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
         "stale_max": max(h["staleness_max"] for h in steady),
         "stale_dist": distribution([h["staleness_tokens"] for h in steady]),
@@ -357,6 +385,10 @@ def run_placement(args, placement: str) -> dict:
               f"(async, mean); one plain {backend} broadcast of the same bytes between the same devices in this run: "
               f"{plain:.3g} GB/s ({idle_gb_s / plain:.0%} and {busy_gb_s / plain:.0%} of it); tandem's transport "
               f"alone (no HTTP, no engine) on tensors of the same shapes: {alone:.3g} GB/s ({alone / plain:.0%})")
+    for name, r in rows:  # a full pass holds every thread of the process: the engine's too when colocated
+        print(f"garbage collections in {name} (this process, once started), count (longest ms) by generation: "
+              + ", ".join(f"{g}: {r['gc'][g][0]} ({r['gc'][g][1]:.0f})" for g in ("gc0", "gc1", "gc2"))
+              + f"; before: longest {r['gc']['longest_before_start_ms']:.0f} ms")
     return {"rows": {name: r for name, r in rows}, "device_copy_ms": copy_ms, "broadcast_gb_s": plain,
             "transport_alone_gb_s": alone}
 

@@ -25,6 +25,7 @@ import abc
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import os
 import socket
 import time
@@ -38,7 +39,7 @@ import torch
 from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
-from tandem.run.engine_process import EngineProcess
+from tandem.run.engine_process import EngineProcess, freeze_heap
 from tandem.transport.dist import DistSender
 from tandem.transport.inprocess import InProcessReceiver, InProcessSender
 from tandem.transport.ipc import IpcSender
@@ -141,7 +142,9 @@ class Colocated(Placement):
         self.pause_mode = cfg.rollout.pause_mode
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
-        return await self.push(named_weights, version)
+        stats = await self.push(named_weights, version)
+        freeze_heap()
+        return stats
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         t0 = time.perf_counter()
@@ -164,6 +167,7 @@ class Colocated(Placement):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        gc.unfreeze()  # (what `start` froze may go again)
 
 
 class Separate(Placement):
@@ -189,6 +193,7 @@ class Separate(Placement):
         timeout_s = self.cfg.weight_sync_timeout_s
         if self.ipc:
             self.sender = IpcSender(self.process.weights_conn, timeout_s, str(self.process))
+            freeze_heap()  # (this process's: its event loop runs the agents)
             return await self.push(named_weights, version)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -198,6 +203,7 @@ class Separate(Placement):
                                    self.cfg.weight_bucket_bytes, f"trainer pid {os.getpid()}",
                                    self.device if self.backend == "nccl" else None)
         self.sender, _ = await self._both(sender, joined, "joining the weight group")
+        freeze_heap()
         return await self.push(named_weights, version)
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
@@ -252,6 +258,7 @@ class Separate(Placement):
         if self.sender is not None:
             self.sender.close()
         self.process.stop()
+        gc.unfreeze()
 
 
 class Disaggregated(Placement):
