@@ -15,8 +15,8 @@ engine in a process of its own (`EngineProcess`), driven over its HTTP API (`Eng
 Every sync is the same two sides run together: the trainer's `WeightSender.send`, and the engine's
 `receive_and_load` (its receiver's `receive`, the load, `release`), which replies with a `SyncReply`. What excludes
 generation is only the load: the engine receives the new weights while it keeps generating (into a staging copy, or
-by reference), then pauses (the run's pause mode), copies them into its parameters, and resumes. `SyncStats`
-measures the transfer and that pause separately.
+by reference: nothing to receive), then pauses (the run's pause mode), copies them into its parameters, and
+resumes. `SyncStats` measures the transfer and that pause separately.
 """
 
 from __future__ import annotations
