@@ -218,3 +218,19 @@ def test_ipc_on_one_gpu_orders_the_engines_copy_and_remaps_changed_memory():
         expected[3] = digest(model.named_parameters())
     assert out[1] == expected
     assert out[0] == [len(params), 0, 1]
+
+
+def test_the_loaders_reused_plan_copies_from_the_new_tensors_and_still_refuses_a_changed_shape():
+    """A weight update reuses the last update's checks when names, shapes and dtypes are the same: it must copy
+    from the tensors it is given now, and a tensor of another shape is checked again and refused."""
+    engine = build_model("tiny", seed=0)
+    loader = WeightLoader(engine)
+    for seed in (1, 2):
+        trainer = build_model("tiny", seed=seed)
+        loader.load(dict(trainer.named_parameters()))
+        assert digest(engine.named_parameters()) == digest(trainer.named_parameters())
+    bad = dict(build_model("tiny", seed=3).named_parameters())
+    bad["model.norm.weight"] = bad["model.norm.weight"][:-1]
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        loader.load(bad)
+    assert digest(engine.named_parameters()) == digest(trainer.named_parameters())

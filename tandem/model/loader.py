@@ -69,6 +69,7 @@ class WeightLoader:
         self.flat: dict[str, torch.Tensor] = {}  # name -> a flat view of the parameter, made at its first flat load
         self.unsplit = all(layout.dim is None or layout.group.size == 1 for layout in self.layout.values())
         self.device = next(iter(self.params.values())).device
+        self._last: tuple[list, list[torch.Tensor], list[int]] | None = None  # see `_plan`
 
     def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Raise ValueError if the tensor does not fit; whether it is copied (a tied head is the embedding)."""
@@ -137,12 +138,7 @@ class WeightLoader:
         if isinstance(named, FlatTensors) and self.unsplit:
             given, dests, sources = self._plan_flat(named)
         else:
-            named = named if isinstance(named, Mapping) else dict(named)
-            self.check(named)
-            given = list(named)
-            pairs = [pair for name in named if (name in self.params or _PER_EXPERT.fullmatch(name))
-                     and (pair := self._pair(name, named[name])) is not None]
-            dests, sources = [d for d, _ in pairs], [s for _, s in pairs]
+            given, dests, sources = self._plan(named if isinstance(named, Mapping) else dict(named))
         if strict and (missing := self._missing(given)):
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         if isinstance(named, Handover):  # the sender's memory: it stays alive, and the events order the reads
@@ -156,6 +152,23 @@ class WeightLoader:
         for t in storages.values():
             t.record_stream(torch.cuda.current_stream(t.device))
         return sorted(given)
+
+    def _plan(self, named: Mapping[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        """(names given, parameters or their parts, the tensors to copy into them), every tensor checked. The same
+        names, shapes and dtypes as the last call (a weight update, every time) reuse its checks and parameters: they
+        depend on nothing else (each tensor is copied whole where nothing is split; else it is planned anew)."""
+        names, tensors = list(named), list(named.values())
+        key = [(name, t.shape, t.dtype) for name, t in zip(names, tensors, strict=True)]
+        if self._last is not None and self._last[0] == key:
+            _, dests, index = self._last
+            return names, dests, [tensors[i] for i in index]
+        self.check(named)
+        planned = [(i, pair) for i, name in enumerate(names) if (name in self.params or _PER_EXPERT.fullmatch(name))
+                   and (pair := self._pair(name, tensors[i])) is not None]
+        dests, sources = [d for _, (d, _) in planned], [s for _, (_, s) in planned]
+        whole = all(s is tensors[i] for i, (_, s) in planned)
+        self._last = (key, dests, [i for i, _ in planned]) if whole and self.unsplit else None
+        return names, dests, sources
 
     def _plan_flat(self, named: FlatTensors) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """(names given, flat parameter views, pieces of the buffers to copy into them), every tensor checked."""

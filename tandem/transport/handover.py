@@ -24,13 +24,12 @@ from tandem.transport.weights import NamedTensors, validated
 
 
 def cuda_device(tensors: Mapping[str, Tensor] | list[Tensor]) -> torch.device | None:
-    """The one CUDA device of the tensors; None when they are all on the CPU. Raises ValueError for a mix."""
+    """The tensors' one device if it is a CUDA device; None for another (the CPU) or none. Raises ValueError when
+    they are on several devices."""
     devices = {t.device for t in (tensors.values() if isinstance(tensors, Mapping) else tensors)}
-    if not devices or devices == {torch.device("cpu")}:
-        return None
     if len(devices) > 1:
         raise ValueError(f"named_tensors: all on one device, got {sorted(map(str, devices))}")
-    return devices.pop()
+    return devices.pop() if devices and next(iter(devices)).type == "cuda" else None
 
 
 def record_ready(device: torch.device | None, event: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
@@ -43,8 +42,8 @@ def record_ready(device: torch.device | None, event: torch.cuda.Event | None = N
 
 
 def by_reference(named_tensors: NamedTensors) -> dict[str, Tensor]:
-    """The pairs checked (`validated`) and detached, no copies: the sender's memory itself."""
-    return {name: tensor.detach() for name, tensor in validated(named_tensors)}
+    """The pairs checked (`validated`), no copies: the sender's memory itself (read under no_grad)."""
+    return dict(validated(named_tensors))
 
 
 class Handover(Mapping[str, Tensor]):

@@ -20,7 +20,7 @@ from tandem.transport.weights import (
 
 
 def _stats(version: int, handover: Handover, seconds: float, phases: dict[str, float] | None = None) -> TransferStats:
-    num_bytes = sum(t.numel() * t.element_size() for t in handover.tensors.values())
+    num_bytes = sum(t.nbytes for t in handover.tensors.values())
     return TransferStats(version, num_bytes, 1, len(handover), seconds, phases=phases or {})
 
 
