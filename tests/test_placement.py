@@ -307,6 +307,35 @@ def test_colocated_push_of_bad_weights_is_refused_at_once_and_the_next_push_load
     assert 0 < second.transfer_s < second.sync_s and 0 < second.pause_s < second.sync_s
 
 
+def test_colocated_push_to_an_engine_that_does_not_load_fails_within_the_timeout_and_no_late_load_reads():
+    """The engine's thread never takes the load (stuck in a step): the push fails naming it within
+    weight_sync_timeout_s, and the handover is closed, so the load, should it run later, reads nothing."""
+    placement = place(RunConfig.load(None, ["weight_sync_timeout_s=1"]))
+    model = build_model("tiny", seed=1)
+    late = {}
+
+    async def stuck(named, version, pause_mode):
+        late["handover"] = named
+        await asyncio.sleep(30)
+
+    async def go():
+        await placement.start(model.named_parameters(), 1)
+        placement.engine.load_paused = stuck
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="did not load weights version 2 within timeout_s=1") as failed:
+            await placement.push(model.named_parameters(), 2)
+        return time.monotonic() - t0, failed.value.ranks
+
+    try:
+        elapsed, ranks = asyncio.run(go())
+    finally:
+        placement.shutdown()
+    assert elapsed < 3 and ranks == (1,)
+    with pytest.raises(ValueError, match="released before this load read it"):
+        with late["handover"].reading(torch.device("cpu")):
+            pass
+
+
 def test_the_engine_client_imports_no_torch():
     """The client reads sync replies (`tandem.transport.sync`) without pulling torch into a process that only
     talks to an engine."""

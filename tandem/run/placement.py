@@ -139,7 +139,7 @@ class Colocated(Placement):
             self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
         self.receiver = InProcessReceiver(cfg.weight_sync_timeout_s)
         self.sender = InProcessSender(self.receiver, cfg.weight_sync_timeout_s)
-        self.pause_mode = cfg.rollout.pause_mode
+        self.pause_mode, self.timeout_s = cfg.rollout.pause_mode, cfg.weight_sync_timeout_s
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
         stats = await self.push(named_weights, version)
@@ -153,8 +153,11 @@ class Colocated(Placement):
         received = self.receiver.take(version, handover)
         try:
             with switching():  # this thread wakes when the engine's thread set the load's result: take the GIL soon
-                reply = await load_received(self.receiver, self.engine, received, version, self.pause_mode,
-                                            checksum=False)
+                reply = await asyncio.wait_for(load_received(self.receiver, self.engine, received, version,
+                                                             self.pause_mode, checksum=False), self.timeout_s)
+        except TimeoutError as e:  # (a load that starts later is refused: the handover is released below)
+            raise TransportError(f"weights: the engine's thread did not load weights version {version} within "
+                                 f"timeout_s={self.timeout_s:g}", ranks=(1,)) from e
         finally:
             self.receiver.release()
             handover.wait_read()  # this thread's stream, the trainer's, waits for the engine's copy
