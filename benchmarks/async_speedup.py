@@ -1,43 +1,49 @@
 """Sync vs fully-async RL, same seed, same machine, one run; the weight sync against a plain broadcast.
 
-    python benchmarks/async_speedup.py [section.key=value ...] [--model qwen3-0.6b] [--placement separate]
+    python benchmarks/async_speedup.py [section.key=value ...] [--model qwen3-0.6b] [--placement colocated shared]
                                        [--task random] [--steps 12] [--staleness 1 2 4]
                                        [--pause-modes retract in_place] [--batch-orders deadline admission]
-                                       [--cache-max-ages 0 2]
+                                       [--cache-max-ages 0 2] [--out results.json]
 
-(overrides first: `--staleness`, `--pause-modes`, `--batch-orders` and `--cache-max-ages` take every word after
-them)
+(overrides first: `--placement`, `--staleness`, `--pause-modes`, `--batch-orders` and `--cache-max-ages` take every
+word after them)
 
-Placement: `colocated` runs the engine in a thread of the trainer's process (on CUDA both on cuda:0); `separate`
-runs the engine in a process of its own (on CUDA the trainer on cuda:0 and the engine on cuda:1, weights over NCCL;
-on a CPU, gloo); `shared` runs it in a process of its own on the trainer's device, weights handed over by
-reference (CUDA IPC; shared memory on a CPU). On CUDA the engine sizes its KV pool from free memory (half of it
-when it shares the GPU). Synchronous RL is the same loop with max_staleness = 0 (generate a batch, train, sync,
-repeat). `--task target_tokens` (or guess_number) trains a learnable task at lr 1e-2, so the reward column shows
-learning; the default is the long-tailed random agent. Each async staleness runs once per pause mode (default:
-the config's, `retract`): `retract` drops in-flight KV at every update and recomputes it under the new weights
-(AReaL's interruptible rollouts), `in_place` keeps it (PipelineRL's in-flight updates); the "prefill computed /
-trained token" column shows what the recompute costs. Likewise per batch order (default: the config's, `deadline`):
-`deadline` lets short groups overtake a long one within the staleness bound, `admission` trains groups in the
-order they were admitted, so a long episode holds its batch, and through the bound the engine's admissions, back.
-And per prefix-cache age (`engine.prefix_cache_max_age`, default 0): N > 0 keeps KV up to N updates old in the
-prefix cache, so an episode's next turn need not prefill its history again after every update.
+Placement (one table each, in the order given): `colocated` runs the engine in a thread of the trainer's process (on
+CUDA both on cuda:0, the engine on a stream of its own); `separate` runs the engine in a process of its own (on CUDA
+the trainer on cuda:0 and the engine on cuda:1, weights over NCCL; on a CPU, gloo); `shared` runs it in a process of
+its own on the trainer's device, weights handed over by reference (CUDA IPC; shared memory on a CPU). On CUDA the
+engine sizes its KV pool from free memory (half of it when it shares the GPU). Synchronous RL is the same loop with
+max_staleness = 0 (generate a batch, train, sync, repeat). `--task target_tokens` (or guess_number) trains a
+learnable task at lr 1e-2, so the reward column shows learning; the default is the long-tailed random agent. Each
+async staleness runs once per pause mode (default: the config's, `retract`): `retract` drops in-flight KV at every
+update and recomputes it under the new weights (AReaL's interruptible rollouts), `in_place` keeps it (PipelineRL's
+in-flight updates); the "prefill computed / trained token" column shows what the recompute costs. Likewise per batch
+order (default: the config's, `deadline`): `deadline` lets short groups overtake a long one within the staleness
+bound, `admission` trains groups in the order they were admitted, so a long episode holds its batch, and through the
+bound the engine's admissions, back. And per prefix-cache age (`engine.prefix_cache_max_age`, default 0): N > 0
+keeps KV up to N updates old in the prefix cache, so an episode's next turn need not prefill its history again after
+every update.
 
 Prints a markdown table: wall time per trained token, trained tokens/s and the speedup over sync, trainer and engine
-idle fractions (the engine's: nothing to run, or paused; in brackets, its thread between steps: commands and its loop,
-while the device may still run the step in flight), the engine's steps (what one costs, the share that only decode,
-the commands that made the engine wait for its step in flight, requests running and waiting per step), the
-episodes in flight on average (admitted, not ended: those not in the engine are between turns), the weight
-sync per update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause ms), staleness (mean,
-max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and last quarter of
-the steps. With `separate`, also a plain broadcast of one update's bytes between the same two devices with the same
-backend, measured in the same run: what the sync could reach.
+idle fractions (the engine's: nothing to run, or paused; in brackets, its thread between steps: commands and its
+loop, while the device may still run the step in flight), the engine's steps (what one costs, the share that only
+decode, the commands that made the engine wait for its step in flight, requests running and waiting per step), the
+episodes in flight on average (admitted, not ended: those not in the engine are between turns), the weight sync per
+update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause ms; the handover as the one-GPU
+target reads it: the trainer's wait median and longest, the pause median and longest), how often the engine's loop
+was held past 200 ms by one step or command (colocated, from its log; the reports follow the table), staleness
+(mean, max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and last
+quarter of the steps. With `separate`, also a plain broadcast of one update's bytes between the same two devices
+with the same backend, measured in the same run: what the sync could reach; on one GPU, one device-to-device copy of
+the same tensors. `--out`: every row's figures as JSON, written after each placement.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import json
 import logging
 import math
 import os
@@ -62,10 +68,56 @@ ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "schedule_s", "prepare_s", "postp
                         "running_request_steps", "waiting_request_steps", "command_waits")
 
 
+class SlowIterations(logging.Handler):
+    """Collects the engine's reports of a step or command that held its loop past `SLOW_ITERATION_S` (an engine in
+    this process only: placement colocated)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.ms: list[float] = []
+        self.what: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "every request waited for it" in (message := record.getMessage()):
+            self.what.append(message)
+            self.ms.append(float(message.split(" took ")[1].split(" ms")[0]))
+
+
+class Collections:
+    """The garbage collector's passes in this process (they hold every thread, the engine's too when colocated)
+    once the run has started (the placement froze the heap built until then: `freeze_heap`): how many, and the
+    longest, by generation; and the longest before."""
+
+    def __init__(self):
+        self.started = 0.0
+        self.ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
+        self.before_ms = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif gc.get_freeze_count():
+            self.ms[info["generation"]].append(1e3 * (time.perf_counter() - self.started))
+        else:
+            self.before_ms = max(self.before_ms, 1e3 * (time.perf_counter() - self.started))
+
+    def summary(self) -> dict:
+        return {**{f"gc{g}": (len(ms), max(ms, default=0.0)) for g, ms in self.ms.items()},
+                "longest_before_start_ms": self.before_ms}
+
+
 def measure(overrides: list[str], warmup: int) -> dict:
     """One run; rates and fractions over the steps after the first `warmup` (the first steps pay for CUDA
     kernels' first launches and the allocators' growth)."""
-    _, history, _ = run_recording(RunConfig.load(None, overrides))
+    slow, collections = SlowIterations(), Collections()
+    core_log = logging.getLogger("tandem.engine.core")
+    core_log.addHandler(slow)
+    gc.callbacks.append(collections)
+    try:
+        _, history, _ = run_recording(RunConfig.load(None, overrides))
+    finally:
+        core_log.removeHandler(slow)
+        gc.callbacks.remove(collections)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step
@@ -97,6 +149,18 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "sync_max_ms": 1e3 * max(h["sync_s"] for h in steady),
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
         "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in steady),
+        # the handover per update, as the one-GPU target reads it: the trainer's wait (its whole push: transfer,
+        # the engine's load inside its pause, the reply) and the engine's pause, median and longest
+        "handover_ms": 1e3 * statistics.median(h["sync_s"] for h in steady),
+        "transfer_median_ms": 1e3 * statistics.median(h["transfer_s"] for h in steady),
+        "pause_median_ms": 1e3 * statistics.median(h["pause_s"] for h in steady),
+        "pause_max_ms": 1e3 * max(h["pause_s"] for h in steady),
+        "sync_waits_ms": [1e3 * h["sync_s"] for h in history],  # every update's, warm-up included
+        # the engine's loop held past 200 ms (colocated: its log; with the steps' numbers), over the whole run
+        "slow_iterations": len(slow.ms), "slowest_iteration_ms": max(slow.ms, default=0.0),
+        "slow_iteration_reports": slow.what[:20],
+        # the collector's passes over the whole run: generation -> (count, longest ms)
+        "gc": collections.summary(),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
         "stale_max": max(h["staleness_max"] for h in steady),
         "stale_dist": distribution([h["staleness_tokens"] for h in steady]),
@@ -203,7 +267,8 @@ def devices_for(placement: str) -> tuple[str, str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--placement", default="colocated", choices=["colocated", "separate", "shared"])
+    parser.add_argument("--placement", nargs="+", default=["colocated"], choices=["colocated", "separate", "shared"],
+                        help="one table each, in this order")
     parser.add_argument("--task", default="random", choices=["random", "target_tokens", "guess_number"])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--staleness", type=int, nargs="+", default=[1, 2, 4])
@@ -212,33 +277,43 @@ def main() -> None:
     parser.add_argument("--cache-max-ages", type=int, nargs="+", default=None,
                         help="default: the config's engine.prefix_cache_max_age")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of rates and fractions")
+    parser.add_argument("--out", default=None, help="also write every row's figures here (JSON)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup: must be in [0, --steps), got {args.warmup}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    out = tempfile.mkdtemp(prefix="tandem-bench-")
-    trainer_device, engine_device = devices_for(args.placement)
-    placement = ["placement=separate", "weight_transport=ipc"] if args.placement == "shared" else [
-        f"placement={args.placement}"]
-    base = [f"model={args.model}", f"task={args.task}", f"steps={args.steps}", "seed=0", *placement,
-            f"trainer_device={trainer_device}", f"engine.device={engine_device}", "rollout.group_size=4",
-            "rollout.batch_groups=4", "rollout.num_in_flight=64", "random_agent.response_len_median=16",
-            "random_agent.response_len_sigma=1.2", "random_agent.response_len_max=512",
-            "engine.measure_ideal_reuse=true"]
-    if engine_device != "cpu":  # bf16 weights and KV in the engine, bf16 compute over fp32 masters in the trainer
-        base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.8 if args.placement == 'separate' else 0.5}",
-                 "engine_dtype=bfloat16", "trainer.param_dtype=bfloat16"]
-    if args.task != "random":
-        base += ["trainer.lr=1e-2"]
-    base += args.overrides
-    cfg = RunConfig.load(None, base)
     device = (", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
               if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)")
     print(f"## async speedup ({datetime.date.today()}, {device}, Python {platform.python_version()}, "
           f"torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"placement {args.placement}: trainer on {trainer_device}, engine on {engine_device}; task {args.task}, "
+    report = {"command": " ".join(sys.argv), "device": device, "torch": torch.__version__, "placements": {}}
+    for placement in args.placement:
+        report["placements"][placement] = run_placement(args, placement)
+        if args.out:  # after each placement: a later one that fails leaves the earlier ones' figures
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+
+
+def run_placement(args, placement: str) -> dict:
+    """Sync, then every async variant, on one placement; prints its table. Returns its rows' figures."""
+    out = tempfile.mkdtemp(prefix="tandem-bench-")
+    trainer_device, engine_device = devices_for(placement)
+    chosen = ["placement=separate", "weight_transport=ipc"] if placement == "shared" else [f"placement={placement}"]
+    base = [f"model={args.model}", f"task={args.task}", f"steps={args.steps}", "seed=0", *chosen,
+            f"trainer_device={trainer_device}", f"engine.device={engine_device}", "rollout.group_size=4",
+            "rollout.batch_groups=4", "rollout.num_in_flight=64", "random_agent.response_len_median=16",
+            "random_agent.response_len_sigma=1.2", "random_agent.response_len_max=512",
+            "engine.measure_ideal_reuse=true"]
+    if engine_device != "cpu":  # bf16 weights and KV in the engine, bf16 compute over fp32 masters in the trainer
+        base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.8 if placement == 'separate' else 0.5}",
+                 "engine_dtype=bfloat16", "trainer.param_dtype=bfloat16"]
+    if args.task != "random":
+        base += ["trainer.lr=1e-2"]
+    base += args.overrides
+    cfg = RunConfig.load(None, base)
+    print(f"\n### placement {placement}: trainer on {trainer_device}, engine on {engine_device}; task {args.task}, "
           f"model {args.model}\n")
     print(f"rates and fractions over steps {args.warmup + 1}-{args.steps} (the first {args.warmup} left out as "
           "warm-up); reward over all steps; each row printed as soon as it is measured\n")
@@ -248,9 +323,10 @@ def main() -> None:
           "episodes in flight | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update (longest) | "
-          "pause ms / update | staleness mean / max | tokens at staleness 0 / 1 / ... (%) | cache hit | "
-          "reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 25 + "|", flush=True)
+          "pause ms / update | handover ms: trainer waits median (longest), pause median (longest) | "
+          "engine loop held > 200 ms: times (longest ms) | staleness mean / max | "
+          "tokens at staleness 0 / 1 / ... (%) | cache hit | reuse vs ideal | reward first -> last quarter |")
+    print("|---" * 27 + "|", flush=True)
     rows = []
     variants = [(mode, order, age) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]
@@ -261,9 +337,11 @@ def main() -> None:
                      f"engine.prefix_cache_max_age={age}", f"out_dir={out}/{s}{mode}{order}{age}"], args.warmup)
         kept = f", KV kept {age} update{'s' * (age > 1)}" if age else ""
         rows.append((f"async, max_staleness={s}, {mode}, {order} order{kept}" if s else "sync", r))
+        r["speedup"] = r["tok_s"] / rows[0][1]["tok_s"]
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        slow = f"{r['slow_iterations']} ({r['slowest_iteration_ms']:.0f})" if placement == "colocated" else "-"
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
-              f"{r['tok_s']:.0f} | {r['tok_s'] / rows[0][1]['tok_s']:.2f}x | {r['trainer_idle']:.0%} | "
+              f"{r['tok_s']:.0f} | {r['speedup']:.2f}x | {r['trainer_idle']:.0%} | "
               f"{r['engine_idle']:.0%} ({r['engine_between']:.0%}) | "
               f"{1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
               f"{1e3 * r['schedule_s']:.2f}, {1e3 * r['prepare_s']:.2f}, {1e3 * r['postprocess_s']:.2f} | "
@@ -272,12 +350,14 @@ def main() -> None:
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | "
               f"{r['sync_ms']:.1f} ({r['sync_max_ms']:.1f}) | {r['pause_ms']:.1f} | "
-              f"{r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
+              f"{r['handover_ms']:.2f} ({r['sync_max_ms']:.2f}), "
+              f"{r['pause_median_ms']:.2f} ({r['pause_max_ms']:.2f}) | "
+              f"{slow} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
               f"{r['stale_dist']} | "
               f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",
               flush=True)
     plain = alone = None
-    if args.placement == "separate":
+    if placement == "separate":
         backend = "nccl" if engine_device.startswith("cuda") else "gloo"
         shapes = weight_shapes(args.model, torch.bfloat16 if engine_device != "cpu" else torch.float32)
         devices = [trainer_device, engine_device]
@@ -285,15 +365,49 @@ def main() -> None:
         alone = two_process_gb_s(_transport_worker, shapes, cfg.weight_bucket_bytes, backend, devices)
     sync_bytes, idle_gb_s = rows[0][1]["sync_bytes"], rows[0][1]["sync_gb_s"]
     busy_gb_s = statistics.mean(r["sync_gb_s"] for _, r in rows[1:]) if rows[1:] else float("nan")
+    copy_ms = None
     if plain is None:
-        how = "by reference to the engine's process" if args.placement == "shared" else "in memory"
-        print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update, handed over {how} (placement {args.placement})")
+        how = "by reference to the engine's process" if placement == "shared" else "in memory"
+        if engine_device != "cpu":
+            shapes = weight_shapes(args.model, torch.bfloat16)
+            copy_ms = device_copy_ms(shapes, engine_device)
+            plain_copy = f"; one device-to-device copy of the same tensors (one _foreach_copy_): {copy_ms:.2f} ms"
+        else:
+            plain_copy = ""
+        print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update, handed over {how} (placement {placement})"
+              f"{plain_copy}")
+        for name, r in rows:
+            if r["slow_iteration_reports"]:
+                print(f"engine loop held > 200 ms in {name}: " + "; ".join(r["slow_iteration_reports"][:5]))
     else:
         print(f"\nweight sync: {sync_bytes / 1e6:.1f} MB per update in buckets of {cfg.weight_bucket_bytes / 2**20:g} "
               f"MiB: {idle_gb_s:.3g} GB/s while the engine waits (sync), {busy_gb_s:.3g} GB/s while it generates "
               f"(async, mean); one plain {backend} broadcast of the same bytes between the same devices in this run: "
               f"{plain:.3g} GB/s ({idle_gb_s / plain:.0%} and {busy_gb_s / plain:.0%} of it); tandem's transport "
               f"alone (no HTTP, no engine) on tensors of the same shapes: {alone:.3g} GB/s ({alone / plain:.0%})")
+    for name, r in rows:  # a full pass holds every thread of the process: the engine's too when colocated
+        print(f"garbage collections in {name} (this process, once started), count (longest ms) by generation: "
+              + ", ".join(f"{g}: {r['gc'][g][0]} ({r['gc'][g][1]:.0f})" for g in ("gc0", "gc1", "gc2"))
+              + f"; before: longest {r['gc']['longest_before_start_ms']:.0f} ms")
+    return {"rows": {name: r for name, r in rows}, "device_copy_ms": copy_ms, "broadcast_gb_s": plain,
+            "transport_alone_gb_s": alone}
+
+
+def device_copy_ms(shapes: list, device: str, reps: int = 5) -> float:
+    """Median ms of one `_foreach_copy_` of tensors of `shapes` into others on `device` (the floor of a handover)."""
+    sources = [torch.randn(shape, device=device).to(dtype) for _, shape, dtype in shapes]
+    dests = [torch.empty_like(t) for t in sources]
+    ms = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch._foreach_copy_(dests, sources)
+        end.record()
+        end.synchronize()
+        ms.append(start.elapsed_time(end))
+    del sources, dests
+    torch.cuda.empty_cache()
+    return statistics.median(ms[1:])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ push and the next one."""
 
 import asyncio
 import copy
+import gc
 import os
 import re
 import signal
@@ -287,6 +288,7 @@ def test_colocated_push_of_bad_weights_is_refused_at_once_and_the_next_push_load
 
     async def go():
         first = await placement.start(model.named_parameters(), 1)
+        assert gc.get_freeze_count() > 0  # what was built is left out of the collector's later passes
         t0 = time.monotonic()
         with pytest.raises(ValueError, match="given twice"):
             await placement.push([*model.named_parameters(), ("model.norm.weight", model.model.norm.weight)], 2)
@@ -298,10 +300,40 @@ def test_colocated_push_of_bad_weights_is_refused_at_once_and_the_next_push_load
         first, refused_s, kept, second, version = asyncio.run(go())
     finally:
         placement.shutdown()
+    assert gc.get_freeze_count() == 0
     assert first.reply.weight_version == 1 and kept == 1 and refused_s < 5
     assert second.reply.weight_version == version == 3 and second.reply.num_tensors == len(list(model.parameters()))
     assert second.num_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert 0 < second.transfer_s < second.sync_s and 0 < second.pause_s < second.sync_s
+
+
+def test_colocated_push_to_an_engine_that_does_not_load_fails_within_the_timeout_and_no_late_load_reads():
+    """The engine's thread never takes the load (stuck in a step): the push fails naming it within
+    weight_sync_timeout_s, and the handover is closed, so the load, should it run later, reads nothing."""
+    placement = place(RunConfig.load(None, ["weight_sync_timeout_s=1"]))
+    model = build_model("tiny", seed=1)
+    late = {}
+
+    async def stuck(named, version, pause_mode):
+        late["handover"] = named
+        await asyncio.sleep(30)
+
+    async def go():
+        await placement.start(model.named_parameters(), 1)
+        placement.engine.load_paused = stuck
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match="did not load weights version 2 within timeout_s=1") as failed:
+            await placement.push(model.named_parameters(), 2)
+        return time.monotonic() - t0, failed.value.ranks
+
+    try:
+        elapsed, ranks = asyncio.run(go())
+    finally:
+        placement.shutdown()
+    assert elapsed < 3 and ranks == (1,)
+    with pytest.raises(ValueError, match="released before this load read it"):
+        with late["handover"].reading(torch.device("cpu")):
+            pass
 
 
 def test_the_engine_client_imports_no_torch():
@@ -309,3 +341,38 @@ def test_the_engine_client_imports_no_torch():
     talks to an engine."""
     code = "import sys, tandem.engine.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.gpu
+def test_colocated_engine_on_its_stream_generates_as_a_fresh_engine_on_each_pushed_version():
+    """The engine on a stream of its own, the weights by reference: after each push (the trainer changing its
+    tensors at once, on its own stream) the engine generates exactly what a fresh engine on those weights does."""
+    from tandem.config import EngineConfig
+    from tandem.engine.engine import Engine
+
+    config = ["engine.device=cuda:0", "engine.num_pages=512", "weight_sync_timeout_s=30"]
+    placement = place(RunConfig.load(None, config))
+    prompts = [[3 + i, 17, 5 * i % 400 + 2, 9] for i in range(8)]
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+
+    async def generate(engine):  # one at a time: the same batch shapes in both engines
+        return [(await engine.generate(p, greedy)).output_ids for p in prompts]
+
+    async def pushed():
+        outputs = []
+        for version in (1, 2):
+            trainer = build_model("tiny", seed=version).to("cuda")
+            await placement.push(trainer.named_parameters(), version)
+            with torch.no_grad():
+                torch._foreach_add_(list(trainer.parameters()), 0.5)  # the trainer's next step, at once
+            outputs.append(await generate(placement.engine))
+        return outputs
+
+    try:
+        outputs = asyncio.run(pushed())
+        assert placement.engine.weight_version == 2
+    finally:
+        placement.shutdown()
+    for version, output in zip((1, 2), outputs, strict=True):
+        with Engine(build_model("tiny", seed=version).to("cuda"), EngineConfig(device="cuda", num_pages=512)) as fresh:
+            assert asyncio.run(generate(fresh)) == output, version

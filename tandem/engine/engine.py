@@ -207,6 +207,7 @@ class Engine:
         core = self.core
         if core.pool.k_cache.is_cuda:  # events, streams and graphs of this thread belong to the engine's GPU
             torch.cuda.set_device(core.pool.k_cache.device)
+            torch.cuda.set_stream(core.order.stream("compute"))  # the stream current where the core was built
         while not self._stop and core.fatal is None:
             self.watchdog.bump()
             try:  # idle: sleep until a command arrives; busy: take one if there is one, else step

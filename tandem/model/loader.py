@@ -21,6 +21,7 @@ from safetensors import safe_open
 from tandem.config import ModelConfig, resolve_model
 from tandem.distributed.parallel import SINGLE, TPGroup, layouts, shard_into, zero_padding
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.transport.handover import Handover
 from tandem.transport.weights import FlatTensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,12 +60,16 @@ class WeightLoader:
     The model's parameters and their layouts are looked up once, here: an engine loads every weight update inside
     its pause, and re-deriving them was most of a load's host time (BENCHMARKS.md, weight sync). Tensors
     that arrive in flat buffers (`FlatTensors`, from a transport) are copied from pieces of those buffers into flat
-    views of the parameters: no per-tensor view is made on either side."""
+    views of the parameters: no per-tensor view is made on either side. Tensors by reference (`Handover`, the
+    sender's own memory) are read inside its `reading`: on CUDA the copies wait for the sender's writes and the
+    sender's next writes wait for the copies, on the device."""
 
     def __init__(self, model: Qwen3ForCausalLM):
         self.model, self.params, self.layout = model, dict(model.named_parameters()), layouts(model)
         self.flat: dict[str, torch.Tensor] = {}  # name -> a flat view of the parameter, made at its first flat load
         self.unsplit = all(layout.dim is None or layout.group.size == 1 for layout in self.layout.values())
+        self.device = next(iter(self.params.values())).device
+        self._last: tuple[list, list[torch.Tensor], list[int]] | None = None  # see `_plan`
 
     def _check(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
         """Raise ValueError if the tensor does not fit; whether it is copied (a tied head is the embedding)."""
@@ -133,14 +138,13 @@ class WeightLoader:
         if isinstance(named, FlatTensors) and self.unsplit:
             given, dests, sources = self._plan_flat(named)
         else:
-            named = named if isinstance(named, Mapping) else dict(named)
-            self.check(named)
-            given = list(named)
-            pairs = [pair for name in named if (name in self.params or _PER_EXPERT.fullmatch(name))
-                     and (pair := self._pair(name, named[name])) is not None]
-            dests, sources = [d for d, _ in pairs], [s for _, s in pairs]
+            given, dests, sources = self._plan(named if isinstance(named, Mapping) else dict(named))
         if strict and (missing := self._missing(given)):
             raise ValueError(f"weights: missing parameters {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        if isinstance(named, Handover):  # the sender's memory: it stays alive, and the events order the reads
+            with named.reading(self.device):
+                torch._foreach_copy_(dests, sources)
+            return sorted(given)
         torch._foreach_copy_(dests, sources)  # one call for every copy: an update is a few hundred tensors
         # sources made on another stream (a transport's buckets) may be freed and reused there once the caller
         # drops them: not before this stream's copy has read them (once per storage: a bucket holds many views)
@@ -148,6 +152,23 @@ class WeightLoader:
         for t in storages.values():
             t.record_stream(torch.cuda.current_stream(t.device))
         return sorted(given)
+
+    def _plan(self, named: Mapping[str, torch.Tensor]) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+        """(names given, parameters or their parts, the tensors to copy into them), every tensor checked. The same
+        names, shapes and dtypes as the last call (a weight update, every time) reuse its checks and parameters: they
+        depend on nothing else (each tensor is copied whole where nothing is split; else it is planned anew)."""
+        names, tensors = list(named), list(named.values())
+        key = [(name, t.shape, t.dtype) for name, t in zip(names, tensors, strict=True)]
+        if self._last is not None and self._last[0] == key:
+            _, dests, index = self._last
+            return names, dests, [tensors[i] for i in index]
+        self.check(named)
+        planned = [(i, pair) for i, name in enumerate(names) if (name in self.params or _PER_EXPERT.fullmatch(name))
+                   and (pair := self._pair(name, tensors[i])) is not None]
+        dests, sources = [d for _, (d, _) in planned], [s for _, (_, s) in planned]
+        whole = all(s is tensors[i] for i, (_, s) in planned)
+        self._last = (key, dests, [i for i, _ in planned]) if whole and self.unsplit else None
+        return names, dests, sources
 
     def _plan_flat(self, named: FlatTensors) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
         """(names given, flat parameter views, pieces of the buffers to copy into them), every tensor checked."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -55,6 +56,15 @@ class Stop:
 
 
 REFUSALS = ("ValueError", "EngineError")  # the engine refused the request (HTTP's 400), the rest failed
+
+
+def freeze_heap() -> None:
+    """Leave what exists now (modules, models, the engine: built once, kept for the run) out of the garbage
+    collector's later passes (`gc.freeze`). A full pass holds every thread of the process, an engine's too, while
+    it scans every object: over the imports and models of a run, hundreds of milliseconds in which no request
+    advances. Call once everything long-lived is built; `gc.unfreeze` when it goes. (No collection first: it would
+    be such a pass itself; what is garbage now stays, once.)"""
+    gc.freeze()
 
 
 class EngineProcess:
@@ -168,6 +178,7 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
     from tandem.engine.engine import Engine, EngineError
     from tandem.server.http import ServerThread
     from tandem.transport.ipc import IpcReceiver
+    from tandem.transport.switch import switching
 
     try:
         engine = Engine(model, config, dtype=dtype, seed=seed)
@@ -176,12 +187,16 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
         conn.send(Failed(type(e).__name__, str(e)))
         return
     receiver = None if weights_conn is None else IpcReceiver(weights_conn, ipc_timeout_s, f"trainer pid {os.getppid()}")
+    freeze_heap()
     conn.send(Ready(server.url))
 
     def load(command: LoadWeights) -> SyncReply | Failed:
-        try:  # the receive on this thread, which has nothing else to do meanwhile
-            return loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
-                                                         command.pause_mode))
+        try:  # the receive on this thread, which has nothing else to do meanwhile; it wakes several times and
+            # takes the GIL from the engine's thread each time (`switching`)
+            # (no checksum: one engine's is compared with nothing, and it would read every weight once more)
+            with switching():
+                return loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
+                                                             command.pause_mode, checksum=False))
         except (ValueError, EngineError, TransportError) as e:
             return Failed(type(e).__name__, str(e))
 

@@ -1,9 +1,10 @@
 """Where the engine runs relative to the trainer, and how new weights reach it.
 
-`Colocated`: the engine's thread in the trainer's process (on one GPU they share it); weights handed over in memory
-(`InProcessSender`). `Disaggregated`: a prefill and a decode server behind a router. `Separate`: the engine in a
-process of its own (`EngineProcess`), driven over its HTTP API
-(`EngineClient`). Its weights, by `RunConfig.weight_transport`:
+`Colocated` (the one to use on one GPU): the engine's thread in the trainer's process, on a CUDA stream of its own;
+weights handed over by reference in memory (`InProcessSender`): the engine copies the trainer's tensors into its
+parameters, ordered on the device. `Disaggregated`: a prefill and a decode server behind a router. `Separate`: the
+engine in a process of its own (`EngineProcess`), driven over its HTTP API (`EngineClient`). Its weights, by
+`RunConfig.weight_transport`:
 - "group": broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the trainer has the
   engine join with `/init_weights_update_group` once, then per update calls `/update_weights_from_distributed`
   while its `DistSender` broadcasts the buckets (pipelined, see `tandem.transport.dist`). Never a call per tensor.
@@ -14,15 +15,17 @@ process of its own (`EngineProcess`), driven over its HTTP API
 Every sync is the same two sides run together: the trainer's `WeightSender.send`, and the engine's
 `receive_and_load` (its receiver's `receive`, the load, `release`), which replies with a `SyncReply`. What excludes
 generation is only the load: the engine receives the new weights while it keeps generating (into a staging copy, or
-by reference), then pauses (the run's pause mode), copies them into its parameters, and resumes. `SyncStats`
-measures the transfer and that pause separately.
+by reference: nothing to receive), then pauses (the run's pause mode), copies them into its parameters, and
+resumes. `SyncStats` measures the transfer and that pause separately.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
+import gc
 import os
 import socket
 import time
@@ -36,11 +39,12 @@ import torch
 from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
-from tandem.run.engine_process import EngineProcess
+from tandem.run.engine_process import EngineProcess, freeze_heap
 from tandem.transport.dist import DistSender
 from tandem.transport.inprocess import InProcessReceiver, InProcessSender
 from tandem.transport.ipc import IpcSender
-from tandem.transport.sync import SyncReply, receive_and_load
+from tandem.transport.switch import switching
+from tandem.transport.sync import SyncReply, load_received
 from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -122,24 +126,43 @@ class Placement(abc.ABC):
 
 
 class Colocated(Placement):
+    """The engine's thread in this process. On CUDA the engine runs on a stream of its own (high priority): its
+    steps then never queue behind the trainer's kernels on the default stream, and the GPU interleaves the two. A
+    push hands the trainer's tensors over by reference, in this thread (no worker thread, no copy but the engine's
+    own into its parameters, no checksum: nobody compares one engine's); the engine's copy waits for the trainer's
+    writes, and the trainer's next writes for the copy, on the device."""
+
     def __init__(self, cfg: RunConfig):
-        self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
+        device = torch.device(cfg.engine.device)
+        stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
         self.receiver = InProcessReceiver(cfg.weight_sync_timeout_s)
         self.sender = InProcessSender(self.receiver, cfg.weight_sync_timeout_s)
-        self.pause_mode = cfg.rollout.pause_mode
+        self.pause_mode, self.timeout_s = cfg.rollout.pause_mode, cfg.weight_sync_timeout_s
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
-        return await self.push(named_weights, version)
+        stats = await self.push(named_weights, version)
+        freeze_heap()
+        return stats
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         t0 = time.perf_counter()
-        results = await asyncio.gather(asyncio.to_thread(self.sender.send, named_weights, version),
-                                       receive_and_load(self.receiver, self.engine, version, self.pause_mode),
-                                       return_exceptions=True)  # both sides end before this returns or raises
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return SyncStats(*results, time.perf_counter() - t0)
+        handover = self.sender.offer(named_weights)  # ValueError on bad input: refused before the engine hears of it
+        t1 = time.perf_counter()
+        received = self.receiver.take(version, handover)
+        try:
+            with switching():  # this thread wakes when the engine's thread set the load's result: take the GIL soon
+                reply = await asyncio.wait_for(load_received(self.receiver, self.engine, received, version,
+                                                             self.pause_mode, checksum=False), self.timeout_s)
+        except TimeoutError as e:  # (a load that starts later is refused: the handover is released below)
+            raise TransportError(f"weights: the engine's thread did not load weights version {version} within "
+                                 f"timeout_s={self.timeout_s:g}", ranks=(1,)) from e
+        finally:
+            self.receiver.release()
+            handover.wait_read()  # this thread's stream, the trainer's, waits for the engine's copy
+        sent = TransferStats(version, reply.num_bytes, 1, reply.num_tensors, t1 - t0, phases={"offer": t1 - t0})
+        return SyncStats(sent, reply, time.perf_counter() - t0)
 
     def check(self) -> None:
         if not self.engine.is_alive():
@@ -147,6 +170,7 @@ class Colocated(Placement):
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        gc.unfreeze()  # (what `start` froze may go again)
 
 
 class Separate(Placement):
@@ -172,6 +196,7 @@ class Separate(Placement):
         timeout_s = self.cfg.weight_sync_timeout_s
         if self.ipc:
             self.sender = IpcSender(self.process.weights_conn, timeout_s, str(self.process))
+            freeze_heap()  # (this process's: its event loop runs the agents)
             return await self.push(named_weights, version)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -181,6 +206,7 @@ class Separate(Placement):
                                    self.cfg.weight_bucket_bytes, f"trainer pid {os.getpid()}",
                                    self.device if self.backend == "nccl" else None)
         self.sender, _ = await self._both(sender, joined, "joining the weight group")
+        freeze_heap()
         return await self.push(named_weights, version)
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
@@ -235,6 +261,7 @@ class Separate(Placement):
         if self.sender is not None:
             self.sender.close()
         self.process.stop()
+        gc.unfreeze()
 
 
 class Disaggregated(Placement):

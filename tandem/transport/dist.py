@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -43,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tandem.transport.buckets import BucketMeta, back_to_back, buckets, flatten, mark_last, torch_dtype
+from tandem.transport.switch import SWITCH_S, switching  # noqa: F401 (SWITCH_S: read by the tests)
 from tandem.transport.weights import (
     FlatTensors,
     NamedTensors,
@@ -58,37 +57,7 @@ HELLO, DONE = 1, 2  # point-to-point tags on the control group
 POLL_S = 5e-5  # how often a wait for a bucket's data checks whether it has landed
 META_BYTES = 64 << 10  # a bucket's metadata frame: its length and up to this much JSON (~700 tensors) in one broadcast
 MAX_META_BYTES = 1 << 30  # a longer metadata length is a corrupt frame
-# the interpreter's thread switch interval during a transfer, at both ends (Python's default: 5 ms); see `_switching`
-SWITCH_S = 2e-4
-
-
-class _Switching:
-    """`with _switching():` keeps the process's thread switch interval at `SWITCH_S` while any transfer of the
-    process runs (transfers may overlap: both ends in one process, several groups), then restores it. A transfer's
-    thread wakes about ten times (the hello, each bucket's metadata, the landing, the acknowledgement), and each time
-    it needs the GIL, which another thread may hold: an engine's while it builds steps, a trainer's event loop while
-    it runs the agents; each wake-up may wait up to the switch interval for it."""
-
-    def __init__(self):
-        self.lock, self.users, self.saved = threading.Lock(), 0, 0.0
-
-    @contextlib.contextmanager
-    def __call__(self) -> Iterator[None]:
-        with self.lock:
-            if not self.users:
-                self.saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self.saved, SWITCH_S))
-            self.users += 1
-        try:
-            yield
-        finally:
-            with self.lock:
-                self.users -= 1
-                if not self.users:
-                    sys.setswitchinterval(self.saved)
-
-
-_switching = _Switching()
+_switching = switching  # (the name this module's code and tests use)
 
 
 class _Laps:

@@ -31,7 +31,8 @@ class SyncReply:
     num_buckets: int
     num_tensors: int
     receive_phases: dict[str, float] = field(default_factory=dict)
-    weights_checksum: str = ""  # of the engine's weights once loaded (`tandem.transport.checksum`); replicas compare
+    # of the engine's weights once loaded (`tandem.transport.checksum`), where the caller asked for it: replicas compare
+    weights_checksum: str = ""
 
 
     @classmethod
@@ -55,16 +56,18 @@ class SyncReply:
 
 
 async def receive_and_load(receiver: WeightReceiver, engine: Engine, version: int | None,
-                           pause_mode: str) -> SyncReply:
+                           pause_mode: str, checksum: bool = True) -> SyncReply:
     """Receive the sender's next transfer (in a worker thread: the engine keeps generating meanwhile), refuse it unless
     it carries `version` (None: any), load it inside a pause of `pause_mode` (`Engine.load_paused`), and release it
-    (also when the load failed). Raises TransportError when the receive fails; ValueError or the engine's error when
-    it refuses the weights, which then stay as they were."""
-    return await load_received(receiver, engine, await asyncio.to_thread(receiver.receive), version, pause_mode)
+    (also when the load failed). `checksum`: reply with the loaded weights' checksum (for replicas to compare; it
+    waits for the load on the device and reads every weight once); else the reply's is "". Raises TransportError when
+    the receive fails; ValueError or the engine's error when it refuses the weights, which then stay as they were."""
+    return await load_received(receiver, engine, await asyncio.to_thread(receiver.receive), version, pause_mode,
+                               checksum)
 
 
 async def load_received(receiver: WeightReceiver, engine: Engine, received: tuple[int, Mapping], version: int | None,
-                        pause_mode: str) -> SyncReply:
+                        pause_mode: str, checksum: bool = True) -> SyncReply:
     """`receive_and_load` after its receive, for a caller that ran `receiver.receive()` itself: a thread whose event
     loop serves nothing else saves the hop to a worker thread and back."""
     (sent_version, tensors), received = received, None
@@ -77,6 +80,8 @@ async def load_received(receiver: WeightReceiver, engine: Engine, received: tupl
         del tensors
         receiver.release()
     load_s = time.perf_counter() - t0
+    if not checksum:
+        return SyncReply.of(receiver.last_stats, pause_s, load_s)
     # generation goes on meanwhile (the weights stay as loaded until the next load); one on a GPU waits for its copies
     return SyncReply.of(receiver.last_stats, pause_s, load_s, await asyncio.to_thread(_checksum, engine))
 

@@ -1,11 +1,12 @@
 """Weight transport: how a new policy travels from the trainer to the engine(s).
 
 One tiny interface, `WeightSender` (trainer) and `WeightReceiver` (engine), with three implementations:
-`InProcessSender`/`InProcessReceiver` (`tandem.transport.inprocess`), a one-slot hand-off of copies between threads
-of one process; `IpcSender`/`IpcReceiver` (`tandem.transport.ipc`), the tensors by reference to another process of
-the host (CUDA IPC, or shared memory on a CPU); `DistSender`/`DistReceiver` (`tandem.transport.dist`), bucketed
-broadcasts over a dedicated torch.distributed group. The engine's end of a whole sync (receive, load, release) is
-`tandem.transport.sync.receive_and_load`, the same for all three.
+`InProcessSender`/`InProcessReceiver` (`tandem.transport.inprocess`), a one-slot hand-off of the tensors by reference
+between threads of one process; `IpcSender`/`IpcReceiver` (`tandem.transport.ipc`), the tensors by reference to
+another process of the host (CUDA IPC, or shared memory on a CPU), mapped once; `DistSender`/`DistReceiver`
+(`tandem.transport.dist`), bucketed broadcasts over a dedicated torch.distributed group. The two by reference hand
+the engine a `Handover` (`tandem.transport.handover`), whose reads `WeightLoader` orders on the device. The engine's
+end of a whole sync (receive, load, release) is `tandem.transport.sync.receive_and_load`, the same for all three.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ class WeightSender(_Transport):
     @abstractmethod
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         """Send full (unsharded) tensors by Hugging Face name as weight `version`. Blocks until the tensors may change
-        again: every receiver holds a copy, or (by reference, ipc) has released them. Reads the tensors and never
-        mutates them. `named_tensors` may be a generator (consumed once).
+        again: every receiver holds a copy, or (by reference: in-process, ipc) has released them; on CUDA, by
+        reference, the receiver's copy may still be queued then, and the caller's current stream waits for it (write
+        the tensors again on that stream, or after it). Reads the tensors and never mutates them. `named_tensors`
+        may be a generator (consumed once).
         Raises ValueError on bad input (a duplicate name, a non-tensor), after telling the receivers, whose `receive`
         then raises a TransportError saying the transfer of `version` was aborted (nothing of it is loaded).
         Raises TransportError naming the receiver when one is missing, dies or stalls past the timeout."""
@@ -123,13 +126,14 @@ class WeightReceiver(_Transport):
         """Block until the sender's next `send` has fully arrived; return (version, {name: tensor}), ready for
         `load_weights` or `Engine.load_paused` (pass the mapping itself: `FlatTensors` load buffer by buffer).
         The tensors are valid until `release`: copies owned by the receiver (several may be views of one flat
-        buffer), or (ipc) the sender's own memory, which it keeps unchanged until then. Raises TransportError naming
-        the sender when it does not start, stalls past the timeout, or aborts the transfer."""
+        buffer), or (in-process, ipc: a `Handover`) the sender's own memory, which it keeps unchanged until then.
+        Raises TransportError naming the sender when it does not start, stalls past the timeout, or aborts the
+        transfer."""
 
     def release(self) -> None:  # noqa: B027 (the copying transports have nothing to release)
         """Done reading the tensors of the last `receive`. Call it once they are loaded, also when loading failed.
-        A transport by reference waits for this process's device work to finish reading them, then lets the
-        sender's `send` return; the copying transports need nothing."""
+        A transport by reference then refuses reads that had not started, and lets the sender's `send` return (its
+        stream waits on the device for the reads enqueued); the copying transports need nothing."""
 
 
 def validated(named_tensors: NamedTensors) -> Iterator[tuple[str, Tensor]]:
