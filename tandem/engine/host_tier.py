@@ -13,6 +13,11 @@ and a staging tensor of its own, on the compute stream, in the step's order:
   - a load copies its host pages into staging on the tier stream as soon as it is issued (`tier_load`: it touches
     no pool page, so it waits for no compute and overlaps the step in flight), and the compute stream waits for
     it and scatters the staging into the pool (`tier_join`, `before_compute`) before the step that reads them.
+A request waiting for admission whose cached prefix is on the host has it prefetched (`prefetch`, by the
+scheduler): the transfer into staging starts while the request waits, within a budget of staging pages, and its
+load at admission scatters from that staging instead of crossing the bus then. A prefetch holds its host pages
+(rule 3) until it is retired (`retire`: at admission, or when the request leaves), so a prefetched host page is
+never freed, reused and rewritten under it: the staging always holds what the page holds.
 The ordering rules, each enforced here (docs/streams.md has them as edges, `tandem.engine.step_order` as data):
   1. pool pages are read and written only on the compute stream, in the step's order;
   2. the scatter waits for its transfer (`before_compute` is called before anything reads the pages);
@@ -58,14 +63,19 @@ class CopyOp:
     staged: tuple = ()  # device staging: (KV [n, 2, L, P, K, D], routing [n, P, layers, k] or None)
     done: torch.cuda.Event | None = None  # CUDA: after the transfer (backup) or the scatter (load)
     pending: Callable | None = None  # deferred mode: the transfer itself, not landed yet
-    joined: bool = False  # a load: scattered into the pool
-    # a load: (index in the load, backup in flight, index in that backup) of each page taken from a backup
-    from_backups: list[tuple[int, CopyOp, int]] = field(default_factory=list)
+    joined: bool = False  # a load: scattered into the pool (a prefetch: retired)
+    # a load: (index in the load, backup in flight or prefetch, index there) of each page taken from the staging
+    # of a backup in flight (rule 4) or of a prefetch
+    from_staging: list[tuple[int, CopyOp, int]] = field(default_factory=list)
+    own: list[int] | None = None  # a load: the indices of its pages its own transfer brings (None: all)
+    prefetch: bool = False
 
 
 class HostTier(PageAllocator):
     def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False,
-                 order: StreamRuntime | None = None):
+                 order: StreamRuntime | None = None, prefetch_pages: int | None = None):
+        """`prefetch_pages`: the staging (device memory outside the pool) prefetches may hold at once; default an
+        eighth of the pool, 0 for none."""
         if policy not in POLICIES[1:]:
             raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
         super().__init__(num_pages, pool.page_size)
@@ -76,18 +86,23 @@ class HostTier(PageAllocator):
                               pin_memory=self.cuda)
         self.routing = None if pool.routing is None else torch.full(
             (num_pages, pool.page_size, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=self.cuda)
-        # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load and tier_join
-        # of `tandem.engine.step_order`; shared with the model runner by the engine core
+        # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load, tier_join and
+        # tier_prefetch of `tandem.engine.step_order`; shared with the model runner by the engine core
         self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
         self.ops: deque[CopyOp] = deque()
         self._unjoined: list[CopyOp] = []  # loads issued, not scattered yet
         self._backing: dict[int, tuple[CopyOp, int]] = {}  # host page -> the backup in flight filling it (rule 4)
+        self.prefetch_pages = pool.num_pages // 8 if prefetch_pages is None else prefetch_pages
+        self._prefetches: dict[str, CopyOp] = {}  # by key (a request id); in `ops` only once retired
+        self._prefetched: dict[int, tuple[CopyOp, int]] = {}  # host page -> (its prefetch, index there)
+        self._prefetch_held = 0  # staging pages the prefetches hold
         self.issued = 0  # id of the last copy issued
         # the engine sets this: copies up to this id were issued before the step in flight was launched, so
         # they wait for no compute still running, only for their own transfer
         self.settled_upto = 0
         self.pages_loaded = self.pages_backed_up = 0
         self.pages_from_backups = 0  # loaded pages taken from a backup's staging (rule 4)
+        self.pages_prefetched = self.pages_from_prefetch = 0  # prefetched; loaded pages taken from a prefetch
         # host time: issuing copies, and waiting for them (reaps that had to block; `waits` counts those copies)
         self.issue_seconds = self.wait_seconds = 0.0
         self.waits = 0
@@ -115,14 +130,76 @@ class HostTier(PageAllocator):
         """Copy host pages into device pages. Call `before_compute` before anything reads them."""
         t0 = time.perf_counter()
         op = self._new_op(device_pages, host_pages, is_load=True)
-        op.from_backups = [(i, *b) for i, h in enumerate(host_pages) if (b := self._in_flight_backup(h)) is not None]
+        for i, h in enumerate(host_pages):
+            if (src := self._in_flight_backup(h)) is not None:
+                self.pages_from_backups += 1
+            elif (src := self._prefetched.get(h)) is not None:
+                self.pages_from_prefetch += 1
+            if src is not None:
+                op.from_staging.append((i, *src))
+        taken = {i for i, _, _ in op.from_staging}
+        op.own = [i for i in range(len(host_pages)) if i not in taken]
+        # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
         with self.order.work("tier_load"):
-            op.staged = self._staging(len(host_pages))
-            self._transfer(op, lambda: self._from_host(op))
+            op.staged = self._staging(len(op.own))
+            if op.own:
+                self._transfer(op, lambda: self._from_host(op))
         self._unjoined.append(op)
         self.pages_loaded += len(device_pages)
-        self.pages_from_backups += len(op.from_backups)
         self.issue_seconds += time.perf_counter() - t0
+
+    def prefetching(self, key: str) -> bool:
+        return key in self._prefetches
+
+    def prefetch(self, key: str, host_pages: list[int], max_pages: int | None = None) -> int:
+        """Start copying the host pages a waiting request will load into staging of their own, unless `key`
+        has a prefetch already; leaves out pages prefetched already or whose backup is in flight (rule 4), and
+        stops at `max_pages` and at the budget. Returns how many pages it prefetches. Its transfer queues on the
+        tier stream like a load's (so a load's join, which waits for the tier stream up to that load, covers it),
+        and a load issued after it waits for it: hence `max_pages`."""
+        if key in self._prefetches:
+            return 0
+        pages = [h for h in host_pages if self._prefetchable(h)]
+        room = self.prefetch_pages - self._prefetch_held
+        pages = pages[:max(0, room if max_pages is None else min(room, max_pages))]
+        if not pages:
+            return 0
+        t0 = time.perf_counter()
+        self.issued += 1  # (its id until it is retired, for `land`)
+        op = CopyOp(self.issued, [], pages, is_load=True, prefetch=True)
+        self._hold(op)
+        with self.order.work("tier_prefetch"):
+            op.staged = self._staging(len(pages))
+            self._transfer(op, lambda: self._from_host(op))
+        self._prefetches[key] = op
+        for i, h in enumerate(pages):
+            self._prefetched[h] = (op, i)
+        self._prefetch_held += len(pages)
+        self.pages_prefetched += len(pages)
+        self.issue_seconds += time.perf_counter() - t0
+        return len(pages)
+
+    def _prefetchable(self, host_page: int) -> bool:
+        """Not prefetched already, and filled (no backup in flight: the prefetch would read it before it lands)."""
+        return host_page not in self._prefetched and self._in_flight_backup(host_page) is None
+
+    def retire(self, key: str) -> None:
+        """The prefetch of `key` is no longer wanted (its request was admitted, or left): it joins the copies
+        reaped in order, which releases its host pages once its transfer landed. A load that took pages from its
+        staging keeps that alive."""
+        op = self._prefetches.pop(key, None)
+        if op is None:
+            return
+        for h in op.host_pages:
+            del self._prefetched[h]
+        self._prefetch_held -= len(op.host_pages)
+        self.issued += 1
+        op.id, op.joined = self.issued, True
+        self.ops.append(op)
+
+    def retire_all(self) -> None:
+        for key in list(self._prefetches):
+            self.retire(key)
 
     def before_compute(self) -> None:
         """Scatter every load issued so far into its pool pages, on the compute stream after its transfer
@@ -132,14 +209,18 @@ class HostTier(PageAllocator):
         ops, self._unjoined = self._unjoined, []
         with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's transfer)
             for op in ops:
-                if op.pending is not None:  # deferred: the scatter waits for the transfer
-                    op.pending, run = None, op.pending
-                    run()
+                self._await_transfer(op)
                 self._scatter(op)
                 op.joined = True
                 if self.cuda:
                     op.done = torch.cuda.Event()
                     op.done.record()
+
+    def _await_transfer(self, op: CopyOp) -> None:
+        """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
+        if op.pending is not None:
+            op.pending, run = None, op.pending
+            run()
 
     def _in_flight_backup(self, host_page: int) -> tuple[CopyOp, int] | None:
         """(the backup, the page's index in it) still filling `host_page`, if any (rule 4)."""
@@ -165,7 +246,7 @@ class HostTier(PageAllocator):
         """Run a bus transfer on the current (side) stream: now on CUDA or CPU, later in deferred mode."""
         if self.cuda:
             run()
-            if not op.is_load:  # (a load's completion is its scatter's, on the compute stream)
+            if not op.is_load or op.prefetch:  # (a load's completion is its scatter's, on the compute stream)
                 op.done = torch.cuda.Event()
                 op.done.record()
         elif self.deferred:
@@ -208,35 +289,47 @@ class HostTier(PageAllocator):
                 self.routing[h:h + n].copy_(routing[i:i + n], non_blocking=True)
 
     def _from_host(self, op: CopyOp) -> None:
-        """The load's host pages into its staging, but for those taken from a backup in flight (rule 4)."""
+        """The host pages of the copy's own transfer (`own`) into its staging, in that order."""
         kv, routing = op.staged
-        skip = {i for i, _, _ in op.from_backups}
-        for i, h, n in _runs(op.host_pages, skip):
+        pages = op.host_pages if op.own is None else [op.host_pages[i] for i in op.own]
+        for i, h, n in _runs(pages):
             kv[i:i + n].copy_(self.kv[h:h + n], non_blocking=True)
             if routing is not None:
                 routing[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
 
     def _scatter(self, op: CopyOp) -> None:
-        """The load's staging into its pool pages (on the current stream: compute)."""
-        kv, routing = op.staged
-        for i, backup, j in op.from_backups:  # gathered earlier on this stream: no wait
-            kv[i] = backup.staged[0][j]
-            if routing is not None:
-                routing[i] = backup.staged[1][j]
+        """The load's pages into the pool (on the current stream: compute), one indexed copy per staging tensor
+        they come from: its own, and those of the prefetches and backups in flight it takes pages from (a backup's
+        gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream, which the join waited
+        for)."""
+        sources = {id(op): (op.staged, list(range(len(op.own))), [op.device_pages[i] for i in op.own])}
+        for i, src, j in op.from_staging:
+            if src.prefetch:
+                self._await_transfer(src)
+            rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
+            rows.append(j)
+            pages.append(op.device_pages[i])
         k, v, pool_routing = self._views()
-        idx = self._index(op.device_pages, k.device)
-        k[:, idx] = kv[:, 0].transpose(0, 1)
-        v[:, idx] = kv[:, 1].transpose(0, 1)
-        if routing is not None:
-            pool_routing[idx] = routing
+        for (kv, routing), rows, pages in sources.values():
+            if not pages:
+                continue
+            idx = self._index(pages, k.device)
+            if rows != list(range(len(kv))):
+                at = self._index(rows, k.device)
+                kv, routing = kv[at], None if routing is None else routing[at]
+            k[:, idx] = kv[:, 0].transpose(0, 1)
+            v[:, idx] = kv[:, 1].transpose(0, 1)
+            if routing is not None:
+                pool_routing[idx] = routing
 
     # ---- completion ------------------------------------------------------------------------------------
-    def land(self, upto: int) -> None:
-        """Deferred mode: the transfers up to id `upto` land now (in order)."""
-        for op in self.ops:
+    def land(self, upto: int, stream: str | None = None) -> None:
+        """Deferred mode: the transfers up to id `upto` land now, in issue order; with `stream` only those of that
+        stream ("tier": loads and prefetches, "backup": backups), as the two streams run independently."""
+        for op in sorted((*self.ops, *self._prefetches.values()), key=lambda op: op.id):
             if op.id > upto:
                 break
-            if op.pending is not None:
+            if op.pending is not None and stream in (None, "backup" if not op.is_load else "tier"):
                 op.pending, run = None, op.pending
                 run()
 

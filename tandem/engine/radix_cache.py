@@ -282,10 +282,9 @@ class RadixCache:
         write_back = self.tier is not None and self.tier.policy == "write_back"
         if write_back and num_pages > self.tier.num_free:
             self.evict_host(num_pages - self.tier.num_free)  # room for the backups
-        for node in self._lru():
+        for node in self._lru(on_device=True):
             if freed >= num_pages:
                 break
-            # (a node whose first page is off the device has no page on it: device pages are a prefix)
             if not node.pages or node.pages[0] is None or any(c.pages[0] is not None for c in node.children):
                 continue
             for j in reversed(range(len(node.pages))):
@@ -317,10 +316,11 @@ class RadixCache:
             self.pool.decref(device)
             backlog.clear()
 
-    def _lru(self) -> Iterator[Node]:
-        """Every node, least recently used first; children before their parent on ties. Lazy: eviction usually
-        stops after a few nodes, so the order is a heap popped on demand rather than a sort."""
-        heap = [(node.last_access, i, node) for i, node in enumerate(self._nodes())]
+    def _lru(self, on_device: bool = False) -> Iterator[Node]:
+        """Every node (`on_device`: every node with a page on the device), least recently used first; children
+        before their parent on ties. Lazy: eviction usually stops after a few nodes, so the order is a heap popped
+        on demand rather than a sort."""
+        heap = [(node.last_access, i, node) for i, node in enumerate(self._nodes(on_device))]
         heapq.heapify(heap)
         while heap:
             yield heapq.heappop(heap)[2]
@@ -361,8 +361,10 @@ class RadixCache:
                 self.tier.decref([h for h in node.host if h is not None])
         self.root = Node([], [], [], None)
 
-    def _nodes(self) -> list[Node]:
-        """Every node but the root, children before their parent."""
+    def _nodes(self, on_device: bool = False) -> list[Node]:
+        """Every node but the root, children before their parent. `on_device`: only those with a page on the
+        device; the walk skips the subtrees wholly on the host (device pages are a prefix of each path: a node
+        whose first page is on the host only has none below it), which under a host tier are most of the tree."""
         out, stack = [], [(self.root, False)]
         while stack:
             node, expanded = stack.pop()
@@ -370,7 +372,7 @@ class RadixCache:
                 out.append(node)
             else:
                 stack.append((node, True))
-                stack.extend((c, False) for c in node.children)
+                stack.extend((c, False) for c in node.children if not on_device or c.pages[0] is not None)
         return out[:-1]
 
     @property

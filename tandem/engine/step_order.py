@@ -98,7 +98,7 @@ class Placement:
 
 GRAPH_INPUTS = ("ids", "positions", "slots", "seq_lens", "block_table")
 _FRESH = frozenset({"sampling", "tokens", "host_tokens", "eager_inputs", "received", "backup_staged",
-                    "load_staged"})
+                    "load_staged", "prefetch_staged"})
 
 # The schedule's host-tier copies (the radix cache issues them while scheduling, before the step's inputs). The
 # pool is touched only on the compute stream (gather, scatter), in the step's order; the bus transfers run on side
@@ -109,8 +109,12 @@ TIER = (
     Work("tier_backup", "backup", "copy", "schedule", reads=("backup_staged",), writes=("host_kv",),
          after=("tier_gather",), held=("host_kv",), unread=("host_kv",)),
     Work("tier_load", "tier", "copy", "schedule", reads=("host_kv",), writes=("load_staged",), held=("host_kv",)),
-    Work("tier_join", "compute", "copy", "schedule", reads=("load_staged", "backup_staged"), writes=("kv",),
-         after=("tier_load",)),
+    Work("tier_join", "compute", "copy", "schedule", reads=("load_staged", "backup_staged", "prefetch_staged@-1"),
+         writes=("kv",), after=("tier_load",)),
+    # the next waiting requests' host pages, into staging a later iteration's join reads (on the tier stream, so
+    # the join's wait for the load after it covers it)
+    Work("tier_prefetch", "tier", "copy", "schedule", reads=("host_kv",), writes=("prefetch_staged",),
+         held=("host_kv",)),
 )
 # A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs copied
 # there from pinned memory (no host sync), sampled ids copied to pinned memory behind an event the host reads
@@ -183,6 +187,8 @@ def mutants() -> dict[str, tuple[str, Placement]]:
                                   .replaced("tier_join", stream="tier")),
         # a load's scatter that does not wait for its transfer
         "load_not_joined": ("race", DECODE.replaced("tier_join", after=())),
+        # a prefetch on a stream the load's join does not wait for
+        "prefetch_on_another_stream": ("race", DECODE.replaced("tier_prefetch", stream="backup")),
         # a load that reads a host page whose backup is still in flight (not from the backup's staging)
         "load_reads_backup_in_flight": ("race", DECODE.replaced("tier_backup", unread=())),
         # parameters overwritten while the transport still receives them
