@@ -7,7 +7,8 @@ is sampled from. Running requests go first, oldest first; then waiting ones are 
 skipping the prefix the radix cache already holds.
 
 A cached prefix may be partly on the host tier: admission copies those pages back into fresh device pages
-(`RadixCache.load`) instead of recomputing them. When pages run out: evict unreferenced cached pages
+(`RadixCache.load`) instead of recomputing them, and the next waiting requests have theirs prefetched while they
+wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict unreferenced cached pages
 (waiting for copies that still hold pages, if that frees enough); then, for a decode or for the oldest running
 request, retract the newest running request (drop its pages, requeue it at the front; it is recomputed
 later). So the oldest request always progresses, and admission-time validation guarantees that any one
@@ -204,8 +205,8 @@ class Scheduler:
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
         if self.tier is not None:
-            # copies hold pages (write_back evictions among them): wait first for those that wait for no
-            # compute still running, then, if that is not enough, for them all (the same choices on every rank)
+            # loads hold the pages they fill until reaped: wait first for those that wait for no compute still
+            # running, then, if that is not enough, for them all (the same choices on every rank)
             for upto in (self.tier.settled_upto, None):
                 if self.pool.num_free - reserve >= n or not self.tier.in_flight:
                     break
