@@ -8,10 +8,10 @@ skipping the prefix the radix cache already holds.
 
 A cached prefix may be partly on the host tier: admission copies those pages back into fresh device pages
 (`RadixCache.load`) instead of recomputing them, and the next waiting requests have theirs prefetched while they
-wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict unreferenced cached pages
-(waiting for copies that still hold pages, if that frees enough); then, for a decode or for the oldest running
-request, retract the newest running request (drop its pages, requeue it at the front; it is recomputed
-later). So the oldest request always progresses, and admission-time validation guarantees that any one
+wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict
+unreferenced cached pages (waiting for copies that still hold pages, if that frees enough); then, for a decode or
+for the oldest running request, retract the newest running request (drop its pages, requeue it at the front; it
+is recomputed later). So the oldest request always progresses, and admission-time validation guarantees that any one
 request fits in the pool: no deadlock.
 """
 
