@@ -474,11 +474,12 @@ STALL = dict(device="cuda", stall_cycles=1_000_000)  # the device sleeps ~0.5 ms
 
 
 def slow_transfers(monkeypatch) -> None:
-    """Every bus transfer starts after the side stream sleeps as long as a step's stall: transfers land late."""
+    """Every bus transfer starts after its side stream sleeps: a load's or backup's four steps' stalls, a
+    prefetch's twenty (past the next steps, when its request may be admitted): transfers land late."""
     transfer = HostTier._transfer
 
     def slow(self, op, run):
-        torch.cuda._sleep(STALL["stall_cycles"])  # (on the side stream the transfer runs on)
+        torch.cuda._sleep(STALL["stall_cycles"] * (20 if op.prefetch else 4))  # (on the transfer's side stream)
         transfer(self, op, run)
 
     monkeypatch.setattr(HostTier, "_transfer", slow)
