@@ -76,7 +76,9 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
             "mean_batch": s.running_request_steps / max(1, s.num_steps),
             "issue_s": tier.issue_seconds if tier else 0.0, "wait_s": tier.wait_seconds if tier else 0.0,
-            "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0}
+            "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
+            "prefetched": tier.pages_prefetched if tier else 0,
+            "from_prefetch": tier.pages_from_prefetch if tier else 0}
 
 
 def point(args, model: str, scale: int, concurrency: int, episodes: int, policies: list[str]) -> dict:
@@ -121,9 +123,11 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
               f"{r['issue_s']:.2f} / {r['wait_s']:.2f} "
               f"({r['waits']}) |")
     for policy in policies:
-        wall = runs[f"{fraction} + host tier ({policy})"]["wall_s"]
-        print(f"\n{policy}: wall {wall / off['wall_s']:.2f}x the run without the tier, {wall / ideal['wall_s']:.2f}x "
-              "the run whose pool holds everything (target: below 1.00x and at most 1.30x)")
+        r = runs[f"{fraction} + host tier ({policy})"]
+        print(f"\n{policy}: wall {r['wall_s'] / off['wall_s']:.2f}x the run without the tier, "
+              f"{r['wall_s'] / ideal['wall_s']:.2f}x the run whose pool holds everything (target: below 1.00x and at "
+              f"most 1.30x); pages loaded {r['loaded']}: {r['from_prefetch']} from prefetches ({r['prefetched']} "
+              f"prefetched), {r['from_backups']} from backups in flight")
     sys.stdout.flush()
     return {"model": model, "dtype": dtype, "context_scale": scale, "concurrency": concurrency, "episodes": episodes,
             "mean_len": mean_len, "working_set": working_set, "pool_tokens": pages * args.page_size,
