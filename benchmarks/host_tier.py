@@ -1,21 +1,29 @@
 """Prefix reuse on the random agent with a device KV pool too small for its working set, with and without the
-host tier, against the ideal. One run, same episodes for every configuration.
+host tier, against the ideal. Same episodes for every configuration of a point.
 
-    python benchmarks/host_tier.py [--model tiny] [--device cpu] [--concurrency 32] [--episodes 96]
+    python benchmarks/host_tier.py [--model tiny] [--device cpu] [--concurrency 32] [--episodes 96] [--out r.json]
+    python benchmarks/host_tier.py --sweep [--quick] [--out sweep.json]
 
 The random agent's multi-turn episodes (every turn resubmits the whole history) run `--concurrency` at a time
 through one engine. The working set is the KV of every in-flight episode at its longest (concurrency x mean
 final episode length, from a first run with a pool that holds everything); the device pool is then sized at
 `--pool-fraction` of it. Per configuration: prompt tokens, what an ideal cache would have served (the longest
 prefix the engine had ever computed, per request), what was served from the device and the host tier, prefill
-tokens actually computed, and their ratio to the ideal ("only new tokens": prompt minus ideal reuse).
+tokens actually computed, and their ratio to the ideal ("only new tokens": prompt minus ideal reuse), wall time,
+engine steps, and the host time the tier's copies took (issuing, and reaps that had to wait: `waits` copies).
+
+`--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
+prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
+the tier should matter most: see SWEEP (`--quick`: tiny models on CPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
+import json
 import platform
 import sys
 import time
@@ -30,23 +38,34 @@ from tandem.types import Episode
 
 AGENT = RandomAgentConfig(prompt_len_min=64, prompt_len_max=256, turns_min=3, turns_max=8, response_len_median=24,
                           response_len_max=256, obs_ratio=2.0, obs_len_max=256, max_context=2048)
+# (model, context scale, concurrency, episodes) per point, write_through only (qwen3-0.6b at x1 is the default run)
+SWEEP = [("qwen3-0.6b", 4, 32, 64), ("qwen3-1.7b", 1, 64, 128), ("qwen3-4b", 1, 64, 128), ("qwen3-4b", 4, 32, 48)]
+QUICK_SWEEP = [("tiny", 1, 8, 16), ("tiny", 4, 8, 16), ("small", 1, 8, 16)]
 
 
-async def play(engine: Engine, episodes: int, concurrency: int, vocab: int) -> list[Episode]:
+def scaled(scale: int) -> RandomAgentConfig:
+    """The agent with prompts, tool outputs and its context limit `scale` times as long."""
+    return dataclasses.replace(AGENT, prompt_len_min=AGENT.prompt_len_min * scale,
+                               prompt_len_max=AGENT.prompt_len_max * scale, obs_ratio=AGENT.obs_ratio * scale,
+                               obs_len_max=AGENT.obs_len_max * scale, max_context=AGENT.max_context * scale)
+
+
+async def play(engine: Engine, agent: RandomAgentConfig, episodes: int, concurrency: int, vocab: int) -> list[Episode]:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> Episode:
         async with gate:
-            env = RandomAgentEnv(AGENT, vocab, group_seed=i, sample=0)
-            return await run_episode(engine, env, Episode(f"e{i}", i), AGENT.max_context)
+            env = RandomAgentEnv(agent, vocab, group_seed=i, sample=0)
+            return await run_episode(engine, env, Episode(f"e{i}", i), agent.max_context)
 
     return await asyncio.gather(*[one(i) for i in range(episodes)])
 
 
-def measure(model: str, dtype: str, config: EngineConfig, episodes: int, concurrency: int) -> dict:
+def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConfig, episodes: int,
+            concurrency: int) -> dict:
     with Engine(model, config, dtype=dtype) as engine:
         t0 = time.perf_counter()
-        eps = asyncio.run(play(engine, episodes, concurrency, engine.model_config.vocab_size))
+        eps = asyncio.run(play(engine, agent, episodes, concurrency, engine.model_config.vocab_size))
         wall = time.perf_counter() - t0
         s = asyncio.run(engine.get_stats())
         tier = engine.tier
@@ -55,7 +74,65 @@ def measure(model: str, dtype: str, config: EngineConfig, episodes: int, concurr
             "host": s.prefill_tokens_host, "computed": s.prefill_tokens_computed, "new": new,
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
-            "issue_s": tier.issue_seconds if tier else 0.0, "wait_s": tier.wait_seconds if tier else 0.0}
+            "mean_batch": s.running_request_steps / max(1, s.num_steps),
+            "issue_s": tier.issue_seconds if tier else 0.0, "wait_s": tier.wait_seconds if tier else 0.0,
+            "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
+            "prefetched": tier.pages_prefetched if tier else 0,
+            "from_prefetch": tier.pages_from_prefetch if tier else 0}
+
+
+def point(args, model: str, scale: int, concurrency: int, episodes: int, policies: list[str]) -> dict:
+    """One table: the pool that holds everything, the small pool without the tier, with it under each policy."""
+    agent = scaled(scale)
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    base = dict(page_size=args.page_size, device=args.device, max_running_requests=concurrency,
+                max_prefill_tokens=args.max_prefill_tokens, measure_ideal_reuse=True)
+    pages_for_all = concurrency * agent.max_context // args.page_size
+
+    def run(**config) -> dict:
+        return measure(model, dtype, EngineConfig(**base, **config), agent, episodes, concurrency)
+
+    measure(model, dtype, EngineConfig(**base, num_pages=pages_for_all), agent, 4, 4)  # warm-up: kernels, allocator
+    ideal = run(num_pages=pages_for_all)
+    mean_len = sum(len(e.tokens) for e in ideal["episodes"]) / len(ideal["episodes"])
+    working_set = int(concurrency * mean_len)
+    pages = max(agent.max_context // args.page_size + 1, int(args.pool_fraction * working_set) // args.page_size)
+    host_pages = 2 * working_set // args.page_size
+    runs = {"pool holds everything": ideal}
+    fraction = f"{args.pool_fraction:.2g} pool"
+    runs[f"{fraction}, no host tier"] = off = run(num_pages=pages)
+    if args.same_batch:  # the yardstick that leaves the pool's effect out: as few requests at once as the small pool
+        cap = max(1, round(off["mean_batch"]))
+        runs[f"pool holds everything, at most {cap} running"] = measure(
+            model, dtype, EngineConfig(**{**base, "max_running_requests": cap}, num_pages=pages_for_all), agent,
+            episodes, concurrency)
+    for policy in policies:
+        runs[f"{fraction} + host tier ({policy})"] = run(num_pages=pages, host_cache=policy,
+                                                         host_cache_pages=host_pages)
+    print(f"\n## {model} {dtype}, context x{scale}: {episodes} random-agent episodes, {concurrency} at a time, mean "
+          f"length {mean_len:.0f} tokens: working set {working_set} tokens; device pool {pages * args.page_size} "
+          f"tokens ({pages * args.page_size / working_set:.0%}), host tier {host_pages * args.page_size} tokens\n")
+    print("| configuration | prompt tokens ideally reusable | served: device / host | prefill computed "
+          "| only-new tokens | computed / only-new | retractions | pages loaded / backed up | wall s | engine steps "
+          "| engine busy s | mean batch | copies: issue / wait s (waits) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in runs.items():
+        print(f"| {name} | {r['ideal']} | {r['cached'] - r['host']} / {r['host']} | {r['computed']} | {r['new']} | "
+              f"{r['computed'] / r['new']:.3f} | {r['retractions']} | {r['loaded']} / {r['backed_up']} | "
+              f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['mean_batch']:.1f} | "
+              f"{r['issue_s']:.2f} / {r['wait_s']:.2f} "
+              f"({r['waits']}) |")
+    for policy in policies:
+        r = runs[f"{fraction} + host tier ({policy})"]
+        print(f"\n{policy}: wall {r['wall_s'] / off['wall_s']:.2f}x the run without the tier, "
+              f"{r['wall_s'] / ideal['wall_s']:.2f}x the run whose pool holds everything (target: below 1.00x and at "
+              f"most 1.30x); pages loaded {r['loaded']}: {r['from_prefetch']} from prefetches ({r['prefetched']} "
+              f"prefetched), {r['from_backups']} from backups in flight")
+    sys.stdout.flush()
+    return {"model": model, "dtype": dtype, "context_scale": scale, "concurrency": concurrency, "episodes": episodes,
+            "mean_len": mean_len, "working_set": working_set, "pool_tokens": pages * args.page_size,
+            "host_tokens": host_pages * args.page_size,
+            "runs": {name: {k: v for k, v in r.items() if k != "episodes"} for name, r in runs.items()}}
 
 
 def main() -> None:
@@ -65,42 +142,34 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--episodes", type=int, default=96)
+    ap.add_argument("--context-scale", type=int, default=1)
     ap.add_argument("--pool-fraction", type=float, default=0.25)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--max-prefill-tokens", type=int, default=2048)
+    ap.add_argument("--policies", default="write_through,write_back")
+    ap.add_argument("--sweep", action="store_true", help="over model sizes and context lengths (SWEEP)")
+    ap.add_argument("--quick", action="store_true", help="with --sweep: tiny models (QUICK_SWEEP), for CPU")
+    ap.add_argument("--points", default=None, help="with --sweep: the indices of the points to run, e.g. 0,2")
+    ap.add_argument("--out", default=None, help="JSON results, rewritten after every point")
+    ap.add_argument("--same-batch", action="store_true",
+                    help="also run the pool that holds everything with at most as many requests running as the small "
+                         "pool ran on average (what is left of the gap is the copies', not the pool size's)")
     args = ap.parse_args()
-    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    base = dict(page_size=args.page_size, device=args.device, max_running_requests=args.concurrency,
-                max_prefill_tokens=2048, measure_ideal_reuse=True)
-    pages_for_all = args.concurrency * AGENT.max_context // args.page_size
-    def run(**config) -> dict:
-        return measure(args.model, dtype, EngineConfig(**base, **config), args.episodes, args.concurrency)
-
-    measure(args.model, dtype, EngineConfig(**base, num_pages=pages_for_all), 4, 4)  # warm-up: kernels, allocator
-    ideal = run(num_pages=pages_for_all)
-    mean_len = sum(len(e.tokens) for e in ideal["episodes"]) / len(ideal["episodes"])
-    working_set = int(args.concurrency * mean_len)
-    pages = max(AGENT.max_context // args.page_size + 1, int(args.pool_fraction * working_set) // args.page_size)
-    host_pages = 2 * working_set // args.page_size
-    runs = {"pool holds everything": ideal}
-    fraction = f"{args.pool_fraction:.2g} pool"
-    runs[f"{fraction}, no host tier"] = run(num_pages=pages)
-    for policy in ("write_through", "write_back"):
-        runs[f"{fraction} + host tier ({policy})"] = run(num_pages=pages, host_cache=policy,
-                                                         host_cache_pages=host_pages)
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "CPU"
-    print(f"# host tier benchmark, {datetime.date.today()}, {gpu}, model {args.model} {dtype}\n")
-    print(f"`python {' '.join(sys.argv)}`\n")
-    print(f"{args.episodes} random-agent episodes, {args.concurrency} at a time, mean length {mean_len:.0f} tokens: "
-          f"working set {working_set} tokens; device pool {pages * args.page_size} tokens "
-          f"({pages * args.page_size / working_set:.0%}), host tier {host_pages * args.page_size} tokens\n")
-    print("| configuration | prompt tokens ideally reusable | served: device / host | prefill computed "
-          "| only-new tokens | computed / only-new | retractions | pages loaded / backed up | wall s | engine steps "
-          "| engine busy s | copies: issue / wait s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, r in runs.items():
-        print(f"| {name} | {r['ideal']} | {r['cached'] - r['host']} / {r['host']} | {r['computed']} | {r['new']} | "
-              f"{r['computed'] / r['new']:.3f} | {r['retractions']} | {r['loaded']} / {r['backed_up']} | "
-              f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['issue_s']:.2f} / {r['wait_s']:.2f} |")
+    print(f"# host tier benchmark, {datetime.date.today()}, {gpu}\n\n`python {' '.join(sys.argv)}`")
+    if args.sweep:
+        grid = QUICK_SWEEP if args.quick else SWEEP
+        if args.points:
+            grid = [grid[int(i)] for i in args.points.split(",")]
+        todo = [(*p, ["write_through"]) for p in grid]
+    else:
+        todo = [(args.model, args.context_scale, args.concurrency, args.episodes, args.policies.split(","))]
+    results = []
+    for model, scale, concurrency, episodes, policies in todo:
+        results.append(point(args, model, scale, concurrency, episodes, policies))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": gpu, "argv": sys.argv, "points": results}, f, indent=1)
 
 
 if __name__ == "__main__":

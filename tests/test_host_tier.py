@@ -251,21 +251,14 @@ def test_random_event_sequences_keep_pools_tree_and_kv_consistent(model):
 
 
 # -- mutants: drop one ordering rule and the model must catch it ---------------------------------------------
-@pytest.mark.parametrize("model", [TierModel, WriteBackModel])
-def test_a_page_freed_before_its_copy_completes_is_caught(monkeypatch, model):
-    monkeypatch.setattr(HostTier, "_hold", lambda self, op: None)
-    monkeypatch.setattr(HostTier, "_release", lambda self, op: None)
-
-    class KVChecksOnly(model):  # caught by the KV a page holds, not only by the reference count
-        def references_match_holders(self):
-            pass
-
-    with pytest.raises(AssertionError, match="wrong|before its load landed"):
-        run_model(KVChecksOnly, max_examples=300, shrink=False)
+def test_a_load_reading_a_host_page_its_backup_has_not_filled_is_caught(monkeypatch):
+    monkeypatch.setattr(HostTier, "_in_flight_backup", lambda self, h: None)
+    with pytest.raises(AssertionError, match="reads KV before its load landed|wrong"):
+        run_model(WriteBackModel, max_examples=300, shrink=False)
 
 
 def test_a_load_read_before_it_completes_is_caught(monkeypatch):
-    monkeypatch.setattr(HostTier, "before_compute", lambda self: None)
+    monkeypatch.setattr(HostTier, "_await_transfer", lambda self, op: None)  # scatter unlanded
     with pytest.raises(AssertionError, match="reads KV before its load landed"):
         run_model(TierModel, max_examples=300, shrink=False)
 
@@ -273,12 +266,33 @@ def test_a_load_read_before_it_completes_is_caught(monkeypatch):
 # -- the scheduler with the tier: random workloads, pools small enough to evict and load back all the time ---
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_random_workloads_with_a_host_tier_load_back_and_keep_pages_and_kv_consistent(policy):
+    """Loads from the host, from prefetches and (write_back) from backups in flight, with the tier's two streams
+    landing in any order."""
     totals = run_random_scenarios(60, headroom_pages=0, host_pages=12, policy=policy)
-    assert totals["host_tokens"] > 300 and totals["retractions"] > 20
+    assert totals["host_tokens"] > 300 and totals["retractions"] > 20 and totals["from_prefetch"] > 100
+    assert totals["from_backups"] > 0 or policy == "write_through"
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_prefetched_host_page_freed_and_rewritten_under_its_prefetch_is_caught(monkeypatch, policy):
+    """A prefetch holds its host pages (rule 3): without, the tree frees one, a backup rewrites it, and a load of
+    the new content takes the prefetch's stale copy."""
+    hold, unhold = HostTier._hold, HostTier._unhold
+    monkeypatch.setattr(HostTier, "_hold", lambda self, op: None if op.prefetch else hold(self, op))
+    monkeypatch.setattr(HostTier, "_unhold", lambda self, op: None if op.prefetch else unhold(self, op))
+    with pytest.raises(AssertionError, match="wrong KV"):
+        run_random_scenarios(60, headroom_pages=0, host_pages=12, policy=policy)
+
+
+def test_a_prefetch_of_a_host_page_whose_backup_is_in_flight_is_caught(monkeypatch):
+    """A prefetch leaves out host pages still being backed up (rule 4): without, its transfer may land first."""
+    monkeypatch.setattr(HostTier, "_prefetchable", lambda self, h: h not in self._prefetched)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        run_random_scenarios(60, headroom_pages=0, host_pages=12, policy="write_back")
 
 
 def test_the_scheduler_reading_a_load_before_it_completes_is_caught(monkeypatch):
-    monkeypatch.setattr(HostTier, "before_compute", lambda self: None)
+    monkeypatch.setattr(HostTier, "_await_transfer", lambda self, op: None)  # scatter unlanded
     with pytest.raises(AssertionError, match="wrong KV"):
         run_random_scenarios(60, headroom_pages=0, host_pages=12, policy="write_through")
 
@@ -372,24 +386,42 @@ def test_host_cache_config_is_checked():
 STALL = dict(device="cuda", stall_cycles=1_000_000)  # the device sleeps ~0.5 ms before each step's reads and writes
 
 
+def slow_transfers(monkeypatch) -> None:
+    """Every bus transfer starts after its side stream sleeps: a load's or backup's four steps' stalls, a
+    prefetch's twenty (past the next steps, when its request may be admitted): transfers land late."""
+    transfer = HostTier._transfer
+
+    def slow(self, op, run):
+        torch.cuda._sleep(STALL["stall_cycles"] * (20 if op.prefetch else 4))  # (on the transfer's side stream)
+        transfer(self, op, run)
+
+    monkeypatch.setattr(HostTier, "_transfer", slow)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_gpu_copies_overlapping_compute_keep_every_kv_right(policy):
-    """Thousands of steps of random workloads; every read checks the KV it attends to."""
+@pytest.mark.parametrize("slow", [False, True])
+def test_gpu_copies_overlapping_compute_keep_every_kv_right(monkeypatch, policy, slow):
+    """Thousands of steps of random workloads; every read checks the KV it attends to. Transfers slower than
+    steps (`slow`) make loads, prefetches and backups land after the compute issued behind them."""
+    if slow:
+        slow_transfers(monkeypatch)
     totals = run_random_scenarios(40, headroom_pages=0, host_pages=12, policy=policy, **STALL)
-    assert totals["host_tokens"] > 200
+    assert totals["host_tokens"] > 200 and totals["from_prefetch"] > 0
 
 
 @pytest.mark.gpu
 def test_gpu_a_copy_not_waiting_for_compute_is_caught(monkeypatch):
-    monkeypatch.setenv(MUTANT_ENV, "copies_before_compute")  # the placement without rule 1's edges
+    monkeypatch.setenv(MUTANT_ENV, "copies_before_compute")  # the pool touched off the compute stream
     with pytest.raises(AssertionError, match="wrong KV"):
         run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", **STALL)
 
 
 @pytest.mark.gpu
-def test_gpu_a_load_read_before_it_completes_is_caught(monkeypatch):
-    monkeypatch.setenv(MUTANT_ENV, "load_not_joined")  # the placement without rule 2's edge
+@pytest.mark.parametrize("mutant", ["load_not_joined", "prefetch_on_another_stream"])
+def test_gpu_a_load_read_before_it_completes_is_caught(monkeypatch, mutant):
+    monkeypatch.setenv(MUTANT_ENV, mutant)  # the scatter not waiting for a load's or a prefetch's transfer
+    slow_transfers(monkeypatch)
     with pytest.raises(AssertionError, match="wrong KV"):
         run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", **STALL)
 

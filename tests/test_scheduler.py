@@ -27,12 +27,15 @@ from tandem.types import SamplingParams
 
 class Sim:
     def __init__(self, num_pages=8, page_size=4, max_prefill_tokens=8, max_running_requests=4, prefix_cache=True,
-                 seed=0, alphabet=4, host_pages=0, policy="write_through", device="cpu", stall_cycles=0):
+                 seed=0, alphabet=4, host_pages=0, policy="write_through", device="cpu", stall_cycles=0,
+                 prefetch_pages=None):
         """`stall_cycles` (CUDA): the device sleeps this long at the start of every step, so that copies the
         host issues while it sleeps overlap compute that has not run yet."""
         self.pool = KVPool(PRESETS["tiny"], num_pages, page_size, torch.float32, device)
         self.stall_cycles = stall_cycles
-        self.tier = HostTier(self.pool, host_pages, policy, deferred=True) if host_pages else None
+        self.tier = HostTier(self.pool, host_pages, policy, deferred=True,
+                             prefetch_pages=num_pages if prefetch_pages is None else prefetch_pages) \
+            if host_pages else None
         self.cache = RadixCache(self.pool, self.tier) if prefix_cache else None
         alloc = self.pool.alloc
 
@@ -72,7 +75,8 @@ class Sim:
             torch.cuda._sleep(self.stall_cycles)
         if self.tier is not None:
             if self.tier.ops:
-                self.tier.land(self.tier.ops[self.rng.randrange(len(self.tier.ops))].id - self.rng.randrange(2))
+                self.tier.land(self.tier.ops[self.rng.randrange(len(self.tier.ops))].id - self.rng.randrange(2),
+                               self.rng.choice([None, "tier", "backup"]))  # (the tier's two streams run apart)
             self.tier.reap(self.tier.ready())
         oldest = self.sched.running[0] if self.sched.running else None
         chunks = self.sched.schedule()
@@ -218,6 +222,9 @@ def run_random_scenarios(num_scenarios: int, headroom_pages: int, prefix_cache=T
         totals["cached_tokens"] += sim.sched.num_cached_tokens
         totals["aborted"] += len(sim.aborted)
         totals["host_tokens"] += sim.sched.num_host_tokens
+        if sim.tier is not None:
+            totals["from_prefetch"] += sim.tier.pages_from_prefetch
+            totals["from_backups"] += sim.tier.pages_from_backups
     return totals
 
 

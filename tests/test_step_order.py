@@ -69,7 +69,7 @@ def test_the_mutant_switch(monkeypatch):
     assert changed and all(p["step_inputs"].stream == "prep" for p in changed)
     assert {p.name for p in IN_USE} - {p.name for p in changed} == {"eager", "weights"}  # (no step_inputs there)
     monkeypatch.setenv(MUTANT_ENV, "copies_before_compute")  # every placement that holds the work gets the mutant's
-    assert [p["tier_load"].after for p in engine_placements()[:2]] == [(), ()]
+    assert [p["tier_gather"].stream for p in engine_placements()[:2]] == ["backup", "backup"]
     StreamRuntime(engine_placements(), torch.device("cpu"))
     with pytest.raises(ValueError, match="described twice"):
         StreamRuntime((DECODE, EAGER.replaced("tier_join", after=())), torch.device("cpu"))

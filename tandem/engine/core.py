@@ -378,6 +378,7 @@ class EngineCore:
             raise EngineError(f"flush_cache: refused while {holders} request(s) hold KV pages; wait for them "
                               "or pause with mode abort/retract first")
         if self.tier is not None:  # copies still hold pages until reaped (an idle engine takes no step to reap)
+            self.tier.retire_all()
             self.tier.reap()
         self._empty_cache()
 

@@ -2,21 +2,34 @@
 
 Host page h holds the keys and values of `page_size` positions for every layer contiguously, `kv[h]` of
 shape [2, L, P, K, D] (pinned on CUDA machines), so a run of consecutive host pages is one copy. A pool that keeps
-each slot's routed experts (`KVPool.routing`) has them moved with the KV, in the same copies' order
-(`routing[h]`: [P, layers, k]).
+each slot's routed experts (`KVPool.routing`) has them moved with the KV, in the same copies (`routing[h]`:
+[P, layers, k]).
 
-Copies run in issue order on one side stream, so a load from a host page always follows the backup that
-filled it. The ordering rules, each enforced here:
-  1. a copy starts only after every compute already launched: a backup may read pages the step in flight
-     is writing, and a load may write pages that step still reads (freed by a request that just finished);
-  2. compute launched after a load waits for it (`before_compute`);
-  3. every page a copy touches, device and host, holds a reference until the copy is reaped, so nothing is
-     freed and reused under it; its index and staging tensors live as long;
-  4. copies are reaped in issue order up to a point rank 0 decides (`ready`) and every rank applies, so under
+Each copy is two halves: the bus transfer, on a side stream, and a device-side gather or scatter between the pool
+and a staging tensor of its own, on the compute stream, in the step's order:
+  - a backup gathers its device pages into staging on the compute stream (`tier_gather`: after the compute that
+    wrote them, before any that reuses them, so the device pages are free at once), then copies the staging to
+    the host on the backup stream (`tier_backup`), which the step never waits for;
+  - a load copies its host pages into staging on the tier stream as soon as it is issued (`tier_load`: it touches
+    no pool page, so it waits for no compute and overlaps the step in flight), and the compute stream waits for
+    it and scatters the staging into the pool (`tier_join`, `before_compute`) before the step that reads them.
+A request waiting for admission whose cached prefix is on the host has it prefetched (`prefetch`, by the
+scheduler): the transfer into staging starts while the request waits, within a budget of staging pages, and its
+load at admission scatters from that staging instead of crossing the bus then. A prefetch holds its host pages
+(rule 3) until it is retired (`retire`: at admission, or when the request leaves), so a prefetched host page is
+never freed, reused and rewritten under it: the staging always holds what the page holds.
+The ordering rules, each enforced here (docs/streams.md has them as edges, `tandem.engine.step_order` as data):
+  1. pool pages are read and written only on the compute stream, in the step's order;
+  2. the scatter waits for its transfer (`before_compute` is called before anything reads the pages);
+  3. a copy holds a reference on every host page it touches, and a load on the pool pages it fills, until it is
+     reaped, so nothing is freed and reused under it; its staging tensors live as long;
+  4. a load never reads a host page whose backup is still in flight: it takes that page from the backup's
+     staging instead (on the device, already gathered);
+  5. copies are reaped in issue order up to a point rank 0 decides (`ready`) and every rank applies, so under
      tensor parallelism all ranks free the same pages at the same step and take the same decisions.
-On CPU a copy lands as it is issued (the same state machine, synchronous). With `deferred=True` a copy lands
-only when `land` runs it or when it is reaped: the tests use this to catch any broken rule, since a page
-freed too early or read too early then holds the wrong values.
+On CPU a transfer lands as it is issued (the same state machine, synchronous). With `deferred=True` a transfer
+lands only when `land` runs it, when it is reaped, or (a load's) when its scatter needs it: the tests use this to
+catch any broken rule, since a page freed too early or read too early then holds the wrong values.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import get_args
 
 import torch
@@ -41,40 +54,58 @@ POLICIES = get_args(HostCache)  # ("off", "write_through", "write_back")
 
 @dataclass(eq=False)
 class CopyOp:
+    """One copy. `device_pages`: the pool pages a load fills (a backup holds none: its gather has read them)."""
+
     id: int
     device_pages: list[int]
     host_pages: list[int]
     is_load: bool
-    done: torch.cuda.Event | None = None  # CUDA: recorded on the side stream after the copy
-    keep: tuple = ()  # tensors the copy uses: alive until it is reaped (rule 3)
-    pending: Callable | None = None  # deferred mode: the copy itself, not landed yet
+    staged: tuple = ()  # device staging: (KV [n, 2, L, P, K, D], routing [n, P, layers, k] or None)
+    done: torch.cuda.Event | None = None  # CUDA: after the transfer (backup) or the scatter (load)
+    pending: Callable | None = None  # deferred mode: the transfer itself, not landed yet
+    joined: bool = False  # a load: scattered into the pool (a prefetch: retired)
+    # a load: (index in the load, backup in flight or prefetch, index there) of each page taken from the staging
+    # of a backup in flight (rule 4) or of a prefetch
+    from_staging: list[tuple[int, CopyOp, int]] = field(default_factory=list)
+    own: list[int] | None = None  # a load: the indices of its pages its own transfer brings (None: all)
+    prefetch: bool = False
 
 
 class HostTier(PageAllocator):
     def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False,
-                 order: StreamRuntime | None = None):
+                 order: StreamRuntime | None = None, prefetch_pages: int | None = None):
+        """`prefetch_pages`: the staging (device memory outside the pool) prefetches may hold at once; default an
+        eighth of the pool, 0 for none."""
         if policy not in POLICIES[1:]:
             raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
         super().__init__(num_pages, pool.page_size)
         self.pool, self.policy, self.deferred = pool, policy, deferred
         L, _, K, D = pool.k_cache.shape
-        cuda = pool.k_cache.is_cuda
-        self.kv = torch.zeros((num_pages, 2, L, pool.page_size, K, D), dtype=pool.k_cache.dtype, pin_memory=cuda)
+        self.cuda = pool.k_cache.is_cuda
+        self.kv = torch.zeros((num_pages, 2, L, pool.page_size, K, D), dtype=pool.k_cache.dtype,
+                              pin_memory=self.cuda)
         self.routing = None if pool.routing is None else torch.full(
-            (num_pages, pool.page_size, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=cuda)
-        # where the copies run and what they wait for: the works tier_backup, tier_load and tier_join of
-        # `tandem.engine.step_order` (rules 1 and 2); shared with the model runner by the engine core
+            (num_pages, pool.page_size, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=self.cuda)
+        # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load, tier_join and
+        # tier_prefetch of `tandem.engine.step_order`; shared with the model runner by the engine core
         self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
-        self.stream = self.order.stream("tier") if cuda else None
         self.ops: deque[CopyOp] = deque()
-        self._last_load: CopyOp | None = None
+        self._unjoined: list[CopyOp] = []  # loads issued, not scattered yet
+        self._backing: dict[int, tuple[CopyOp, int]] = {}  # host page -> the backup in flight filling it (rule 4)
+        self.prefetch_pages = pool.num_pages // 8 if prefetch_pages is None else prefetch_pages
+        self._prefetches: dict[str, CopyOp] = {}  # by key (a request id); in `ops` only once retired
+        self._prefetched: dict[int, tuple[CopyOp, int]] = {}  # host page -> (its prefetch, index there)
+        self._prefetch_held = 0  # staging pages the prefetches hold
         self.issued = 0  # id of the last copy issued
         # the engine sets this: copies up to this id were issued before the step in flight was launched, so
         # they wait for no compute still running, only for their own transfer
         self.settled_upto = 0
         self.pages_loaded = self.pages_backed_up = 0
-        # host time: issuing copies, and waiting for them (reaps that had to block)
+        self.pages_from_backups = 0  # loaded pages taken from a backup's staging (rule 4)
+        self.pages_prefetched = self.pages_from_prefetch = 0  # prefetched; loaded pages taken from a prefetch
+        # host time: issuing copies, and waiting for them (reaps that had to block; `waits` counts those copies)
         self.issue_seconds = self.wait_seconds = 0.0
+        self.waits = 0
 
     @property
     def bytes(self) -> int:
@@ -82,92 +113,232 @@ class HostTier(PageAllocator):
 
     # ---- issuing copies --------------------------------------------------------------------------------
     def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy device pages into host pages (their tree references are the caller's business)."""
-        self._issue(device_pages, host_pages, is_load=False)
-        self.pages_backed_up += len(device_pages)
+        """Copy device pages into host pages (their tree references are the caller's business). The device
+        pages are read at once, in the compute stream's order: the caller may free them right after."""
+        t0 = time.perf_counter()
+        op = self._new_op([], host_pages, is_load=False)
+        with self.order.work("tier_gather"):
+            op.staged = self._gather(device_pages)
+        with self.order.work("tier_backup"):
+            self._transfer(op, lambda: self._to_host(op))
+        for i, h in enumerate(host_pages):
+            self._backing[h] = (op, i)
+        self.pages_backed_up += len(host_pages)
+        self.issue_seconds += time.perf_counter() - t0
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages. Call `before_compute` before anything reads them."""
-        self._last_load = self._issue(device_pages, host_pages, is_load=True)
-        self.pages_loaded += len(device_pages)
-
-    def _issue(self, device_pages: list[int], host_pages: list[int], is_load: bool) -> CopyOp:
         t0 = time.perf_counter()
+        op = self._new_op(device_pages, host_pages, is_load=True)
+        for i, h in enumerate(host_pages):
+            if (src := self._in_flight_backup(h)) is not None:
+                self.pages_from_backups += 1
+            elif (src := self._prefetched.get(h)) is not None:
+                self.pages_from_prefetch += 1
+            if src is not None:
+                op.from_staging.append((i, *src))
+        taken = {i for i, _, _ in op.from_staging}
+        op.own = [i for i in range(len(host_pages)) if i not in taken]
+        # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
+        with self.order.work("tier_load"):
+            op.staged = self._staging(len(op.own))
+            if op.own:
+                self._transfer(op, lambda: self._from_host(op))
+        self._unjoined.append(op)
+        self.pages_loaded += len(device_pages)
+        self.issue_seconds += time.perf_counter() - t0
+
+    def prefetching(self, key: str) -> bool:
+        return key in self._prefetches
+
+    def prefetch(self, key: str, host_pages: list[int], max_pages: int | None = None) -> int:
+        """Start copying the host pages a waiting request will load into staging of their own, unless `key`
+        has a prefetch already; leaves out pages prefetched already or whose backup is in flight (rule 4), and
+        stops at `max_pages` and at the budget. Returns how many pages it prefetches. Its transfer queues on the
+        tier stream like a load's (so a load's join, which waits for the tier stream up to that load, covers it),
+        and a load issued after it waits for it: hence `max_pages`."""
+        if key in self._prefetches:
+            return 0
+        pages = [h for h in host_pages if self._prefetchable(h)]
+        room = self.prefetch_pages - self._prefetch_held
+        pages = pages[:max(0, room if max_pages is None else min(room, max_pages))]
+        if not pages:
+            return 0
+        t0 = time.perf_counter()
+        self.issued += 1  # (its id until it is retired, for `land`)
+        op = CopyOp(self.issued, [], pages, is_load=True, prefetch=True)
+        self._hold(op)
+        with self.order.work("tier_prefetch"):
+            op.staged = self._staging(len(pages))
+            self._transfer(op, lambda: self._from_host(op))
+        self._prefetches[key] = op
+        for i, h in enumerate(pages):
+            self._prefetched[h] = (op, i)
+        self._prefetch_held += len(pages)
+        self.pages_prefetched += len(pages)
+        self.issue_seconds += time.perf_counter() - t0
+        return len(pages)
+
+    def _prefetchable(self, host_page: int) -> bool:
+        """Not prefetched already, and filled (no backup in flight: the prefetch would read it before it lands)."""
+        return host_page not in self._prefetched and self._in_flight_backup(host_page) is None
+
+    def retire(self, key: str) -> None:
+        """The prefetch of `key` is no longer wanted (its request was admitted, or left): it joins the copies
+        reaped in order, which releases its host pages once its transfer landed. A load that took pages from its
+        staging keeps that alive."""
+        op = self._prefetches.pop(key, None)
+        if op is None:
+            return
+        for h in op.host_pages:
+            del self._prefetched[h]
+        self._prefetch_held -= len(op.host_pages)
+        self.issued += 1
+        op.id, op.joined = self.issued, True
+        self.ops.append(op)
+
+    def retire_all(self) -> None:
+        for key in list(self._prefetches):
+            self.retire(key)
+
+    def before_compute(self) -> None:
+        """Scatter every load issued so far into its pool pages, on the compute stream after its transfer
+        (rule 2): whatever the compute stream runs next reads them loaded."""
+        if not self._unjoined:
+            return
+        ops, self._unjoined = self._unjoined, []
+        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's transfer)
+            for op in ops:
+                self._await_transfer(op)
+                self._scatter(op)
+                op.joined = True
+                if self.cuda:
+                    op.done = torch.cuda.Event()
+                    op.done.record()
+
+    def _await_transfer(self, op: CopyOp) -> None:
+        """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
+        if op.pending is not None:
+            op.pending, run = None, op.pending
+            run()
+
+    def _in_flight_backup(self, host_page: int) -> tuple[CopyOp, int] | None:
+        """(the backup, the page's index in it) still filling `host_page`, if any (rule 4)."""
+        return self._backing.get(host_page)
+
+    def _new_op(self, device_pages: list[int], host_pages: list[int], is_load: bool) -> CopyOp:
         self.issued += 1
         op = CopyOp(self.issued, list(device_pages), list(host_pages), is_load)
         self._hold(op)
-        with self.order.work("tier_load" if is_load else "tier_backup"):  # (on CUDA: rule 1, the tier's stream)
-            if self.stream is not None:
-                op.keep = self._copy(op)
-                op.done = torch.cuda.Event()
-                op.done.record(self.stream)
-            elif self.deferred:
-                op.pending = lambda: self._copy(op)
-            else:
-                self._copy(op)
         self.ops.append(op)
-        self.issue_seconds += time.perf_counter() - t0
         return op
 
-    def _copy(self, op: CopyOp) -> tuple:
+    def _hold(self, op: CopyOp) -> None:
+        """Rule 3: the pages a copy touches stay allocated until it is reaped."""
+        self.pool.incref(op.device_pages)
+        self.incref(op.host_pages)
+
+    def _unhold(self, op: CopyOp) -> None:
+        self.pool.decref(op.device_pages)
+        self.decref(op.host_pages)
+
+    def _transfer(self, op: CopyOp, run: Callable) -> None:
+        """Run a bus transfer on the current (side) stream: now on CUDA or CPU, later in deferred mode."""
+        if self.cuda:
+            run()
+            if not op.is_load or op.prefetch:  # (a load's completion is its scatter's, on the compute stream)
+                op.done = torch.cuda.Event()
+                op.done.record()
+        elif self.deferred:
+            op.pending = run
+        else:
+            run()
+
+    # ---- the copies' halves ------------------------------------------------------------------------------
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The pool by page: k, v [L, pages, P, K, D] and routing [pages, P, layers, k]."""
         pool, P = self.pool, self.page_size
         L, _, K, D = pool.k_cache.shape
-        k, v = pool.k_cache.view(L, -1, P, K, D), pool.v_cache.view(L, -1, P, K, D)
-        idx = torch.tensor(op.device_pages, dtype=torch.long)
-        if idx.device != k.device:
-            idx = idx.pin_memory().to(k.device, non_blocking=True)  # pageable memory would sync the stream
-        if op.is_load:
-            staged = torch.empty((len(idx), 2, L, P, K, D), dtype=k.dtype, device=k.device)
-            for i, h, n in _runs(op.host_pages):
-                staged[i:i + n].copy_(self.kv[h:h + n], non_blocking=True)
-            k[:, idx] = staged[:, 0].transpose(0, 1)
-            v[:, idx] = staged[:, 1].transpose(0, 1)
-        else:
-            staged = torch.stack((k[:, idx], v[:, idx])).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for i, h, n in _runs(op.host_pages):
-                self.kv[h:h + n].copy_(staged[i:i + n], non_blocking=True)
-        if self.routing is None:
-            return idx, staged
-        return idx, staged, self._copy_routing(op, idx)
+        routing = None if pool.routing is None else pool.routing.view(-1, P, *pool.routing.shape[1:])
+        return pool.k_cache.view(L, -1, P, K, D), pool.v_cache.view(L, -1, P, K, D), routing
 
-    def _copy_routing(self, op: CopyOp, idx: torch.Tensor) -> torch.Tensor:
-        """The routed experts of the copy's pages, the same way as their KV."""
-        routing = self.pool.routing.view(-1, self.page_size, *self.pool.routing.shape[1:])  # [pages, P, layers, k]
-        if op.is_load:
-            staged = torch.empty((len(idx), *routing.shape[1:]), dtype=routing.dtype, device=routing.device)
-            for i, h, n in _runs(op.host_pages):
-                staged[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
-            routing[idx] = staged
-        else:
-            staged = routing[idx]  # (indexing copies)
-            for i, h, n in _runs(op.host_pages):
-                self.routing[h:h + n].copy_(staged[i:i + n], non_blocking=True)
-        return staged
+    def _index(self, pages: list[int], device: torch.device) -> torch.Tensor:
+        idx = torch.tensor(pages, dtype=torch.long)
+        if idx.device != device:
+            idx = idx.pin_memory().to(device, non_blocking=True)  # pageable memory would sync the stream
+        return idx
 
-    def before_compute(self) -> None:
-        """Make the compute stream wait for every load issued so far (rule 2)."""
-        op, self._last_load = self._last_load, None
-        if op is None:
-            return
-        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's event)
-            if op.pending is not None:
-                self.land(op.id)
+    def _staging(self, n: int) -> tuple:
+        kv = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.pool.k_cache.device)
+        routing = None if self.routing is None else torch.empty(
+            (n, *self.routing.shape[1:]), dtype=self.routing.dtype, device=self.pool.routing.device)
+        return kv, routing
+
+    def _gather(self, device_pages: list[int]) -> tuple:
+        """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream."""
+        k, v, routing = self._views()
+        idx = self._index(device_pages, k.device)
+        kv = torch.stack((k[:, idx], v[:, idx])).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return kv, None if routing is None else routing[idx]  # (indexing copies)
+
+    def _to_host(self, op: CopyOp) -> None:
+        kv, routing = op.staged
+        for i, h, n in _runs(op.host_pages):
+            self.kv[h:h + n].copy_(kv[i:i + n], non_blocking=True)
+            if routing is not None:
+                self.routing[h:h + n].copy_(routing[i:i + n], non_blocking=True)
+
+    def _from_host(self, op: CopyOp) -> None:
+        """The host pages of the copy's own transfer (`own`) into its staging, in that order."""
+        kv, routing = op.staged
+        pages = op.host_pages if op.own is None else [op.host_pages[i] for i in op.own]
+        for i, h, n in _runs(pages):
+            kv[i:i + n].copy_(self.kv[h:h + n], non_blocking=True)
+            if routing is not None:
+                routing[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
+
+    def _scatter(self, op: CopyOp) -> None:
+        """The load's pages into the pool (on the current stream: compute), one indexed copy per staging tensor
+        they come from: its own, and those of the prefetches and backups in flight it takes pages from (a backup's
+        gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream, which the join waited
+        for)."""
+        sources = {id(op): (op.staged, list(range(len(op.own))), [op.device_pages[i] for i in op.own])}
+        for i, src, j in op.from_staging:
+            if src.prefetch:
+                self._await_transfer(src)
+            rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
+            rows.append(j)
+            pages.append(op.device_pages[i])
+        k, v, pool_routing = self._views()
+        for (kv, routing), rows, pages in sources.values():
+            if not pages:
+                continue
+            idx = self._index(pages, k.device)
+            if rows != list(range(len(kv))):
+                at = self._index(rows, k.device)
+                kv, routing = kv[at], None if routing is None else routing[at]
+            k[:, idx] = kv[:, 0].transpose(0, 1)
+            v[:, idx] = kv[:, 1].transpose(0, 1)
+            if routing is not None:
+                pool_routing[idx] = routing
 
     # ---- completion ------------------------------------------------------------------------------------
-    def land(self, upto: int) -> None:
-        """Deferred mode: the copies up to id `upto` land now (in order, like the stream)."""
-        for op in self.ops:
+    def land(self, upto: int, stream: str | None = None) -> None:
+        """Deferred mode: the transfers up to id `upto` land now, in issue order; with `stream` only those of that
+        stream ("tier": loads and prefetches, "backup": backups), as the two streams run independently."""
+        for op in sorted((*self.ops, *self._prefetches.values()), key=lambda op: op.id):
             if op.id > upto:
                 break
-            if op.pending is not None:
+            if op.pending is not None and stream in (None, "backup" if not op.is_load else "tier"):
                 op.pending, run = None, op.pending
                 run()
 
     def ready(self) -> int:
-        """The id up to which every copy has landed: the reap point (rank 0 decides it, see rule 4)."""
+        """The id up to which every copy has completed: the reap point (rank 0 decides it, see rule 5)."""
         last = 0
         for op in self.ops:
-            if op.pending is not None or (op.done is not None and not op.done.query()):
+            if (op.pending is not None or (op.is_load and not op.joined)
+                    or (op.done is not None and not op.done.query())):
                 break
             last = op.id
         return last
@@ -175,34 +346,37 @@ class HostTier(PageAllocator):
     def reap(self, upto: int | None = None) -> None:
         """Wait for the copies up to id `upto` (every one if None) and drop the references they hold."""
         while self.ops and (upto is None or self.ops[0].id <= upto):
-            self.land(self.ops[0].id)
-            op = self.ops.popleft()
-            if op.done is not None and not op.done.query():
+            op = self.ops[0]
+            assert not op.is_load or op.joined, "a load is reaped before its scatter (call before_compute)"
+            if op.pending is not None or (op.done is not None and not op.done.query()):
                 t0 = time.perf_counter()
-                op.done.synchronize()
+                self.land(op.id)
+                if op.done is not None:
+                    op.done.synchronize()
+                self.waits += 1
                 self.wait_seconds += time.perf_counter() - t0
+            self.ops.popleft()
             self._release(op)
-        if not self.ops:
-            self._last_load = None
-
-    def _hold(self, op: CopyOp) -> None:
-        """Rule 3: the pages a copy touches stay allocated until it is reaped."""
-        self.pool.incref(op.device_pages)
-        self.incref(op.host_pages)
 
     def _release(self, op: CopyOp) -> None:
-        self.pool.decref(op.device_pages)
-        self.decref(op.host_pages)
+        self._unhold(op)
+        if not op.is_load:
+            for h in op.host_pages:
+                if self._backing.get(h, (None,))[0] is op:
+                    del self._backing[h]
 
     @property
     def in_flight(self) -> int:
         return len(self.ops)
 
 
-def _runs(pages: list[int]):
-    """(index in `pages`, first page, length) of each run of consecutive page ids."""
-    start = 0
-    for i in range(1, len(pages) + 1):
-        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+def _runs(pages: list[int], skip: set[int] = frozenset()):
+    """(index in `pages`, first page, length) of each run of consecutive page ids, leaving out the indices in
+    `skip`."""
+    start = None
+    for i in range(len(pages) + 1):
+        if start is not None and (i == len(pages) or i in skip or pages[i] != pages[i - 1] + 1):
             yield start, pages[start], i - start
+            start = None
+        if start is None and i < len(pages) and i not in skip:
             start = i

@@ -275,55 +275,52 @@ class RadixCache:
     def evict(self, num_pages: int) -> int:
         """Free up to `num_pages` device pages held only by the tree, least recently used first and only the
         deepest device pages of a path (so the pages on the device always form a prefix of each path). A page
-        with a host copy just leaves the device; under write_back a full page without one is backed up and
-        freed when the copy is reaped (not counted in the return value); any other page is cut from the tree,
+        with a host copy just leaves the device; under write_back a page without one is backed up (its backup
+        reads it at once, in the compute stream's order) and leaves too; any other page is cut from the tree,
         with the host-only pages below it. Returns how many pages were freed."""
-        refcount, freed, pending, backlog = self.pool.refcount, 0, 0, []
+        refcount, freed, backlog = self.pool.refcount, 0, []
         write_back = self.tier is not None and self.tier.policy == "write_back"
         if write_back and num_pages > self.tier.num_free:
             self.evict_host(num_pages - self.tier.num_free)  # room for the backups
-        for node in self._lru():
-            if freed + pending + len(backlog) >= num_pages:
+        for node in self._lru(on_device=True):
+            if freed >= num_pages:
                 break
-            # (a node whose first page is off the device has no page on it: device pages are a prefix)
             if not node.pages or node.pages[0] is None or any(c.pages[0] is not None for c in node.children):
                 continue
             for j in reversed(range(len(node.pages))):
                 d = node.pages[j]
-                if freed + pending + len(backlog) >= num_pages or (d is not None and refcount[d] != 1):
+                if freed >= num_pages or (d is not None and refcount[d] != 1):
                     break
                 if d is None:
                     continue
                 if node.host[j] is None and write_back and self.tier.num_free:
                     node.host[j] = self.tier.alloc(1)[0]
-                    backlog.append((node.pages[j], node.host[j]))  # the tree's reference, until the copy holds
+                    backlog.append((node.pages[j], node.host[j]))  # the tree's reference, until the copy reads it
                     node.pages[j] = None
-                    continue
-                if node.host[j] is not None:
+                elif node.host[j] is not None:
                     node.pages[j] = None
                     self.pool.decref([d])
                 else:
-                    pending += self._flush_backups(backlog)  # what is cut below may be waiting in it
+                    self._flush_backups(backlog)  # what is cut below may be waiting in it
                     self._cut(node, j)
                 freed += 1
         self._flush_backups(backlog)
         return freed
 
-    def _flush_backups(self, backlog: list[tuple[int, int]]) -> int:
-        """Issue one copy for the (device page, host page) pairs eviction collected; the copy holds the device
-        pages from now until it is reaped, the tree's references go."""
-        n = len(backlog)
-        if n:
+    def _flush_backups(self, backlog: list[tuple[int, int]]) -> None:
+        """Issue one copy for the (device page, host page) pairs eviction collected; it reads the device pages
+        at once, so the tree's references on them go."""
+        if backlog:
             device, host = map(list, zip(*backlog, strict=True))
             self.tier.backup(device, host)
             self.pool.decref(device)
             backlog.clear()
-        return n
 
-    def _lru(self) -> Iterator[Node]:
-        """Every node, least recently used first; children before their parent on ties. Lazy: eviction usually
-        stops after a few nodes, so the order is a heap popped on demand rather than a sort."""
-        heap = [(node.last_access, i, node) for i, node in enumerate(self._nodes())]
+    def _lru(self, on_device: bool = False) -> Iterator[Node]:
+        """Every node (`on_device`: every node with a page on the device), least recently used first; children
+        before their parent on ties. Lazy: eviction usually stops after a few nodes, so the order is a heap popped
+        on demand rather than a sort."""
+        heap = [(node.last_access, i, node) for i, node in enumerate(self._nodes(on_device))]
         heapq.heapify(heap)
         while heap:
             yield heapq.heappop(heap)[2]
@@ -364,8 +361,10 @@ class RadixCache:
                 self.tier.decref([h for h in node.host if h is not None])
         self.root = Node([], [], [], None)
 
-    def _nodes(self) -> list[Node]:
-        """Every node but the root, children before their parent."""
+    def _nodes(self, on_device: bool = False) -> list[Node]:
+        """Every node but the root, children before their parent. `on_device`: only those with a page on the
+        device; the walk skips the subtrees wholly on the host (device pages are a prefix of each path: a node
+        whose first page is on the host only has none below it), which under a host tier are most of the tree."""
         out, stack = [], [(self.root, False)]
         while stack:
             node, expanded = stack.pop()
@@ -373,7 +372,7 @@ class RadixCache:
                 out.append(node)
             else:
                 stack.append((node, True))
-                stack.extend((c, False) for c in node.children)
+                stack.extend((c, False) for c in node.children if not on_device or c.pages[0] is not None)
         return out[:-1]
 
     @property

@@ -7,15 +7,17 @@ is sampled from. Running requests go first, oldest first; then waiting ones are 
 skipping the prefix the radix cache already holds.
 
 A cached prefix may be partly on the host tier: admission copies those pages back into fresh device pages
-(`RadixCache.load`) instead of recomputing them. When pages run out: evict unreferenced cached pages
-(waiting for copies that still hold pages, if that frees enough); then, for a decode or for the oldest running
-request, retract the newest running request (drop its pages, requeue it at the front; it is recomputed
-later). So the oldest request always progresses, and admission-time validation guarantees that any one
+(`RadixCache.load`) instead of recomputing them, and the next waiting requests have theirs prefetched while they
+wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict
+unreferenced cached pages (waiting for copies that still hold pages, if that frees enough); then, for a decode or
+for the oldest running request, retract the newest running request (drop its pages, requeue it at the front; it
+is recomputed later). So the oldest request always progresses, and admission-time validation guarantees that any one
 request fits in the pool: no deadlock.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ from tandem.engine.request import Request, Status
 from tandem.types import FinishReason
 
 PENDING = -1  # a sampled token whose value is still on the device (see model_runner)
+PREFETCH_AHEAD = 4  # waiting requests (from the front) whose host pages a step may start prefetching
 
 
 @dataclass(slots=True)
@@ -82,7 +85,21 @@ class Scheduler:
                     budget -= n
             i += 1
         self._admit(chunks, budget)
+        self._prefetch()
         return chunks
+
+    def _prefetch(self) -> None:
+        """Start the host tier's copies for the first waiting request (of the next few) whose cached prefix is
+        partly on the host and not prefetched yet, so that they cross the bus while it waits; one a step, at most
+        half the prefetch budget, as the loads of later steps queue behind it."""
+        if self.tier is None or not self.tier.prefetch_pages:
+            return
+        for req in itertools.islice(self.waiting, PREFETCH_AHEAD):
+            if req.pages or req.tokens[-1] == PENDING or self.tier.prefetching(req.rid):
+                continue
+            host = self.cache.match(req.tokens[:-1]).host_pages
+            if host and self.tier.prefetch(req.rid, host, max(1, self.tier.prefetch_pages // 2)):
+                return
 
     def _admit(self, chunks: list[Chunk], budget: int) -> None:
         prefilling: dict[tuple[int, ...], list[Request]] = {}  # by first page: only those can share a page
@@ -131,6 +148,8 @@ class Scheduler:
                 table = self.cache.load(match, fresh)
                 fresh = fresh[len(match.loads):]
                 self.tier.decref(host)
+            if self.tier is not None:
+                self.tier.retire(req.rid)  # (its load took what it prefetched)
             if match.partial_page is not None:
                 self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
                 self.pool.decref([match.partial_page])
@@ -186,8 +205,8 @@ class Scheduler:
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
         if self.tier is not None:
-            # copies hold pages (write_back evictions among them): wait first for those that wait for no
-            # compute still running, then, if that is not enough, for them all (the same choices on every rank)
+            # loads hold the pages they fill until reaped: wait first for those that wait for no compute still
+            # running, then, if that is not enough, for them all (the same choices on every rank)
             for upto in (self.tier.settled_upto, None):
                 if self.pool.num_free - reserve >= n or not self.tier.in_flight:
                     break
@@ -289,6 +308,8 @@ class Scheduler:
 
     def remove(self, req: Request) -> None:
         """Take a request out for good (finished or aborted)."""
+        if self.tier is not None:
+            self.tier.retire(req.rid)
         self.release(req)
         if req.status is Status.RUNNING:
             self.running.remove(req)

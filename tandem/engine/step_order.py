@@ -24,7 +24,9 @@ everything issued there before it). What the host does (syncs, host work) preced
 Buffers named `x@-1` are the previous iteration's `x`; `fresh` buffers are allocated anew each iteration (so `x` in
 two iterations are two buffers), the others are one buffer reused by every iteration. `held` buffers: the elements
 a work touches stay referenced until it is reaped, so no later-issued work writes them (the host tier's rule 3);
-later writers of those buffers need no edge.
+later writers of those buffers need no edge. `unread` buffers: the elements a work writes are read by no
+later-issued work until it is reaped (the host tier's rule 4: a load takes a page whose backup is in flight from
+the backup's staging); later readers of those buffers need no edge.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import itertools
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-DEVICE_STREAMS = ("compute", "prep", "tier", "transport", "collective")
+DEVICE_STREAMS = ("compute", "prep", "tier", "backup", "transport", "collective")
 STREAMS = ("host", *DEVICE_STREAMS)
 Kind = Literal["copy", "kernel", "replay", "collective", "wait", "sync"]
 
@@ -52,6 +54,7 @@ class Work:
     collective: Literal["", "tp", "weights"] = ""
     lag: int = 0  # 1: issued in iteration i on behalf of iteration i-1 (reading the step launched before)
     held: tuple[str, ...] = ()
+    unread: tuple[str, ...] = ()
     tp_only: bool = False  # issued only when tensor parallel (size > 1)
 
     def __post_init__(self):
@@ -94,15 +97,24 @@ class Placement:
 
 
 GRAPH_INPUTS = ("ids", "positions", "slots", "seq_lens", "block_table")
-_FRESH = frozenset({"sampling", "tokens", "host_tokens", "eager_inputs", "received"})
+_FRESH = frozenset({"sampling", "tokens", "host_tokens", "eager_inputs", "received", "backup_staged",
+                    "load_staged", "prefetch_staged"})
 
-# The schedule's host-tier copies (the radix cache issues them while scheduling, before the step's inputs).
+# The schedule's host-tier copies (the radix cache issues them while scheduling, before the step's inputs). The
+# pool is touched only on the compute stream (gather, scatter), in the step's order; the bus transfers run on side
+# streams from and into staging tensors of their own: a backup's the step never waits for, a load's overlapping
+# the step in flight.
 TIER = (
-    Work("tier_backup", "tier", "copy", "schedule", reads=("kv",), writes=("host_kv",), after=("compute",),
-         held=("kv", "host_kv")),
-    Work("tier_load", "tier", "copy", "schedule", reads=("host_kv",), writes=("kv",), after=("compute",),
-         held=("kv", "host_kv")),
-    Work("tier_join", "compute", "wait", "schedule", after=("tier_load",)),
+    Work("tier_gather", "compute", "copy", "schedule", reads=("kv",), writes=("backup_staged",)),
+    Work("tier_backup", "backup", "copy", "schedule", reads=("backup_staged",), writes=("host_kv",),
+         after=("tier_gather",), held=("host_kv",), unread=("host_kv",)),
+    Work("tier_load", "tier", "copy", "schedule", reads=("host_kv",), writes=("load_staged",), held=("host_kv",)),
+    Work("tier_join", "compute", "copy", "schedule", reads=("load_staged", "backup_staged", "prefetch_staged@-1"),
+         writes=("kv",), after=("tier_load",)),
+    # the next waiting requests' host pages, into staging a later iteration's join reads (on the tier stream, so
+    # the join's wait for the load after it covers it)
+    Work("tier_prefetch", "tier", "copy", "schedule", reads=("host_kv",), writes=("prefetch_staged",),
+         held=("host_kv",)),
 )
 # A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs copied
 # there from pinned memory (no host sync), sampled ids copied to pinned memory behind an event the host reads
@@ -168,11 +180,17 @@ def mutants() -> dict[str, tuple[str, Placement]]:
         "prep_without_war": ("race", PREP.replaced("step_inputs", after=())),
         # the pending-token gather on the prep stream, not waiting for the tokens it reads
         "gather_without_raw": ("race", PREP.replaced("input_ids", stream="prep", after=())),
-        # host-tier copies that do not wait for the compute before them (which writes a backup's pages, or still
-        # reads the pages a load overwrites)
-        "copies_before_compute": ("race", DECODE.replaced("tier_backup", after=()).replaced("tier_load", after=())),
-        # compute that does not wait for the load that fills its pages
+        # host-tier copies that touch the pool off the compute stream, waiting for no compute: a backup's gather
+        # (the step in flight still writes its pages) and a load's scatter (the step in flight still reads pages
+        # freed by a request that just finished)
+        "copies_before_compute": ("race", DECODE.replaced("tier_gather", stream="backup")
+                                  .replaced("tier_join", stream="tier")),
+        # a load's scatter that does not wait for its transfer
         "load_not_joined": ("race", DECODE.replaced("tier_join", after=())),
+        # a prefetch on a stream the load's join does not wait for
+        "prefetch_on_another_stream": ("race", DECODE.replaced("tier_prefetch", stream="backup")),
+        # a load that reads a host page whose backup is still in flight (not from the backup's staging)
+        "load_reads_backup_in_flight": ("race", DECODE.replaced("tier_backup", unread=())),
         # parameters overwritten while the transport still receives them
         "load_before_land": ("race", UPDATE.replaced("weights_land", after=())),
         # a KV import that only queues its copy (asynchronous) from a host buffer the host refills for the next
@@ -303,11 +321,12 @@ def _races(keys: list[tuple], nodes: dict, reach: dict, iterations) -> list[Viol
     for k in keys:
         n = nodes[k]
         access.append((k, _buffers(n, n.work.reads, fresh), _buffers(n, n.work.writes, fresh),
-                       {b for b in _buffers(n, n.work.held, fresh)}))
+                       _buffers(n, n.work.held, fresh), _buffers(n, n.work.unread, fresh)))
     found = []
-    for (a, ra, wa, held), (b, rb, wb, _) in itertools.combinations(access, 2):
-        # b writing what a holds never touches the elements a does (a's references keep them)
-        conflict = (wa & rb) | (((wa | ra) & wb) - held)
+    for (a, ra, wa, held, unread), (b, rb, wb, _, _) in itertools.combinations(access, 2):
+        # b writing what a holds never touches the elements a does (a's references keep them); b reading what a
+        # writes `unread` never reads the elements a writes
+        conflict = ((wa & rb) - unread) | (((wa | ra) & wb) - held)
         if conflict and b not in reach[a] and a != b:
             buffer = sorted(conflict, key=str)[0][0]
             found.append(Violation("race", f"{_name(nodes[b])} and {_name(nodes[a])} both touch {buffer!r} "

@@ -1,0 +1,100 @@
+"""The host tier's ordering rules one at a time, each with the mutant that breaks it: a copy lands late (deferred
+mode) and the two side streams land apart, so a page freed, filled or read out of order holds the wrong KV."""
+
+import pytest
+import torch
+from test_radix_cache import P, holds, write
+
+from tandem.config import PRESETS
+from tandem.engine.host_tier import HostTier
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.radix_cache import RadixCache
+
+NUM_PAGES, HOST_PAGES = 6, 10
+
+
+def _conversation(policy: str):
+    """A tier in deferred mode and a cache holding one computed sequence (its pages still on the device)."""
+    pool = KVPool(PRESETS["tiny"], NUM_PAGES, P, torch.float32, "cpu")
+    tier = HostTier(pool, HOST_PAGES, policy, deferred=True)
+    cache = RadixCache(pool, tier)
+    tokens = list(range(3, 3 + 3 * P))
+    pages = pool.alloc(3)
+    write(pool, pages, tokens, 0, len(tokens))
+    cache.insert(tokens, pages)
+    pool.decref(pages)
+    return pool, tier, cache, tokens
+
+
+def _admit_loading(pool: KVPool, cache: RadixCache, tokens: list[int]) -> list[int]:
+    m = cache.match(tokens)
+    assert m.loads, "the sequence should be on the host only"
+    table = cache.load(m, pool.alloc(len(m.loads)))
+    return table
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_host_page_a_load_still_reads_is_never_freed_under_it(monkeypatch, mutant):
+    """Rule 3: the load's transfer runs on its own stream, so it may still be reading a host page when a backup
+    (another stream, which may run ahead) writes a page the tree freed meanwhile. Held, the page is not freed."""
+    if mutant:
+        monkeypatch.setattr(HostTier, "_hold", lambda self, op: None)
+        monkeypatch.setattr(HostTier, "_unhold", lambda self, op: None)
+    pool, tier, cache, tokens = _conversation("write_through")
+    tier.reap()  # the backups landed
+    cache.evict(NUM_PAGES)
+    m = cache.match(tokens)
+    fresh = pool.alloc(len(m.loads))
+    tier.load(m.host_pages, fresh)  # (its transfer not landed yet)
+    load = tier.ops[-1]
+    cache.reset()  # the tree lets go of the host pages
+    other = list(range(200, 200 + 3 * P))
+    pages = pool.alloc(3)
+    write(pool, pages, other, 0, len(other))
+    cache.insert(other, pages)  # backed up into whatever host pages are free
+    backup = tier.ops[-1]
+    backup.pending, run = None, backup.pending
+    run()  # the backup stream runs ahead of the tier stream
+    assert load.pending is not None
+    tier.before_compute()
+    assert holds(pool, fresh, tokens) != mutant
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_load_of_a_page_whose_backup_is_in_flight_reads_the_backups_staging(monkeypatch, mutant):
+    """Rule 4 (write_back): eviction backs a page up and frees it at once; a request that wants it back before
+    the backup landed takes it from the backup's staging, never from the host page not yet written."""
+    if mutant:
+        monkeypatch.setattr(HostTier, "_in_flight_backup", lambda self, h: None)
+    pool, tier, cache, tokens = _conversation("write_back")
+    assert cache.evict(NUM_PAGES) == 3 and pool.num_free == NUM_PAGES  # freed at once: the gather read them
+    assert tier.ops[0].pending is not None  # the backup's transfer has not landed
+    table = _admit_loading(pool, cache, tokens)
+    assert holds(pool, table, tokens) != mutant
+    assert tier.pages_from_backups == (0 if mutant else 3)
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_step_never_waits_for_a_backup(monkeypatch, mutant):
+    """Backups run on their own stream: a load's scatter (what the next step waits for) does not land a backup
+    issued before it. The mutant puts both on one stream in issue order, as before."""
+    if mutant:
+        join = HostTier.before_compute
+
+        def one_stream(self):
+            if self._unjoined:
+                self.land(self._unjoined[-1].id)
+            join(self)
+
+        monkeypatch.setattr(HostTier, "before_compute", one_stream)
+    pool, tier, cache, tokens = _conversation("write_through")
+    tier.reap()
+    cache.evict(NUM_PAGES)
+    other = list(range(200, 200 + 2 * P))
+    pages = pool.alloc(2)
+    write(pool, pages, other, 0, len(other))
+    cache.insert(other, pages)  # a backup in flight
+    backup = tier.ops[-1]
+    table = _admit_loading(pool, cache, tokens)
+    assert holds(pool, table, tokens)
+    assert (backup.pending is None) == mutant
