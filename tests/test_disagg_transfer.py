@@ -139,6 +139,17 @@ def test_by_reference_the_servers_generate_what_bytes_and_one_engine_do(device, 
                 assert held(p_url) == 0
             answers.append(generate(d_url, p_url, prompts[2]))
             assert held(p_url) == 0
+            records = httpx.get(f"{d_url}/pd/transfers").json()
+            assert [r["transfer"] for r in records] == [transfer] * 7
+            # only the pages the decode server lacks: a later turn from its cached history, then nothing
+            assert [r["start"] for r in records[:3]] == [0, 0, 0]
+            assert all(r["start"] >= len(ids) // 4 * 4 for r, ids in zip(records[3:6], prompts, strict=True))
+            assert records[6]["start"] == records[6]["end"] == 24 and records[6]["pages"] == 0
+            for r in records:  # the transfer timed by itself, inside the end-to-end time
+                per_token = 2 * 2 * 2 * 32 * 4  # (tiny: keys and values, 2 layers, 2 KV heads, head dim 32, fp32)
+                assert r["pages"] == -(-(r["end"] - r["start"]) // 4), r
+                assert r["kv_bytes"] == (r["end"] - r["start"]) * per_token, r
+                assert r["export_s"] > 0 and 0 <= r["write_s"] <= r["import_s"] and 0 < r["take_s"] <= r["import_s"]
         got[transfer] = [tokens(a) for a in answers]
     assert got["reference"] == got["bytes"]
     assert got["reference"][:3] == want

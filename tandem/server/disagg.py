@@ -43,8 +43,10 @@ import dataclasses
 import json
 import logging
 import random
+import time
 import uuid
 import weakref
+from collections import deque
 from typing import Literal
 
 import aiohttp
@@ -52,7 +54,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
-from tandem.engine.kv_transfer import KVPages, SharedKV, sharing_domain, why_not_shared, wire_meta
+from tandem.engine.kv_transfer import KVPages, SharedKV, TransferClock, sharing_domain, why_not_shared, wire_meta
 from tandem.server.bodies import PrefillBody, ReleaseBody
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
@@ -62,7 +64,9 @@ HEADER = "X-Tandem-Prefill"
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
+RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
 Transfer = Literal["bytes", "reference"]
+_RECORDS: weakref.WeakKeyDictionary[Engine, deque] = weakref.WeakKeyDictionary()  # a decode engine's transfers
 
 
 def kv_layout(engine: Engine, role: str | None = None) -> dict:
@@ -82,6 +86,11 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     device = engine.pool.k_cache.device
     kinds = ["bytes", "reference"] if SharedKV.supports(device) else ["bytes"]
     exports = Exports()
+
+    @app.get("/pd/transfers")
+    async def transfers():
+        """A decode server's latest KV transfers, oldest first (`PrefillClient`'s records)."""
+        return list(_RECORDS.get(engine, ()))
 
     @app.get("/pd/info")
     async def info():
@@ -112,12 +121,14 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
                 "prefill_tokens": out.prefill_tokens}
-        headers = {HEADER: json.dumps(meta)}
+        began = time.perf_counter()
         if out.kv is None or body.transfer == "bytes":
-            return Response(out.kv.to_bytes() if out.kv is not None else b"", media_type="application/octet-stream",
-                            headers=headers)
-        export_id, handle = exports.hold(out.kv)
-        return Response(json.dumps({"id": export_id, "kv": handle}), media_type="application/json", headers=headers)
+            data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
+        else:
+            export_id, handle = exports.hold(out.kv)
+            data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
+        meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
+        return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
 
     @app.post("/pd/release")
     async def release(request: Request):
@@ -260,6 +271,7 @@ class PrefillClient:
             generated = [[*mine, theirs] for mine, theirs in zip(
                 (so_far.output_ids, so_far.output_logprobs, so_far.weight_versions), sampled, strict=True)]
             out = await self.engine.generate_imported(input_ids, sampling, tuple(generated), kv, rid, routed)
+            self._record(rid, kv, meta)
             retractions += out.finish_reason.message == HANDED_BACK
             so_far = dataclasses.replace(out, cached_tokens=so_far.cached_tokens)
         so_far.prefill_tokens, so_far.num_retractions = prefilled, so_far.num_retractions + retractions
@@ -276,11 +288,32 @@ class PrefillClient:
             meta = json.loads(r.headers[HEADER])
         if meta["first"] is None:
             return None, None, meta
-        kv = KVPages.from_bytes(data, wire_meta(data)) if transfer == "bytes" else await self._take(url, data)
+        clock = TransferClock(self.engine.pool.k_cache.device)
+        clock.mark("import")
+        meta["transfer"] = transfer
+        if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
+            kv = KVPages.from_bytes(data, wire_meta(data)).to(self.engine.pool.k_cache.device)
+            await asyncio.to_thread(kv.verify)
+        else:
+            kv = await self._take(url, data)
         if kv.start != kv_from or kv.end != len(input_ids):
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
-        kv.verify()
-        return meta["first"], kv, meta
+        clock.mark("verified")
+        return meta["first"], kv.with_clock(clock), meta
+
+    def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
+        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
+        `export_s` the prefill server's (its pages read out of its pool, checksummed and shared or serialised),
+        `take_s` this server's from the answer to the KV verified on its device, `write_s` its write into the pool
+        (device time), `import_s` from the answer to the pages written (device-synchronised, the engine's turn
+        included); null where it did not write them."""
+        clock, written = kv.clock, "written" in kv.clock.host
+        take_s = clock.host["verified"] - clock.host["import"]
+        _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
+            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end, "pages": len(kv.checksums),
+            "kv_bytes": 2 * kv.k.numel() * kv.k.element_size(), "export_s": meta.get("export_s"), "take_s": take_s,
+            "write_s": clock.seconds("write", "written") if written else None,
+            "import_s": take_s + clock.seconds("verified", "written") if written else None})
 
     async def _take(self, url: str, data: bytes) -> KVPages:
         """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device and
@@ -293,10 +326,16 @@ class PrefillClient:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
         try:
             kv = await asyncio.to_thread(KVPages.from_shared, handle, self.engine.pool.k_cache.device)
-        finally:  # (shielded: a request cancelled now still releases what it was sent; should the release overtake
-            # the copy, the shared memory outlives it: a file removed while mapped, a GPU tensor torch keeps)
+        except BaseException:  # (shielded: a request cancelled now still releases what it was sent; should the
+            # release overtake the copy, the shared memory outlives it: a file removed while mapped, a GPU tensor
+            # torch keeps)
             await asyncio.shield(self._release(url, export_id))
-        await asyncio.to_thread(kv.verify)
+            raise
+        release = asyncio.ensure_future(self._release(url, export_id))  # (heard while this verifies)
+        try:
+            await asyncio.to_thread(kv.verify)
+        finally:
+            await asyncio.shield(release)
         return kv
 
     async def _release(self, url: str, export_id: str) -> None:
