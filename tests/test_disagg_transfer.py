@@ -231,8 +231,8 @@ def test_shared_memory_that_changes_after_the_export_is_named_by_page():
 
 def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_cannot(monkeypatch):
     """Paired with a prefill server of this host: by reference unless told bytes. A prefill server of another host
-    (or on another kind of device, or on CUDA this very process) gives bytes by default, and a decode server told
-    to take references refuses the request, naming why."""
+    (or on another kind of device, or on CUDA this very process) gives its KV point to point by default where it
+    can (CPUs here), and a decode server told to take references refuses the request, naming why."""
     with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
         async def chosen(transfer):
             client = disagg.PrefillClient(d, transfer=transfer)
@@ -250,7 +250,7 @@ def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_ca
         assert "this very process" in why_not_shared(here | {"device": "cuda"}, "cuda")
         real = disagg.sharing_domain
         monkeypatch.setattr(disagg, "sharing_domain", lambda device: real(device) | {"host": "elsewhere/0"})
-        assert asyncio.run(chosen(None)) == "bytes"
+        assert asyncio.run(chosen(None)) == "p2p"  # (gloo between CPUs: see test_disagg_p2p)
         with pytest.raises(ValueError, match="takes KV by reference, and cannot from .*another host"):
             asyncio.run(chosen("reference"))
         with decode_server("cpu", "reference") as d_url:

@@ -25,6 +25,16 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SHM_NAME = re.compile(r"tandem-kv-[0-9a-f]{32}")
 
 
+def kv_header(kv: KVPages) -> dict:
+    """What describes `kv` but its keys and values, as JSON (`KVPages.from_header` reads it): positions, page size,
+    checksums, dtype, shape [L, T, K, D], and the routing itself (small) where there is one."""
+    header = {"start": kv.start, "page_size": kv.page_size, "checksums": list(kv.checksums),
+              "dtype": str(kv.k.dtype).removeprefix("torch."), "shape": list(kv.k.shape)}
+    if kv.routing is not None:
+        header["routing"] = {"data": _b64(kv.routing.contiguous().numpy().tobytes()), "shape": list(kv.routing.shape)}
+    return header
+
+
 class SharedKV:
     """The sender's end of a transfer by reference: a `KVPages` where another process of this host can map it,
     described by `handle` (JSON: what `KVPages.from_shared` takes). It holds that memory until `free`. `free(taken)`:
@@ -35,12 +45,7 @@ class SharedKV:
     kind: ClassVar[str]
 
     def __init__(self, kv: KVPages):
-        self.handle = {"kind": self.kind, "start": kv.start, "page_size": kv.page_size,
-                       "checksums": list(kv.checksums), "dtype": str(kv.k.dtype).removeprefix("torch."),
-                       "shape": list(kv.k.shape)}
-        if kv.routing is not None:
-            self.handle["routing"] = {"data": _b64(kv.routing.contiguous().numpy().tobytes()),
-                                      "shape": list(kv.routing.shape)}
+        self.handle = {"kind": self.kind} | kv_header(kv)
 
     @staticmethod
     def of(kv: KVPages) -> SharedKV:

@@ -93,14 +93,28 @@ class KVPages:
         dropped before this returns (on a GPU, once the copy has finished), so the sender may then free it; not
         verified yet. ValueError if the handle does not parse or its memory cannot be mapped here."""
         try:
-            k, v = _WAYS[handle["kind"]].open(handle, torch.device(device))
-            routing = None
-            if (shared := handle.get("routing")) is not None:
-                routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(shared["shape"])
-            return cls(int(handle["start"]), k, v, int(handle["page_size"]), tuple(map(str, handle["checksums"])),
-                       routing)
+            return cls.from_header(handle, *_WAYS[handle["kind"]].open(handle, torch.device(device)))
         except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:
             raise ValueError(f"kv transfer: the shared KV cannot be taken ({type(e).__name__}: {e})") from e
+
+    @classmethod
+    def from_header(cls, header: dict, k: torch.Tensor, v: torch.Tensor) -> KVPages:
+        """Keys `k` and values `v` with what `kv_shared.kv_header` says of them (not verified yet); KeyError,
+        ValueError or TypeError if the header does not parse."""
+        routing = None
+        if (shared := header.get("routing")) is not None:
+            routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(shared["shape"])
+        return cls(int(header["start"]), k, v, int(header["page_size"]), tuple(map(str, header["checksums"])),
+                   routing)
+
+    def stacked(self) -> torch.Tensor:
+        """Keys and values as one contiguous tensor [2, L, T, K, D]: without a copy where they are the halves of
+        one (as `read_pages` gives them)."""
+        k, v = self.k, self.v
+        if k.is_contiguous() and v.is_contiguous() and k.untyped_storage().data_ptr() == \
+                v.untyped_storage().data_ptr() and v.data_ptr() == k.data_ptr() + k.numel() * k.element_size():
+            return k.as_strided((2, *k.shape), (k.numel(), *k.stride()))
+        return torch.stack([k, v])
 
     def to(self, device: torch.device | str) -> KVPages:
         """This KV on `device` (itself if it is there already; a copy is not verified yet)."""

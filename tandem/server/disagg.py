@@ -48,14 +48,17 @@ import uuid
 import weakref
 from collections import deque
 from typing import Literal
+from urllib.parse import urlparse
 
 import aiohttp
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
+from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store, join_store, why_not_p2p
 from tandem.engine.kv_transfer import KVPages, SharedKV, TransferClock, sharing_domain, why_not_shared, wire_meta
-from tandem.server.bodies import PrefillBody, ReleaseBody
+from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,7 +68,7 @@ PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by 
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
 RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
-Transfer = Literal["bytes", "reference"]
+Transfer = Literal["bytes", "reference", "p2p"]
 _RECORDS: weakref.WeakKeyDictionary[Engine, deque] = weakref.WeakKeyDictionary()  # a decode engine's transfers
 
 
@@ -84,8 +87,9 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     coro)`: the server's way of aborting a request whose client went away)."""
     role = engine.config.role
     device = engine.pool.k_cache.device
-    kinds = ["bytes", "reference"] if SharedKV.supports(device) else ["bytes"]
+    kinds = ["bytes", *(["reference"] if SharedKV.supports(device) else []), *(["p2p"] if backend_for(device) else [])]
     exports = Exports()
+    links: dict[str, asyncio.Future] = {}  # link id -> this server's end (a P2PLink once its peer has joined)
 
     @app.get("/pd/transfers")
     async def transfers():
@@ -125,7 +129,10 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
         else:
-            export_id, handle = exports.hold(out.kv)
+            if body.transfer == "p2p" and body.link not in links:
+                raise ValueError(f"link: {body.link!r} is no link of this prefill server (open one: /pd/p2p/open)")
+            export_id, handle = exports.hold(SharedKV.of(out.kv) if body.transfer == "reference" else
+                                             P2PExport(out.kv))
             data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
         meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
         return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
@@ -134,6 +141,33 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     async def release(request: Request):
         body = await ReleaseBody.from_request(request)
         return {"released": exports.release(body.id)}
+
+    @app.post("/pd/p2p/open")
+    async def open_link():
+        """Host a link's rendezvous and build this end (rank 0) while the decode server builds its own."""
+        store, link_id = await asyncio.to_thread(host_store, P2P_TIMEOUT_S), uuid.uuid4().hex
+        link = links[link_id] = asyncio.ensure_future(asyncio.to_thread(P2PLink, store, 0, device, P2P_TIMEOUT_S))
+        link.add_done_callback(lambda f: f.cancelled() or f.exception() is None or links.pop(link_id, None))
+        return {"id": link_id, "port": store.port, "backend": backend_for(device)}
+
+    @app.post("/pd/p2p/send")
+    async def send(request: Request):
+        """Send an export over its link (the decode server receives meanwhile); freed once sent, or failed."""
+        body = await P2PSendBody.from_request(request)
+        if body.link not in links:
+            raise ValueError(f"link: {body.link!r} is no link of this prefill server (broken, or never opened)")
+        if (held := exports.take(body.id)) is None:
+            raise ValueError(f"id: no KV export {body.id!r} is held (freed after its timeout, or sent)")
+        try:
+            link = await asyncio.wait_for(asyncio.shield(links[body.link]), P2P_TIMEOUT_S)
+            await asyncio.to_thread(link.send, held.tensor)
+        except Exception as e:
+            if (broken := links.pop(body.link, None)) is not None and broken.done() and not broken.exception():
+                broken.result().close()
+            raise ValueError(f"link {body.link}: {type(e).__name__}: {e}") from e
+        finally:
+            held.free(taken=True)
+        return {"sent": True}
 
 
 class Exports:
@@ -148,9 +182,9 @@ class Exports:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, kv: KVPages) -> tuple[str, dict]:
-        """Share `kv`: its export id and handle."""
-        shared, export_id = SharedKV.of(kv), uuid.uuid4().hex
+    def hold(self, shared: SharedKV | P2PExport) -> tuple[str, dict]:
+        """Hold `shared` (KV shared or to be sent): its export id and handle."""
+        export_id = uuid.uuid4().hex
         timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
         self._held[export_id] = (shared, timer)
         return export_id, shared.handle
@@ -163,6 +197,13 @@ class Exports:
         timer.cancel()
         shared.free(taken=True)
         return True
+
+    def take(self, export_id: str) -> SharedKV | P2PExport | None:
+        """The export held by that id, held no more (the caller frees it); None if none is."""
+        if (held := self._held.pop(export_id, None)) is None:
+            return None
+        held[1].cancel()
+        return held[0]
 
     def _expire(self, export_id: str) -> None:
         if (held := self._held.pop(export_id, None)) is not None:
@@ -183,13 +224,16 @@ class PrefillClient:
     None: by reference from a prefill server it can take it from so, else as bytes."""
 
     def __init__(self, engine: Engine, timeout_s: float = PREFILL_TIMEOUT_S, transfer: Transfer | None = None):
-        if transfer not in (None, "bytes", "reference"):
-            raise ValueError(f"transfer: must be 'bytes', 'reference' or None (either), got {transfer!r}")
+        if transfer not in (None, "bytes", "reference", "p2p"):
+            raise ValueError(f"transfer: must be 'bytes', 'reference', 'p2p' or None (the best), got {transfer!r}")
         self.engine, self.timeout_s, self.transfer = engine, timeout_s, transfer
         self.paired: dict[str, Transfer] = {}  # prefill server URL -> the transfer from it
+        self.links: dict[str, tuple[str, P2PLink, asyncio.Lock]] = {}  # URL -> link id, this end, its turn
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
+        for url in list(self.links):
+            self._unpair(url)
         if self._session is not None:
             await self._session.close()
 
@@ -217,18 +261,42 @@ class PrefillClient:
             if theirs.get(key) != value:
                 raise ValueError(f"bootstrap.prefill_url: {url} cannot pair with this decode server: its {key} is "
                                  f"{theirs.get(key)!r}, this server's {value!r}")
-        self.paired[url] = self._choose(url, theirs.get("transfer") or {})
+        transfer = self._choose(url, theirs.get("transfer") or {})
+        if transfer == "p2p":
+            self.links[url] = await self._open_link(url)
+        self.paired[url] = transfer
+
+    def _unpair(self, url: str) -> None:
+        """Forget `url`'s pairing and break its link (after a failed transfer): the next request pairs anew."""
+        self.paired.pop(url, None)
+        if (link := self.links.pop(url, None)) is not None:
+            link[1].close()
 
     def _choose(self, url: str, theirs: dict) -> Transfer:
-        """The transfer from a prefill server whose `/pd/info` says `theirs` about its transfers."""
-        if "reference" not in theirs.get("kinds", ["bytes"]):
-            why_not = f"it offers {theirs.get('kinds', ['bytes'])}"
-        else:
-            why_not = why_not_shared(theirs.get("sharing") or {}, self.engine.pool.k_cache.device)
-        if self.transfer == "reference" and why_not is not None:
-            raise ValueError(f"bootstrap.prefill_url: this decode server takes KV by reference, and cannot from "
-                             f"{url}: {why_not}")
-        return self.transfer or ("bytes" if why_not else "reference")
+        """The transfer from a prefill server whose `/pd/info` says `theirs` about its transfers: the one asked for,
+        else by reference where it can, else point to point where it can, else bytes."""
+        device, kinds, sharing = self.engine.pool.k_cache.device, theirs.get("kinds", ["bytes"]), theirs.get("sharing")
+        why_not = {"bytes": None,
+                   "reference": why_not_shared(sharing or {}, device) if "reference" in kinds else f"it offers {kinds}",
+                   "p2p": why_not_p2p(sharing or {}, device) if "p2p" in kinds else f"it offers {kinds}"}
+        if self.transfer is not None and why_not[self.transfer] is not None:
+            raise ValueError(f"bootstrap.prefill_url: this decode server takes KV by {self.transfer}, and cannot from "
+                             f"{url}: {why_not[self.transfer]}")
+        return self.transfer or next(kind for kind in ("reference", "p2p", "bytes") if why_not[kind] is None)
+
+    async def _open_link(self, url: str) -> tuple[str, P2PLink, asyncio.Lock]:
+        """A point-to-point link with the prefill server at `url` (this end rank 1); ValueError if none can be made."""
+        try:
+            async with self._http().post(f"{url}/pd/p2p/open") as r:
+                if r.status != 200:
+                    raise ValueError(f"answered {r.status}: {(await r.read())[:300].decode(errors='replace')}")
+                answer = await r.json()
+            store = await asyncio.to_thread(join_store, urlparse(url).hostname, int(answer["port"]), P2P_TIMEOUT_S)
+            link = await asyncio.to_thread(P2PLink, store, 1, self.engine.pool.k_cache.device, P2P_TIMEOUT_S)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"bootstrap.prefill_url: no point-to-point link with {url} ({type(e).__name__}: "
+                             f"{e})") from None
+        return answer["id"], link, asyncio.Lock()
 
     async def generate_all(self, jobs: list[tuple[list[int], SamplingParams, str]], url: str,
                            routed: list[bool] | None = None) -> list[GenerateOutput]:
@@ -281,6 +349,8 @@ class PrefillClient:
         transfer = self.paired[url]
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
                 "prompt_len": prompt_len, "transfer": transfer}
+        if transfer == "p2p":
+            body["link"] = self.links[url][0]
         async with self._http().post(f"{url}/pd/prefill", json=body) as r:
             data = await r.read()
             if r.status != 200:
@@ -294,6 +364,8 @@ class PrefillClient:
         if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
             kv = KVPages.from_bytes(data, wire_meta(data)).to(self.engine.pool.k_cache.device)
             await asyncio.to_thread(kv.verify)
+        elif transfer == "p2p":
+            kv = await self._receive(url, data)
         else:
             kv = await self._take(url, data)
         if kv.start != kv_from or kv.end != len(input_ids):
@@ -336,6 +408,42 @@ class PrefillClient:
             await asyncio.to_thread(kv.verify)
         finally:
             await asyncio.shield(release)
+        return kv
+
+    async def _receive(self, url: str, data: bytes) -> KVPages:
+        """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's
+        device, verified. The link's turn is held from the start of the receive to its end, so the prefill
+        server's sends on it come in this order; a failed or timed-out receive breaks the link."""
+        try:
+            answer = json.loads(data)
+            export_id, header = answer["id"], answer["kv"]
+            shape, dtype = [int(n) for n in header["shape"]], getattr(torch, str(header["dtype"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV header ({type(e).__name__}: {e})") from None
+        link_id, link, turn = self.links[url]
+        kv_2LTKD = torch.empty((2, *shape), dtype=dtype, device=self.engine.pool.k_cache.device)
+        if kv_2LTKD.numel() == 0:  # (nothing to send: only let it go)
+            await asyncio.shield(self._release(url, export_id))
+        else:
+            async with turn:
+                received = asyncio.ensure_future(asyncio.to_thread(link.recv, kv_2LTKD))
+                try:
+                    async with self._http().post(f"{url}/pd/p2p/send", json={"id": export_id, "link": link_id}) as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"/pd/p2p/send answered {r.status}: "
+                                               f"{(await r.read())[:300].decode(errors='replace')}")
+                except BaseException:
+                    self._unpair(url)  # (which ends the receive, or its timeout does)
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(received)
+                    raise
+                try:
+                    await asyncio.shield(received)  # (a receive cannot be cancelled halfway: it ends or times out)
+                except BaseException:  # (cancelled too: the turn must not pass while the receive runs on)
+                    self._unpair(url)
+                    raise
+        kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
+        await asyncio.to_thread(kv.verify)
         return kv
 
     async def _release(self, url: str, export_id: str) -> None:
