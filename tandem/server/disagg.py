@@ -24,7 +24,8 @@ and the tokens so far again under the weights held now (`prompt_len` in `/pd/pre
 request's position), and the client sees one answer. Where both servers keep routed experts (routing replay) the
 KV carries them (`KVPages.routing`).
 
-The two transfers (`PrefillClient(transfer=...)`; by default reference where the pairing allows it, else bytes):
+The three transfers (`PrefillClient(transfer=...)`; by default reference where the pairing allows it, else point to
+point where it allows that, else bytes), each verified on the decode server's device before its engine writes:
 - "bytes": the body is `KVPages.to_bytes()` (application/octet-stream). Nothing is held after the answer.
 - "reference" (servers of one host, KV on the same kind of device; on CUDA also two processes, the prefill
   server's GPU visible to the decode server): the body is JSON `{"id": ..., "kv": handle}` (a
@@ -33,6 +34,17 @@ The two transfers (`PrefillClient(transfer=...)`; by default reference where the
   `/pd/release {"id": ...}`, which frees it; an export nobody releases within `RELEASE_TIMEOUT_S` of its answer
   (a decode server that died) is freed then, so memory never leaks. The decode server releases whether or not its
   copy succeeded, and verifies the copy's checksums before its engine writes anything.
+- "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
+  and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
+  `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
+  holds the KV (as for a reference, with the same timeout) until the decode server, having taken the link's turn
+  and started receiving, POSTs `/pd/p2p/send {"id", "link"}`, which sends it and frees it. A send or receive that
+  fails or outlasts `kv_p2p.P2P_TIMEOUT_S` (a server that died) breaks the link at both ends; the request ends
+  with an abort and the decode server pairs anew on its next request.
+
+`GET /pd/transfers` on a decode server: its latest transfers, each timed by itself (`PrefillClient._record`): the
+prefill server's export, the take (mapped or received, copied, verified), the write into the pool (device time),
+and the whole import from the answer to the pages written.
 """
 
 from __future__ import annotations
