@@ -168,8 +168,8 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         body = await P2PSendBody.from_request(request)
         if body.link not in links:
             raise ValueError(f"link: {body.link!r} is no link of this prefill server (broken, or never opened)")
-        if (held := exports.take(body.id)) is None:
-            raise ValueError(f"id: no KV export {body.id!r} is held (freed after its timeout, or sent)")
+        if (held := exports.take(body.id, P2PExport)) is None:
+            raise ValueError(f"id: no KV export {body.id!r} to send is held (freed after its timeout, or sent)")
         try:
             link = await asyncio.wait_for(asyncio.shield(links[body.link]), P2P_TIMEOUT_S)
             await asyncio.to_thread(link.send, held.tensor)
@@ -210,12 +210,13 @@ class Exports:
         shared.free(taken=True)
         return True
 
-    def take(self, export_id: str) -> SharedKV | P2PExport | None:
-        """The export held by that id, held no more (the caller frees it); None if none is."""
-        if (held := self._held.pop(export_id, None)) is None:
+    def take(self, export_id: str, kind: type[P2PExport]) -> P2PExport | None:
+        """The export of `kind` held by that id, held no more (the caller frees it); None if none is."""
+        if not isinstance(self._held.get(export_id, (None,))[0], kind):
             return None
-        held[1].cancel()
-        return held[0]
+        shared, timer = self._held.pop(export_id)
+        timer.cancel()
+        return shared
 
     def _expire(self, export_id: str) -> None:
         if (held := self._held.pop(export_id, None)) is not None:
@@ -335,6 +336,7 @@ class PrefillClient:
             history = input_ids + so_far.output_ids
             kv_from = await self.engine.probe(history, rid)
             try:
+                await self.pair(url)  # (again if a failed transfer broke the pairing)
                 sampled, kv, meta = await self._prefill(url, history, sampling, rid, kv_from, len(input_ids))
             except BaseException as e:
                 self.engine.abort(rid)  # it expected the import: forget it
@@ -358,7 +360,8 @@ class PrefillClient:
         return so_far
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
-        transfer = self.paired[url]
+        if (transfer := self.paired.get(url)) is None or (transfer == "p2p" and url not in self.links):
+            raise RuntimeError("its pairing broke while this request waited (another transfer failed)")
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
                 "prompt_len": prompt_len, "transfer": transfer}
         if transfer == "p2p":
@@ -393,11 +396,16 @@ class PrefillClient:
         included); null where it did not write them."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
+        try:
+            write_s = clock.seconds("write", "written") if written else None
+            import_s = take_s + clock.seconds("verified", "written") if written else None
+        except RuntimeError as e:  # (a measurement must not fail the request it measured)
+            log.warning("decode server: transfer of %s not timed: %s", rid, e)
+            write_s = import_s = None
         _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
             "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end, "pages": len(kv.checksums),
             "kv_bytes": 2 * kv.k.numel() * kv.k.element_size(), "export_s": meta.get("export_s"), "take_s": take_s,
-            "write_s": clock.seconds("write", "written") if written else None,
-            "import_s": take_s + clock.seconds("verified", "written") if written else None})
+            "write_s": write_s, "import_s": import_s})
 
     async def _take(self, url: str, data: bytes) -> KVPages:
         """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device and
@@ -432,7 +440,9 @@ class PrefillClient:
             shape, dtype = [int(n) for n in header["shape"]], getattr(torch, str(header["dtype"]))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"kv transfer: the answer is not a KV header ({type(e).__name__}: {e})") from None
-        link_id, link, turn = self.links[url]
+        if (entry := self.links.get(url)) is None:
+            raise RuntimeError("its link broke while this request waited (another transfer failed)")
+        link_id, link, turn = entry
         kv_2LTKD = torch.empty((2, *shape), dtype=dtype, device=self.engine.pool.k_cache.device)
         if kv_2LTKD.numel() == 0:  # (nothing to send: only let it go)
             await asyncio.shield(self._release(url, export_id))
