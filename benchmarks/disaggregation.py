@@ -248,7 +248,8 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
             "kv_bytes_per_token": per_token, "kv_bytes": len(ids) * per_token, "wire_bytes": len(body),
             "export_s": statistics.median(export[1:]), "export_bytes_server_s": statistics.median(export_server[1:]),
             "end_to_end_s": statistics.median(e2e[1:]), "prefill_export_s": med("export_s"),
-            "decode_take_s": med("take_s"), "decode_write_s": med("write_s"), "decode_import_s": med("import_s"),
+            "decode_take_s": med("take_s"), "decode_copy_s": med("copy_s"), "decode_verify_s": med("verify_s"),
+            "decode_write_s": med("write_s"), "decode_import_s": med("import_s"),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
 
@@ -408,6 +409,8 @@ def report(results: dict, args) -> None:
                       ("(v) decode server: from the answer to the pages written in its pool (synchronised)",
                        "decode_import_s"),
                       ("(v') of which: taken (mapped or received, copied, verified on its device)", "decode_take_s"),
+                      ("(v'1) of (v'): mapped or received, and copied onto its device", "decode_copy_s"),
+                      ("(v'2) of (v'): its page checksums computed and compared", "decode_verify_s"),
                       ("(v'') of which: the write into the pool (device time)", "decode_write_s")):
         seconds = max(t[key], 1e-9)
         print(f"| {what} | {1e3 * seconds:,.2f} | {t['kv_bytes'] / seconds / 1e9:,.2f} | "

@@ -14,7 +14,11 @@ def kv(layers=3, n=37, heads=2, dim=8, dtype=torch.bfloat16, seed=0):
 
 
 def odd(i: int, multiplier: int) -> int:
-    return (i * multiplier) % (1 << 31) * 2 + 1
+    return (i * multiplier) % (1 << 30) * 2 + 1
+
+
+def wrap32(x: int) -> int:
+    return (x + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
 def reference(k: torch.Tensor, v: torch.Tensor, page_size: int) -> list[str]:
@@ -23,18 +27,21 @@ def reference(k: torch.Tensor, v: torch.Tensor, page_size: int) -> list[str]:
     out = []
     for page in range(-(-n // page_size)):
         rows = cols = 0
+        positions = range(page * page_size, min(n, (page + 1) * page_size))
         for which, x in enumerate((k, v)):
             per_position = x.contiguous().reshape(layers, n, -1)
             words = per_position.view(torch.int32 if per_position.shape[2] * x.element_size() % 4 == 0
-                                      else torch.int16)
-            num_words = words.shape[2]
+                                      else torch.int16).tolist()
+            num_words = len(words[0][0])
             for layer in range(layers):
-                for offset in range(min(page_size, n - page * page_size)):
-                    row = words[layer, page * page_size + offset].tolist()
-                    rows += sum(row) * odd((which * layers + layer) * page_size + offset, 0x9E3779B1)
-                    for m, word in enumerate(row):
-                        cols += word * odd(which * (1 << 24) + layer * num_words + m, 0x85EBCA77)
-        out.append(f"{rows & MASK:016x}{cols & MASK:016x}")
+                for t in positions:
+                    offset = t - page * page_size
+                    rows += wrap32(sum(words[layer][t])) * odd((which * layers + layer) * page_size + offset,
+                                                              0x9E3779B1)
+                for m in range(num_words):
+                    column = wrap32(sum(words[layer][t][m] for t in positions))
+                    cols += column * odd(which * (1 << 24) + layer * num_words + m, 0x85EBCA77)
+        out.append(f"{rows & MASK:016x}{cols & 0xFFFFFFFF:08x}")
     return out
 
 

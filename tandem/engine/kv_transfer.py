@@ -157,63 +157,69 @@ MASK = (1 << 64) - 1
 def page_sums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
     """The page checksums of keys and values [L, T, K, D] as integers [pages, 2] (int64) on their device, with no
     host sync: per page of `page_size` positions (the last may be short), a row part and a column part. The KV's
-    bytes are read as words (int32 where a position's bytes in a layer allow, else int16 or bytes), each (tensor,
-    layer, position) a row of M words: the row part sums each row's words times an odd weight of (tensor, layer,
-    offset in the page); the column part sums each column's words over the page's positions times an odd weight of
-    (tensor, layer, column). Integer arithmetic modulo 2**64, so every device, layout and order of summation gives
-    the same value for the same bytes. A changed word changes the row part (an odd weight times a difference below
-    2**33 is not 0 modulo 2**64); positions swapped within a page change it unless their rows sum alike; a page
-    moved to another index carries its checksum with it, which the sender's for that index then lacks. Against
-    accidents (memory reused, a copy gone wrong), not adversaries: a change that keeps every row and column sum of a
-    page passes. Each part costs one read of the KV (two reductions on the device for all pages at once)."""
+    bytes are read as 32-bit words (int32; int16 or bytes widened to int32 where a position's bytes in a layer do
+    not divide into 4), each (tensor, layer, position) a row of M words. Row part: each row's words summed modulo
+    2**32, times an odd weight of (tensor, layer, offset in the page), summed modulo 2**64. Column part: each
+    column's words summed over the page's positions, times an odd weight of (tensor, layer, column), all modulo
+    2**32. Integer arithmetic with wrap-around, so every device, layout and order of summation gives the same value
+    for the same bytes; the sums over the KV stay in int32 (a reduction of the KV's own type reads it at memory
+    speed on a CPU too, where a widening one does not). A changed word changes its row's sum (by a difference
+    below 2**32, not 0 modulo 2**32), so the row part (an odd weight times it is not 0 modulo 2**64); positions
+    swapped within a page change the row part unless their rows sum alike; words swapped within a row change the
+    column part but for rare differences; a page moved to another index carries its checksum with it, which the
+    sender's for that index then lacks. Against accidents (memory reused, a copy gone wrong), not adversaries: a
+    change that keeps every row and column sum of a page passes. Two reductions of the KV, for all pages at once."""
     if k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"kv: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be [L, T, K, D]")
     layers, n = k.shape[:2]
     num_pages, full = -(-n // page_size), n // page_size * page_size
     rows_part = torch.zeros(num_pages, dtype=torch.int64, device=k.device)
-    cols_part = torch.zeros(num_pages, dtype=torch.int64, device=k.device)
+    cols_part = torch.zeros(num_pages, dtype=torch.int32, device=k.device)
     for which, x in enumerate((k, v)):
         words_LTM = _words(x)
-        row_w = _odd_weights(layers * page_size, 0x9E3779B1, which * layers * page_size, k.device)
-        row_w_LO = row_w.view(layers, page_size)
-        col_w_LM = _odd_weights(layers * words_LTM.shape[2], 0x85EBCA77, which * (1 << 24), k.device).view(layers, -1)
+        row_w_LO = _odd_weights(layers * page_size, 0x9E3779B1, which * layers * page_size, k.device).view(
+            layers, page_size)
+        col_w_LM = _odd_weights(layers * words_LTM.shape[2], 0x85EBCA77, which * (1 << 24), k.device).view(
+            layers, -1).to(torch.int32)
         if full:
             body_LPOM = words_LTM[:, :full].view(layers, full // page_size, page_size, -1)
-            rows_LPO = body_LPOM.sum(3, dtype=torch.int64)
+            rows_LPO = body_LPOM.sum(3, dtype=torch.int32).long()
             rows_part[:full // page_size] += (rows_LPO * row_w_LO[:, None, :]).sum((0, 2))
-            cols_LPM = body_LPOM.sum(2, dtype=torch.int64)
-            cols_part[:full // page_size] += (cols_LPM * col_w_LM[:, None, :]).sum((0, 2))
+            cols_LPM = body_LPOM.sum(2, dtype=torch.int32)
+            cols_part[:full // page_size] += (cols_LPM * col_w_LM[:, None, :]).sum((0, 2), dtype=torch.int32)
         if full < n:  # the last page, short
             tail_LTM = words_LTM[:, full:]
-            rows_part[-1] += (tail_LTM.sum(2, dtype=torch.int64) * row_w_LO[:, :n - full]).sum()
-            cols_part[-1] += (tail_LTM.sum(1, dtype=torch.int64) * col_w_LM).sum()
-    return torch.stack([rows_part, cols_part], dim=1)
+            rows_part[-1] += (tail_LTM.sum(2, dtype=torch.int32).long() * row_w_LO[:, :n - full]).sum()
+            cols_part[-1] += (tail_LTM.sum(1, dtype=torch.int32) * col_w_LM).sum(dtype=torch.int32)
+    return torch.stack([rows_part, cols_part.long()], dim=1)
 
 
 def page_checksums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[str, ...]:
-    """`page_sums` as 32 hex digits a page (row part, column part): one host sync for all pages."""
+    """`page_sums` as 24 hex digits a page (row part, column part): one host sync for all pages."""
     return tuple(_hex(pair) for pair in page_sums(k, v, page_size).tolist())
 
 
 def _hex(pair: list[int]) -> str:
-    return f"{pair[0] & MASK:016x}{pair[1] & MASK:016x}"
+    return f"{pair[0] & MASK:016x}{pair[1] & 0xFFFFFFFF:08x}"
 
 
 def _odd_weights(n: int, multiplier: int, offset: int, device: torch.device) -> torch.Tensor:
-    return (torch.arange(offset, offset + n, device=device) * multiplier) % (1 << 31) * 2 + 1
+    """Odd weights below 2**31 (so int32 holds them), int64."""
+    return (torch.arange(offset, offset + n, device=device) * multiplier) % (1 << 30) * 2 + 1
 
 
 def _words(x_LTKD: torch.Tensor) -> torch.Tensor:
-    """The bytes of each (layer, position) of `x_LTKD` as words [L, T, M]: int32, or int16 or uint8 where a
-    position's bytes do not divide into larger ones (a copy only if the positions' bytes are not contiguous)."""
+    """The bytes of each (layer, position) of `x_LTKD` as int32 words [L, T, M]: its own bytes where they divide
+    into 4 (a copy only if the positions' bytes are not laid out so), else its int16 or byte words widened."""
     layers, n = x_LTKD.shape[:2]
     rows = x_LTKD.reshape(layers, n, math.prod(x_LTKD.shape[2:]))
     nbytes = rows.shape[2] * rows.element_size()
     word = next(w for w in (torch.int32, torch.int16, torch.uint8) if nbytes % w.itemsize == 0)
     try:
-        return rows.view(word)
+        words = rows.view(word)
     except RuntimeError:  # (strides or offset that do not divide into words)
-        return rows.contiguous().view(word)
+        words = rows.contiguous().view(word)
+    return words if word == torch.int32 else words.to(torch.int32)
 
 
 def read_pages(pool: KVPool, pages: list[int], start: int, end: int,

@@ -378,22 +378,24 @@ class PrefillClient:
         meta["transfer"] = transfer
         if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
             kv = KVPages.from_bytes(data, wire_meta(data)).to(self.engine.pool.k_cache.device)
+            clock.mark("taken")
             await asyncio.to_thread(kv.verify)
+            clock.mark("verified")
         elif transfer == "p2p":
-            kv = await self._receive(url, data)
+            kv = await self._receive(url, data, clock)
         else:
-            kv = await self._take(url, data)
+            kv = await self._take(url, data, clock)
         if kv.start != kv_from or kv.end != len(input_ids):
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
-        clock.mark("verified")
         return meta["first"], kv.with_clock(clock), meta
 
     def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
         """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
         `export_s` the prefill server's (its pages read out of its pool, checksummed and shared or serialised),
-        `take_s` this server's from the answer to the KV verified on its device, `write_s` its write into the pool
-        (device time), `import_s` from the answer to the pages written (device-synchronised, the engine's turn
-        included); null where it did not write them."""
+        `take_s` this server's from the answer to the KV verified on its device (`copy_s` of it until the KV was
+        copied or received onto its device, `verify_s` the checksums), `write_s` its write into the pool (device
+        time), `import_s` from the answer to the pages written (device-synchronised, the engine's turn included);
+        null where it did not write them. Host times are taken where the host has waited for the device."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         try:
@@ -405,9 +407,11 @@ class PrefillClient:
         _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
             "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end, "pages": len(kv.checksums),
             "kv_bytes": 2 * kv.k.numel() * kv.k.element_size(), "export_s": meta.get("export_s"), "take_s": take_s,
+            "copy_s": clock.host["taken"] - clock.host["import"],
+            "verify_s": clock.host["verified"] - clock.host["taken"],
             "write_s": write_s, "import_s": import_s})
 
-    async def _take(self, url: str, data: bytes) -> KVPages:
+    async def _take(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
         """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device and
         verified; released there once copied, whether the copy succeeded or not. The copy and the checksums run in a
         worker thread: on a GPU they wait for the device, which the event loop must not."""
@@ -423,14 +427,16 @@ class PrefillClient:
             # torch keeps)
             await asyncio.shield(self._release(url, export_id))
             raise
+        clock.mark("taken")
         release = asyncio.ensure_future(self._release(url, export_id))  # (heard while this verifies)
         try:
             await asyncio.to_thread(kv.verify)
+            clock.mark("verified")
         finally:
             await asyncio.shield(release)
         return kv
 
-    async def _receive(self, url: str, data: bytes) -> KVPages:
+    async def _receive(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
         """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's
         device, verified. The link's turn is held from the start of the receive to its end, so the prefill
         server's sends on it come in this order; a failed or timed-out receive breaks the link."""
@@ -465,7 +471,9 @@ class PrefillClient:
                     self._unpair(url)
                     raise
         kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
+        clock.mark("taken")
         await asyncio.to_thread(kv.verify)
+        clock.mark("verified")
         return kv
 
     async def _release(self, url: str, export_id: str) -> None:
