@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from tandem.engine.kv_shared import _gpu_uuid, kv_header
+from tandem.engine.kv_shared import _gpu_uuid, kv_header, transfer_stream
 
 if TYPE_CHECKING:
     from tandem.engine.kv_transfer import KVPages
@@ -105,7 +105,8 @@ class P2PLink:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             try:
-                self._wait(start())
+                with transfer_stream(self.device):  # (the group's stream syncs with it, not with the engine's)
+                    self._wait(start())
             except Exception as e:
                 self._kept.append(tensor)
                 self.broken = f"{what} of {tensor.numel() * tensor.element_size()} bytes failed or timed out " \

@@ -23,6 +23,24 @@ if TYPE_CHECKING:
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 _SHM_NAME = re.compile(r"tandem-kv-[0-9a-f]{32}")
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def transfer_stream(device: torch.device | str):
+    """Where a receiver's transfer work runs (its copies, receives and checksums), yielding the stream or None: on
+    a GPU a stream of this process's own for transfers, which does not wait for the engine's steps on its compute
+    stream (so a host that waits for a transfer waits for it alone); elsewhere nothing changes. What is allocated
+    on it and read later on another stream must be recorded there (`write_pages` does)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield None
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    with torch.cuda.stream(stream):
+        yield stream
 
 
 def kv_header(kv: KVPages) -> dict:
@@ -165,16 +183,17 @@ class _CudaKV(SharedKV):
                 raise ValueError(f"the sender's GPU {handle['gpu']} is not visible to this process")
             if len(parts) != 2:
                 raise ValueError(f"a handle of {len(parts)} tensors, not keys and values")
-            for part in parts:
-                remotes.append(rebuild_cuda_tensor(
-                    torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]),
-                    torch.UntypedStorage, dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]),
-                    int(part["storage_offset"]), False, _unb64(part["ref_counter"]), int(part["ref_counter_offset"]),
-                    _unb64(part["event"]), bool(part["event_sync"])))
-            kv_2LTKD = torch.empty((2, *remotes[0].shape), dtype=dtype, device=device)
-            for i, remote in enumerate(remotes):
-                kv_2LTKD[i].copy_(remote)  # (device to device: the host does not wait)
-            torch.cuda.synchronize(device)  # the copies have finished before the mappings go
+            with transfer_stream(device) as stream:  # (the sender's event is waited for on it, as the copies are)
+                for part in parts:
+                    remotes.append(rebuild_cuda_tensor(
+                        torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]),
+                        torch.UntypedStorage, dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]),
+                        int(part["storage_offset"]), False, _unb64(part["ref_counter"]),
+                        int(part["ref_counter_offset"]), _unb64(part["event"]), bool(part["event_sync"])))
+                kv_2LTKD = torch.empty((2, *remotes[0].shape), dtype=dtype, device=device)
+                for i, remote in enumerate(remotes):
+                    kv_2LTKD[i].copy_(remote)  # (device to device: the host does not wait)
+                stream.synchronize()  # the copies have finished before the mappings go
         finally:
             for part in parts[len(remotes):]:  # never mapped: count them off, or the sender's torch keeps them
                 with contextlib.suppress(Exception):  # (it fails only if the sender's counters are gone with it)

@@ -44,10 +44,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.kv_shared import _WAYS, SHM_DIR, SharedKV, _unb64, sharing_domain, why_not_shared
+from tandem.engine.kv_shared import _WAYS, SHM_DIR, SharedKV, _unb64, sharing_domain, transfer_stream, why_not_shared
 
 __all__ = ["SHM_DIR", "KVPages", "SharedKV", "TransferClock", "page_checksums", "page_sums", "read_pages",
-           "sharing_domain", "why_not_shared", "wire_meta", "write_pages"]
+           "sharing_domain", "transfer_stream", "why_not_shared", "wire_meta", "write_pages"]
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,12 @@ class KVPages:
         """This KV on `device` (itself if it is there already; a copy is not verified yet)."""
         if self.k.device == torch.device(device):
             return self
-        kv_2LTKD = torch.empty((2, *self.k.shape), dtype=self.k.dtype, device=device)
-        kv_2LTKD[0].copy_(self.k)
-        kv_2LTKD[1].copy_(self.v)
+        with transfer_stream(device) as stream:
+            kv_2LTKD = torch.empty((2, *self.k.shape), dtype=self.k.dtype, device=device)
+            kv_2LTKD[0].copy_(self.k)
+            kv_2LTKD[1].copy_(self.v)
+            if stream is not None:
+                stream.synchronize()
         return dataclasses.replace(self, k=kv_2LTKD[0], v=kv_2LTKD[1])
 
     def with_clock(self, clock: TransferClock) -> KVPages:
@@ -132,7 +135,8 @@ class KVPages:
         return timed
 
     def verify(self) -> None:
-        """Raise ValueError naming the first page whose checksum differs from the sender's."""
+        """Raise ValueError naming the first page whose checksum differs from the sender's. The checksums run on the
+        current stream (a receiver whose KV is complete may enter `transfer_stream` first)."""
         if self._verified:
             return
         mine = page_checksums(self.k, self.v, self.page_size)
@@ -252,6 +256,9 @@ def write_pages(pool: KVPool, pages: list[int], kv: KVPages) -> None:
         raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
     if kv.clock is not None:
         kv.clock.mark("write")
+    if kv.k.device.type == "cuda":  # (made on another stream, perhaps: not reused before this stream has read it)
+        kv.k.record_stream(torch.cuda.current_stream(kv.k.device))
+        kv.v.record_stream(torch.cuda.current_stream(kv.v.device))
     pool.k_cache.index_copy_(1, slots, kv.k.to(pool.k_cache.device, pool.k_cache.dtype))
     pool.v_cache.index_copy_(1, slots, kv.v.to(pool.v_cache.device, pool.v_cache.dtype))
     if pool.routing is not None:

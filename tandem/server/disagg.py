@@ -69,6 +69,7 @@ from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store, join_store, why_not_p2p
+from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages, SharedKV, TransferClock, sharing_domain, why_not_shared, wire_meta
 from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
@@ -225,6 +226,13 @@ class Exports:
             held[0].free(taken=False)
 
 
+def _verify(kv: KVPages) -> None:
+    """`kv.verify()` on the transfer stream (`transfer_stream`): its KV is complete, the host having waited for it,
+    so its checksums need not wait behind the engine's steps."""
+    with transfer_stream(kv.k.device):
+        kv.verify()
+
+
 def _free_all(held: dict[str, tuple[SharedKV, asyncio.TimerHandle]]) -> None:
     for shared, _ in held.values():
         with contextlib.suppress(Exception):  # (at exit: what torch tore down already is freed with it)
@@ -377,9 +385,10 @@ class PrefillClient:
         clock.mark("import")
         meta["transfer"] = transfer
         if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
-            kv = KVPages.from_bytes(data, wire_meta(data)).to(self.engine.pool.k_cache.device)
+            kv = await asyncio.to_thread(lambda: KVPages.from_bytes(data, wire_meta(data)).to(
+                self.engine.pool.k_cache.device))  # (parsed and copied off the event loop)
             clock.mark("taken")
-            await asyncio.to_thread(kv.verify)
+            await asyncio.to_thread(_verify, kv)
             clock.mark("verified")
         elif transfer == "p2p":
             kv = await self._receive(url, data, clock)
@@ -430,7 +439,7 @@ class PrefillClient:
         clock.mark("taken")
         release = asyncio.ensure_future(self._release(url, export_id))  # (heard while this verifies)
         try:
-            await asyncio.to_thread(kv.verify)
+            await asyncio.to_thread(_verify, kv)
             clock.mark("verified")
         finally:
             await asyncio.shield(release)
@@ -472,7 +481,7 @@ class PrefillClient:
                     raise
         kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
         clock.mark("taken")
-        await asyncio.to_thread(kv.verify)
+        await asyncio.to_thread(_verify, kv)
         clock.mark("verified")
         return kv
 
