@@ -3,6 +3,7 @@ many requests decode (the interference disaggregation removes). Every setup and 
 
     python benchmarks/disaggregation.py [--model qwen3-0.6b] [--gpus 1] [--out disagg.json]
     python benchmarks/disaggregation.py --model tiny --device cpu --quick      (a smoke run on a CPU)
+    python benchmarks/disaggregation.py --transfer-only [--out transfer.json]  (only (b)'s KV transfer, below)
 
 Setups: each server a process of its own, spawned here (an `Engine` served by `ServerThread`, as `EngineProcess`
 serves one, plus the token clock below), the client always through a router in this process (so every setup pays
@@ -31,9 +32,13 @@ Metrics:
   computed once before (so each timed call costs it about one token of compute): (i) export as bytes, a
   `/pd/prefill` from here: the prefill server reads the KV out of its pool, checksums and sends it; (ii) end to
   end, a `/generate` with `bootstrap` to the decode server, its cache flushed: the transfer as the decode server
-  chooses it (the kinds the prefill server offers are printed), its verification, the write into its pool and one
-  decode step. KV bytes / seconds, against a device-to-device copy in the same run (on a CPU a memcpy), whose
-  bandwidth counts read + write as `engine_throughput.py` does: a transfer as fast as that copy reads 50%.
+  chooses it (offered and chosen kinds are printed), its verification, the write into its pool and one decode
+  step; (iii) the transfer itself, as the servers time it in those calls (`/pd/transfers`): (iv) the prefill
+  server's export (pages gathered out of its pool, checksummed, shared or serialised) plus (v) the decode
+  server's import (from the answer in hand to the pages written in its pool, device-synchronised: mapped or
+  received, copied, verified, written). KV bytes / seconds, against a device-to-device copy in the same run (on a
+  CPU a memcpy), whose bandwidth counts read + write as `engine_throughput.py` does: a transfer as fast as that
+  copy reads 50%. `--transfer-only` runs only this, on (b)'s servers, with no workload before it.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from engine_throughput import copy_bandwidth, parse_with_quick
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
+from tandem.server.disagg import HEADER
 from tandem.server.http import ServerThread
 from tandem.server.router import build_router_app
 from tandem.server.router_config import RouterConfig
@@ -210,19 +216,24 @@ def summarize(jobs: list[Job], answers: dict, times: dict[str, list[float]]) -> 
 
 async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url: str, ids: list[int],
                       reps: int = 3) -> dict:
-    """(i) export and (ii) end to end of `ids`'s KV (see the module docstring), median of `reps` each."""
+    """(i) export and (ii) end to end of `ids`'s KV, and (iii) the transfer's own times that the servers report
+    (see the module docstring), median of `reps` each."""
     info = json.loads(await call(http, f"{prefill_url}/pd/info"))
     offered = (info.get("transfer") or {}).get("kinds", ["bytes"])  # (what the decode server may choose from)
     itemsize = torch.empty(0, dtype=getattr(torch, info["kv_dtype"])).element_size()
     per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * itemsize
     sampling = {"max_new_tokens": 2, "temperature": 0.0, "seed": 0, "ignore_eos": True}
-    export, e2e = [], []
+    export, export_server, e2e = [], [], []
     for i in range(reps + 1):  # the first computes the prompt: not timed
         t0 = time.monotonic()
-        body = await call(http, f"{prefill_url}/pd/prefill", {"rid": f"xfer{i}", "input_ids": ids,
-                                                              "sampling_params": sampling, "kv_from": 0})
+        async with http.post(f"{prefill_url}/pd/prefill", json={"rid": f"xfer{i}", "input_ids": ids,
+                                                                "sampling_params": sampling, "kv_from": 0}) as r:
+            body = await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"/pd/prefill answered {r.status}: {body[:300].decode(errors='replace')}")
+            export_server.append(json.loads(r.headers[HEADER])["export_s"])
         export.append(time.monotonic() - t0)
-    for i in range(reps):
+    for i in range(reps + 1):  # the first warms the decode server's import: not timed
         await call(http, f"{decode_url}/flush_cache", {})  # so that it holds none of the prompt
         t0 = time.monotonic()
         out = json.loads(await call(http, f"{decode_url}/generate", {
@@ -230,33 +241,51 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
             "bootstrap": {"prefill_url": prefill_url}}))
         e2e.append(time.monotonic() - t0)
         assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
-    return {"tokens": len(ids), "offered": offered, "kv_bytes_per_token": per_token, "kv_bytes": len(ids) * per_token,
-            "wire_bytes": len(body), "export_s": statistics.median(export[1:]), "end_to_end_s": statistics.median(e2e)}
+    records = json.loads(await call(http, f"{decode_url}/pd/transfers"))[-reps:]
+    assert len(records) == reps and all(r["start"] == 0 and r["import_s"] is not None for r in records), records
+    med = lambda key: statistics.median(r[key] for r in records)  # noqa: E731
+    return {"tokens": len(ids), "offered": offered, "chosen": sorted({r["transfer"] for r in records}),
+            "kv_bytes_per_token": per_token, "kv_bytes": len(ids) * per_token, "wire_bytes": len(body),
+            "export_s": statistics.median(export[1:]), "export_bytes_server_s": statistics.median(export_server[1:]),
+            "end_to_end_s": statistics.median(e2e[1:]), "prefill_export_s": med("export_s"),
+            "decode_take_s": med("take_s"), "decode_copy_s": med("copy_s"), "decode_verify_s": med("verify_s"),
+            "decode_write_s": med("write_s"), "decode_import_s": med("import_s"),
+            "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
 
 async def measure(servers: list[Server], router_url: str, args) -> dict:
     """Warm up, flush, run the workload; then, with a prefill server, the KV transfer."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
                                      connector=aiohttp.TCPConnector(limit=0)) as http:
-        warm = workload(args, "warm", args.seed + 1, max(2, args.decode_output // 8), max(2, args.long // 4))
-        await run_jobs(http, router_url, warm)
-        await call(http, f"{router_url}/flush_cache", {})
-        for s in servers:
-            s.token_times()  # (forget the warm-up's)
-        before = json.loads(await call(http, f"{router_url}/engine_stats"))
-        jobs = workload(args, "run", args.seed, args.decode_output, args.long)
-        answers = await run_jobs(http, router_url, jobs)
-        after = json.loads(await call(http, f"{router_url}/engine_stats"))
-        times = {rid: ts for s in servers for rid, ts in s.token_times().items()}
-        result = summarize(jobs, answers, times) | {k: after[k] - before[k]
-                                                    for k in ("num_retractions", "imports_recomputed")}
+        result = {} if args.transfer_only else await workload_metrics(http, servers, router_url, args)
         prefill, decode = ([s.url for s in servers if s.role == role] for role in ("prefill", "decode"))
         if prefill:
             ids = random.Random(args.seed + 2).choices(range(3, PRESETS[args.model].vocab_size),
                                                        k=args.transfer_tokens)
-            t = result["transfer"] = await kv_transfer(http, prefill[0], decode[0], ids)
-            result["kv_bytes_moved"] = t["kv_bytes_per_token"] * sum(len(j.ids) for j in jobs)
+            result["transfer"] = await kv_transfer(http, prefill[0], decode[0], ids)
         return result
+
+
+async def workload_metrics(http: aiohttp.ClientSession, servers: list[Server], router_url: str, args) -> dict:
+    """Warm up, flush, run the workload: `summarize`'s metrics, and the KV moved if there is a prefill server."""
+    warm = workload(args, "warm", args.seed + 1, max(2, args.decode_output // 8), max(2, args.long // 4))
+    await run_jobs(http, router_url, warm)
+    await call(http, f"{router_url}/flush_cache", {})
+    for s in servers:
+        s.token_times()  # (forget the warm-up's)
+    before = json.loads(await call(http, f"{router_url}/engine_stats"))
+    jobs = workload(args, "run", args.seed, args.decode_output, args.long)
+    answers = await run_jobs(http, router_url, jobs)
+    after = json.loads(await call(http, f"{router_url}/engine_stats"))
+    times = {rid: ts for s in servers for rid, ts in s.token_times().items()}
+    result = summarize(jobs, answers, times) | {k: after[k] - before[k] for k in ("num_retractions",
+                                                                                 "imports_recomputed")}
+    if any(s.role == "prefill" for s in servers):
+        info = json.loads(await call(http, f"{[s.url for s in servers if s.role == 'prefill'][0]}/pd/info"))
+        itemsize = torch.empty(0, dtype=getattr(torch, info["kv_dtype"])).element_size()
+        per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * itemsize
+        result["kv_bytes_moved"] = per_token * sum(len(j.ids) for j in jobs)
+    return result
 
 
 def run_setup(roles: list[tuple[str, str | None]], args, config: EngineConfig, dtype: str) -> dict:
@@ -287,6 +316,7 @@ def parse_args() -> argparse.Namespace:
     for name, default in SIZES.items():  # (the module docstring says what each is)
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--transfer-only", action="store_true", help="only (b)'s KV transfer: no workload, no (a), (c)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     return parse_with_quick(p, QUICK)
 
@@ -313,6 +343,8 @@ def main() -> None:
               "(b) prefill+decode": [("prefill", gpus[0]), ("decode", gpus[args.gpus - 1])]}
     if args.gpus == 2:
         setups["(c) 2 x unified, replicas"] = [("unified", g) for g in gpus[:2]]
+    if args.transfer_only:
+        setups = {"(b) prefill+decode": setups["(b) prefill+decode"]}
     try:
         for name, roles in setups.items():
             results["setups"][name] = run_setup(roles, args, config, "bfloat16" if cuda else "float32")
@@ -325,15 +357,20 @@ def main() -> None:
 
 
 def targets(results: dict, base_name: str) -> list[dict]:
-    """The issue's targets: (b) against `base_name`, the transfer against the copy."""
-    pd, base = results["setups"]["(b) prefill+decode"], results["setups"][base_name]
-    share = pd["transfer"]["kv_bytes"] / pd["transfer"]["end_to_end_s"] / results["copy_bytes_per_s"]
-    ratio = pd["output_tok_s"] / base["output_tok_s"]
-    rows = [("KV transfer end to end, of the copy bandwidth", "at least 50%", f"{share:.1%}", share >= 0.5),
-            (f"decode ITL p99 under long prompts, (b) against {base_name}", "lower",
-             f"{pd['itl_p99_ms']:.2f} against {base['itl_p99_ms']:.2f} ms", pd["itl_p99_ms"] < base["itl_p99_ms"]),
-            (f"output throughput, (b) against {base_name}", "at most 10% lower",
-             f"{pd['output_tok_s']:,.0f} against {base['output_tok_s']:,.0f} tok/s ({ratio - 1:+.1%})", ratio >= 0.9)]
+    """The issue's targets: the transfer against the copy; (b) against `base_name` (not with --transfer-only)."""
+    pd = results["setups"]["(b) prefill+decode"]
+    t, copy = pd["transfer"], results["copy_bytes_per_s"]
+    share, e2e = t["kv_bytes"] / t["transfer_s"] / copy, t["kv_bytes"] / t["end_to_end_s"] / copy
+    rows = [("KV transfer between the two processes (prefill export + decode import), of the copy bandwidth",
+             "at least 50%", f"{share:.1%} ({e2e:.1%} end to end)", share >= 0.5)]
+    if base_name in results["setups"]:
+        base = results["setups"][base_name]
+        ratio = pd["output_tok_s"] / base["output_tok_s"]
+        rows += [(f"decode ITL p99 under long prompts, (b) against {base_name}", "lower",
+                  f"{pd['itl_p99_ms']:.2f} against {base['itl_p99_ms']:.2f} ms", pd["itl_p99_ms"] < base["itl_p99_ms"]),
+                 (f"output throughput, (b) against {base_name}", "at most 10% lower",
+                  f"{pd['output_tok_s']:,.0f} against {base['output_tok_s']:,.0f} tok/s ({ratio - 1:+.1%})",
+                  ratio >= 0.9)]
     return [dict(zip(("target", "wanted", "measured", "met"), row, strict=True)) for row in rows]
 
 
@@ -341,29 +378,43 @@ def report(results: dict, args) -> None:
     bw, copy = results["copy_bytes_per_s"], "device-to-device copy" if args.device.startswith("cuda") else "memcpy"
     print(f"## disaggregation ({results['date']}, {results['device']}, torch {results['torch']}, {args.model})\n")
     print(f"command: `{results['command']}`; {copy}: {bw / 1e9:,.1f} GB/s (read + write)\n")
-    print(f"{args.decoders} decoders ({args.decode_prompt} in, {args.decode_output} out) from t=0; {args.long} long "
-          f"prompts ({args.long_min}-{args.long_max} in, {args.long_output} out) at {args.rate:g}/s from "
-          f"t={args.delay:g} s; prefill budget {args.max_prefill_tokens} tokens a step\n")
-    print("| setup | servers | decode ITL p50 / p99 ms, long prompts in flight | samples | ITL p50 / p99 ms, "
-          "outside | output tok/s | long TTFT p50 / max ms | retractions | imports recomputed |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, r in results["setups"].items():
-        print(f"| {name} | {', '.join(r['servers'])} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
-              f"{r['itl_samples']} | {r['itl_outside_p50_ms']:.2f} / {r['itl_outside_p99_ms']:.2f} | "
-              f"{r['output_tok_s']:,.0f} | {r['ttft_p50_ms']:,.0f} / {r['ttft_max_ms']:,.0f} | "
-              f"{r['num_retractions']} | {r['imports_recomputed']} |")
-    for name in (n for n, r in results["setups"].items() if not r["decoding_at_every_arrival"]):
-        print(f"\nwarning: in {name} a decoder finished before the last long prompt arrived (--decode-output)")
     pd = results["setups"]["(b) prefill+decode"]
+    if not args.transfer_only:
+        print(f"{args.decoders} decoders ({args.decode_prompt} in, {args.decode_output} out) from t=0; {args.long} "
+              f"long prompts ({args.long_min}-{args.long_max} in, {args.long_output} out) at {args.rate:g}/s from "
+              f"t={args.delay:g} s; prefill budget {args.max_prefill_tokens} tokens a step\n")
+        print("| setup | servers | decode ITL p50 / p99 ms, long prompts in flight | samples | ITL p50 / p99 ms, "
+              "outside | output tok/s | long TTFT p50 / max ms | retractions | imports recomputed |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for name, r in results["setups"].items():
+            print(f"| {name} | {', '.join(r['servers'])} | {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} | "
+                  f"{r['itl_samples']} | {r['itl_outside_p50_ms']:.2f} / {r['itl_outside_p99_ms']:.2f} | "
+                  f"{r['output_tok_s']:,.0f} | {r['ttft_p50_ms']:,.0f} / {r['ttft_max_ms']:,.0f} | "
+                  f"{r['num_retractions']} | {r['imports_recomputed']} |")
+        for name in (n for n, r in results["setups"].items() if not r["decoding_at_every_arrival"]):
+            print(f"\nwarning: in {name} a decoder finished before the last long prompt arrived (--decode-output)")
+        print(f"\nKV moved from the prefill to the decode server in (b): {pd['kv_bytes_moved'] / 1e9:.3f} GB")
     t = pd["transfer"]
-    print(f"\nKV moved from the prefill to the decode server in (b): {pd['kv_bytes_moved'] / 1e9:.3f} GB\n")
-    print(f"| KV transfer of {t['tokens']} tokens ({t['kv_bytes'] / 1e6:,.1f} MB of KV, {t['wire_bytes'] / 1e6:,.1f} "
-          f"MB on the wire) | ms | GB/s | of the {copy} |\n|---|---|---|---|")
-    for what, key in (("(i) export as bytes: /pd/prefill, read out of the pool, checksummed, sent", "export_s"),
-                      ("(ii) end to end into the decode server's pool, and one decode step (the transfer it "
-                       f"chose, of {' / '.join(t['offered'])})", "end_to_end_s")):
-        print(f"| {what} | {1e3 * t[key]:,.1f} | {t['kv_bytes'] / t[key] / 1e9:,.2f} | "
-              f"{t['kv_bytes'] / t[key] / bw:.1%} |")
+    print(f"\n| KV transfer of {t['tokens']} tokens ({t['kv_bytes'] / 1e6:,.1f} MB of KV, {t['wire_bytes'] / 1e6:,.1f} "
+          f"MB as bytes), {', '.join(pd['servers'])} | ms | GB/s | of the {copy} |\n|---|---|---|---|")
+    chosen = f"{' / '.join(t['chosen'])}, of {' / '.join(t['offered'])} offered"
+    for what, key in (("(i) export as bytes: /pd/prefill from the client, read out of the pool, checksummed, sent",
+                       "export_s"),
+                      ("(i') of which the prefill server's own: read, checksummed, serialised",
+                       "export_bytes_server_s"),
+                      (f"(ii) end to end: /generate through the decode server, one decode step ({chosen})",
+                       "end_to_end_s"),
+                      ("(iii) the transfer itself: (iv) + (v)", "transfer_s"),
+                      ("(iv) prefill server: pages read out of its pool, checksummed, shared", "prefill_export_s"),
+                      ("(v) decode server: from the answer to the pages written in its pool (synchronised)",
+                       "decode_import_s"),
+                      ("(v') of which: taken (mapped or received, copied, verified on its device)", "decode_take_s"),
+                      ("(v'1) of (v'): mapped or received, and copied onto its device", "decode_copy_s"),
+                      ("(v'2) of (v'): its page checksums computed and compared", "decode_verify_s"),
+                      ("(v'') of which: the write into the pool (device time)", "decode_write_s")):
+        seconds = max(t[key], 1e-9)
+        print(f"| {what} | {1e3 * seconds:,.2f} | {t['kv_bytes'] / seconds / 1e9:,.2f} | "
+              f"{t['kv_bytes'] / seconds / bw:.1%} |")
     print("\n| target | wanted | measured | met |\n|---|---|---|---|")
     for row in results["targets"]:
         print(f"| {row['target']} | {row['wanted']} | {row['measured']} | {'yes' if row['met'] else 'no'} |")

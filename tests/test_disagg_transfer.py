@@ -139,6 +139,17 @@ def test_by_reference_the_servers_generate_what_bytes_and_one_engine_do(device, 
                 assert held(p_url) == 0
             answers.append(generate(d_url, p_url, prompts[2]))
             assert held(p_url) == 0
+            records = httpx.get(f"{d_url}/pd/transfers").json()
+            assert [r["transfer"] for r in records] == [transfer] * 7
+            # only the pages the decode server lacks: a later turn from its cached history, then nothing
+            assert [r["start"] for r in records[:3]] == [0, 0, 0]
+            assert all(r["start"] >= len(ids) // 4 * 4 for r, ids in zip(records[3:6], prompts, strict=True))
+            assert records[6]["start"] == records[6]["end"] == 24 and records[6]["pages"] == 0
+            for r in records:  # the transfer timed by itself, inside the end-to-end time
+                per_token = 2 * 2 * 2 * 32 * 4  # (tiny: keys and values, 2 layers, 2 KV heads, head dim 32, fp32)
+                assert r["pages"] == -(-(r["end"] - r["start"]) // 4), r
+                assert r["kv_bytes"] == (r["end"] - r["start"]) * per_token, r
+                assert r["export_s"] > 0 and 0 <= r["write_s"] <= r["import_s"] and 0 < r["take_s"] <= r["import_s"]
         got[transfer] = [tokens(a) for a in answers]
     assert got["reference"] == got["bytes"]
     assert got["reference"][:3] == want
@@ -220,8 +231,8 @@ def test_shared_memory_that_changes_after_the_export_is_named_by_page():
 
 def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_cannot(monkeypatch):
     """Paired with a prefill server of this host: by reference unless told bytes. A prefill server of another host
-    (or on another kind of device, or on CUDA this very process) gives bytes by default, and a decode server told
-    to take references refuses the request, naming why."""
+    (or on another kind of device, or on CUDA this very process) gives its KV point to point by default where it
+    can (CPUs here), and a decode server told to take references refuses the request, naming why."""
     with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
         async def chosen(transfer):
             client = disagg.PrefillClient(d, transfer=transfer)
@@ -239,7 +250,7 @@ def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_ca
         assert "this very process" in why_not_shared(here | {"device": "cuda"}, "cuda")
         real = disagg.sharing_domain
         monkeypatch.setattr(disagg, "sharing_domain", lambda device: real(device) | {"host": "elsewhere/0"})
-        assert asyncio.run(chosen(None)) == "bytes"
+        assert asyncio.run(chosen(None)) == "p2p"  # (gloo between CPUs: see test_disagg_p2p)
         with pytest.raises(ValueError, match="takes KV by reference, and cannot from .*another host"):
             asyncio.run(chosen("reference"))
         with decode_server("cpu", "reference") as d_url:

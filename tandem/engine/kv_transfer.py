@@ -2,47 +2,52 @@
 
 A prefill server computes a prompt's KV and its first token; the decode server takes the KV of the positions it
 does not hold yet and decodes from there. What moves is a `KVPages`: the keys and values of token positions
-[start, end) of one sequence, every layer, with a checksum per page computed where they were read, so the receiver
-can prove it writes what the sender read. It moves in one of two ways (the servers choose: `tandem.server.disagg`):
+[start, end) of one sequence, every layer, with a checksum per page computed where they were read (`page_sums`:
+integer sums on the device that holds them, one host sync for all pages), so the receiver can prove, on its own
+device, that it writes what the sender read. It moves in one of three ways (the servers choose:
+`tandem.server.disagg`):
 
 - bytes, between any two processes: `to_bytes` / `from_bytes` (safetensors: dtype and shapes travel with the data).
   The receiver owns what it parsed.
 - by reference, between processes of one host: the sender's `SharedKV` puts the KV where the receiver can map it
   (on a GPU its own device tensors, by CUDA IPC; on a CPU a file in shared memory) and describes it in a JSON
-  `handle`; the receiver's `KVPages.from_shared(handle, device)` maps it, copies it onto `device` and drops the
-  mapping before it returns. The sender keeps the memory until the receiver says it is done, then `free`s it; if
-  the receiver never says so (it died) the sender frees it after a timeout of its own choosing, and a receiver
-  that maps it later fails, or reads other bytes and fails its checksums: it never writes them.
+  `handle`; the receiver's `KVPages.from_shared(handle, device)` maps it, copies it onto `device` (device to
+  device, one host sync) and drops the mapping before it returns. The sender keeps the memory until the receiver
+  says it is done, then `free`s it; if the receiver never says so (it died) the sender frees it after a timeout of
+  its own choosing, and a receiver that maps it later fails, or reads other bytes and fails its checksums: it
+  never writes them.
+- point to point, between two processes of a torch.distributed group of their own (gloo on CPUs, NCCL between
+  GPUs): `tandem.engine.kv_p2p`.
 
-Either way the receiver verifies the checksums of what it holds (`verify`) before it writes anything.
+Every way the receiver verifies the checksums of what it holds (`verify`, on its device) before it writes anything.
+No cryptographic hash: the checksums guard against accidents (memory freed and reused, a copy gone wrong), not
+against a sender that lies, and the servers trust each other as they trust their router; bytes that cross hosts
+are carried by TCP, whose own checksums and this one's both apply.
 
-`read_pages` and `write_pages` are the two ends in a KV pool. Both run in the engine's thread, between steps, so no
-page is freed or reused while its content is on the way in or out: `read_pages` copies the pages before the
-request that holds them lets them go.
+`read_pages` and `write_pages` are the two ends in a KV pool: a gather and a scatter by index on the pool's device.
+Both run in the engine's thread, between steps, so no page is freed or reused while its content is on the way in
+or out: `read_pages` copies the pages before the request that holds them lets them go, and what a transfer holds
+in flight is that copy, never the pool's pages; `write_pages` writes pages the engine gave the import, from a copy
+the receiver owns.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
+import dataclasses
 import json
 import math
-import os
-import re
-import socket
-import tempfile
-import uuid
+import time
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from tandem.engine.kv_pool import KVPool
+from tandem.engine.kv_shared import _WAYS, SHM_DIR, SharedKV, _unb64, sharing_domain, transfer_stream, why_not_shared
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_SHM_NAME = re.compile(r"tandem-kv-[0-9a-f]{32}")
+__all__ = ["SHM_DIR", "KVPages", "SharedKV", "TransferClock", "page_checksums", "page_sums", "read_pages",
+           "sharing_domain", "transfer_stream", "why_not_shared", "wire_meta", "write_pages"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ class KVPages:
     page_size: int
     checksums: tuple[str, ...]
     routing: torch.Tensor | None = None
+    read_s: float = field(default=0.0, compare=False)
+    clock: TransferClock | None = field(default=None, compare=False, repr=False)
     _verified: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
@@ -86,17 +93,50 @@ class KVPages:
         dropped before this returns (on a GPU, once the copy has finished), so the sender may then free it; not
         verified yet. ValueError if the handle does not parse or its memory cannot be mapped here."""
         try:
-            k, v = _WAYS[handle["kind"]].open(handle, torch.device(device))
-            routing = None
-            if (shared := handle.get("routing")) is not None:
-                routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(shared["shape"])
-            return cls(int(handle["start"]), k, v, int(handle["page_size"]), tuple(map(str, handle["checksums"])),
-                       routing)
+            return cls.from_header(handle, *_WAYS[handle["kind"]].open(handle, torch.device(device)))
         except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:
             raise ValueError(f"kv transfer: the shared KV cannot be taken ({type(e).__name__}: {e})") from e
 
+    @classmethod
+    def from_header(cls, header: dict, k: torch.Tensor, v: torch.Tensor) -> KVPages:
+        """Keys `k` and values `v` with what `kv_shared.kv_header` says of them (not verified yet); KeyError,
+        ValueError or TypeError if the header does not parse."""
+        routing = None
+        if (shared := header.get("routing")) is not None:
+            routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(shared["shape"])
+        return cls(int(header["start"]), k, v, int(header["page_size"]), tuple(map(str, header["checksums"])),
+                   routing)
+
+    def stacked(self) -> torch.Tensor:
+        """Keys and values as one contiguous tensor [2, L, T, K, D]: without a copy where they are the halves of
+        one (as `read_pages` gives them)."""
+        k, v = self.k, self.v
+        if k.is_contiguous() and v.is_contiguous() and k.untyped_storage().data_ptr() == \
+                v.untyped_storage().data_ptr() and v.data_ptr() == k.data_ptr() + k.numel() * k.element_size():
+            return k.as_strided((2, *k.shape), (k.numel(), *k.stride()))
+        return torch.stack([k, v])
+
+    def to(self, device: torch.device | str) -> KVPages:
+        """This KV on `device` (itself if it is there already; a copy is not verified yet)."""
+        if self.k.device == torch.device(device):
+            return self
+        with transfer_stream(device) as stream:
+            kv_2LTKD = torch.empty((2, *self.k.shape), dtype=self.k.dtype, device=device)
+            kv_2LTKD[0].copy_(self.k)
+            kv_2LTKD[1].copy_(self.v)
+            if stream is not None:
+                stream.synchronize()
+        return dataclasses.replace(self, k=kv_2LTKD[0], v=kv_2LTKD[1])
+
+    def with_clock(self, clock: TransferClock) -> KVPages:
+        """This KV timed by `clock` (`write_pages` marks it); verified if this is."""
+        timed = dataclasses.replace(self, clock=clock)
+        object.__setattr__(timed, "_verified", self._verified)
+        return timed
+
     def verify(self) -> None:
-        """Raise ValueError naming the first page whose checksum differs from the sender's."""
+        """Raise ValueError naming the first page whose checksum differs from the sender's. The checksums run on the
+        current stream (a receiver whose KV is complete may enter `transfer_stream` first)."""
         if self._verified:
             return
         mine = page_checksums(self.k, self.v, self.page_size)
@@ -115,282 +155,136 @@ def wire_meta(data: bytes) -> dict:
     return json.loads(data[8:8 + size]).get("__metadata__", {})
 
 
-CHECKSUM_CHUNK = 256  # positions at a time: the checksum's int64 words stay a small multiple of the KV
+MASK = (1 << 64) - 1
+
+
+def page_sums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The page checksums of keys and values [L, T, K, D] as integers [pages, 2] (int64) on their device, with no
+    host sync: per page of `page_size` positions (the last may be short), a row part and a column part. The KV's
+    bytes are read as 32-bit words (int32; int16 or bytes widened to int32 where a position's bytes in a layer do
+    not divide into 4), each (tensor, layer, position) a row of M words. Row part: each row's words summed modulo
+    2**32, times an odd weight of (tensor, layer, offset in the page), summed modulo 2**64. Column part: each
+    column's words summed over the page's positions, times an odd weight of (tensor, layer, column), all modulo
+    2**32. Integer arithmetic with wrap-around, so every device, layout and order of summation gives the same value
+    for the same bytes; the sums over the KV stay in int32 (a reduction of the KV's own type reads it at memory
+    speed on a CPU too, where a widening one does not). A changed word changes its row's sum (by a difference
+    below 2**32, not 0 modulo 2**32), so the row part (an odd weight times it is not 0 modulo 2**64); positions
+    swapped within a page change the row part unless their rows sum alike; words swapped within a row change the
+    column part but for rare differences; a page moved to another index carries its checksum with it, which the
+    sender's for that index then lacks. Against accidents (memory reused, a copy gone wrong), not adversaries: a
+    change that keeps every row and column sum of a page passes. Two reductions of the KV, for all pages at once."""
+    if k.shape != v.shape or k.dim() != 4:
+        raise ValueError(f"kv: keys {tuple(k.shape)} and values {tuple(v.shape)} must both be [L, T, K, D]")
+    layers, n = k.shape[:2]
+    num_pages, full = -(-n // page_size), n // page_size * page_size
+    rows_part = torch.zeros(num_pages, dtype=torch.int64, device=k.device)
+    cols_part = torch.zeros(num_pages, dtype=torch.int32, device=k.device)
+    for which, x in enumerate((k, v)):
+        words_LTM = _words(x)
+        row_w_LO = _odd_weights(layers * page_size, 0x9E3779B1, which * layers * page_size, k.device).view(
+            layers, page_size)
+        col_w_LM = _odd_weights(layers * words_LTM.shape[2], 0x85EBCA77, which * (1 << 24), k.device).view(
+            layers, -1).to(torch.int32)
+        if full:
+            body_LPOM = words_LTM[:, :full].view(layers, full // page_size, page_size, -1)
+            rows_LPO = body_LPOM.sum(3, dtype=torch.int32).long()
+            rows_part[:full // page_size] += (rows_LPO * row_w_LO[:, None, :]).sum((0, 2))
+            cols_LPM = body_LPOM.sum(2, dtype=torch.int32)
+            cols_part[:full // page_size] += (cols_LPM * col_w_LM[:, None, :]).sum((0, 2), dtype=torch.int32)
+        if full < n:  # the last page, short
+            tail_LTM = words_LTM[:, full:]
+            rows_part[-1] += (tail_LTM.sum(2, dtype=torch.int32).long() * row_w_LO[:, :n - full]).sum()
+            cols_part[-1] += (tail_LTM.sum(1, dtype=torch.int32) * col_w_LM).sum(dtype=torch.int32)
+    return torch.stack([rows_part, cols_part.long()], dim=1)
 
 
 def page_checksums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[str, ...]:
-    """A 64-bit checksum per page of positions (dimension 1) of 2- or 4-byte keys and values, computed where they
-    are (no copy to the host: a GPU sums its own memory at its bandwidth): each 16-bit word of a position times an
-    odd weight of its place, the position's sum times an odd weight of its offset in the page, summed per page.
-    Integer arithmetic modulo 2**64, so every device gives the same value; any change to one word changes it."""
-    n = k.shape[1]
-    sums = torch.zeros(-(-n // page_size), dtype=torch.int64, device=k.device)
-    for s in range(0, n, CHECKSUM_CHUNK):
-        words = torch.cat([k[:, s:s + CHECKSUM_CHUNK], v[:, s:s + CHECKSUM_CHUNK]]).transpose(0, 1).contiguous()
-        words = words.view(torch.int16).reshape(words.shape[0], -1).long()  # [positions, words]
-        weights = torch.arange(words.shape[1], device=k.device) * 0x9E3779B1 % (1 << 31) * 2 + 1
-        at = torch.arange(s, s + words.shape[0], device=k.device)
-        per_position = (words * weights).sum(dim=1) * ((at % page_size) * 2 + 1)
-        sums.index_add_(0, at // page_size, per_position)
-    return tuple(f"{x & 0xFFFFFFFFFFFFFFFF:016x}" for x in sums.tolist())
+    """`page_sums` as 24 hex digits a page (row part, column part): one host sync for all pages."""
+    return tuple(_hex(pair) for pair in page_sums(k, v, page_size).tolist())
+
+
+def _hex(pair: list[int]) -> str:
+    return f"{pair[0] & MASK:016x}{pair[1] & 0xFFFFFFFF:08x}"
+
+
+def _odd_weights(n: int, multiplier: int, offset: int, device: torch.device) -> torch.Tensor:
+    """Odd weights below 2**31 (so int32 holds them), int64."""
+    return (torch.arange(offset, offset + n, device=device) * multiplier) % (1 << 30) * 2 + 1
+
+
+def _words(x_LTKD: torch.Tensor) -> torch.Tensor:
+    """The bytes of each (layer, position) of `x_LTKD` as int32 words [L, T, M]: its own bytes where they divide
+    into 4 (a copy only if the positions' bytes are not laid out so), else its int16 or byte words widened."""
+    layers, n = x_LTKD.shape[:2]
+    rows = x_LTKD.reshape(layers, n, math.prod(x_LTKD.shape[2:]))
+    nbytes = rows.shape[2] * rows.element_size()
+    word = next(w for w in (torch.int32, torch.int16, torch.uint8) if nbytes % w.itemsize == 0)
+    try:
+        words = rows.view(word)
+    except RuntimeError:  # (strides or offset that do not divide into words)
+        words = rows.contiguous().view(word)
+    return words if word == torch.int32 else words.to(torch.int32)
 
 
 def read_pages(pool: KVPool, pages: list[int], start: int, end: int,
                device: torch.device | str = "cpu") -> KVPages:
     """A copy on `device` of positions [start, end) of a sequence with page table `pages` (`start` page-aligned):
-    on the host for the bytes transfer, on the pool's own device for a transfer by reference (`SharedKV`); its
-    checksums are of that copy."""
+    keys and values gathered by index on the pool's device into one buffer [2, L, T, K, D] (then moved to `device`
+    if it is another), their checksums computed there (one host sync). On the pool's own device for a transfer by
+    reference or point to point; on the host for bytes. `read_s`: the time this took, device-synchronised."""
     assert start % pool.page_size == 0, start
+    began = time.perf_counter()
     slots = pool.slots(pages, start, end)
-    k, v = pool.k_cache[:, slots].to(device), pool.v_cache[:, slots].to(device)  # (indexing copies)
+    layers, _, heads, dim = pool.k_cache.shape
+    kv_2LTKD = torch.empty((2, layers, end - start, heads, dim), dtype=pool.k_cache.dtype,
+                           device=pool.k_cache.device)
+    torch.index_select(pool.k_cache, 1, slots, out=kv_2LTKD[0])
+    torch.index_select(pool.v_cache, 1, slots, out=kv_2LTKD[1])
+    kv_2LTKD = kv_2LTKD.to(device)
     routing = None if pool.routing is None else pool.routing[slots].cpu()
-    return KVPages(start, k, v, pool.page_size, page_checksums(k, v, pool.page_size), routing)
+    checksums = page_checksums(kv_2LTKD[0], kv_2LTKD[1], pool.page_size)  # (the host waits: the copy is done)
+    return KVPages(start, kv_2LTKD[0], kv_2LTKD[1], pool.page_size, checksums, routing,
+                   read_s=time.perf_counter() - began)
 
 
 def write_pages(pool: KVPool, pages: list[int], kv: KVPages) -> None:
     """Write `kv` into positions [kv.start, kv.end) of a sequence with page table `pages` (its routing too, where
-    the pool keeps it: ValueError if the pool keeps it and `kv` lacks it)."""
+    the pool keeps it: ValueError if the pool keeps it and `kv` lacks it): scattered by index on the pool's device,
+    the host not waiting. `kv.clock`, if any, is marked "write" before and "written" after."""
     slots = pool.slots(pages, kv.start, kv.end)
     if pool.routing is not None and kv.routing is None:
         raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
-    pool.k_cache[:, slots] = kv.k.to(pool.k_cache.device, pool.k_cache.dtype)
-    pool.v_cache[:, slots] = kv.v.to(pool.v_cache.device, pool.v_cache.dtype)
+    if kv.clock is not None:
+        kv.clock.mark("write")
+    if kv.k.device.type == "cuda":  # (made on another stream, perhaps: not reused before this stream has read it)
+        kv.k.record_stream(torch.cuda.current_stream(kv.k.device))
+        kv.v.record_stream(torch.cuda.current_stream(kv.v.device))
+    pool.k_cache.index_copy_(1, slots, kv.k.to(pool.k_cache.device, pool.k_cache.dtype))
+    pool.v_cache.index_copy_(1, slots, kv.v.to(pool.v_cache.device, pool.v_cache.dtype))
     if pool.routing is not None:
         pool.routing[slots] = kv.routing.to(pool.routing.device)
+    if kv.clock is not None:
+        kv.clock.mark("written")
 
 
-# ---- the transfer by reference ------------------------------------------------------------------------------
-class SharedKV:
-    """The sender's end of a transfer by reference: a `KVPages` where another process of this host can map it,
-    described by `handle` (JSON: what `KVPages.from_shared` takes). It holds that memory until `free`. `free(taken)`:
-    `taken` if the receiver said it is done (it dropped its mapping), false if it never did (presumed dead): then
-    whatever the receiver still counts as mapped is counted off too, or it would never be freed. Build one with
-    `SharedKV.of(kv)`; each kind of memory is a subclass, registered in `_WAYS` by `kind`."""
+class TransferClock:
+    """Named points of one transfer on its receiver, for timing it without making the engine wait: each `mark` takes
+    the host's time and, on a GPU, records an event on the current stream. `seconds(a, b)` once `b` has been
+    reached (it waits for `b`'s event): on a GPU the device time between the two events, else host time."""
 
-    kind: ClassVar[str]
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.host: dict[str, float] = {}
+        self._events: dict[str, torch.cuda.Event] = {}
 
-    def __init__(self, kv: KVPages):
-        self.handle = {"kind": self.kind, "start": kv.start, "page_size": kv.page_size,
-                       "checksums": list(kv.checksums), "dtype": str(kv.k.dtype).removeprefix("torch."),
-                       "shape": list(kv.k.shape)}
-        if kv.routing is not None:
-            self.handle["routing"] = {"data": _b64(kv.routing.contiguous().numpy().tobytes()),
-                                      "shape": list(kv.routing.shape)}
+    def mark(self, name: str) -> None:
+        self.host[name] = time.perf_counter()
+        if self.device.type == "cuda":
+            event = self._events[name] = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
 
-    @staticmethod
-    def of(kv: KVPages) -> SharedKV:
-        """`kv` shared the way its device allows; ValueError if none does."""
-        kind = "empty" if kv.k.numel() == 0 else kv.k.device.type
-        if kind not in _WAYS:
-            raise ValueError(f"transfer: KV on a {kind} device cannot be shared by reference; ask for bytes")
-        return _WAYS[kind](kv)
-
-    @staticmethod
-    def supports(device: torch.device | str) -> bool:
-        return torch.device(device).type in _WAYS
-
-    def free(self, taken: bool) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def open(cls, handle: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The receiver's end: copies on `device` of the keys and values `handle` describes, the mapping dropped."""
-        raise NotImplementedError
-
-
-class _EmptyKV(SharedKV):
-    """No positions (the decode server held every page): nothing to map."""
-
-    kind = "empty"
-
-    def free(self, taken: bool) -> None:
-        pass
-
-    @classmethod
-    def open(cls, handle, device):
-        shape = _shape(handle)
-        if math.prod(shape):
-            raise ValueError(f"an empty handle of shape {shape}")
-        k = torch.empty(shape, dtype=_dtype(handle), device=device)
-        return k, k.clone()
-
-
-class _ShmKV(SharedKV):
-    """On a CPU: keys then values copied into a file of their own in `SHM_DIR` (shared memory), removed by
-    `free`. Mapping a file that is gone fails; one removed while mapped stays readable until unmapped."""
-
-    kind = "cpu"
-
-    def __init__(self, kv: KVPages):
-        super().__init__(kv)
-        name = f"tandem-kv-{uuid.uuid4().hex}"
-        self.path, nbytes = os.path.join(SHM_DIR, name), _nbytes(self.handle)
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        try:
-            os.truncate(self.path, nbytes)
-            kv_2LTKD = _as_kv(torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8), self.handle)
-            kv_2LTKD[0].copy_(kv.k)
-            kv_2LTKD[1].copy_(kv.v)
-        except BaseException:
-            self.free(taken=False)
-            raise
-        self.handle["name"] = name
-
-    def free(self, taken: bool) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    @classmethod
-    def open(cls, handle, device):
-        name = handle["name"]
-        if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
-            raise ValueError(f"not a shared KV file: {name!r}")
-        path, nbytes = os.path.join(SHM_DIR, name), _nbytes(handle)
-        if (size := os.path.getsize(path)) != nbytes:  # (a shorter file would fault when read past its end)
-            raise ValueError(f"{path} holds {size} bytes, the handle {nbytes}")
-        kv_2LTKD = _as_kv(torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8), handle).to(
-            device, copy=True)
-        return kv_2LTKD[0], kv_2LTKD[1]
-
-
-class _CudaKV(SharedKV):
-    """On a GPU: the KV's own device tensors, by CUDA IPC (torch.multiprocessing's reductions, their arguments
-    sent as JSON: nothing is unpickled). torch counts the receiver's mappings in shared memory and keeps a tensor
-    whose count is not zero after this process drops it (its "limbo"); the receiver counts its mapping off when it
-    drops it. A receiver that died never does: `free(taken=False)` counts it off for it."""
-
-    kind = "cuda"
-
-    def __init__(self, kv: KVPages):
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        super().__init__(kv)
-        self._tensors = [kv.k, kv.v]  # alive here until freed: the receiver maps this memory
-        self._counters: list[tuple[bytes, int]] = []
-        parts = []
-        for t in self._tensors:
-            _, (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _, counter, counter_offset,
-                event, event_sync) = reduce_tensor(t)
-            self._counters.append((counter, counter_offset))
-            parts.append({"size": list(size), "stride": list(stride), "offset": offset, "handle": _b64(handle),
-                          "storage_bytes": storage_bytes, "storage_offset": storage_offset,
-                          "ref_counter": _b64(counter), "ref_counter_offset": counter_offset, "event": _b64(event),
-                          "event_sync": bool(event_sync)})
-        self.handle |= {"gpu": _gpu_uuid(kv.k.device), "tensors": parts}
-
-    def free(self, taken: bool) -> None:
-        if not taken and self._tensors:
-            for counter, offset in self._counters:
-                torch.UntypedStorage._release_ipc_counter(counter, offset, device=self._tensors[0].device)
-        self._tensors = []
-
-    @classmethod
-    def open(cls, handle, device):
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        dtype, parts, index = _dtype(handle), handle["tensors"], _local_gpu(handle["gpu"])
-        copies, mapped = [], 0
-        try:
-            if index is None:
-                raise ValueError(f"the sender's GPU {handle['gpu']} is not visible to this process")
-            for part in parts:
-                remote = rebuild_cuda_tensor(
-                    torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]),
-                    torch.UntypedStorage, dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]),
-                    int(part["storage_offset"]), False, _unb64(part["ref_counter"]), int(part["ref_counter_offset"]),
-                    _unb64(part["event"]), bool(part["event_sync"]))
-                mapped += 1
-                try:
-                    copies.append(remote.to(device, copy=True))
-                    torch.cuda.synchronize(device)  # the copy has finished before the mapping goes
-                finally:
-                    del remote  # (dropping the mapping counts it off, now, not with a traceback that holds it)
-        finally:
-            for part in parts[mapped:]:  # never mapped: count them off, or the sender's torch keeps them
-                with contextlib.suppress(Exception):  # (it fails only if the sender's counters are gone with it)
-                    torch.UntypedStorage._release_ipc_counter(_unb64(part["ref_counter"]),
-                                                              int(part["ref_counter_offset"]), device=device)
-        k, v = copies
-        return k, v
-
-
-_WAYS: dict[str, type[SharedKV]] = {w.kind: w for w in (_EmptyKV, _ShmKV, _CudaKV)}
-
-
-def sharing_domain(device: torch.device | str) -> dict:
-    """What a receiver compares with its own to know whether it can map this process's KV on `device`
-    (`why_not_shared`): the host, this process, the device type, and a GPU's UUID."""
-    device = torch.device(device)
-    return {"host": _host_id(), "process": f"{os.getpid()}-{_PROCESS}", "device": device.type,
-            "gpu": _gpu_uuid(device) if device.type == "cuda" else None}
-
-
-def why_not_shared(theirs: dict, device: torch.device | str) -> str | None:
-    """Why this process cannot take into `device`, by reference, KV from a process whose `sharing_domain` is
-    `theirs`; None if it can."""
-    device, mine = torch.device(device), sharing_domain("cpu")
-    if theirs.get("host") != mine["host"]:
-        return f"it runs on another host ({theirs.get('host')}; this one is {mine['host']})"
-    if theirs.get("device") != device.type:
-        return f"its KV is on a {theirs.get('device')} device, this server's on a {device.type} device"
-    if device.type == "cuda" and theirs.get("process") == mine["process"]:
-        return "it is this very process (CUDA IPC cannot map a process's own memory)"
-    if device.type == "cuda" and _local_gpu(theirs.get("gpu")) is None:
-        return f"its GPU {theirs.get('gpu')} is not visible to this process"
-    return None
-
-
-_PROCESS = uuid.uuid4().hex  # (with the pid: a forked child is another process)
-
-
-def _host_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:  # (a host name alone may repeat across machines)
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
-def _gpu_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid)
-
-
-def _local_gpu(gpu_uuid) -> int | None:
-    """This process's index of the GPU with UUID `gpu_uuid` (visible devices are numbered per process)."""
-    if not torch.cuda.is_available():
-        return None
-    return next((i for i in range(torch.cuda.device_count()) if _gpu_uuid(torch.device("cuda", i)) == gpu_uuid),
-                None)
-
-
-def _dtype(handle: dict) -> torch.dtype:
-    dtype = getattr(torch, str(handle["dtype"]), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"not a dtype: {handle['dtype']!r}")
-    return dtype
-
-
-def _shape(handle: dict) -> list[int]:
-    shape = [int(n) for n in handle["shape"]]
-    if len(shape) != 4 or min(shape) < 0:
-        raise ValueError(f"not a KV shape [L, T, K, D]: {shape}")
-    return shape
-
-
-def _nbytes(handle: dict) -> int:
-    """The bytes of keys and values together."""
-    return 2 * math.prod(_shape(handle)) * _dtype(handle).itemsize
-
-
-def _as_kv(raw: torch.Tensor, handle: dict) -> torch.Tensor:
-    """Bytes `raw` seen as keys and values [2, L, T, K, D]."""
-    return raw.view(_dtype(handle)).view(2, *_shape(handle))
-
-
-def _b64(data: bytes | None) -> str | None:
-    return None if data is None else base64.b64encode(data).decode()
-
-
-def _unb64(text: str | None) -> bytes | None:
-    return None if text is None else base64.b64decode(text)
+    def seconds(self, a: str, b: str) -> float:
+        if self.device.type != "cuda":
+            return self.host[b] - self.host[a]
+        self._events[b].synchronize()
+        return self._events[a].elapsed_time(self._events[b]) / 1e3

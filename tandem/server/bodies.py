@@ -135,15 +135,25 @@ class PrefillBody(_Body):
     kv_from: int = Field(ge=0, description="must be the page-aligned position from which to send the KV")
     prompt_len: int | None = Field(None, ge=1, description="must be the prompt's length within input_ids (the "
                                    "rest generated before: a request handed back)")
-    transfer: Literal["bytes", "reference"] = Field(
-        "bytes", description="must be \"bytes\" (the KV in the answer's body) or \"reference\" (a handle to the KV, "
-        "which the prefill server holds until released: servers of one host)")
+    transfer: Literal["bytes", "reference", "p2p"] = Field(
+        "bytes", description="must be \"bytes\" (the KV in the answer's body), \"reference\" (a handle to the KV, "
+        "which the prefill server holds until released: servers of one host) or \"p2p\" (its header; the KV is "
+        "held until sent over `link`)")
+    link: str | None = Field(None, description="with transfer \"p2p\": must be the id of a link /pd/p2p/open made")
 
 
 class ReleaseBody(_Body):
     """A decode server's word that it took the KV a prefill server holds for it (`tandem.server.disagg`)."""
 
     id: str = Field(min_length=1, description="must be the id of a KV export this server answered with")
+
+
+class P2PSendBody(_Body):
+    """A decode server's word that it receives, over a link, the KV a prefill server holds for it
+    (`tandem.server.disagg`)."""
+
+    id: str = Field(min_length=1, description="must be the id of a KV export this server answered with")
+    link: str = Field(min_length=1, description="must be the id of the link the export is for")
 
 
 class PauseBody(_Body):

@@ -24,7 +24,8 @@ and the tokens so far again under the weights held now (`prompt_len` in `/pd/pre
 request's position), and the client sees one answer. Where both servers keep routed experts (routing replay) the
 KV carries them (`KVPages.routing`).
 
-The two transfers (`PrefillClient(transfer=...)`; by default reference where the pairing allows it, else bytes):
+The three transfers (`PrefillClient(transfer=...)`; by default reference where the pairing allows it, else point to
+point where it allows that, else bytes), each verified on the decode server's device before its engine writes:
 - "bytes": the body is `KVPages.to_bytes()` (application/octet-stream). Nothing is held after the answer.
 - "reference" (servers of one host, KV on the same kind of device; on CUDA also two processes, the prefill
   server's GPU visible to the decode server): the body is JSON `{"id": ..., "kv": handle}` (a
@@ -33,6 +34,17 @@ The two transfers (`PrefillClient(transfer=...)`; by default reference where the
   `/pd/release {"id": ...}`, which frees it; an export nobody releases within `RELEASE_TIMEOUT_S` of its answer
   (a decode server that died) is freed then, so memory never leaks. The decode server releases whether or not its
   copy succeeded, and verifies the copy's checksums before its engine writes anything.
+- "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
+  and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
+  `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
+  holds the KV (as for a reference, with the same timeout) until the decode server, having taken the link's turn
+  and started receiving, POSTs `/pd/p2p/send {"id", "link"}`, which sends it and frees it. A send or receive that
+  fails or outlasts `kv_p2p.P2P_TIMEOUT_S` (a server that died) breaks the link at both ends; the request ends
+  with an abort and the decode server pairs anew on its next request.
+
+`GET /pd/transfers` on a decode server: its latest transfers, each timed by itself (`PrefillClient._record`): the
+prefill server's export, the take (mapped or received, copied, verified), the write into the pool (device time),
+and the whole import from the answer to the pages written.
 """
 
 from __future__ import annotations
@@ -43,17 +55,23 @@ import dataclasses
 import json
 import logging
 import random
+import time
 import uuid
 import weakref
+from collections import deque
 from typing import Literal
+from urllib.parse import urlparse
 
 import aiohttp
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
-from tandem.engine.kv_transfer import KVPages, SharedKV, sharing_domain, why_not_shared, wire_meta
-from tandem.server.bodies import PrefillBody, ReleaseBody
+from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store, join_store, why_not_p2p
+from tandem.engine.kv_shared import transfer_stream
+from tandem.engine.kv_transfer import KVPages, SharedKV, TransferClock, sharing_domain, why_not_shared, wire_meta
+from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -62,7 +80,9 @@ HEADER = "X-Tandem-Prefill"
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
-Transfer = Literal["bytes", "reference"]
+RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
+Transfer = Literal["bytes", "reference", "p2p"]
+_RECORDS: weakref.WeakKeyDictionary[Engine, deque] = weakref.WeakKeyDictionary()  # a decode engine's transfers
 
 
 def kv_layout(engine: Engine, role: str | None = None) -> dict:
@@ -80,8 +100,14 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     coro)`: the server's way of aborting a request whose client went away)."""
     role = engine.config.role
     device = engine.pool.k_cache.device
-    kinds = ["bytes", "reference"] if SharedKV.supports(device) else ["bytes"]
+    kinds = ["bytes", *(["reference"] if SharedKV.supports(device) else []), *(["p2p"] if backend_for(device) else [])]
     exports = Exports()
+    links: dict[str, asyncio.Future] = {}  # link id -> this server's end (a P2PLink once its peer has joined)
+
+    @app.get("/pd/transfers")
+    async def transfers():
+        """A decode server's latest KV transfers, oldest first (`PrefillClient`'s records)."""
+        return list(_RECORDS.get(engine, ()))
 
     @app.get("/pd/info")
     async def info():
@@ -112,17 +138,49 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
                 "prefill_tokens": out.prefill_tokens}
-        headers = {HEADER: json.dumps(meta)}
+        began = time.perf_counter()
         if out.kv is None or body.transfer == "bytes":
-            return Response(out.kv.to_bytes() if out.kv is not None else b"", media_type="application/octet-stream",
-                            headers=headers)
-        export_id, handle = exports.hold(out.kv)
-        return Response(json.dumps({"id": export_id, "kv": handle}), media_type="application/json", headers=headers)
+            data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
+        else:
+            if body.transfer == "p2p" and body.link not in links:
+                raise ValueError(f"link: {body.link!r} is no link of this prefill server (open one: /pd/p2p/open)")
+            export_id, handle = exports.hold(SharedKV.of(out.kv) if body.transfer == "reference" else
+                                             P2PExport(out.kv))
+            data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
+        meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
+        return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
 
     @app.post("/pd/release")
     async def release(request: Request):
         body = await ReleaseBody.from_request(request)
         return {"released": exports.release(body.id)}
+
+    @app.post("/pd/p2p/open")
+    async def open_link():
+        """Host a link's rendezvous and build this end (rank 0) while the decode server builds its own."""
+        store, link_id = await asyncio.to_thread(host_store, P2P_TIMEOUT_S), uuid.uuid4().hex
+        link = links[link_id] = asyncio.ensure_future(asyncio.to_thread(P2PLink, store, 0, device, P2P_TIMEOUT_S))
+        link.add_done_callback(lambda f: f.cancelled() or f.exception() is None or links.pop(link_id, None))
+        return {"id": link_id, "port": store.port, "backend": backend_for(device)}
+
+    @app.post("/pd/p2p/send")
+    async def send(request: Request):
+        """Send an export over its link (the decode server receives meanwhile); freed once sent, or failed."""
+        body = await P2PSendBody.from_request(request)
+        if body.link not in links:
+            raise ValueError(f"link: {body.link!r} is no link of this prefill server (broken, or never opened)")
+        if (held := exports.take(body.id, P2PExport)) is None:
+            raise ValueError(f"id: no KV export {body.id!r} to send is held (freed after its timeout, or sent)")
+        try:
+            link = await asyncio.wait_for(asyncio.shield(links[body.link]), P2P_TIMEOUT_S)
+            await asyncio.to_thread(link.send, held.tensor)
+        except Exception as e:
+            if (broken := links.pop(body.link, None)) is not None and broken.done() and not broken.exception():
+                broken.result().close()
+            raise ValueError(f"link {body.link}: {type(e).__name__}: {e}") from e
+        finally:
+            held.free(taken=True)
+        return {"sent": True}
 
 
 class Exports:
@@ -137,9 +195,9 @@ class Exports:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, kv: KVPages) -> tuple[str, dict]:
-        """Share `kv`: its export id and handle."""
-        shared, export_id = SharedKV.of(kv), uuid.uuid4().hex
+    def hold(self, shared: SharedKV | P2PExport) -> tuple[str, dict]:
+        """Hold `shared` (KV shared or to be sent): its export id and handle."""
+        export_id = uuid.uuid4().hex
         timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
         self._held[export_id] = (shared, timer)
         return export_id, shared.handle
@@ -153,11 +211,26 @@ class Exports:
         shared.free(taken=True)
         return True
 
+    def take(self, export_id: str, kind: type[P2PExport]) -> P2PExport | None:
+        """The export of `kind` held by that id, held no more (the caller frees it); None if none is."""
+        if not isinstance(self._held.get(export_id, (None,))[0], kind):
+            return None
+        shared, timer = self._held.pop(export_id)
+        timer.cancel()
+        return shared
+
     def _expire(self, export_id: str) -> None:
         if (held := self._held.pop(export_id, None)) is not None:
             log.warning("prefill server: KV export %s was not released within %g s (its decode server died?); "
                         "freed", export_id, RELEASE_TIMEOUT_S)
             held[0].free(taken=False)
+
+
+def _verify(kv: KVPages) -> None:
+    """`kv.verify()` on the transfer stream (`transfer_stream`): its KV is complete, the host having waited for it,
+    so its checksums need not wait behind the engine's steps."""
+    with transfer_stream(kv.k.device):
+        kv.verify()
 
 
 def _free_all(held: dict[str, tuple[SharedKV, asyncio.TimerHandle]]) -> None:
@@ -172,13 +245,16 @@ class PrefillClient:
     None: by reference from a prefill server it can take it from so, else as bytes."""
 
     def __init__(self, engine: Engine, timeout_s: float = PREFILL_TIMEOUT_S, transfer: Transfer | None = None):
-        if transfer not in (None, "bytes", "reference"):
-            raise ValueError(f"transfer: must be 'bytes', 'reference' or None (either), got {transfer!r}")
+        if transfer not in (None, "bytes", "reference", "p2p"):
+            raise ValueError(f"transfer: must be 'bytes', 'reference', 'p2p' or None (the best), got {transfer!r}")
         self.engine, self.timeout_s, self.transfer = engine, timeout_s, transfer
         self.paired: dict[str, Transfer] = {}  # prefill server URL -> the transfer from it
+        self.links: dict[str, tuple[str, P2PLink, asyncio.Lock]] = {}  # URL -> link id, this end, its turn
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
+        for url in list(self.links):
+            self._unpair(url)
         if self._session is not None:
             await self._session.close()
 
@@ -206,18 +282,42 @@ class PrefillClient:
             if theirs.get(key) != value:
                 raise ValueError(f"bootstrap.prefill_url: {url} cannot pair with this decode server: its {key} is "
                                  f"{theirs.get(key)!r}, this server's {value!r}")
-        self.paired[url] = self._choose(url, theirs.get("transfer") or {})
+        transfer = self._choose(url, theirs.get("transfer") or {})
+        if transfer == "p2p":
+            self.links[url] = await self._open_link(url)
+        self.paired[url] = transfer
+
+    def _unpair(self, url: str) -> None:
+        """Forget `url`'s pairing and break its link (after a failed transfer): the next request pairs anew."""
+        self.paired.pop(url, None)
+        if (link := self.links.pop(url, None)) is not None:
+            link[1].close()
 
     def _choose(self, url: str, theirs: dict) -> Transfer:
-        """The transfer from a prefill server whose `/pd/info` says `theirs` about its transfers."""
-        if "reference" not in theirs.get("kinds", ["bytes"]):
-            why_not = f"it offers {theirs.get('kinds', ['bytes'])}"
-        else:
-            why_not = why_not_shared(theirs.get("sharing") or {}, self.engine.pool.k_cache.device)
-        if self.transfer == "reference" and why_not is not None:
-            raise ValueError(f"bootstrap.prefill_url: this decode server takes KV by reference, and cannot from "
-                             f"{url}: {why_not}")
-        return self.transfer or ("bytes" if why_not else "reference")
+        """The transfer from a prefill server whose `/pd/info` says `theirs` about its transfers: the one asked for,
+        else by reference where it can, else point to point where it can, else bytes."""
+        device, kinds, sharing = self.engine.pool.k_cache.device, theirs.get("kinds", ["bytes"]), theirs.get("sharing")
+        why_not = {"bytes": None,
+                   "reference": why_not_shared(sharing or {}, device) if "reference" in kinds else f"it offers {kinds}",
+                   "p2p": why_not_p2p(sharing or {}, device) if "p2p" in kinds else f"it offers {kinds}"}
+        if self.transfer is not None and why_not[self.transfer] is not None:
+            raise ValueError(f"bootstrap.prefill_url: this decode server takes KV by {self.transfer}, and cannot from "
+                             f"{url}: {why_not[self.transfer]}")
+        return self.transfer or next(kind for kind in ("reference", "p2p", "bytes") if why_not[kind] is None)
+
+    async def _open_link(self, url: str) -> tuple[str, P2PLink, asyncio.Lock]:
+        """A point-to-point link with the prefill server at `url` (this end rank 1); ValueError if none can be made."""
+        try:
+            async with self._http().post(f"{url}/pd/p2p/open") as r:
+                if r.status != 200:
+                    raise ValueError(f"answered {r.status}: {(await r.read())[:300].decode(errors='replace')}")
+                answer = await r.json()
+            store = await asyncio.to_thread(join_store, urlparse(url).hostname, int(answer["port"]), P2P_TIMEOUT_S)
+            link = await asyncio.to_thread(P2PLink, store, 1, self.engine.pool.k_cache.device, P2P_TIMEOUT_S)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, RuntimeError) as e:
+            raise ValueError(f"bootstrap.prefill_url: no point-to-point link with {url} ({type(e).__name__}: "
+                             f"{e})") from None
+        return answer["id"], link, asyncio.Lock()
 
     async def generate_all(self, jobs: list[tuple[list[int], SamplingParams, str]], url: str,
                            routed: list[bool] | None = None) -> list[GenerateOutput]:
@@ -244,6 +344,7 @@ class PrefillClient:
             history = input_ids + so_far.output_ids
             kv_from = await self.engine.probe(history, rid)
             try:
+                await self.pair(url)  # (again if a failed transfer broke the pairing)
                 sampled, kv, meta = await self._prefill(url, history, sampling, rid, kv_from, len(input_ids))
             except BaseException as e:
                 self.engine.abort(rid)  # it expected the import: forget it
@@ -260,15 +361,19 @@ class PrefillClient:
             generated = [[*mine, theirs] for mine, theirs in zip(
                 (so_far.output_ids, so_far.output_logprobs, so_far.weight_versions), sampled, strict=True)]
             out = await self.engine.generate_imported(input_ids, sampling, tuple(generated), kv, rid, routed)
+            self._record(rid, kv, meta)
             retractions += out.finish_reason.message == HANDED_BACK
             so_far = dataclasses.replace(out, cached_tokens=so_far.cached_tokens)
         so_far.prefill_tokens, so_far.num_retractions = prefilled, so_far.num_retractions + retractions
         return so_far
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
-        transfer = self.paired[url]
+        if (transfer := self.paired.get(url)) is None or (transfer == "p2p" and url not in self.links):
+            raise RuntimeError("its pairing broke while this request waited (another transfer failed)")
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
                 "prompt_len": prompt_len, "transfer": transfer}
+        if transfer == "p2p":
+            body["link"] = self.links[url][0]
         async with self._http().post(f"{url}/pd/prefill", json=body) as r:
             data = await r.read()
             if r.status != 200:
@@ -276,13 +381,46 @@ class PrefillClient:
             meta = json.loads(r.headers[HEADER])
         if meta["first"] is None:
             return None, None, meta
-        kv = KVPages.from_bytes(data, wire_meta(data)) if transfer == "bytes" else await self._take(url, data)
+        clock = TransferClock(self.engine.pool.k_cache.device)
+        clock.mark("import")
+        meta["transfer"] = transfer
+        if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
+            kv = await asyncio.to_thread(lambda: KVPages.from_bytes(data, wire_meta(data)).to(
+                self.engine.pool.k_cache.device))  # (parsed and copied off the event loop)
+            clock.mark("taken")
+            await asyncio.to_thread(_verify, kv)
+            clock.mark("verified")
+        elif transfer == "p2p":
+            kv = await self._receive(url, data, clock)
+        else:
+            kv = await self._take(url, data, clock)
         if kv.start != kv_from or kv.end != len(input_ids):
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
-        kv.verify()
-        return meta["first"], kv, meta
+        return meta["first"], kv.with_clock(clock), meta
 
-    async def _take(self, url: str, data: bytes) -> KVPages:
+    def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
+        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
+        `export_s` the prefill server's (its pages read out of its pool, checksummed and shared or serialised),
+        `take_s` this server's from the answer to the KV verified on its device (`copy_s` of it until the KV was
+        copied or received onto its device, `verify_s` the checksums), `write_s` its write into the pool (device
+        time), `import_s` from the answer to the pages written (device-synchronised, the engine's turn included);
+        null where it did not write them. Host times are taken where the host has waited for the device."""
+        clock, written = kv.clock, "written" in kv.clock.host
+        take_s = clock.host["verified"] - clock.host["import"]
+        try:
+            write_s = clock.seconds("write", "written") if written else None
+            import_s = take_s + clock.seconds("verified", "written") if written else None
+        except RuntimeError as e:  # (a measurement must not fail the request it measured)
+            log.warning("decode server: transfer of %s not timed: %s", rid, e)
+            write_s = import_s = None
+        _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
+            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end, "pages": len(kv.checksums),
+            "kv_bytes": 2 * kv.k.numel() * kv.k.element_size(), "export_s": meta.get("export_s"), "take_s": take_s,
+            "copy_s": clock.host["taken"] - clock.host["import"],
+            "verify_s": clock.host["verified"] - clock.host["taken"],
+            "write_s": write_s, "import_s": import_s})
+
+    async def _take(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
         """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device and
         verified; released there once copied, whether the copy succeeded or not. The copy and the checksums run in a
         worker thread: on a GPU they wait for the device, which the event loop must not."""
@@ -293,10 +431,58 @@ class PrefillClient:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
         try:
             kv = await asyncio.to_thread(KVPages.from_shared, handle, self.engine.pool.k_cache.device)
-        finally:  # (shielded: a request cancelled now still releases what it was sent; should the release overtake
-            # the copy, the shared memory outlives it: a file removed while mapped, a GPU tensor torch keeps)
+        except BaseException:  # (shielded: a request cancelled now still releases what it was sent; should the
+            # release overtake the copy, the shared memory outlives it: a file removed while mapped, a GPU tensor
+            # torch keeps)
             await asyncio.shield(self._release(url, export_id))
-        await asyncio.to_thread(kv.verify)
+            raise
+        clock.mark("taken")
+        release = asyncio.ensure_future(self._release(url, export_id))  # (heard while this verifies)
+        try:
+            await asyncio.to_thread(_verify, kv)
+            clock.mark("verified")
+        finally:
+            await asyncio.shield(release)
+        return kv
+
+    async def _receive(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
+        """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's
+        device, verified. The link's turn is held from the start of the receive to its end, so the prefill
+        server's sends on it come in this order; a failed or timed-out receive breaks the link."""
+        try:
+            answer = json.loads(data)
+            export_id, header = answer["id"], answer["kv"]
+            shape, dtype = [int(n) for n in header["shape"]], getattr(torch, str(header["dtype"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV header ({type(e).__name__}: {e})") from None
+        if (entry := self.links.get(url)) is None:
+            raise RuntimeError("its link broke while this request waited (another transfer failed)")
+        link_id, link, turn = entry
+        kv_2LTKD = torch.empty((2, *shape), dtype=dtype, device=self.engine.pool.k_cache.device)
+        if kv_2LTKD.numel() == 0:  # (nothing to send: only let it go)
+            await asyncio.shield(self._release(url, export_id))
+        else:
+            async with turn:
+                received = asyncio.ensure_future(asyncio.to_thread(link.recv, kv_2LTKD))
+                try:
+                    async with self._http().post(f"{url}/pd/p2p/send", json={"id": export_id, "link": link_id}) as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"/pd/p2p/send answered {r.status}: "
+                                               f"{(await r.read())[:300].decode(errors='replace')}")
+                except BaseException:
+                    self._unpair(url)  # (which ends the receive, or its timeout does)
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(received)
+                    raise
+                try:
+                    await asyncio.shield(received)  # (a receive cannot be cancelled halfway: it ends or times out)
+                except BaseException:  # (cancelled too: the turn must not pass while the receive runs on)
+                    self._unpair(url)
+                    raise
+        kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
+        clock.mark("taken")
+        await asyncio.to_thread(_verify, kv)
+        clock.mark("verified")
         return kv
 
     async def _release(self, url: str, export_id: str) -> None:
