@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from tandem.engine.sampler import SamplingBatch, hash_uniform, sample  # noqa: E402
 from tandem.kernels.fused import fused_add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul, silu_mul_merged  # noqa: E402
 from tandem.kernels.sampling import sample_gumbel  # noqa: E402
-from tandem.kernels.small_linear import MAX_ROWS, Blocks, arrival_counts, small_qkv  # noqa: E402
+from tandem.kernels.small_linear import MAX_ROWS, Blocks, arrival_counts, small_qkv, takes_heads  # noqa: E402
 from tandem.kernels.small_linear import small_linear as split_linear  # noqa: E402
 from tandem.model.qwen3 import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
@@ -200,6 +200,9 @@ def check_small_linear(T, E, N, dtype, x_pad=0, blocks=None):
     arrived = arrival_counts(DEVICE)
     small_linear = functools.partial(split_linear, blocks=blocks, arrived=arrived)
     assert_matches = functools.partial(assert_bits, max_bf16_mismatch=0.005)
+    # after a norm, a sum of squares ordered otherwise tips a few normalised inputs by an ulp, and each moves
+    # every output a little: up to a few percent of bf16 outputs round the other way at 4,096 columns
+    assert_normed = functools.partial(assert_bits, max_bf16_mismatch=0.05)
     norm = norm_module(E, dtype, seed=3)
     x = randn(T, E + x_pad, dtype=dtype, seed=4, scale=2.0)[:, :E]
     w = randn(2 * N, E, dtype=dtype, seed=5, scale=E ** -0.5)
@@ -209,14 +212,14 @@ def check_small_linear(T, E, N, dtype, x_pad=0, blocks=None):
 
     with torch.no_grad():
         assert_matches(small_linear(x, w), linear(x, w))
-        assert_matches(small_linear(x, w, norm.weight, EPS), linear(norm(x), w))
+        assert_normed(small_linear(x, w, norm.weight, EPS), linear(norm(x), w))
         residual = randn(T, 2 * N, dtype=dtype, seed=6)
         want = residual + linear(x, w)
         out = residual.clone()
         assert small_linear(x, w, out=out) is out
         assert_matches(out, want)
         gate, up = linear(norm(x), w).chunk(2, dim=-1)
-        assert_matches(small_linear(x, w, norm.weight, EPS, silu=True), F.silu(gate) * up)
+        assert_normed(small_linear(x, w, norm.weight, EPS, silu=True), F.silu(gate) * up)
     assert not arrived.any()
 
 
@@ -251,7 +254,7 @@ def check_small_qkv(T, E, H, K, D, dtype, blocks=None):
         want, _ = qk_norm_rope(q_in.view(T, H, D), k_in.view(T, K, D), q_norm, k_norm, positions, THETA, EPS,
                                kv_cache=(v_in.view(T, K, D), *caches[2:], slots))
     for out, ref in ((q, want), (caches[0], caches[2]), (caches[1], caches[3])):
-        assert_bits(out, ref, max_bf16_mismatch=0.005)
+        assert_bits(out, ref, max_bf16_mismatch=0.05)  # (after a norm: see check_small_linear)
     assert caches[0][slots].abs().sum() > 0 and not arrived.any()
 
 
@@ -264,6 +267,7 @@ def test_small_qkv_small(blocks, dtype):
 def test_small_linear_refuses_more_rows_than_a_program_holds():
     with pytest.raises(AssertionError, match="at most"):
         split_linear(randn(MAX_ROWS + 1, 32), randn(16, 32))
+    assert [takes_heads(d) for d in (64, 80, 96, 128, 256, 16)] == [True, False, False, True, True, False]
     with pytest.raises(AssertionError, match="arrival_counts"):
         split_linear(randn(2, 64), randn(16, 64), blocks=Blocks(16, 32, splits=2))
 

@@ -269,6 +269,13 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
     return y
 
 
+def takes_heads(head_dim: int) -> bool:
+    """Whether `small_qkv` takes this head dim: a program holds a head as two halves of a power of two lanes
+    each, at least tl.dot's 16."""
+    half = head_dim // 2
+    return head_dim % 2 == 0 and half >= 16 and half & (half - 1) == 0
+
+
 def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_norm: torch.Tensor,
               k_norm: torch.Tensor, positions_T: torch.Tensor, theta: float, num_heads: int,
               kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], arrived: torch.Tensor | None = None,
@@ -284,7 +291,7 @@ def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor
     k_cache, v_cache, slots_T = kv_cache
     K, D = k_cache.shape[1], k_cache.shape[2]
     N = w_qkv.shape[0]
-    assert T <= MAX_ROWS and (num_heads + 2 * K) * D == N and D % 2 == 0, (T, N, num_heads, K, D)
+    assert T <= MAX_ROWS and (num_heads + 2 * K) * D == N and takes_heads(D), (T, N, num_heads, K, D)
     assert w_qkv.shape[1] == E and w_qkv.is_contiguous() and w_qkv.dtype == x_TE.dtype and x_TE.stride(1) == 1
     for cache in (k_cache, v_cache):
         assert cache.is_contiguous() and cache.dtype == x_TE.dtype and cache.shape[1:] == (K, D), cache.shape

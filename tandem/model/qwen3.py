@@ -317,7 +317,7 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             dest = ctx.kv_destination(attn.layer)
-            if dest is not None and dest[0].dtype == residual.dtype:  # the keys and values straight into the cache
+            if dest is not None and dest[0].dtype == residual.dtype and self.small.takes_heads(attn.head_dim):
                 q = self.small.small_qkv(residual, attn.qkv_weight, layer.input_layernorm.weight, eps,
                                          attn.q_norm.weight, attn.k_norm.weight, positions_T, self.config.rope_theta,
                                          attn.num_heads, dest, arrived=self.small_arrived)
