@@ -199,6 +199,8 @@ def test_a_reference_copy_that_differs_is_named_by_page_and_still_released(devic
         k, v = take(handle, target)
         k = k.clone()
         k[1, 9, 0, 3] += 1.0
+        if k.is_cuda:  # (done before the receiver checksums it on its transfer stream, as a copy it made would be)
+            torch.cuda.synchronize(k.device)
         return k, v
 
     monkeypatch.setattr(way, "open", staticmethod(altered))
