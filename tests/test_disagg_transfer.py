@@ -22,7 +22,7 @@ from tandem.config import EngineConfig
 from tandem.engine import kv_transfer
 from tandem.engine.engine import Engine
 from tandem.engine.kv_transfer import SHM_DIR, KVPages, SharedKV, why_not_shared
-from tandem.server import disagg
+from tandem.server import disagg, disagg_prefill
 from tandem.server.http import ServerThread
 from tandem.types import SamplingParams
 
@@ -35,11 +35,11 @@ SERVE_PREFILL = """
 import sys, torch
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
-from tandem.server import disagg
+from tandem.server import disagg_prefill
 from tandem.server.http import ServerThread
 device, release_timeout_s, threads = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(threads)
-disagg.RELEASE_TIMEOUT_S = release_timeout_s
+disagg_prefill.RELEASE_TIMEOUT_S = release_timeout_s
 config = EngineConfig(page_size=4, num_pages=96, role="prefill", device=device)
 with Engine("tiny", config) as engine, ServerThread(engine) as server:
     print(server.url, flush=True)
@@ -59,7 +59,7 @@ def prompt(n, seed=0):
 def prefill_server(device: str, release_timeout_s: float = 60.0, own_process: bool | None = None):
     """A prefill server's URL: served from this process, or (by default on a GPU) from a process of its own."""
     if not (device == "cuda" if own_process is None else own_process):
-        with mock.patch.object(disagg, "RELEASE_TIMEOUT_S", release_timeout_s), \
+        with mock.patch.object(disagg_prefill, "RELEASE_TIMEOUT_S", release_timeout_s), \
                 Engine("tiny", config(device, "prefill")) as engine, ServerThread(engine) as server:
             yield server.url
         return
@@ -199,6 +199,8 @@ def test_a_reference_copy_that_differs_is_named_by_page_and_still_released(devic
         k, v = take(handle, target)
         k = k.clone()
         k[1, 9, 0, 3] += 1.0
+        if k.is_cuda:  # (done before the receiver checksums it on its transfer stream, as a copy it made would be)
+            torch.cuda.synchronize(k.device)
         return k, v
 
     monkeypatch.setattr(way, "open", staticmethod(altered))

@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation between `tandem serve --role prefill` and `--role decode` servers, over HTTP.
 
-The protocol is tandem's own (SGLang pairs its servers through a bootstrap port and moves KV by RDMA):
+The protocol is tandem's own (SGLang pairs its servers through a bootstrap port and moves KV by RDMA); this module
+holds what both ends share and the decode server's end (`PrefillClient`), `disagg_prefill` the prefill server's:
 - `GET /pd/info` on every server: its role, KV layout (page size, dtype, layers, KV heads, head dim), model config
   and weight version (`kv_layout`); a prefill server's also its `transfer`: the transfers it offers, where its KV
   can be shared (`kv_transfer.sharing_domain`) and how many exports it holds (`held`).
@@ -31,9 +32,9 @@ point where it allows that, else bytes), each verified on the decode server's de
   server's GPU visible to the decode server): the body is JSON `{"id": ..., "kv": handle}` (a
   `kv_transfer.SharedKV`: GPU memory by CUDA IPC, or a shared-memory file on a CPU). The prefill server holds that
   KV until the decode server, having copied it onto its own device and dropped its mapping, POSTs
-  `/pd/release {"id": ...}`, which frees it; an export nobody releases within `RELEASE_TIMEOUT_S` of its answer
-  (a decode server that died) is freed then, so memory never leaks. The decode server releases whether or not its
-  copy succeeded, and verifies the copy's checksums before its engine writes anything.
+  `/pd/release {"id": ...}`, which frees it; an export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S`
+  of its answer (a decode server that died) is freed then, so memory never leaks. The decode server releases
+  whether or not its copy succeeded, and verifies the copy's checksums before its engine writes anything.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
   `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
@@ -55,8 +56,6 @@ import dataclasses
 import json
 import logging
 import random
-import time
-import uuid
 import weakref
 from collections import deque
 from typing import Literal
@@ -64,21 +63,19 @@ from urllib.parse import urlparse
 
 import aiohttp
 import torch
-from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi import FastAPI
 
 from tandem.engine.engine import Engine
-from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store, join_store, why_not_p2p
+from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PLink, join_store, why_not_p2p
 from tandem.engine.kv_shared import transfer_stream
-from tandem.engine.kv_transfer import KVPages, SharedKV, TransferClock, sharing_domain, why_not_shared, wire_meta
-from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
+from tandem.engine.kv_transfer import KVPages, TransferClock, sharing_domain, why_not_shared, wire_meta
+from tandem.server.disagg_prefill import HEADER, Exports, add_prefill_routes, offered
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-HEADER = "X-Tandem-Prefill"
+__all__ = ["HEADER", "Exports", "PrefillClient", "add_routes", "kv_layout"]  # (a prefill server's end: disagg_prefill)
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
-RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
 RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
 Transfer = Literal["bytes", "reference", "p2p"]
@@ -96,13 +93,12 @@ def kv_layout(engine: Engine, role: str | None = None) -> dict:
 
 
 def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
-    """`/pd/info` on every server; `/pd/prefill` and `/pd/release` on a prefill server (`until_disconnected(request,
-    coro)`: the server's way of aborting a request whose client went away)."""
+    """`/pd/info` on every server, `/pd/transfers` (a decode server's), and a prefill server's own routes
+    (`disagg_prefill`; `until_disconnected(request, coro)`: the server's way of aborting a request whose client went
+    away)."""
     role = engine.config.role
     device = engine.pool.k_cache.device
-    kinds = ["bytes", *(["reference"] if SharedKV.supports(device) else []), *(["p2p"] if backend_for(device) else [])]
-    exports = Exports()
-    links: dict[str, asyncio.Future] = {}  # link id -> this server's end (a P2PLink once its peer has joined)
+    kinds, exports = offered(device), Exports()
 
     @app.get("/pd/transfers")
     async def transfers():
@@ -116,114 +112,8 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         return kv_layout(engine) | {"transfer": {"kinds": kinds, "sharing": sharing_domain(device),
                                                  "held": len(exports)}}
 
-    if role != "prefill":
-        return
-
-    @app.post("/pd/prefill")
-    async def prefill(request: Request):
-        body = await PrefillBody.from_request(request)
-        if body.transfer not in kinds:
-            raise ValueError(f"transfer: this prefill server offers {kinds} (its KV is on a {device.type} device)")
-        generated = len(body.input_ids) - (body.prompt_len or len(body.input_ids))  # (before a hand-back)
-        sampling = dataclasses.replace(SamplingParams.from_dict(body.sampling_params), max_new_tokens=generated + 1)
-        if sampling.seed is None:
-            raise ValueError("sampling_params.seed: required (the decode server samples on with it)")
-        rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
-        engine.validate(body.input_ids, sampling, rid)
-        out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
-                                                                body.prompt_len))
-        if out is None:
-            return Response(status_code=499)
-        sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
-        first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
-        meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
-                "prefill_tokens": out.prefill_tokens}
-        began = time.perf_counter()
-        if out.kv is None or body.transfer == "bytes":
-            data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
-        else:
-            if body.transfer == "p2p" and body.link not in links:
-                raise ValueError(f"link: {body.link!r} is no link of this prefill server (open one: /pd/p2p/open)")
-            export_id, handle = exports.hold(SharedKV.of(out.kv) if body.transfer == "reference" else
-                                             P2PExport(out.kv))
-            data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
-        meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
-        return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
-
-    @app.post("/pd/release")
-    async def release(request: Request):
-        body = await ReleaseBody.from_request(request)
-        return {"released": exports.release(body.id)}
-
-    @app.post("/pd/p2p/open")
-    async def open_link():
-        """Host a link's rendezvous and build this end (rank 0) while the decode server builds its own."""
-        store, link_id = await asyncio.to_thread(host_store, P2P_TIMEOUT_S), uuid.uuid4().hex
-        link = links[link_id] = asyncio.ensure_future(asyncio.to_thread(P2PLink, store, 0, device, P2P_TIMEOUT_S))
-        link.add_done_callback(lambda f: f.cancelled() or f.exception() is None or links.pop(link_id, None))
-        return {"id": link_id, "port": store.port, "backend": backend_for(device)}
-
-    @app.post("/pd/p2p/send")
-    async def send(request: Request):
-        """Send an export over its link (the decode server receives meanwhile); freed once sent, or failed."""
-        body = await P2PSendBody.from_request(request)
-        if body.link not in links:
-            raise ValueError(f"link: {body.link!r} is no link of this prefill server (broken, or never opened)")
-        if (held := exports.take(body.id, P2PExport)) is None:
-            raise ValueError(f"id: no KV export {body.id!r} to send is held (freed after its timeout, or sent)")
-        try:
-            link = await asyncio.wait_for(asyncio.shield(links[body.link]), P2P_TIMEOUT_S)
-            await asyncio.to_thread(link.send, held.tensor)
-        except Exception as e:
-            if (broken := links.pop(body.link, None)) is not None and broken.done() and not broken.exception():
-                broken.result().close()
-            raise ValueError(f"link {body.link}: {type(e).__name__}: {e}") from e
-        finally:
-            held.free(taken=True)
-        return {"sent": True}
-
-
-class Exports:
-    """A prefill server's KV held for decode servers to take by reference (`SharedKV`), by export id: each until its
-    decode server releases it or `RELEASE_TIMEOUT_S` (read as it is held) passes, whichever is first; then it is
-    freed. Runs in the server's event loop. What is still held when the process exits is freed then."""
-
-    def __init__(self):
-        self._held: dict[str, tuple[SharedKV, asyncio.TimerHandle]] = {}
-        weakref.finalize(self, _free_all, self._held)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-    def hold(self, shared: SharedKV | P2PExport) -> tuple[str, dict]:
-        """Hold `shared` (KV shared or to be sent): its export id and handle."""
-        export_id = uuid.uuid4().hex
-        timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
-        self._held[export_id] = (shared, timer)
-        return export_id, shared.handle
-
-    def release(self, export_id: str) -> bool:
-        """Free the export its decode server is done with; False if none is held by that id (freed already)."""
-        if (held := self._held.pop(export_id, None)) is None:
-            return False
-        shared, timer = held
-        timer.cancel()
-        shared.free(taken=True)
-        return True
-
-    def take(self, export_id: str, kind: type[P2PExport]) -> P2PExport | None:
-        """The export of `kind` held by that id, held no more (the caller frees it); None if none is."""
-        if not isinstance(self._held.get(export_id, (None,))[0], kind):
-            return None
-        shared, timer = self._held.pop(export_id)
-        timer.cancel()
-        return shared
-
-    def _expire(self, export_id: str) -> None:
-        if (held := self._held.pop(export_id, None)) is not None:
-            log.warning("prefill server: KV export %s was not released within %g s (its decode server died?); "
-                        "freed", export_id, RELEASE_TIMEOUT_S)
-            held[0].free(taken=False)
+    if role == "prefill":
+        add_prefill_routes(app, engine, until_disconnected, kinds, exports)
 
 
 def _verify(kv: KVPages) -> None:
@@ -231,13 +121,6 @@ def _verify(kv: KVPages) -> None:
     so its checksums need not wait behind the engine's steps."""
     with transfer_stream(kv.k.device):
         kv.verify()
-
-
-def _free_all(held: dict[str, tuple[SharedKV, asyncio.TimerHandle]]) -> None:
-    for shared, _ in held.values():
-        with contextlib.suppress(Exception):  # (at exit: what torch tore down already is freed with it)
-            shared.free(taken=False)
-    held.clear()
 
 
 class PrefillClient:
