@@ -90,7 +90,7 @@ class EngineCore:
         if tp.size > 1 and self.model.moe_blocks:  # the sentinel compares the ranks' routing too
             self.model.keep_routing_checksum()
         if config.fused_kernels and next(self.model.parameters()).is_cuda:
-            self.model.use_fused_kernels()
+            self.model.use_fused_kernels(small=config.small_batch_kernels)
         self.loader = WeightLoader(self.model)
         self.max_context_len = config.max_context_len or self.model_config.max_position_embeddings
         param = next(self.model.parameters())

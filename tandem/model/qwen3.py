@@ -194,7 +194,7 @@ class Qwen3ForCausalLM(nn.Module):
             block.routing_checksum = self.routing_checksum
         return self.routing_checksum
 
-    def use_fused_kernels(self) -> Qwen3ForCausalLM:
+    def use_fused_kernels(self, small: bool = True) -> Qwen3ForCausalLM:
         """Run inference through fused Triton kernels (RMSNorm with the residual add, q/k norm with RoPE,
         SiLU-and-multiply) and fused projections (q, k and v in one matrix multiply, gate and up in another):
         the same maths in a dozen kernels per layer instead of dozens. Each layer's q/k/v weights (and gate/up)
@@ -202,12 +202,13 @@ class Qwen3ForCausalLM(nn.Module):
         fused path reads. For inference: no autograd, and no `.to()` afterwards (it would copy the views apart).
         A mixture-of-experts layer's experts run as grouped matrix multiplies (`tandem.kernels.moe`).
         An engine calls this as it loads the model onto a GPU, where attention runs through Triton kernels too:
-        a shape those kernels cannot take is refused here (`check_kernel_shapes`), before any step."""
+        a shape those kernels cannot take is refused here (`check_kernel_shapes`), before any step. `small`: steps
+        of few rows on one tensor-parallel rank through `tandem.kernels.small_linear` (`_forward_small`)."""
         self.check_kernel_shapes()
         from tandem.kernels import fused, moe
 
         self.fused = fused
-        if self.tp.size == 1:  # (under TP a projection's output is all-reduced before the residual add)
+        if small and self.tp.size == 1:  # (under TP a projection's output is all-reduced before the residual add)
             from tandem.kernels import small_linear
 
             self.small = small_linear
