@@ -3,17 +3,15 @@ its own with the decode server (gloo between CPU processes; NCCL between two GPU
 over HTTP; the prefill server a process of its own where it matters."""
 
 import contextlib
-import functools
 import os
 import subprocess
 import sys
 import time
-from unittest import mock
 
 import httpx
 import pytest
 import torch
-from test_disagg_transfer import REPO, SAMPLING, config, generate, held, prompt, tokens
+from test_disagg_transfer import REPO, SAMPLING, config, decode_server, generate, held, prompt, tokens
 
 from tandem.engine import kv_p2p
 from tandem.engine.engine import Engine
@@ -51,14 +49,6 @@ def prefill_process(device: str, die: bool = False):
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.close()
             proc.wait(timeout=60)
-
-
-@contextlib.contextmanager
-def decode_server(device: str, transfer: str | None):
-    client = functools.partial(disagg.PrefillClient, transfer=transfer)
-    with mock.patch.object(disagg, "PrefillClient", client), Engine("tiny", config(device, "decode")) as engine, \
-            ServerThread(engine) as server:
-        yield server.url
 
 
 def run_turns(p_url: str, d_url: str) -> list[tuple]:
