@@ -23,9 +23,10 @@ def generate_all(engine, prompts, sampling):
     return asyncio.run(go())
 
 
-def test_gpu_engine_matches_cpu_engine():
+@pytest.mark.parametrize("small", [False, True], ids=["", "small_batch_kernels"])
+def test_gpu_engine_matches_cpu_engine(small):
     """fp32, so the tokens must be equal: prompts sharing a prefix (cache hits, partial pages) and chunked
-    prefill beside decodes."""
+    prefill beside decodes; also with the few-row kernels (`small_batch_kernels`)."""
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, 512, (int(n),), generator=gen).tolist() for n in torch.randint(3, 90, (24,),
                                                                                               generator=gen)]
@@ -35,7 +36,9 @@ def test_gpu_engine_matches_cpu_engine():
     results = {}
     for device in ("cpu", "cuda"):
         model = build_model("tiny", seed=1).to(device)
-        with Engine(model, EngineConfig(device=device, page_size=16, num_pages=512, max_prefill_tokens=48)) as engine:
+        config = EngineConfig(device=device, page_size=16, num_pages=512, max_prefill_tokens=48,
+                              small_batch_kernels=small)
+        with Engine(model, config) as engine:
             if device == "cuda":
                 assert engine.runner.graphs, "decode should replay CUDA graphs"
                 assert engine.runner.mixed_graphs, "steps that prefill should replay CUDA graphs"
@@ -79,8 +82,9 @@ def test_fast_path_greedy_agrees_with_the_reference_path_in_bf16():
     assert agree >= 32
 
 
+@pytest.mark.parametrize("small", [False, True], ids=["", "small_batch_kernels"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
-def test_gpu_engine_greedy_equals_hugging_face_at_any_even_head_dim(head_dim):
+def test_gpu_engine_greedy_equals_hugging_face_at_any_even_head_dim(head_dim, small):
     """fp32, random weights: the engine's GPU path (Triton attention with padded head blocks, fused q/k norm +
     RoPE, CUDA graphs) generates Hugging Face's greedy tokens, with chunked prefill over a long prompt."""
     config = dataclasses.replace(SHAPES["gqa2_tied"], hidden_size=128, intermediate_size=192, head_dim=head_dim,
@@ -90,8 +94,9 @@ def test_gpu_engine_greedy_equals_hugging_face_at_any_even_head_dim(head_dim):
     prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (3, 21, 70)]
     num_new = 24
     model = tandem_twin(hf, config).to("cuda")
-    with Engine(model, EngineConfig(device="cuda", page_size=16, num_pages=64, max_prefill_tokens=32)) as engine:
-        assert engine.model.fused is not None and engine.runner.graphs
+    config = EngineConfig(device="cuda", page_size=16, num_pages=64, max_prefill_tokens=32, small_batch_kernels=small)
+    with Engine(model, config) as engine:
+        assert engine.model.fused is not None and engine.runner.graphs and (engine.model.small is not None) == small
         outs = generate_all(engine, prompts, SamplingParams(temperature=0, max_new_tokens=num_new, ignore_eos=True))
     hf = hf.to("cuda")
     for prompt, out in zip(prompts, outs, strict=True):
