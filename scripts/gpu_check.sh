@@ -76,9 +76,9 @@ for part in $parts; do
         learn) timeout 150 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement separate --task target_tokens --steps 16 --warmup 2 \
                    --staleness 2 --pause-modes in_place ;;
-        small) timeout 240 python3 -m pytest -q -m gpu -x -rf --tb=short -p no:cacheprovider \
-                   tests/test_fused_kernels.py -k "small" &&
-               timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_engine_gpu.py &&
+        small) timeout 240 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
+                   tests/test_fused_kernels.py -k "small";
+               timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_engine_gpu.py;
                timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 64 \
                    --small-ab --profile-batch 1 --skip-workload ;;
         handover) timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
