@@ -24,6 +24,7 @@ from test_transport import (
 
 from tandem.model.loader import load_weights
 from tandem.transport import dist as transport_dist
+from tandem.transport import switch
 from tandem.transport.buckets import back_to_back
 from tandem.transport.dist import BucketMeta, DistReceiver, DistSender
 from tandem.transport.weights import TransportError
@@ -120,18 +121,18 @@ def test_dist_roundtrip_is_bit_identical_and_bucketed(meta_frame):
     # both ends' threads get the GIL within a short switch interval during the transfer, as before after it
     for end in (sent, got):
         before, during, after = end["switch"]
-        assert during == pytest.approx(transport_dist.SWITCH_S) and after == before > during
+        assert during == pytest.approx(switch.SWITCH_S) and after == before > during
 
 
 def test_overlapping_transfers_restore_the_switch_interval_when_the_last_ends():
     """Both ends of a group in one process (or two groups) overlap without nesting: the first to end must not restore
     the interval under the other, the last must restore the one from before."""
     before = sys.getswitchinterval()
-    first, second = transport_dist._switching(), transport_dist._switching()
+    first, second = switch.switching(), switch.switching()
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)
-    assert sys.getswitchinterval() == pytest.approx(transport_dist.SWITCH_S)
+    assert sys.getswitchinterval() == pytest.approx(switch.SWITCH_S)
     second.__exit__(None, None, None)
     assert sys.getswitchinterval() == before
 

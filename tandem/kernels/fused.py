@@ -136,15 +136,23 @@ def _norm_rope_heads(x_ptr, w_ptr, out_ptr, t, out_row, stride_xt, stride_xh, nu
     src = x_ptr + t * stride_xt + offs_h[:, None] * stride_xh + offs_d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
     w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-    # the model rounds the normalised heads to the activation dtype; RoPE then runs in fp32 (cos/sin are fp32)
+    y1, y2 = norm_rope(x1, x2, w1, w2, cos, sin, eps, 2 * HALF, dtype, INTERPRET)
+    dst = out_ptr + (out_row * num_heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
+    tl.store(dst, y1, mask=mask)
+    tl.store(dst + HALF, y2, mask=mask)
+
+
+@triton.jit
+def norm_rope(x1, x2, w1, w2, cos, sin, eps, D, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """RMSNorm (weight halves w1, w2) then rotate-half RoPE of heads given as their two halves in fp32 [rows, D / 2]
+    (lanes past D / 2 zero); returns the rotated halves in `dtype`. The model rounds the normalised heads to the
+    activation dtype; RoPE then runs in fp32 (cos / sin are fp32)."""
+    rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
     x1 = _round(_round(x1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
     x2 = _round(_round(x2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
-    dst = out_ptr + (out_row * num_heads + offs_h[:, None]) * (2 * HALF) + offs_d[None, :]
-    tl.store(dst, _round(x1 * cos - x2 * sin, dtype, INTERPRET), mask=mask)
-    tl.store(dst + HALF, _round(x2 * cos + x1 * sin, dtype, INTERPRET), mask=mask)
+    return _round(x1 * cos - x2 * sin, dtype, INTERPRET), _round(x2 * cos + x1 * sin, dtype, INTERPRET)
 
 
 @triton.jit
@@ -242,8 +250,15 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_g, stride_u, inter_size,
     dtype = out_ptr.dtype.element_ty
     g = tl.load(gate_ptr + row * stride_g + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + row * stride_u + offs, mask=mask, other=0.0).to(tl.float32)
-    silu = _round(tl.math.div_rn(g, 1.0 + _exp(-g, INTERPRET)), dtype, INTERPRET)  # F.silu: x / (1 + exp(-x))
-    tl.store(out_ptr + row * inter_size + offs, _round(silu.to(tl.float32) * u, dtype, INTERPRET), mask=mask)
+    tl.store(out_ptr + row * inter_size + offs, silu_times(g, u, dtype, INTERPRET), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """`F.silu(gate) * up` of fp32 values rounded from `dtype`: silu (x / (1 + exp(-x))) rounded, then the product
+    rounded, as the model's two ops."""
+    silu = _round(tl.math.div_rn(gate, 1.0 + _exp(-gate, INTERPRET)), dtype, INTERPRET)
+    return _round(silu.to(tl.float32) * up, dtype, INTERPRET)
 
 
 def silu_mul(gate_TI: torch.Tensor, up_TI: torch.Tensor, block_i: int = 1024) -> torch.Tensor:

@@ -7,7 +7,7 @@ kernel of its own before or after it:
 
 - `norm_weight`: x is first RMS-normalised (the model's `RMSNorm`, computed per row by every program from the whole
   row, so no normalised copy is written);
-- `residual=True`: y is added into `out` in place (the residual stream's `x = x + sublayer(x)`);
+- `out`: y is added into it in place (the residual stream's `x = x + sublayer(x)`);
 - `silu=True`: w holds gate rows then up rows ([2I, E], as the fused path concatenates them) and the result is
   `silu(gate) * up` [T, I].
 
@@ -32,7 +32,7 @@ try:
 except ImportError:  # an older Triton: no programmatic dependent launches
     gdc_launch_dependents = gdc_wait = None
 
-from tandem.kernels.fused import _cos_sin, _exp, _interpreted, _round, rope_inv_freq
+from tandem.kernels.fused import _cos_sin, _interpreted, _round, norm_rope, rope_inv_freq, silu_times
 
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
 MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
@@ -67,10 +67,8 @@ def _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RE
               SILU: tl.constexpr, INTERPRET: tl.constexpr):
     dtype = out_ptr.dtype.element_ty
     y = _round(acc, dtype, INTERPRET)
-    if SILU:  # F.silu(gate) * up: x / (1 + exp(-x)), rounded, times up, rounded
-        gate = y.to(tl.float32)
-        silu = _round(tl.math.div_rn(gate, 1.0 + _exp(-gate, INTERPRET)), dtype, INTERPRET)
-        y = _round(silu.to(tl.float32) * _round(acc_up, dtype, INTERPRET).to(tl.float32), dtype, INTERPRET)
+    if SILU:
+        y = silu_times(y.to(tl.float32), _round(acc_up, dtype, INTERPRET).to(tl.float32), dtype, INTERPRET)
     out = out_ptr + offs_t[:, None] * stride_o + offs_n[None, :]
     mask = mask_t[:, None] & mask_n[None, :]
     if RESIDUAL:
@@ -95,18 +93,13 @@ def _heads_epilogue(acc, acc_hi, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, 
         tl.store(dst + D // 2, x2, mask=mask)
     else:
         is_q = pid_n < H
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(f1 * f1, 1) + tl.sum(f2 * f2, 1)) / D + eps)[:, None]
         w1 = tl.where(is_q, tl.load(q_norm_ptr + offs_d), tl.load(k_norm_ptr + offs_d)).to(tl.float32)[None, :]
         w2 = tl.where(is_q, tl.load(q_norm_ptr + D // 2 + offs_d),
                       tl.load(k_norm_ptr + D // 2 + offs_d)).to(tl.float32)[None, :]
-        f1 = _round(_round(f1 * rstd, dtype, INTERPRET).to(tl.float32) * w1, dtype, INTERPRET).to(tl.float32)
-        f2 = _round(_round(f2 * rstd, dtype, INTERPRET).to(tl.float32) * w2, dtype, INTERPRET).to(tl.float32)
         freq = tl.load(pos_ptr + offs_t, mask=mask_t, other=0).to(tl.float32)[:, None] * tl.load(
             inv_freq_ptr + offs_d)[None, :]
         cos, sin = _cos_sin(freq, INTERPRET)
-        y1 = _round(f1 * cos - f2 * sin, dtype, INTERPRET)
-        y2 = _round(f2 * cos + f1 * sin, dtype, INTERPRET)
+        y1, y2 = norm_rope(x1.to(tl.float32), x2.to(tl.float32), w1, w2, cos, sin, eps, D, dtype, INTERPRET)
         q_dst = q_out_ptr + (offs_t[:, None] * H + pid_n) * D + offs_d[None, :]
         k_dst = k_cache_ptr + (slots[:, None] * K + pid_n - H) * D + offs_d[None, :]
         dst = tl.where(is_q, q_dst, k_dst)
@@ -172,19 +165,15 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
             acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
     if PDL:
         gdc_launch_dependents()
-    if SPLITS == 1:
-        if HEADS:
-            _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
-                                out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
-        else:
-            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
-    else:
+    write = True  # this program writes the output: always unsplit, else the last of its column block to arrive
+    if SPLITS > 1:
         tile = offs_t[:, None] * N + offs_n[None, :]
         tl.store(partial_ptr + pid_s * 2 * BLOCK_T * N + tile, acc, mask=mask_n[None, :])
         if PAIRED:
             tl.store(partial_ptr + (pid_s * 2 + 1) * BLOCK_T * N + tile, acc_up, mask=mask_n[None, :])
         tl.debug_barrier()  # every thread's partials stored before the count says so
-        if tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel") == SPLITS - 1:
+        write = tl.atomic_add(arrived_ptr + pid_n, 1, sem="acq_rel") == SPLITS - 1
+        if write:
             acc = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
             for s in tl.static_range(SPLITS):
@@ -194,12 +183,12 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                     acc_up += tl.load(partial_ptr + (s * 2 + 1) * BLOCK_T * N + tile, mask=mask_n[None, :],
                                       other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(arrived_ptr + pid_n, 0)
-            if HEADS:
-                _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
-                                out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
-            else:
-                _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU,
-                          INTERPRET)
+    if write:
+        if HEADS:
+            _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
+                            out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
+        else:
+            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
 
 
 @dataclass(frozen=True)

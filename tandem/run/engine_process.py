@@ -61,9 +61,9 @@ REFUSALS = ("ValueError", "EngineError")  # the engine refused the request (HTTP
 def freeze_heap() -> None:
     """Leave what exists now (modules, models, the engine: built once, kept for the run) out of the garbage
     collector's later passes (`gc.freeze`). A full pass holds every thread of the process, an engine's too, while
-    it scans every object: over the imports and models of a run, hundreds of milliseconds in which no request
-    advances. Call once everything long-lived is built; `gc.unfreeze` when it goes. (No collection first: it would
-    be such a pass itself; what is garbage now stays, once.)"""
+    it scans every object (a run's imports and models among them), and no request advances meanwhile. Call once
+    everything long-lived is built; `gc.unfreeze` when it goes. (No collection first: it would be such a pass
+    itself; what is garbage now stays, once.)"""
     gc.freeze()
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tandem.transport.buckets import BucketMeta, back_to_back, buckets, flatten, mark_last, torch_dtype
-from tandem.transport.switch import SWITCH_S, switching  # noqa: F401 (SWITCH_S: read by the tests)
+from tandem.transport.switch import switching
 from tandem.transport.weights import (
     FlatTensors,
     NamedTensors,
@@ -57,7 +57,6 @@ HELLO, DONE = 1, 2  # point-to-point tags on the control group
 POLL_S = 5e-5  # how often a wait for a bucket's data checks whether it has landed
 META_BYTES = 64 << 10  # a bucket's metadata frame: its length and up to this much JSON (~700 tensors) in one broadcast
 MAX_META_BYTES = 1 << 30  # a longer metadata length is a corrupt frame
-_switching = switching  # (the name this module's code and tests use)
 
 
 class _Laps:
@@ -267,7 +266,7 @@ class DistSender(_DistEnd, WeightSender):
         """`commit`: called (in this thread) once every receiver holds the transfer and before any returns it;
         an exception from it withdraws the transfer (every receiver raises) and is raised here."""
         self._begin()
-        with _switching():
+        with switching():
             return self._send(named_tensors, version, commit)
 
     def _send(self, named_tensors: NamedTensors, version: int, commit: Callable[[], None] | None) -> TransferStats:
@@ -365,7 +364,7 @@ class DistReceiver(_DistEnd, WeightReceiver):
 
     def receive(self) -> tuple[int, FlatTensors]:
         self._begin()
-        with _switching(), torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+        with switching(), torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             return self._receive()
 
     def _receive(self) -> tuple[int, FlatTensors]:

@@ -7,7 +7,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-SWITCH_S = 2e-4  # during a transfer, at both ends (Python's default: 5 ms)
+SWITCH_S = 2e-4  # seconds, while any transfer of the process runs (below the interpreter's default)
 
 
 class Switching:
