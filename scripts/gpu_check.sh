@@ -2,7 +2,7 @@
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
-#                        [sync06b] [buckets] [moe_tests] [moe] [small] [handover] [tier_sweep] [pd_transfer]
+#                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -77,10 +77,14 @@ for part in $parts; do
                    --model qwen3-0.6b --placement separate --task target_tokens --steps 16 --warmup 2 \
                    --staleness 2 --pause-modes in_place ;;
         small) timeout 240 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
-                   tests/test_fused_kernels.py -k "small";
+                   tests/test_fused_kernels.py tests/test_kernels.py -k "small or reference_gpu";
                timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_engine_gpu.py;
                timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 64 \
                    --small-ab --profile-batch 1 --skip-workload ;;
+        small_ab) timeout 200 python3 benchmarks/small_linear_blocks.py --rows 1 4 --out "$OUT/blocks.json";
+                  for env in "TANDEM_SMALL_PREFETCH=0 TANDEM_SMALL_EARLY=0" "TANDEM_PDL=0"; do echo "# $env";
+                      env $env timeout 150 python3 benchmarks/engine_throughput.py --models qwen3-0.6b \
+                      --batches 1 4 16 --small-ab --skip-workload; done ;;
         handover) timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" &&
                   timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \

@@ -217,7 +217,12 @@ def check_small_linear(T, E, N, dtype, x_pad=0, blocks=None):
         want = residual + linear(x, w)
         out = residual.clone()
         assert small_linear(x, w, out=out) is out
-        assert_matches(out, want)
+        if dtype == torch.float32:
+            assert_matches(out, want)
+        else:  # where residual and projection nearly cancel, a projection's tipped ulp is large against the sum
+            addends = residual.float().abs() + linear(x, w).float().abs()
+            assert ((out.float() - want.float()).abs() <= 2 ** -7 * addends).all()
+            assert (out != want).sum().item() <= 0.005 * out.numel()
         gate, up = linear(norm(x), w).chunk(2, dim=-1)
         assert_normed(small_linear(x, w, norm.weight, EPS, silu=True), F.silu(gate) * up)
     assert not arrived.any()

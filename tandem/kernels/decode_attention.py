@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fused import gdc_launch_dependents, gdc_wait, pdl_supported
 from tandem.kernels.limits import attention_shape_error, head_block
 
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
@@ -59,7 +60,11 @@ def _split_kernel(
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # a dependent launch: nothing the kernels before wrote is read before they are done
+        gdc_wait()
+        gdc_launch_dependents()
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -111,8 +116,11 @@ def _split_kernel(
 @triton.jit
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     b, head = tl.program_id(0), tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
@@ -170,6 +178,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     # The CPU interpreter multiplies bf16 dot operands as raw integers: it gets them upcast (exactly, after the
     # same rounding to the cache dtype), so it computes what the GPU computes.
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
+    pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
+    launch = {"launch_pdl": True} if pdl else {}
     _split_kernel[(B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
@@ -177,11 +187,12 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, num_warps=4, num_stages=2,
+        **launch,
     )
     _merge_kernel[(B, H)](
         mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
-        num_warps=4,
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
+        num_warps=4, **launch,
     )
     return o_BHD

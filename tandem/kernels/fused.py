@@ -17,6 +17,7 @@ Shapes: T tokens, E hidden size, H query heads, K kv heads, D head dim, I interm
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -25,9 +26,22 @@ from triton.language.extra import libdevice
 
 from tandem.kernels.limits import MAX_HIDDEN
 
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: no programmatic dependent launches
+    gdc_launch_dependents = gdc_wait = None
+
 
 def _interpreted() -> bool:
     return bool(triton.knobs.runtime.interpret)
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Whether kernels on `device` may be programmatic dependent launches (a kernel starts while the one before it
+    finishes, and waits for it with `gdc_wait` before touching what that kernel wrote): Triton has them, the GPU is
+    Hopper or later, not under the interpreter, and TANDEM_PDL is not 0."""
+    return (gdc_wait is not None and os.environ.get("TANDEM_PDL", "1") != "0" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreted())
 
 
 def _row_warps(block: int) -> int:
