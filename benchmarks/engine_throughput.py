@@ -7,10 +7,10 @@
 (b) decode sweep at context 1024, batch 1 / 64 / 256: one decode step (the captured graph) timed with CUDA
     events; achieved bandwidth = (weight bytes + KV bytes read) / step time, against a device-to-device copy
     measured in the same run.
-    With `--small-ab` (which turns `EngineConfig.small_batch_kernels` on), each batch of at most
-    `small_linear.MAX_ROWS` rows is timed again with its projections as
-    plain matrix multiplies (the model's `_forward_fused`, a graph captured for it), the same run's A/B of the
-    few-row fusions. `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
+    With `--small-ab`, each batch of at most `small_linear.MAX_ROWS` rows (which run through the few-row kernels,
+    `EngineConfig.small_batch_kernels`) is timed again with its projections as plain matrix multiplies (the
+    model's `_forward_fused`, a graph captured for it), the same run's A/B of the few-row fusions.
+    `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
 (c) with `--hf`: workload (a) through Hugging Face `generate` (all sequences in one left-padded batch, greedy,
     max_new_tokens = the longest output; only each sequence's requested tokens count), and the ratio.
 """
@@ -182,7 +182,6 @@ def main() -> None:
         cfg = PRESETS[name]
         t0 = time.perf_counter()
         engine = Engine(name, EngineConfig(device="cuda", num_pages=0, page_size=16, max_running_requests=256,
-                                           small_batch_kernels=args.small_ab,
                                            max_prefill_tokens=8192), dtype="bfloat16")
         startup = time.perf_counter() - t0
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())

@@ -4,8 +4,8 @@
 
 For each projection of a dense layer at the model's shape (q/k/v with the input norm, o with the residual add,
 gate/up with the norm and SiLU, down with the residual add), a CUDA graph of as many of them back to back as the
-model has layers (each with weights of its own, so that they come from memory, not L2) is timed per tiling, with
-and without the L2 prefetch and early launch of the next kernel, and the best kept. Then one graph of the whole
+model has layers (each with weights of its own, so that they come from memory, not L2) is timed per tiling, and
+the best kept. Then one graph of the whole
 chain, layer after layer, is timed with the best tilings against the chain the model runs without these kernels
 (cuBLAS matrix multiplies beside the fused norm, residual and SiLU kernels), attention left out of both. Bytes:
 the weights a chain reads, against a device-to-device copy measured in the same run.
@@ -80,8 +80,8 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"## few-row projections ({datetime.date.today()}, {torch.cuda.get_device_name()}, {args.model}, {L} "
           f"layers; copy {bw / 1e12:.2f} TB/s)\n")
-    tilings = [Blocks(n, k, 4, 3, True, splits, True, True) for n, k, splits in itertools.product(
-        (16, 32), (128, 256), (1, 2, 4, 8))]
+    tilings = [Blocks(n, k, 4, 3, True, splits) for n, k, splits in itertools.product((16, 32), (128, 256),
+                                                                                        (1, 2, 4, 8))]
     results = {"model": args.model, "copy_bytes_per_s": bw, "rows": {}}
     for T in args.rows:
         layers = [projections(cfg, T) for _ in range(L)]
@@ -92,9 +92,7 @@ def main() -> None:
                                      heads=proj[0].shape[0] // cfg.head_dim if proj[5] else None)
             print(f"  {name} T={T}: default {default}")
             timed = []
-            variants = [default, *(dataclasses.replace(default, **change) for change in (
-                {"prefetch": False}, {"early": False}, {"prefetch": False, "early": False}, {"pdl": False}))]
-            for blocks in [*variants, *tilings]:
+            for blocks in [default, dataclasses.replace(default, pdl=False), *tilings]:
                 try:
                     sec = graph_seconds(lambda n=name, b=blocks, ls=layers: [run_small(lay[n], b)() for lay in ls]) / L
                 except Exception as e:  # a tiling the GPU cannot take (shared memory): skipped, and said
@@ -104,20 +102,16 @@ def main() -> None:
             sec, blocks = min(timed, key=lambda t: t[0])
             best[name] = blocks
             no_pdl = min(s for s, b in timed if not b.pdl)
-            print(f"  {name} T={T}: default {timed[0][0] * 1e6:.1f} us; without prefetch {timed[1][0] * 1e6:.1f}, "
-                  f"without early launch {timed[2][0] * 1e6:.1f}, without both {timed[3][0] * 1e6:.1f}, without "
-                  f"PDL {timed[4][0] * 1e6:.1f}")
             no_split = min(s for s, b in timed if b.splits == 1)
             mb = proj[0].numel() * 2 / 1e6
             rows.append({"projection": name, "weights_mb": mb, "default_us": timed[0][0] * 1e6, "best_us": sec * 1e6,
                          "best": dataclasses.asdict(blocks),
                          "best_without_pdl_us": no_pdl * 1e6, "best_unsplit_us": no_split * 1e6,
                          "of_copy": mb * 1e6 / sec / bw})
-        chain_small, chain_default, chain_plain, chain_matmul = chains(layers, best)
+        chain_small, chain_default, chain_matmul = chains(layers, best)
         weight_bytes = L * sum(p[0].numel() * 2 for p in projs.values())
         results["rows"][T] = {"projections": rows, "chain_best_s": chain_small, "chain_default_s": chain_default,
-                              "chain_without_prefetch_early_s": chain_plain, "chain_matmul_s": chain_matmul,
-                              "weight_bytes": weight_bytes}
+                              "chain_matmul_s": chain_matmul, "weight_bytes": weight_bytes}
         print(f"### {T} rows\n\n| projection | weights MB | default us | best us | best tiling | best without PDL us "
               "| best unsplit us | of copy BW |\n|---|---|---|---|---|---|---|---|")
         for r in rows:
@@ -126,8 +120,7 @@ def main() -> None:
                   f"n {b['n']} k {b['k']} warps {b['warps']} pdl {b['pdl']} splits {b['splits']} | "
                   f"{r['best_without_pdl_us']:.1f} | {r['best_unsplit_us']:.1f} | {r['of_copy']:.0%} |")
         print(f"\nthe {L} layers' projections in one graph: best tilings {chain_small * 1e3:.3f} ms, default tilings "
-              f"{chain_default * 1e3:.3f} ms (without prefetch and early launch {chain_plain * 1e3:.3f} ms), "
-              f"matrix multiplies + fused norm/SiLU kernels {chain_matmul * 1e3:.3f} ms "
+              f"{chain_default * 1e3:.3f} ms, matrix multiplies + fused norm/SiLU kernels {chain_matmul * 1e3:.3f} ms "
               f"({chain_matmul / chain_small:.2f}x); the weights' bytes at the copy's bandwidth "
               f"{weight_bytes / bw * 1e3:.3f} ms\n")
     if args.out:
@@ -135,17 +128,10 @@ def main() -> None:
             json.dump(results, f, indent=1, default=str)
 
 
-def chains(layers, best) -> tuple[float, float, float, float]:
-    """Seconds of the layers' projections: best tilings, default tilings, default tilings without the L2 prefetch
-    and early launch, the matrix multiplies' chain."""
-    def plain(proj):
-        return dataclasses.replace(default_blocks(proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1],
-                                                  proj[0].device, heads=proj[0].shape[0] // proj[5][4][0].shape[2]
-                                                  if proj[5] else None), prefetch=False, early=False)
-
+def chains(layers, best) -> tuple[float, float, float]:
+    """Seconds of the layers' projections: best tilings, default tilings, the matrix multiplies' chain."""
     return (graph_seconds(lambda: [run_small(p, best[n])() for lay in layers for n, p in lay.items()]),
             graph_seconds(lambda: [run_small(p, None)() for lay in layers for p in lay.values()]),
-            graph_seconds(lambda: [run_small(p, plain(p))() for lay in layers for p in lay.values()]),
             graph_seconds(lambda: [matmul_layer(lay) for lay in layers]))
 
 

@@ -69,9 +69,9 @@ class EngineConfig:
     # `ModelRunner.guard.count()`); a debugging aid, see docs/streams.md
     race_guard: bool = False
     fused_kernels: bool = True  # on CUDA: Triton attention kernels, fused RMSNorm/RoPE/SiLU (off: PyTorch)
-    # with fused_kernels, steps of at most 16 rows through projections with their norms, residual adds, SiLU and
-    # q/k norm + RoPE fused in (`tandem.kernels.small_linear`); experimental: off until its GPU tests pass
-    small_batch_kernels: bool = False
+    # with fused_kernels, steps of at most 16 rows on one rank through projections with their norms, residual adds,
+    # SiLU and q/k norm + RoPE fused in (`tandem.kernels.small_linear`)
+    small_batch_kernels: bool = True
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True

@@ -219,9 +219,10 @@ def check_small_linear(T, E, N, dtype, x_pad=0, blocks=None):
         assert small_linear(x, w, out=out) is out
         if dtype == torch.float32:
             assert_matches(out, want)
-        else:  # where residual and projection nearly cancel, a projection's tipped ulp is large against the sum
+        else:  # where residual and projection nearly cancel, a projection's tipped ulp is large against the sum:
+            # the bound is that ulp and the sum's rounding, an ulp of the addends' magnitude each
             addends = residual.float().abs() + linear(x, w).float().abs()
-            assert ((out.float() - want.float()).abs() <= 2 ** -7 * addends).all()
+            assert ((out.float() - want.float()).abs() <= 2 ** -6 * addends).all()
             assert (out != want).sum().item() <= 0.005 * out.numel()
         gate, up = linear(norm(x), w).chunk(2, dim=-1)
         assert_normed(small_linear(x, w, norm.weight, EPS, silu=True), F.silu(gate) * up)

@@ -20,7 +20,6 @@ squares) tips a rounding. Grids are fixed by shapes (CUDA-graph safe, no host sy
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,11 +40,6 @@ from tandem.kernels.fused import (
 
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
 MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
-# with programmatic dependent launches (`fused.pdl_supported`), a program also fetches its whole weight slice into
-# L2 before it waits (TANDEM_SMALL_PREFETCH=0: not), and lets the next kernel launch as soon as the kernel before it
-# is done (TANDEM_SMALL_EARLY=0: after its loop)
-PREFETCH = os.environ.get("TANDEM_SMALL_PREFETCH", "1") != "0"
-EARLY = os.environ.get("TANDEM_SMALL_EARLY", "1") != "0"
 
 
 @triton.jit
@@ -55,17 +49,6 @@ def _dot(acc, x, w, DOT_FP32: tl.constexpr):
     else:
         acc += tl.dot(x, tl.trans(w))
     return acc
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, offs_n, N, stride_w, k_start, k_end, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-    """Ask L2 for rows offs_n of w, columns [k_start, k_end), a 128-byte line (LINE elements) at a time; addresses
-    clamped into the slice (a prefetch loads nothing into registers and nothing waits for it)."""
-    rows = w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_w
-    for k0 in range(k_start, k_end, BLOCK_K):
-        cols = tl.minimum(k0 + tl.arange(0, BLOCK_K // LINE) * LINE, k_end - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                  [rows + cols[None, :]], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -132,7 +115,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                          stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
                          RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                         PDL: tl.constexpr, PREFETCH: tl.constexpr, EARLY: tl.constexpr, INTERPRET: tl.constexpr):
+                         PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
     SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
     [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
@@ -141,9 +124,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     HEADS: program n's columns are head n's, its first half in the first tile and the second in the second
     (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). PDL: launched as a programmatic dependent of the
     kernel before it, a program loads its first weight tile (never written by a step) while that kernel
-    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything; with PREFETCH it first
-    asks L2 for the rest of its weight slice, and with EARLY it lets the kernel after it launch (to do the same)
-    as soon as its own wait is over, rather than after its loop."""
+    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
@@ -163,15 +144,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     if PAIRED:
         w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
     if PDL:
-        if PREFETCH:
-            LINE: tl.constexpr = 128 // w_ptr.dtype.element_ty.primitive_bitwidth * 8
-            _prefetch_l2(w_ptr, offs_n, N, stride_w, k_start + BLOCK_K, k_end, BLOCK_K, LINE)
-            if PAIRED:
-                _prefetch_l2(w_ptr + up_rows * stride_w, offs_n, N, stride_w, k_start + BLOCK_K, k_end, BLOCK_K,
-                             LINE)
         gdc_wait()
-        if EARLY:
-            gdc_launch_dependents()
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if NORM:  # over the whole row, whatever this program's share of it
         squares = tl.zeros([BLOCK_T], tl.float32)
@@ -192,7 +165,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
         acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
         if PAIRED:
             acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
-    if PDL and not EARLY:
+    if PDL:
         gdc_launch_dependents()
     write = True  # this program writes the output: always unsplit, else the last of its column block to arrive
     if SPLITS > 1:
@@ -222,9 +195,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
 
 @dataclass(frozen=True)
 class Blocks:
-    """A launch's tiling: output columns and input columns per tile, warps, pipeline stages, whether it is a
-    programmatic dependent launch (PDL: Hopper and later; never under the CPU interpreter) and, if so, whether it
-    prefetches its weights into L2 and triggers the next launch early (`_small_linear_kernel`)."""
+    """A launch's tiling: output columns and input columns per tile, warps, pipeline stages, and whether it is a
+    programmatic dependent launch (PDL: Hopper and later; never under the CPU interpreter)."""
 
     n: int
     k: int
@@ -232,8 +204,6 @@ class Blocks:
     stages: int = 3
     pdl: bool = False
     splits: int = 1
-    prefetch: bool = False
-    early: bool = False
 
 
 def default_blocks(N: int, E: int, device: torch.device, split: bool = True, heads: int | None = None,
@@ -245,7 +215,7 @@ def default_blocks(N: int, E: int, device: torch.device, split: bool = True, hea
     n, k = 16 if N <= 2048 else 32, min(512 // itemsize, triton.next_power_of_2(E))
     blocks = heads or triton.cdiv(N, n)
     splits = max(1, min(8, 2 * _multiprocessors(device) // blocks, triton.cdiv(E, k))) if split else 1
-    return Blocks(n, k, pdl=pdl, splits=splits, prefetch=pdl and PREFETCH, early=pdl and EARLY)
+    return Blocks(n, k, pdl=pdl, splits=splits)
 
 
 @functools.cache
@@ -346,6 +316,5 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, T, N, E, x_TE.stride(0), w_NE.stride(0),
         y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
         RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=b.k,
-        DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, PREFETCH=b.pdl and b.prefetch,
-        EARLY=b.pdl and b.early, INTERPRET=_interpreted(),
+        DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=b.stages, enable_fp_fusion=not HEADS, **pdl)  # RoPE without FMA, as PyTorch
