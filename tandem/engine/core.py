@@ -17,7 +17,8 @@ running request that may share it) computed more than N updates ago: KV up to N 
 PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the stale computation.
 
 Prefill/decode disaggregation: a prefill server's request (`AddRequest.export_kv_from`) hands its prompt's KV out
-with its output, read from its pages as it finishes; a decode server's `ImportRequest` writes such KV into fresh
+with its output, read from its pages as it finishes (or its pages pinned until `unpin`: `export_pinned`); a decode
+server's `ImportRequest` writes such KV into fresh
 pages (behind the cached ones it already held) and queues the request with them and its first token: admitted, it
 decodes at once, and its KV joins the prefix cache when it ends, as any request's does. Both ends run between
 steps in this thread: no page is freed or reused while its content moves. While paused, imports wait (`_held`)
@@ -32,6 +33,7 @@ a failure no single request explains fails every request (and is logged as an en
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import random
@@ -47,8 +49,9 @@ from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup, cdiv
 from tandem.engine import commands
 from tandem.engine.host_tier import HostTier
+from tandem.engine.kv_mapped import MappedKV, pin_pages
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
-from tandem.engine.kv_transfer import KVPages, read_pages, write_pages
+from tandem.engine.kv_transfer import KVPages, read_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
 from tandem.engine.model_runner import Launched, ModelRunner, StepInputError
 from tandem.engine.observers import IdealReuse
@@ -99,7 +102,7 @@ class EngineCore:
             raise ValueError("engine.enable_return_routed_experts: the model has no mixture-of-experts layers")
         self.pool = KVPool(self.model_config, num_pages, config.page_size, param.dtype, param.device,
                            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
-                           routing=config.enable_return_routed_experts)
+                           routing=config.enable_return_routed_experts, shared=config.role == "prefill")
         if self.pool.routing is not None:
             self.model.capture_routing(self.pool.routing)
         self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
@@ -129,7 +132,9 @@ class EngineCore:
         self._last_chunks: list[Chunk] = []  # what the last step scheduled (named if it was slow)
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
         self._applied_routing = 0  # the model's routing checksum after the step the last drain applied
-        self._held: list[tuple[Request, KVPages]] = []  # imports that arrived while paused, in order
+        self._held: list[tuple[Request, KVPages | MappedKV]] = []  # imports that arrived while paused, in order
+        self._pinned_exports: set[str] = set()  # requests whose KV is exported by pinning its pages (`pin_pages`)
+        self._unpins: collections.deque[list[int]] = collections.deque()  # pinned pages let go (any thread)
         self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
         if self.lockstep is not None:
             self.lockstep.ready()
@@ -162,6 +167,8 @@ class EngineCore:
         every request in it (a bug must not leave clients waiting); ranks out of lockstep also set `fatal`: the
         engine must stop."""
         t0 = time.perf_counter()
+        while self._unpins:  # (before any command that could allocate)
+            self.pool.decref(self._unpins.popleft())
         try:
             if command.drains and self._inflight is not None:
                 self.stats.command_waits += 1
@@ -213,6 +220,11 @@ class EngineCore:
                         else f"command {type(command).__name__}")
                 log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
 
+    def unpin(self, pages: list[int]) -> None:
+        """Drop the references a pinned export holds on `pages` (`kv_mapped.PinnedKV.free`). Thread-safe: the pages
+        go back to the allocator before the next command is applied."""
+        self._unpins.append(pages)
+
     def _engine_error(self, error: Exception) -> None:
         log.error("engine step failed", exc_info=error)
         self._inflight = None
@@ -235,7 +247,12 @@ class EngineCore:
         if cmd.return_routed_experts and self.pool.routing is None:
             raise ValueError("return_routed_experts: this engine keeps no routing (start it with "
                              "enable_return_routed_experts)")
+        if cmd.export_pinned and (start is None or self.tp.size > 1):
+            raise ValueError("export_pinned: only with export_kv_from, on an engine of one rank (pages are pinned "
+                             "in rank 0's allocator alone)")
         req.export_kv_from, req.return_routed_experts = start, cmd.return_routed_experts
+        if cmd.export_pinned:
+            self._pinned_exports.add(cmd.rid)
         self._requests[cmd.rid] = req
         self.scheduler.waiting.append(req)
         if sampling.max_new_tokens == 0:
@@ -243,14 +260,20 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         kv = routed = None
+        pinned = req.rid in self._pinned_exports
+        self._pinned_exports.discard(req.rid)
         if any(r is req for r, _ in self._held):
+            for r, held in self._held:
+                if r is req:
+                    held.settle()
             self._held = [(r, pages) for r, pages in self._held if r is not req]
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
             if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
                 with self.order.work("kv_export"):
-                    kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
-                                    self.pool.k_cache.device)
+                    kv = (pin_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.unpin) if pinned
+                          else read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
+                                          self.pool.k_cache.device))
             if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
                 known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
                 routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()
@@ -284,7 +307,7 @@ class EngineCore:
             raise ValueError("sampling_params.seed: an imported request needs the seed its tokens were sampled with")
         if not out or not len(out) == len(cmd.output_logprobs) == len(cmd.weight_versions):
             raise ValueError("output_ids: at least the token the prefill server sampled, with its logprob and version")
-        if not isinstance(kv, KVPages) or kv.end != n or kv.start % self.pool.page_size:
+        if not isinstance(kv, KVPages | MappedKV) or kv.end != n or kv.start % self.pool.page_size:
             raise ValueError(f"kv: must hold positions [a page boundary, {n}) of the request")
         kv.verify()
         req = Request(cmd.rid, [*cmd.input_ids, *out[:-1], PENDING], len(cmd.input_ids), cmd.sampling,
@@ -296,6 +319,7 @@ class EngineCore:
             reason = FinishReason("abort", message=aborted)
         self._requests[cmd.rid] = req
         if reason is not None:  # the first token ended it, or an abort did
+            kv.settle()
             self.scheduler.waiting.append(req)
             self._finish(req, reason)
         elif self.paused is not None:
@@ -303,12 +327,19 @@ class EngineCore:
         else:
             self._place_import(req, kv)
 
-    def _place_import(self, req: Request, kv: KVPages) -> None:
+    def _place_import(self, req: Request, kv: KVPages | MappedKV) -> None:
         """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
         imported KV after it; then queue it. The request computes its prompt here instead, nothing written, if those
         cached pages are gone (evicted or flushed since the probe), no pages are free, or the KV was computed under
         other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
-        versions that sampled them)."""
+        versions that sampled them). KV whose checksums fail as it is written (`MappedKV`) ends the request with an
+        abort naming the page, its pages freed (nothing of it is seen). The import is settled either way."""
+        try:
+            self._place_import_kv(req, kv)
+        finally:
+            kv.settle()
+
+    def _place_import_kv(self, req: Request, kv: KVPages | MappedKV) -> None:
         n, P = len(req.tokens) - 1, self.pool.page_size
         stale = req.weight_versions[-1] != self.weight_version
         if stale and self.config.role == "decode":
@@ -324,8 +355,16 @@ class EngineCore:
             else:
                 req.pages, req.num_computed = lead + fresh, n
                 req.pages_replaced()
-                with self.order.work("kv_import"):
-                    write_pages(self.pool, req.pages, kv)
+                try:
+                    with self.order.work("kv_import"):
+                        kv.write_into(self.pool, req.pages)
+                except ValueError as e:  # (checked as written: what it wrote is nobody's)
+                    self.pool.decref(req.pages)
+                    req.pages, req.num_computed = [], 0
+                    req.pages_replaced()
+                    self.scheduler.waiting.append(req)
+                    self._finish(req, FinishReason("abort", message=str(e)))
+                    return
         if not req.pages:
             self.stats.imports_recomputed += 1
             log.info("engine: request %s recomputes its prompt (the import's cached prefix is gone, no pages are "

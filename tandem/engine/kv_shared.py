@@ -150,20 +150,10 @@ class _CudaKV(SharedKV):
     kind = "cuda"
 
     def __init__(self, kv: KVPages):
-        from torch.multiprocessing.reductions import reduce_tensor
-
         super().__init__(kv)
         self._tensors = [kv.k, kv.v]  # alive here until freed: the receiver maps this memory
-        self._counters: list[tuple[bytes, int]] = []
-        parts = []
-        for t in self._tensors:
-            _, (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _, counter, counter_offset,
-                event, event_sync) = reduce_tensor(t)
-            self._counters.append((counter, counter_offset))
-            parts.append({"size": list(size), "stride": list(stride), "offset": offset, "handle": _b64(handle),
-                          "storage_bytes": storage_bytes, "storage_offset": storage_offset,
-                          "ref_counter": _b64(counter), "ref_counter_offset": counter_offset, "event": _b64(event),
-                          "event_sync": bool(event_sync)})
+        parts = [ipc_describe(t) for t in self._tensors]
+        self._counters = [(_unb64(p["ref_counter"]), p["ref_counter_offset"]) for p in parts]
         self.handle |= {"gpu": _gpu_uuid(kv.k.device), "tensors": parts}
 
     def free(self, taken: bool) -> None:
@@ -174,8 +164,6 @@ class _CudaKV(SharedKV):
 
     @classmethod
     def open(cls, handle, device):
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         dtype, parts, index = _dtype(handle), handle["tensors"], _local_gpu(handle["gpu"])
         remotes = []
         try:
@@ -185,11 +173,7 @@ class _CudaKV(SharedKV):
                 raise ValueError(f"a handle of {len(parts)} tensors, not keys and values")
             with transfer_stream(device) as stream:  # (the sender's event is waited for on it, as the copies are)
                 for part in parts:
-                    remotes.append(rebuild_cuda_tensor(
-                        torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]),
-                        torch.UntypedStorage, dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]),
-                        int(part["storage_offset"]), False, _unb64(part["ref_counter"]),
-                        int(part["ref_counter_offset"]), _unb64(part["event"]), bool(part["event_sync"])))
+                    remotes.append(ipc_open(part, dtype, index))
                 kv_2LTKD = torch.empty((2, *remotes[0].shape), dtype=dtype, device=device)
                 for i, remote in enumerate(remotes):
                     kv_2LTKD[i].copy_(remote)  # (device to device: the host does not wait)
@@ -204,6 +188,30 @@ class _CudaKV(SharedKV):
 
 
 _WAYS: dict[str, type[SharedKV]] = {w.kind: w for w in (_EmptyKV, _ShmKV, _CudaKV)}
+
+
+def ipc_describe(t: torch.Tensor) -> dict:
+    """A CUDA tensor of this process as JSON that another process of the host maps (`ipc_open`): torch's CUDA IPC
+    reduction (`torch.multiprocessing.reductions`), its arguments as JSON, so nothing is unpickled. Each call takes
+    a reference counter of its own, which the mapping process counts off when it drops its mapping."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _, counter, counter_offset,
+        event, event_sync) = reduce_tensor(t)
+    return {"size": list(size), "stride": list(stride), "offset": offset, "handle": _b64(handle),
+            "storage_bytes": storage_bytes, "storage_offset": storage_offset, "ref_counter": _b64(counter),
+            "ref_counter_offset": counter_offset, "event": _b64(event), "event_sync": bool(event_sync)}
+
+
+def ipc_open(part: dict, dtype: torch.dtype, index: int) -> torch.Tensor:
+    """The tensor `ipc_describe` described, mapped into this process on GPU `index` (its memory, not a copy)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]), torch.UntypedStorage,
+        dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]), int(part["storage_offset"]), False,
+        _unb64(part["ref_counter"]), int(part["ref_counter_offset"]), _unb64(part["event"]),
+        bool(part["event_sync"]))
 
 
 def sharing_domain(device: torch.device | str) -> dict:
