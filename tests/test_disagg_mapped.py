@@ -64,7 +64,7 @@ def churn_after_pinning(monkeypatch, pin: bool):
             for seed in range(3):  # (most of the pool: the pages freed last are handed out first)
                 await p.generate(prompt(100, seed=seed + 1), dataclasses.replace(SEEDED, max_new_tokens=1))
             out, kv = await import_mapped(p, d, first, ids)
-            assert kv.settled.done()
+            assert kv.settled.done() and kv.checksums == first.kv.checksums and len(kv.checksums) == 6
             first.kv.free(taken=True)
             await p.flush_cache()
             assert (await p.get_stats()).pages_free == POOL.num_pages  # unpinned once freed (twice: once)
@@ -148,8 +148,10 @@ def test_a_handle_of_another_pool_or_pages_that_do_not_fit_is_refused():
             source = MappedPool(pool_handle(p.pool), "cpu")
             with pytest.raises(ValueError, match="restarted"):
                 MappedKV(source, first.kv.handle | {"pool": "another"})
-            with pytest.raises(ValueError, match="do not hold positions"):
+            with pytest.raises(ValueError, match="bytes of sums for 2 pages"):
                 MappedKV(source, first.kv.handle | {"pages": first.kv.pages[:-1]})
+            with pytest.raises(ValueError, match="do not hold positions"):
+                MappedKV(source, first.kv.handle | {"end": 20})
             with pytest.raises(ValueError, match="do not hold positions"):
                 MappedKV(source, first.kv.handle | {"pages": [0, 1, POOL.num_pages]})
             first.kv.free(taken=True)

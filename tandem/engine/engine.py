@@ -98,13 +98,16 @@ class Engine:
 
     async def generate_imported(self, input_ids: list[int], sampling: SamplingParams,
                                 generated: tuple[list[int], list[float], list[int]], kv,
-                                rid: str | None = None, return_routed_experts: bool = False) -> GenerateOutput:
+                                rid: str | None = None, return_routed_experts: bool = False,
+                                validated: bool = False) -> GenerateOutput:
         """A decode server's request: prompt `input_ids` and the tokens generated so far (`generated`: ids,
         logprobs, weight versions; the last one sampled by a prefill server with `sampling.seed`), with the KV `kv`
-        that prefill server sent (`commands.ImportRequest`). The output holds every generated token."""
+        that prefill server sent (`commands.ImportRequest`). The output holds every generated token. `validated`:
+        the caller passed `input_ids`, `sampling` and `rid` through `validate` already (not checked again)."""
         rid = rid if rid is not None else uuid.uuid4().hex
         self._check_alive()
-        self.validate(input_ids, sampling, rid)
+        if not validated:
+            self.validate(input_ids, sampling, rid)
         return await self._submit(commands.ImportRequest(rid, list(input_ids), sampling, *map(list, generated), kv,
                                                          return_routed_experts))
 

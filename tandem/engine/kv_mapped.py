@@ -20,6 +20,7 @@ and a scatter).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import functools
 import os
@@ -130,10 +131,10 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list
     if _kernel_ok(*caches):
         from tandem.kernels.kv_copy import copy_page_sums
 
-        rows = [page_size] * num
+        rows = array.array("i", [page_size]) * num
         if num:
             rows[-1] = n - (num - 1) * page_size
-        index = torch.tensor([src_pages, dst_pages or src_pages, rows], dtype=torch.int32).to(device)
+        index = torch.cat([_int32(src_pages), _int32(dst_pages or src_pages), _int32(rows)]).view(3, num).to(device)
         parts = []
         for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
             row_w, col_w = _weights(src.shape[0], page_size, _words_per_position(src), device)[which]
@@ -150,6 +151,12 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list
     return sums
 
 
+def _int32(values) -> torch.Tensor:
+    """Python ints (a list or an `array`) as an int32 tensor on the host, quicker than `torch.tensor` of a list."""
+    values = values if isinstance(values, array.array) else array.array("i", values)
+    return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
+
+
 def combine_parts(parts: torch.Tensor) -> torch.Tensor:
     """`copy_page_sums`'s parts [pages, n, 2] summed over the n (layers of keys and values) into `page_sums`'s
     [pages, 2]: the row parts modulo 2**64, the column parts modulo 2**32 as signed 32-bit values, as it has them."""
@@ -163,29 +170,30 @@ def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> to
     return (torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size).to(device)
 
 
-def _checksums(sums: torch.Tensor) -> tuple[str, ...]:
-    return tuple(_hex(pair) for pair in sums.tolist())
-
-
 class PinnedKV:
     """A prefill engine's export by reference: positions [start, end) of a sequence, held in `pages` (one per page
-    of `page_size` from `start`) of its pool, pinned until `free`; `checksums` computed over them as they were
-    pinned, `routing` ([end - start, layers, k] int16 on the host) where the pool keeps it. `handle`: what the
-    decode server needs (JSON); `unpin(pages)` is called once, by `free` or when this is collected. `read_s`: the
-    export's time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time (on a
-    GPU; else None)."""
+    of `page_size` from `start`) of its pool, pinned until `free`; `sums` their `page_sums` [pages, 2] computed as
+    they were pinned (on the host; in the handle the hex of their bytes; `checksums` as `page_checksums` has them),
+    `routing` ([end - start, layers, k] int16 on the host) where the pool keeps it. `handle`: what the decode
+    server needs (JSON); `unpin(pages)` is called once, by `free` or when this is collected. `read_s`: the export's
+    time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time (on a GPU; else
+    None)."""
 
-    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, checksums: tuple[str, ...],
+    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: torch.Tensor,
                  routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float,
                  sums_s: float | None):
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
-        self.checksums, self.routing, self.read_s, self.sums_s = checksums, routing, read_s, sums_s
+        self.sums, self.routing, self.read_s, self.sums_s = sums, routing, read_s, sums_s
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
         self.handle = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
-                       "page_size": pool.page_size, "pages": pages, "checksums": list(checksums)}
+                       "page_size": pool.page_size, "pages": pages, "sums": _sums_hex(sums)}
         if routing is not None:
             self.handle["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
                                       "shape": list(routing.shape)}
+
+    @property
+    def checksums(self) -> tuple[str, ...]:
+        return _hex_pairs(self.sums)
 
     def free(self, taken: bool) -> None:
         """Unpin the pages (once; `taken` is ignored: the decode server maps the pool, not this export). An export
@@ -209,12 +217,30 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
         sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P)
         clock.mark("summed")
         routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
-        checksums = _checksums(sums)  # (the host waits for the sums)
+        on_host = sums.cpu()  # (the host waits for the sums)
         sums_s = clock.seconds("sums", "summed") if pool.k_cache.is_cuda else None
     except BaseException:
         pool.decref(held)
         raise
-    return PinnedKV(pool, held, start, end, checksums, routing, unpin, time.perf_counter() - began, sums_s)
+    return PinnedKV(pool, held, start, end, on_host, routing, unpin, time.perf_counter() - began, sums_s)
+
+
+def _hex_pairs(sums: torch.Tensor) -> tuple[str, ...]:
+    """`page_sums` [pages, 2] as `page_checksums` gives them."""
+    return tuple(_hex(pair) for pair in sums.tolist())
+
+
+def _sums_hex(sums: torch.Tensor) -> str:
+    """`page_sums` [pages, 2] (int64 on the host) as the hex of their bytes (little-endian): quick both ways."""
+    return sums.contiguous().numpy().astype("<i8", copy=False).tobytes().hex()
+
+
+def _sums_of_hex(text: str, pages: int) -> torch.Tensor:
+    """The inverse of `_sums_hex`, for `pages` pages; ValueError if it is not that."""
+    raw = bytearray.fromhex(text)
+    if len(raw) != 16 * pages:
+        raise ValueError(f"{len(raw)} bytes of sums for {pages} pages")
+    return torch.frombuffer(raw, dtype=torch.int64).view(pages, 2) if pages else torch.empty(0, 2, dtype=torch.int64)
 
 
 class MappedKV:
@@ -230,7 +256,8 @@ class MappedKV:
                 raise ValueError(f"it names pool {handle.get('pool')!r} ({handle['kind']}), the one mapped is "
                                  f"{source.id!r} (the prefill server restarted?)")
             self.start, self.end, self.page_size = int(handle["start"]), int(handle["end"]), int(handle["page_size"])
-            self.pages, self.checksums = [int(p) for p in handle["pages"]], tuple(map(str, handle["checksums"]))
+            self.pages = [int(p) for p in handle["pages"]]
+            self.sums = _sums_of_hex(str(handle["sums"]), len(self.pages))  # (as `PinnedKV.sums`)
             self.routing = None
             if (shared := handle.get("routing")) is not None:
                 self.routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(
@@ -239,14 +266,19 @@ class MappedKV:
             raise ValueError(f"kv transfer: the answer is not a KV by reference ({type(e).__name__}: {e})") from None
         n = self.end - self.start
         if (self.page_size != source.page_size or self.start % self.page_size or n < 0
-                or len(self.pages) != -(-n // self.page_size) or len(self.checksums) != len(self.pages)
-                or any(not 0 <= p < source.num_pages for p in self.pages)):
-            raise ValueError(f"kv transfer: pages {self.pages[:8]}... with {len(self.checksums)} checksums do not "
+                or len(self.pages) != -(-n // self.page_size)
+                or (self.pages and not 0 <= min(self.pages) <= max(self.pages) < source.num_pages)):
+            raise ValueError(f"kv transfer: pages {self.pages[:8]}... do not "
                              f"hold positions [{self.start}, {self.end}) of pool {source.id}")
         self.source, self.origin, self.export_id = source, origin, export_id
         self.clock: TransferClock | None = None
         self.settled: Future = Future()
         self.sums_s: float | None = None
+
+    @property
+    def checksums(self) -> tuple[str, ...]:
+        """The prefill server's checksums, as `page_checksums` gives them."""
+        return _hex_pairs(self.sums)
 
     @property
     def kv_bytes(self) -> int:
@@ -283,10 +315,10 @@ class MappedKV:
         clock.mark("written")
         if pool.routing is not None:
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        mine = sums.tolist()  # (the host waits for the pass)
+        mine = sums.cpu()  # (the host waits for the pass)
         clock.mark("checked")
-        for i, (pair, theirs) in enumerate(zip(mine, self.checksums, strict=True)):
-            if _hex(pair) != theirs:
-                raise ValueError(f"kv transfer from {self.origin or 'the prefill server'}: page {i} (positions "
-                                 f"{self.start + i * P}...) arrived with another checksum than it left with")
+        if not torch.equal(mine, self.sums):
+            i = int((mine != self.sums).any(1).nonzero()[0, 0])
+            raise ValueError(f"kv transfer from {self.origin or 'the prefill server'}: page {i} (positions "
+                             f"{self.start + i * P}...) arrived with another checksum than it left with")
 

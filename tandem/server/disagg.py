@@ -245,6 +245,7 @@ class PrefillClient:
         so far computed there under the weights held now)."""
         if sampling.seed is None:  # the prefill server samples the first token, this engine the rest: one seed
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        self.engine.validate(input_ids, sampling, rid)  # (once: not on the way of each transfer)
         so_far = GenerateOutput(rid, [], [], [], FinishReason("abort", message=HANDED_BACK), len(input_ids), 0)
         prefilled = retractions = 0
         while so_far.finish_reason.message == HANDED_BACK:
@@ -267,8 +268,8 @@ class PrefillClient:
                 return dataclasses.replace(so_far, finish_reason=FinishReason(**meta["finish_reason"]))
             generated = [[*mine, theirs] for mine, theirs in zip(
                 (so_far.output_ids, so_far.output_logprobs, so_far.weight_versions), sampled, strict=True)]
-            generating = asyncio.ensure_future(self.engine.generate_imported(input_ids, sampling, tuple(generated),
-                                                                             kv, rid, routed))
+            generating = asyncio.ensure_future(self.engine.generate_imported(
+                input_ids, sampling, tuple(generated), kv, rid, routed, validated=True))
             if isinstance(kv, MappedKV):  # (released once written, or dropped: the request may decode on long)
                 releasing = asyncio.ensure_future(self._release_settled(url, kv, generating))
             try:
@@ -336,7 +337,8 @@ class PrefillClient:
             log.warning("decode server: transfer of %s not timed: %s", rid, e)
             write_s = import_s = None
         _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
-            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end, "pages": len(kv.checksums),
+            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
+            "pages": len(kv.pages) if mapped else len(kv.checksums),
             "kv_bytes": kv.kv_bytes if mapped else 2 * kv.k.numel() * kv.k.element_size(),
             "export_s": meta.get("export_s"), "export_sums_s": meta.get("export_sums_s"), "take_s": take_s,
             "copy_s": clock.host["taken"] - clock.host["import"],
