@@ -46,8 +46,9 @@ import torch
 from tandem.config import EngineConfig, ModelConfig, PauseMode
 from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
-from tandem.distributed.parallel import SINGLE, TPGroup, cdiv
+from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.engine import commands
+from tandem.engine.core_imports import DecodeImports
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_mapped import MappedKV, pin_pages
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
@@ -72,7 +73,7 @@ class EngineError(RuntimeError):
     """A request the engine refuses in its current state (not a malformed input: that is ValueError)."""
 
 
-class EngineCore:
+class EngineCore(DecodeImports):
     """`tp`: the group of the engine's ranks (`TPGroup`: tensor and expert parallelism). On rank 0 of a
     multi-rank engine, `lockstep` publishes each command."""
 
@@ -220,11 +221,6 @@ class EngineCore:
                         else f"command {type(command).__name__}")
                 log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
 
-    def unpin(self, pages: list[int]) -> None:
-        """Drop the references a pinned export holds on `pages` (`kv_mapped.PinnedKV.free`). Thread-safe: the pages
-        go back to the allocator before the next command is applied."""
-        self._unpins.append(pages)
-
     def _engine_error(self, error: Exception) -> None:
         log.error("engine step failed", exc_info=error)
         self._inflight = None
@@ -290,86 +286,6 @@ class EngineCore:
         held = [req for req, _ in self._held]
         for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
             self._finish(req, FinishReason("abort", message=message))
-
-    # ---- prefill/decode disaggregation: the decode server's end ---------------------------------------------
-    def _probe(self, input_ids: list[int]) -> int:
-        if self.cache is None:
-            return 0
-        pages = self.cache.match(input_ids).pages
-        return next((i for i, page in enumerate(pages) if page is None), len(pages)) * self.pool.page_size
-
-    def _import_request(self, cmd: commands.ImportRequest) -> None:
-        kv, out = cmd.kv, cmd.output_ids
-        n = len(cmd.input_ids) + len(out) - 1  # the positions with KV: all but the last token
-        if cmd.rid in self._requests:
-            raise ValueError(f"rid: {cmd.rid!r} is already in flight")
-        if cmd.sampling.seed is None:
-            raise ValueError("sampling_params.seed: an imported request needs the seed its tokens were sampled with")
-        if not out or not len(out) == len(cmd.output_logprobs) == len(cmd.weight_versions):
-            raise ValueError("output_ids: at least the token the prefill server sampled, with its logprob and version")
-        if not isinstance(kv, KVPages | MappedKV) or kv.end != n or kv.start % self.pool.page_size:
-            raise ValueError(f"kv: must hold positions [a page boundary, {n}) of the request")
-        kv.verify()
-        req = Request(cmd.rid, [*cmd.input_ids, *out[:-1], PENDING], len(cmd.input_ids), cmd.sampling,
-                      cmd.sampling.seed, next(self._arrival))
-        req.output_logprobs, req.weight_versions = list(cmd.output_logprobs[:-1]), list(cmd.weight_versions[:-1])
-        req.return_routed_experts = cmd.return_routed_experts and self.pool.routing is not None
-        reason = self.scheduler.resolve(req, n, out[-1], cmd.output_logprobs[-1], cmd.weight_versions[-1])
-        if (aborted := self._expected.pop(cmd.rid, None)) is not None:  # aborted while the prefill server computed
-            reason = FinishReason("abort", message=aborted)
-        self._requests[cmd.rid] = req
-        if reason is not None:  # the first token ended it, or an abort did
-            kv.settle()
-            self.scheduler.waiting.append(req)
-            self._finish(req, reason)
-        elif self.paused is not None:
-            self._held.append((req, kv))
-        else:
-            self._place_import(req, kv)
-
-    def _place_import(self, req: Request, kv: KVPages | MappedKV) -> None:
-        """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
-        imported KV after it; then queue it. The request computes its prompt here instead, nothing written, if those
-        cached pages are gone (evicted or flushed since the probe), no pages are free, or the KV was computed under
-        other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
-        versions that sampled them). KV whose checksums fail as it is written (`MappedKV`) ends the request with an
-        abort naming the page, its pages freed (nothing of it is seen). The import is settled either way."""
-        try:
-            self._place_import_kv(req, kv)
-        finally:
-            kv.settle()
-
-    def _place_import_kv(self, req: Request, kv: KVPages | MappedKV) -> None:
-        n, P = len(req.tokens) - 1, self.pool.page_size
-        stale = req.weight_versions[-1] != self.weight_version
-        if stale and self.config.role == "decode":
-            self.scheduler.waiting.append(req)  # (a prefill server recomputes it under the weights held now)
-            self._finish(req, FinishReason("abort", message=HANDED_BACK))
-            return
-        lead = self.cache.match(req.tokens[:n]).pages[:kv.start // P] if self.cache is not None else []
-        if not stale and len(lead) == kv.start // P and None not in lead:
-            self.pool.incref(lead)
-            fresh = self.scheduler.alloc(cdiv(n, P) - len(lead))
-            if fresh is None:
-                self.pool.decref(lead)
-            else:
-                req.pages, req.num_computed = lead + fresh, n
-                req.pages_replaced()
-                try:
-                    with self.order.work("kv_import"):
-                        kv.write_into(self.pool, req.pages)
-                except ValueError as e:  # (checked as written: what it wrote is nobody's)
-                    self.pool.decref(req.pages)
-                    req.pages, req.num_computed = [], 0
-                    req.pages_replaced()
-                    self.scheduler.waiting.append(req)
-                    self._finish(req, FinishReason("abort", message=str(e)))
-                    return
-        if not req.pages:
-            self.stats.imports_recomputed += 1
-            log.info("engine: request %s recomputes its prompt (the import's cached prefix is gone, no pages are "
-                     "free, or its KV is of other weights)", req.rid)
-        self.scheduler.waiting.append(req)
 
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":
