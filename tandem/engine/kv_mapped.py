@@ -134,7 +134,8 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list
         rows = array.array("i", [page_size]) * num
         if num:
             rows[-1] = n - (num - 1) * page_size
-        index = torch.cat([_int32(src_pages), _int32(dst_pages or src_pages), _int32(rows)]).view(3, num).to(device)
+        index = torch.cat([_int32(src_pages), _int32(dst_pages or src_pages), _int32(rows)]).view(3, num)
+        index = index.to(device, non_blocking=True)  # (from pageable memory: staged before it returns, no sync)
         parts = []
         for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
             row_w, col_w = _weights(src.shape[0], page_size, _words_per_position(src), device)[which]

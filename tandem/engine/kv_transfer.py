@@ -10,9 +10,7 @@ device, that it writes what the sender read. It moves in one of three ways (the 
 - bytes, between any two processes: `to_bytes` / `from_bytes` (safetensors: dtype and shapes travel with the data).
   The receiver owns what it parsed.
 - by reference, between processes of one host: the sender's pool mapped once by the receiver, pages pinned
-  (`tandem.engine.kv_mapped`: no copy on either side but the receiver's one pass into its pool). The older way, a
-  copy shared per transfer (`SharedKV`: its own device tensors by CUDA IPC, or a file in shared memory, described
-  in a JSON `handle`, mapped and copied by `KVPages.from_shared`), is no server's any more.
+  (`tandem.engine.kv_mapped`: no copy on either side but the receiver's one pass into its pool; not a `KVPages`).
 - point to point, between two processes of a torch.distributed group of their own (gloo on CPUs, NCCL between
   GPUs): `tandem.engine.kv_p2p`.
 
@@ -42,9 +40,9 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.kv_shared import _WAYS, SHM_DIR, SharedKV, _unb64, sharing_domain, transfer_stream, why_not_shared
+from tandem.engine.kv_shared import _unb64, sharing_domain, transfer_stream, why_not_shared
 
-__all__ = ["SHM_DIR", "KVPages", "SharedKV", "TransferClock", "checksum_weights", "page_checksums", "page_sums",
+__all__ = ["KVPages", "TransferClock", "checksum_weights", "page_checksums", "page_sums",
            "read_pages", "sharing_domain", "transfer_stream", "why_not_shared", "wire_meta", "write_pages"]
 
 
@@ -84,16 +82,6 @@ class KVPages:
                        tuple(json.loads(meta["checksums"])), tensors.get("routing"))
         except (KeyError, ValueError, TypeError) as e:
             raise ValueError(f"kv transfer: the payload does not parse ({e})") from e
-
-    @classmethod
-    def from_shared(cls, handle: dict, device: torch.device | str) -> KVPages:
-        """A copy on `device` of the KV that another process's `SharedKV` describes (`handle`). The mapping is
-        dropped before this returns (on a GPU, once the copy has finished), so the sender may then free it; not
-        verified yet. ValueError if the handle does not parse or its memory cannot be mapped here."""
-        try:
-            return cls.from_header(handle, *_WAYS[handle["kind"]].open(handle, torch.device(device)))
-        except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:
-            raise ValueError(f"kv transfer: the shared KV cannot be taken ({type(e).__name__}: {e})") from e
 
     @classmethod
     def from_header(cls, header: dict, k: torch.Tensor, v: torch.Tensor) -> KVPages:
