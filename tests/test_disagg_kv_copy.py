@@ -40,6 +40,8 @@ CASES = [  # layers, pool pages, page size, KV heads, head dim, dtype, positions
     (2, 10, 4, 1, 8, torch.bfloat16, 16),
     (2, 9, 16, 2, 64, torch.bfloat16, 37),
     (1, 6, 8, 3, 10, torch.float16, 9),
+    (1, 5, 16, 8, 128, torch.bfloat16, 40),  # (qwen3-0.6b's position: 512 words, two chunks of the row a program)
+    (2, 7, 6, 1, 8, torch.float32, 20),  # (pages of 6 positions: rows masked to a power of 2)
 ]
 
 
