@@ -260,3 +260,22 @@ def test_an_export_is_a_copy_on_the_pools_device_that_outlives_its_pages(device)
             data = kv.to_bytes()
             KVPages.from_bytes(data, kv_transfer.wire_meta(data)).verify()
     asyncio.run(go())
+
+
+def test_a_pool_that_cannot_be_mapped_falls_back_to_bytes_unless_reference_was_asked_for(monkeypatch):
+    def unmappable(handle, device):
+        raise ValueError("no mapping here")
+
+    monkeypatch.setattr(disagg, "MappedPool", unmappable)
+    with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
+        async def chosen(transfer):
+            client = disagg.PrefillClient(d, transfer=transfer)
+            try:
+                await client.pair(p_url)
+                return client.paired[p_url]
+            finally:
+                await client.close()
+
+        assert asyncio.run(chosen(None)) == "bytes"
+        with pytest.raises(ValueError, match="cannot be mapped.*no mapping here"):
+            asyncio.run(chosen("reference"))

@@ -157,7 +157,8 @@ class PrefillClient:
 
     async def pair(self, url: str) -> None:
         """Check once that `url` is a prefill server this one can take KV from, and choose the transfer; ValueError
-        naming what differs, or why the transfer asked for cannot be made."""
+        naming what differs, or why the transfer asked for cannot be made. By reference it maps the prefill server's
+        pool now; where that fails, a transfer not asked for falls back to bytes (logged)."""
         if url in self.paired:
             return
         try:
@@ -178,7 +179,13 @@ class PrefillClient:
         if transfer == "p2p":
             self.links[url] = await self._open_link(url)
         elif transfer == "reference":
-            self.pools[url] = await self._map_pool(url)
+            try:
+                self.pools[url] = await self._map_pool(url)
+            except ValueError as e:
+                if self.transfer is not None:  # (asked for: refuse, naming why)
+                    raise
+                log.warning("decode server: takes KV from %s as bytes: %s", url, e)
+                transfer = "bytes"
         self.paired[url] = transfer
 
     def _unpair(self, url: str) -> None:
