@@ -158,3 +158,19 @@ def test_a_handle_of_another_pool_or_pages_that_do_not_fit_is_refused():
         with pytest.raises(ValueError, match="not in shared memory"), Engine("tiny", POOL) as unified:
             pool_handle(unified.pool)
     asyncio.run(go())
+
+
+def test_a_pool_that_shared_memory_cannot_hold_is_private_and_offers_no_reference(monkeypatch):
+    """/dev/shm full (its space is reserved as the pool is made): the pool falls back to private memory, and its
+    prefill server offers bytes (and point to point), not a reference it could not honour."""
+    from tandem.server.disagg_prefill import offered
+
+    with Engine("tiny", PREFILL) as p:
+        assert p.pool.shm_path is not None and "reference" in offered(p)
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", full)
+    with Engine("tiny", PREFILL) as p:
+        assert p.pool.shm_path is None and offered(p) == ["bytes", "p2p"]

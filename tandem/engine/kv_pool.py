@@ -70,8 +70,10 @@ class KVPool(PageAllocator):
         shape = (config.num_hidden_layers, (num_pages + 1) * page_size, num_kv_heads or config.num_key_value_heads,
                  config.head_dim)
         self.share_id, self.shm_path = uuid.uuid4().hex, None
-        if shared and torch.device(device).type == "cpu":
-            self.shm_path, raw = _shared_memory(2 * math.prod(shape) * dtype.itemsize)
+        shm = _shared_memory(2 * math.prod(shape) * dtype.itemsize) if shared and torch.device(device).type == "cpu" \
+            else None
+        if shm is not None:
+            self.shm_path, raw = shm
             kv = raw.view(dtype).view(2, *shape)  # (zeros, as the file starts)
             self.k_cache, self.v_cache = kv[0], kv[1]
         else:
@@ -98,16 +100,21 @@ class KVPool(PageAllocator):
         return slots.to(device or self.k_cache.device, non_blocking=True)
 
 
-def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor]:
+def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:
     """`nbytes` zero bytes of shared memory, mapped here: a file in /dev/shm removed at once, which stays while this
     process holds it open (until it exits: nothing is left behind, even if it is killed). Other processes of the host
-    map it by the path returned (this process's descriptor in /proc)."""
+    map it by the path returned (this process's descriptor in /proc). None (logged) where /dev/shm cannot hold it:
+    its space is reserved now, so a full /dev/shm fails here rather than as a bus error on a later write."""
     directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     path = os.path.join(directory, f"tandem-pool-{uuid.uuid4().hex}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        os.posix_fallocate(fd, 0, nbytes)
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError) as e:
+        os.close(fd)
+        log.warning("KV pool: not in shared memory (%s: %s); a decode server takes its KV as bytes", directory, e)
+        return None
     finally:
         os.unlink(path)
     return f"/proc/{os.getpid()}/fd/{fd}", raw
