@@ -105,8 +105,8 @@ def _words_per_position(cache: torch.Tensor) -> int:
 
 
 def _kernel_ok(*caches: torch.Tensor) -> bool:
-    """Whether the Triton kernel takes these pools (on a GPU, laid out in words)."""
-    if not all(c.is_cuda for c in caches):
+    """Whether the Triton kernel takes these pools (on one GPU, laid out in words)."""
+    if not all(c.is_cuda and c.device == caches[0].device for c in caches):
         return False
     try:
         from tandem.kernels.kv_copy import supports
