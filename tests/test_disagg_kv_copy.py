@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 
-from tandem.engine.kv_mapped import _weights, _words_per_position, combine_parts, page_sums_by_index  # noqa: E402
+from tandem.engine import kv_mapped  # noqa: E402
+from tandem.engine.kv_mapped import _weights, _words_per_position, canonical, page_sums_by_index  # noqa: E402
 from tandem.engine.kv_transfer import page_sums  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -57,7 +58,7 @@ def kernel_sums(k, v, pages, start, end, page_size, dst=None, dst_pages=None):
         row_w, col_w = _weights(k.shape[0], page_size, _words_per_position(k), k.device)[which]
         parts.append(copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, out,
                                     index[1] if out is not None else None))
-    return combine_parts(torch.cat(parts, dim=1)).cpu()
+    return canonical(torch.cat(parts, dim=1).sum(1).cpu())
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]} P{c[2]} K{c[3]} D{c[4]} {c[5]} n{c[6]}")
@@ -96,16 +97,21 @@ def test_a_changed_word_or_another_page_changes_that_pages_checksum(case):
     assert not torch.equal(swapped[1], changed[1]) and not torch.equal(swapped[2], changed[2])
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]} n{c[6]}")
-def test_the_torch_path_gives_the_definitions_checksums_and_copies(case):
-    """On a CPU `page_sums_by_index` gathers, sums and scatters with torch: the same values and pages."""
+def test_the_dispatch_gives_the_definitions_checksums_and_copies(case, kernel, monkeypatch):
+    """`page_sums_by_index`: on a CPU it gathers, sums and scatters with torch; made to take the kernel (under the
+    interpreter here), keys and values into one buffer of parts: the same values (`canonical`) and pages."""
+    if kernel:
+        pytest.importorskip("triton")
+        monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
     layers, num_pages, P, heads, dim, dtype, n = case
     k, v = pool(layers, num_pages, P, heads, dim, dtype)
     num = -(-n // P)
     src_pages, dst_pages = list(range(num_pages - num, num_pages)), list(range(num))
     want, src_slots = reference(k, v, src_pages, 0, n, P)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    assert torch.equal(page_sums_by_index(k, v, src_pages, 0, n, P, dk, dv, dst_pages), want)
+    assert torch.equal(canonical(page_sums_by_index(k, v, src_pages, 0, n, P, dk, dv, dst_pages)), want)
     _, dst_slots = reference(dk, dv, dst_pages, 0, n, P)
     assert torch.equal(dk[:, dst_slots].view(torch.uint8), k[:, src_slots].view(torch.uint8))
     with pytest.raises(ValueError, match="do not hold positions"):
@@ -124,6 +130,6 @@ def test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums_at_the_models_shape
     gk, gv = k.cuda(), v.cuda()
     gdk, gdv = torch.zeros_like(gk), torch.zeros_like(gv)
     got = page_sums_by_index(gk, gv, pages, 0, 1000, 16, gdk, gdv, dst_pages)
-    assert torch.equal(got.cpu(), want)
+    assert torch.equal(canonical(got.cpu()), want)
     assert torch.equal(gdk.cpu().view(torch.uint8), dk.view(torch.uint8))
     assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))

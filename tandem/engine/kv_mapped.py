@@ -118,10 +118,11 @@ def _kernel_ok(*caches: torch.Tensor) -> bool:
 def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list[int], start: int, end: int,
                        page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
                        dst_pages: list[int] | None = None) -> torch.Tensor:
-    """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised) of positions [start, end)
-    (`start` page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`,
-    `src_v` [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors,
-    in the same pass (Triton on a GPU: one read, one write) or by a torch gather and scatter."""
+    """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
+    host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
+    page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
+    [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
+    same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -136,12 +137,13 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list
             rows[-1] = n - (num - 1) * page_size
         index = torch.cat([_int32(src_pages), _int32(dst_pages or src_pages), _int32(rows)]).view(3, num)
         index = index.to(device, non_blocking=True)  # (from pageable memory: staged before it returns, no sync)
-        parts = []
+        layers = src_k.shape[0]
+        parts = torch.empty((num, 2, layers, 2), dtype=torch.int64, device=device)  # page, keys/values, layer
         for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
-            row_w, col_w = _weights(src.shape[0], page_size, _words_per_position(src), device)[which]
-            parts.append(copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
-                                        index[1] if dst is not None else None))
-        return combine_parts(torch.cat(parts, dim=1))
+            row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
+            copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
+                           index[1] if dst is not None else None, out=parts[:, which])
+        return parts.view(num, 2 * layers, 2).sum(1)
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
     sums = page_sums(k, v, page_size)
@@ -158,11 +160,11 @@ def _int32(values) -> torch.Tensor:
     return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
 
 
-def combine_parts(parts: torch.Tensor) -> torch.Tensor:
-    """`copy_page_sums`'s parts [pages, n, 2] summed over the n (layers of keys and values) into `page_sums`'s
-    [pages, 2]: the row parts modulo 2**64, the column parts modulo 2**32 as signed 32-bit values, as it has them."""
-    cols = parts[:, :, 1].sum(1) & 0xFFFFFFFF
-    return torch.stack([parts[:, :, 0].sum(1), (cols ^ 0x80000000) - 0x80000000], dim=1)
+def canonical(sums: torch.Tensor) -> torch.Tensor:
+    """Sums [pages, 2] as `page_sums` has them: the column parts' low 32 bits as a signed 32-bit value (the
+    kernel's parts summed over layers keep higher bits too; `page_sums`'s are unchanged)."""
+    cols = sums[:, 1] & 0xFFFFFFFF
+    return torch.stack([sums[:, 0], (cols ^ 0x80000000) - 0x80000000], dim=1)
 
 
 def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:
@@ -218,7 +220,7 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
         sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P)
         clock.mark("summed")
         routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
-        on_host = sums.cpu()  # (the host waits for the sums)
+        on_host = canonical(sums.cpu())  # (the host waits for the sums)
         sums_s = clock.seconds("sums", "summed") if pool.k_cache.is_cuda else None
     except BaseException:
         pool.decref(held)
@@ -316,7 +318,7 @@ class MappedKV:
         clock.mark("written")
         if pool.routing is not None:
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        mine = sums.cpu()  # (the host waits for the pass)
+        mine = canonical(sums.cpu())  # (the host waits for the pass)
         clock.mark("checked")
         if not torch.equal(mine, self.sums):
             i = int((mine != self.sums).any(1).nonzero()[0, 0])
