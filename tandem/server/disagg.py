@@ -321,6 +321,8 @@ class PrefillClient:
         else:
             kv = await self._take(url, data, clock)
         if kv.start != kv_from or kv.end != len(input_ids):
+            if isinstance(kv, MappedKV):  # (never to be written: its pages go back now)
+                await asyncio.shield(self._release(url, kv.export_id))
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
         return meta["first"], kv.with_clock(clock), meta
 
