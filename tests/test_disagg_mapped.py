@@ -7,6 +7,7 @@ The servers' protocol over HTTP: tests/test_disagg_transfer.py."""
 
 import asyncio
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -174,3 +175,28 @@ def test_a_pool_that_shared_memory_cannot_hold_is_private_and_offers_no_referenc
     monkeypatch.setattr("os.posix_fallocate", full)
     with Engine("tiny", PREFILL) as p:
         assert p.pool.shm_path is None and offered(p) == ["bytes", "p2p"]
+
+
+def dropped_export_pins(monkeypatch, collected: bool) -> int:
+    """A pinned export dropped unfreed (its answer lost: the client went away): the pages still pinned once it is
+    collected and the prefill engine's cache flushed. `collected=False`: a mutant export that unpins only when
+    freed."""
+    if not collected:
+        monkeypatch.setattr(kv_mapped.weakref, "finalize", lambda obj, unpin, pages: lambda: unpin(pages))
+
+    async def go():
+        with Engine("tiny", PREFILL) as p:
+            first = await pinned(p, prompt(18))
+            del first
+            gc.collect()
+            await p.flush_cache()
+            return POOL.num_pages - (await p.get_stats()).pages_free
+    return asyncio.run(go())
+
+
+def test_an_export_dropped_unfreed_unpins_its_pages_as_it_is_collected(monkeypatch):
+    assert dropped_export_pins(monkeypatch, collected=True) == 0
+
+
+def test_the_collection_falsifier_an_export_dropped_unfreed_stays_pinned(monkeypatch):
+    assert dropped_export_pins(monkeypatch, collected=False) == 5
