@@ -1,13 +1,13 @@
 """The two KV transfers between a prefill server and a decode server (`tandem.server.disagg`): bytes in the answer's
-body, or by reference (a shared-memory file on a CPU, CUDA IPC on a GPU), held by the prefill server until the
-decode server releases it or a timeout passes. Real servers over HTTP, on CPU (fp32) and, where there is one, on a
+body, or by reference (the prefill server's pool mapped once by the decode server: a shared-memory file on a CPU,
+CUDA IPC on a GPU; its pages pinned by the prefill server until the decode server releases them or a timeout
+passes). Real servers over HTTP, on CPU (fp32) and, where there is one, on a
 GPU, whose prefill server runs in a process of its own (CUDA IPC cannot map a process's own memory)."""
 
 import asyncio
 import contextlib
 import dataclasses
 import functools
-import os
 import subprocess
 import sys
 import time
@@ -21,7 +21,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine import kv_transfer
 from tandem.engine.engine import Engine
-from tandem.engine.kv_transfer import SHM_DIR, KVPages, SharedKV, why_not_shared
+from tandem.engine.kv_transfer import KVPages, why_not_shared
 from tandem.server import disagg, disagg_prefill
 from tandem.server.http import ServerThread
 from tandem.types import SamplingParams
@@ -159,76 +159,59 @@ def tokens_of(out) -> tuple:
     return out.output_ids, out.output_logprobs, out.weight_versions, out.finish_reason.type
 
 
-def unreleased_export(device: str, monkeypatch, timeout_release: bool = True) -> tuple[int, int]:
+def pinned_free(prefill_url: str) -> int:
+    """The prefill server's free pages once its prefix cache is flushed: what is not free is pinned by exports."""
+    assert httpx.post(f"{prefill_url}/flush_cache", timeout=10).status_code == 200
+    return httpx.get(f"{prefill_url}/engine_stats", timeout=10).json()["pages_free"]
+
+
+def unreleased_export(device: str, monkeypatch, timeout_release: bool = True) -> tuple[int, int, int]:
     """A reference export nobody releases, with a 0.3 s timeout: the exports its prefill server holds just after it,
-    and once 3 s have passed (or none is held). `timeout_release=False`: a mutant prefill server whose timeout frees
-    nothing. On a CPU the export's file goes with it, and a decode server that comes late cannot take it."""
+    and once 3 s have passed (or none is held); then the pages of its pool still pinned. `timeout_release=False`: a
+    mutant prefill server whose timeout frees nothing."""
     if not timeout_release:
         monkeypatch.setattr(disagg.Exports, "_expire", lambda self, export_id: None)
     with prefill_server(device, release_timeout_s=0.3) as url:
         answer = export(url, prompt(18))
+        assert answer["kv"]["pages"] and 32 * len(answer["kv"]["pages"]) == len(answer["kv"]["sums"]) == 160
         before = held(url)
         wait_until(lambda: held(url) == 0, timeout_s=3.0)
-        after = held(url)
-        if device == "cpu":
-            assert os.path.exists(os.path.join(SHM_DIR, answer["kv"]["name"])) == bool(after)
-            if not after:
-                with pytest.raises(ValueError, match="cannot be taken.*FileNotFoundError"):
-                    KVPages.from_shared(answer["kv"], "cpu")
-        return before, after
+        return before, held(url), POOL.num_pages - pinned_free(url)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_export_nobody_releases_is_freed_after_the_timeout(device, monkeypatch):
-    assert unreleased_export(device, monkeypatch) == (1, 0)
+    assert unreleased_export(device, monkeypatch) == (1, 0, 0)
 
 
 def test_the_timeout_falsifier_without_it_an_unreleased_export_stays_held(monkeypatch):
-    assert unreleased_export("cpu", monkeypatch, timeout_release=False) == (1, 1)
+    assert unreleased_export("cpu", monkeypatch, timeout_release=False) == (1, 1, 5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_reference_copy_that_differs_is_named_by_page_and_still_released(device, monkeypatch):
-    """The decode server's copy of the shared KV altered at position 9 (page 2) on its way in: the request ends with
-    an abort naming the prefill server and the page, the export is released all the same, and the decode server's
-    pages are as they were."""
-    way = kv_transfer._WAYS[device]
-    take = way.open
+def test_a_reference_that_changed_is_named_by_page_and_still_released(device, monkeypatch):
+    """The prefill server's pool altered at position 9 (page 2) after it answered, through the decode server's
+    mapping (as memory reused under a transfer would be): the request ends with an abort naming the prefill server
+    and the page, the export is released all the same (its pages unpinned), and the decode server's pages are as
+    they were (the pages it wrote freed, nothing cached)."""
+    take = disagg.PrefillClient._take
 
-    def altered(handle, target):
-        k, v = take(handle, target)
-        k = k.clone()
-        k[1, 9, 0, 3] += 1.0
-        if k.is_cuda:  # (done before the receiver checksums it on its transfer stream, as a copy it made would be)
-            torch.cuda.synchronize(k.device)
-        return k, v
+    async def altered(self, url, data, clock):
+        kv = await take(self, url, data, clock)
+        slot = kv.pages[2] * kv.page_size + 1
+        kv.source.k[1, slot, 0, 3] += 1.0
+        if kv.source.k.is_cuda:
+            torch.cuda.synchronize(kv.source.k.device)
+        return kv
 
-    monkeypatch.setattr(way, "open", staticmethod(altered))
+    monkeypatch.setattr(disagg.PrefillClient, "_take", altered)
     with prefill_server(device) as p_url, decode_server(device, "reference") as d_url:
         free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
         finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
         assert finish["type"] == "abort" and p_url in finish["message"], finish
         assert "page 2 (positions 8...)" in finish["message"], finish
-        assert held(p_url) == 0
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
         assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
-
-
-def test_shared_memory_that_changes_after_the_export_is_named_by_page():
-    """A byte of the prefill server's shared-memory file changed after it answered (position 9, page 2): the copy
-    taken from it fails its checksums naming the page. The release removes the file."""
-    with prefill_server("cpu") as url:
-        answer = export(url, prompt(18))
-        handle = answer["kv"]
-        path = os.path.join(SHM_DIR, handle["name"])
-        raw = torch.from_file(path, shared=True, size=os.path.getsize(path), dtype=torch.uint8)
-        raw.view(torch.float32).view(2, *handle["shape"])[0, 1, 9, 0, 3] += 1.0
-        del raw
-        kv = KVPages.from_shared(handle, "cpu")
-        with pytest.raises(ValueError, match=r"page 2 \(positions 8"):
-            kv.verify()
-        assert httpx.post(f"{url}/pd/release", json={"id": answer["id"]}).json() == {"released": True}
-        assert held(url) == 0 and not os.path.exists(path)
-        assert httpx.post(f"{url}/pd/release", json={"id": answer["id"]}).json() == {"released": False}
 
 
 def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_cannot(monkeypatch):
@@ -263,8 +246,8 @@ def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_ca
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_an_export_is_a_copy_on_the_pools_device_that_outlives_its_pages(device):
-    """A prefill engine's export is its own memory on the pool's device: the pool's pages rewritten after it, it
-    still verifies, shared or as bytes."""
+    """A prefill engine's export by copy (bytes, point to point) is its own memory on the pool's device: the pool's
+    pages rewritten after it, it still verifies, as bytes too."""
     async def go():
         with Engine("tiny", config(device, "prefill")) as p:
             first = await p.generate(prompt(18), dataclasses.replace(SamplingParams(**SAMPLING), max_new_tokens=1),
@@ -276,8 +259,23 @@ def test_an_export_is_a_copy_on_the_pools_device_that_outlives_its_pages(device)
             kv.verify()
             data = kv.to_bytes()
             KVPages.from_bytes(data, kv_transfer.wire_meta(data)).verify()
-            if device == "cpu":  # (a GPU's handle maps only in another process)
-                shared = SharedKV.of(kv)
-                KVPages.from_shared(shared.handle, device).verify()
-                shared.free(taken=True)
     asyncio.run(go())
+
+
+def test_a_pool_that_cannot_be_mapped_falls_back_to_bytes_unless_reference_was_asked_for(monkeypatch):
+    def unmappable(handle, device):
+        raise ValueError("no mapping here")
+
+    monkeypatch.setattr(disagg, "MappedPool", unmappable)
+    with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
+        async def chosen(transfer):
+            client = disagg.PrefillClient(d, transfer=transfer)
+            try:
+                await client.pair(p_url)
+                return client.paired[p_url]
+            finally:
+                await client.close()
+
+        assert asyncio.run(chosen(None)) == "bytes"
+        with pytest.raises(ValueError, match="cannot be mapped.*no mapping here"):
+            asyncio.run(chosen("reference"))

@@ -41,7 +41,9 @@ class AddRequest(Command):
     before, so they count towards `max_new_tokens` and sampling continues at their position (its noise is a
     function of the seed and the position: see `tandem.engine.sampler`). None: all of them.
     `return_routed_experts`: its output carries the experts every layer routed each of its tokens to
-    (`GenerateOutput.routed_experts`; the engine must keep them: `EngineConfig.enable_return_routed_experts`)."""
+    (`GenerateOutput.routed_experts`; the engine must keep them: `EngineConfig.enable_return_routed_experts`).
+    `export_pinned` (with `export_kv_from`): the KV is exported in place, its pages pinned until the export is freed
+    (`tandem.engine.kv_mapped.PinnedKV`), not copied."""
 
     drains: ClassVar[bool] = False
     rid: str
@@ -50,6 +52,7 @@ class AddRequest(Command):
     export_kv_from: int | None = None
     prompt_len: int | None = None
     return_routed_experts: bool = False
+    export_pinned: bool = False  # export by pinning the pages (`kv_mapped.PinnedKV`), not a copy (`KVPages`)
 
 
 @dataclass(frozen=True, slots=True)

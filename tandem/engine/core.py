@@ -17,7 +17,8 @@ running request that may share it) computed more than N updates ago: KV up to N 
 PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the stale computation.
 
 Prefill/decode disaggregation: a prefill server's request (`AddRequest.export_kv_from`) hands its prompt's KV out
-with its output, read from its pages as it finishes; a decode server's `ImportRequest` writes such KV into fresh
+with its output, read from its pages as it finishes (or its pages pinned until `unpin`: `export_pinned`); a decode
+server's `ImportRequest` writes such KV into fresh
 pages (behind the cached ones it already held) and queues the request with them and its first token: admitted, it
 decodes at once, and its KV joins the prefix cache when it ends, as any request's does. Both ends run between
 steps in this thread: no page is freed or reused while its content moves. While paused, imports wait (`_held`)
@@ -32,6 +33,7 @@ a failure no single request explains fails every request (and is logged as an en
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import random
@@ -44,11 +46,13 @@ import torch
 from tandem.config import EngineConfig, ModelConfig, PauseMode
 from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
-from tandem.distributed.parallel import SINGLE, TPGroup, cdiv
+from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.engine import commands
+from tandem.engine.core_imports import DecodeImports
 from tandem.engine.host_tier import HostTier
+from tandem.engine.kv_mapped import MappedKV, pin_pages
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
-from tandem.engine.kv_transfer import KVPages, read_pages, write_pages
+from tandem.engine.kv_transfer import KVPages, read_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
 from tandem.engine.model_runner import Launched, ModelRunner, StepInputError
 from tandem.engine.observers import IdealReuse
@@ -69,7 +73,7 @@ class EngineError(RuntimeError):
     """A request the engine refuses in its current state (not a malformed input: that is ValueError)."""
 
 
-class EngineCore:
+class EngineCore(DecodeImports):
     """`tp`: the group of the engine's ranks (`TPGroup`: tensor and expert parallelism). On rank 0 of a
     multi-rank engine, `lockstep` publishes each command."""
 
@@ -99,7 +103,7 @@ class EngineCore:
             raise ValueError("engine.enable_return_routed_experts: the model has no mixture-of-experts layers")
         self.pool = KVPool(self.model_config, num_pages, config.page_size, param.dtype, param.device,
                            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
-                           routing=config.enable_return_routed_experts)
+                           routing=config.enable_return_routed_experts, shared=config.role == "prefill")
         if self.pool.routing is not None:
             self.model.capture_routing(self.pool.routing)
         self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
@@ -129,7 +133,9 @@ class EngineCore:
         self._last_chunks: list[Chunk] = []  # what the last step scheduled (named if it was slow)
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
         self._applied_routing = 0  # the model's routing checksum after the step the last drain applied
-        self._held: list[tuple[Request, KVPages]] = []  # imports that arrived while paused, in order
+        self._held: list[tuple[Request, KVPages | MappedKV]] = []  # imports that arrived while paused, in order
+        self._pinned_exports: set[str] = set()  # requests whose KV is exported by pinning its pages (`pin_pages`)
+        self._unpins: collections.deque[list[int]] = collections.deque()  # pinned pages let go (any thread)
         self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
         if self.lockstep is not None:
             self.lockstep.ready()
@@ -162,6 +168,8 @@ class EngineCore:
         every request in it (a bug must not leave clients waiting); ranks out of lockstep also set `fatal`: the
         engine must stop."""
         t0 = time.perf_counter()
+        while self._unpins:  # (before any command that could allocate)
+            self.pool.decref(self._unpins.popleft())
         try:
             if command.drains and self._inflight is not None:
                 self.stats.command_waits += 1
@@ -235,7 +243,12 @@ class EngineCore:
         if cmd.return_routed_experts and self.pool.routing is None:
             raise ValueError("return_routed_experts: this engine keeps no routing (start it with "
                              "enable_return_routed_experts)")
+        if cmd.export_pinned and (start is None or self.tp.size > 1):
+            raise ValueError("export_pinned: only with export_kv_from, on an engine of one rank (pages are pinned "
+                             "in rank 0's allocator alone)")
         req.export_kv_from, req.return_routed_experts = start, cmd.return_routed_experts
+        if cmd.export_pinned:
+            self._pinned_exports.add(cmd.rid)
         self._requests[cmd.rid] = req
         self.scheduler.waiting.append(req)
         if sampling.max_new_tokens == 0:
@@ -243,14 +256,20 @@ class EngineCore:
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         kv = routed = None
+        pinned = req.rid in self._pinned_exports
+        self._pinned_exports.discard(req.rid)
         if any(r is req for r, _ in self._held):
+            for r, held in self._held:
+                if r is req:
+                    held.settle()
             self._held = [(r, pages) for r, pages in self._held if r is not req]
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
             if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
                 with self.order.work("kv_export"):
-                    kv = read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
-                                    self.pool.k_cache.device)
+                    kv = (pin_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.unpin) if pinned
+                          else read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
+                                          self.pool.k_cache.device))
             if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
                 known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
                 routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()
@@ -267,70 +286,6 @@ class EngineCore:
         held = [req for req, _ in self._held]
         for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
             self._finish(req, FinishReason("abort", message=message))
-
-    # ---- prefill/decode disaggregation: the decode server's end ---------------------------------------------
-    def _probe(self, input_ids: list[int]) -> int:
-        if self.cache is None:
-            return 0
-        pages = self.cache.match(input_ids).pages
-        return next((i for i, page in enumerate(pages) if page is None), len(pages)) * self.pool.page_size
-
-    def _import_request(self, cmd: commands.ImportRequest) -> None:
-        kv, out = cmd.kv, cmd.output_ids
-        n = len(cmd.input_ids) + len(out) - 1  # the positions with KV: all but the last token
-        if cmd.rid in self._requests:
-            raise ValueError(f"rid: {cmd.rid!r} is already in flight")
-        if cmd.sampling.seed is None:
-            raise ValueError("sampling_params.seed: an imported request needs the seed its tokens were sampled with")
-        if not out or not len(out) == len(cmd.output_logprobs) == len(cmd.weight_versions):
-            raise ValueError("output_ids: at least the token the prefill server sampled, with its logprob and version")
-        if not isinstance(kv, KVPages) or kv.end != n or kv.start % self.pool.page_size:
-            raise ValueError(f"kv: must hold positions [a page boundary, {n}) of the request")
-        kv.verify()
-        req = Request(cmd.rid, [*cmd.input_ids, *out[:-1], PENDING], len(cmd.input_ids), cmd.sampling,
-                      cmd.sampling.seed, next(self._arrival))
-        req.output_logprobs, req.weight_versions = list(cmd.output_logprobs[:-1]), list(cmd.weight_versions[:-1])
-        req.return_routed_experts = cmd.return_routed_experts and self.pool.routing is not None
-        reason = self.scheduler.resolve(req, n, out[-1], cmd.output_logprobs[-1], cmd.weight_versions[-1])
-        if (aborted := self._expected.pop(cmd.rid, None)) is not None:  # aborted while the prefill server computed
-            reason = FinishReason("abort", message=aborted)
-        self._requests[cmd.rid] = req
-        if reason is not None:  # the first token ended it, or an abort did
-            self.scheduler.waiting.append(req)
-            self._finish(req, reason)
-        elif self.paused is not None:
-            self._held.append((req, kv))
-        else:
-            self._place_import(req, kv)
-
-    def _place_import(self, req: Request, kv: KVPages) -> None:
-        """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
-        imported KV after it; then queue it. The request computes its prompt here instead, nothing written, if those
-        cached pages are gone (evicted or flushed since the probe), no pages are free, or the KV was computed under
-        other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
-        versions that sampled them)."""
-        n, P = len(req.tokens) - 1, self.pool.page_size
-        stale = req.weight_versions[-1] != self.weight_version
-        if stale and self.config.role == "decode":
-            self.scheduler.waiting.append(req)  # (a prefill server recomputes it under the weights held now)
-            self._finish(req, FinishReason("abort", message=HANDED_BACK))
-            return
-        lead = self.cache.match(req.tokens[:n]).pages[:kv.start // P] if self.cache is not None else []
-        if not stale and len(lead) == kv.start // P and None not in lead:
-            self.pool.incref(lead)
-            fresh = self.scheduler.alloc(cdiv(n, P) - len(lead))
-            if fresh is None:
-                self.pool.decref(lead)
-            else:
-                req.pages, req.num_computed = lead + fresh, n
-                req.pages_replaced()
-                with self.order.work("kv_import"):
-                    write_pages(self.pool, req.pages, kv)
-        if not req.pages:
-            self.stats.imports_recomputed += 1
-            log.info("engine: request %s recomputes its prompt (the import's cached prefix is gone, no pages are "
-                     "free, or its KV is of other weights)", req.rid)
-        self.scheduler.waiting.append(req)
 
     def _pause(self, mode: PauseMode) -> None:
         if mode == "abort":

@@ -83,27 +83,31 @@ class Engine:
     # ---- caller side: validation, then a command for the engine thread -----------------------------------
     async def generate(self, input_ids: list[int], sampling: SamplingParams | None = None,
                        rid: str | None = None, export_kv_from: int | None = None,
-                       prompt_len: int | None = None, return_routed_experts: bool = False) -> GenerateOutput:
+                       prompt_len: int | None = None, return_routed_experts: bool = False,
+                       export_pinned: bool = False) -> GenerateOutput:
         """Generate from `input_ids`. Raises ValueError for a malformed request (nothing is enqueued). If the
         awaiting task is cancelled (a client went away) the request is aborted and its pages freed.
-        `export_kv_from`, `prompt_len`, `return_routed_experts`: see `commands.AddRequest` (a prefill server's
-        request, a continuation, routing replay)."""
+        `export_kv_from`, `prompt_len`, `return_routed_experts`, `export_pinned`: see `commands.AddRequest` (a
+        prefill server's request, a continuation, routing replay, a prefill server's export by reference)."""
         sampling = sampling or SamplingParams()
         rid = rid if rid is not None else uuid.uuid4().hex
         self._check_alive()
         self.validate(input_ids, sampling, rid)
         return await self._submit(commands.AddRequest(rid, list(input_ids), sampling, export_kv_from, prompt_len,
-                                                      return_routed_experts))
+                                                      return_routed_experts, export_pinned))
 
     async def generate_imported(self, input_ids: list[int], sampling: SamplingParams,
                                 generated: tuple[list[int], list[float], list[int]], kv,
-                                rid: str | None = None, return_routed_experts: bool = False) -> GenerateOutput:
+                                rid: str | None = None, return_routed_experts: bool = False,
+                                validated: bool = False) -> GenerateOutput:
         """A decode server's request: prompt `input_ids` and the tokens generated so far (`generated`: ids,
         logprobs, weight versions; the last one sampled by a prefill server with `sampling.seed`), with the KV `kv`
-        that prefill server sent (`commands.ImportRequest`). The output holds every generated token."""
+        that prefill server sent (`commands.ImportRequest`). The output holds every generated token. `validated`:
+        the caller passed `input_ids`, `sampling` and `rid` through `validate` already (not checked again)."""
         rid = rid if rid is not None else uuid.uuid4().hex
         self._check_alive()
-        self.validate(input_ids, sampling, rid)
+        if not validated:
+            self.validate(input_ids, sampling, rid)
         return await self._submit(commands.ImportRequest(rid, list(input_ids), sampling, *map(list, generated), kv,
                                                          return_routed_experts))
 

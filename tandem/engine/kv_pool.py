@@ -9,6 +9,10 @@ free list when its last reference is dropped.
 from __future__ import annotations
 
 import logging
+import math
+import os
+import tempfile
+import uuid
 
 import torch
 
@@ -53,18 +57,28 @@ class PageAllocator:
 
 class KVPool(PageAllocator):
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device,
-                 num_kv_heads: int | None = None, routing: bool = False):
+                 num_kv_heads: int | None = None, routing: bool = False, shared: bool = False):
         """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism).
         `routing`: also keep, slot by slot beside the KV, the top-k expert ids every layer of a mixture-of-experts
         model routed the slot's token to (`routing` [S, num_hidden_layers, num_experts_per_tok] int16; -1 where a
-        layer is dense or nothing was written)."""
+        layer is dense or nothing was written). `shared` (a prefill server's pool on a CPU): keys and values in one
+        shared-memory file that other processes of the host map by `shm_path` (`kv_mapped`); on a GPU the pool is
+        mapped by CUDA IPC and this changes nothing. `share_id`: this pool's identity, for whoever maps it."""
         super().__init__(num_pages, page_size)
         # one extra page, never handed out: padding rows of fixed-shape decode batches write there
         self.scratch_slot = num_pages * page_size
         shape = (config.num_hidden_layers, (num_pages + 1) * page_size, num_kv_heads or config.num_key_value_heads,
                  config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.share_id, self.shm_path = uuid.uuid4().hex, None
+        shm = _shared_memory(2 * math.prod(shape) * dtype.itemsize) if shared and torch.device(device).type == "cpu" \
+            else None
+        if shm is not None:
+            self.shm_path, raw = shm
+            kv = raw.view(dtype).view(2, *shape)  # (zeros, as the file starts)
+            self.k_cache, self.v_cache = kv[0], kv[1]
+        else:
+            self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.routing = torch.full((shape[1], config.num_hidden_layers, config.num_experts_per_tok), -1,
                                   dtype=torch.int16, device=device) if routing else None
 
@@ -84,6 +98,26 @@ class KVPool(PageAllocator):
         table = torch.tensor(pages, dtype=torch.long)
         slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
         return slots.to(device or self.k_cache.device, non_blocking=True)
+
+
+def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:
+    """`nbytes` zero bytes of shared memory, mapped here: a file in /dev/shm removed at once, which stays while this
+    process holds it open (until it exits: nothing is left behind, even if it is killed). Other processes of the host
+    map it by the path returned (this process's descriptor in /proc). None (logged) where /dev/shm cannot hold it:
+    its space is reserved now, so a full /dev/shm fails here rather than as a bus error on a later write."""
+    directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(directory, f"tandem-pool-{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError) as e:
+        os.close(fd)
+        log.warning("KV pool: not in shared memory (%s: %s); a decode server takes its KV as bytes", directory, e)
+        return None
+    finally:
+        os.unlink(path)
+    return f"/proc/{os.getpid()}/fd/{fd}", raw
 
 
 def plan_kv_pages(config: ModelConfig, engine_config: EngineConfig, dtype: torch.dtype) -> int:

@@ -1,28 +1,22 @@
-"""The KV transfer by reference between processes of one host (`tandem.engine.kv_transfer`'s second way): the
-sender's `SharedKV` puts a `KVPages`'s keys and values where the receiver can map them (a GPU's own tensors by CUDA
-IPC, a CPU's in a shared-memory file) and describes them in a JSON handle; `open` is the receiver's end (which
-`KVPages.from_shared` calls). `sharing_domain` and `why_not_shared` tell a decode server whether it can take a
-prefill server's KV this way."""
+"""What the KV transfers between processes of one host share (`tandem.engine.kv_transfer`, `kv_mapped`, `kv_p2p`):
+a CUDA tensor described as JSON and mapped by another process (`ipc_describe`, `ipc_open`: how a decode server
+maps a prefill server's pool), a KV's header (`kv_header`), the receiver's transfer stream, and `sharing_domain` /
+`why_not_shared`, which tell a decode server whether it can take a prefill server's KV by reference."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
-import math
 import os
-import re
 import socket
-import tempfile
 import uuid
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from tandem.engine.kv_transfer import KVPages
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-_SHM_NAME = re.compile(r"tandem-kv-[0-9a-f]{32}")
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -53,157 +47,28 @@ def kv_header(kv: KVPages) -> dict:
     return header
 
 
-class SharedKV:
-    """The sender's end of a transfer by reference: a `KVPages` where another process of this host can map it,
-    described by `handle` (JSON: what `KVPages.from_shared` takes). It holds that memory until `free`. `free(taken)`:
-    `taken` if the receiver said it is done (it dropped its mapping), false if it never did (presumed dead): then
-    whatever the receiver still counts as mapped is counted off too, or it would never be freed. Build one with
-    `SharedKV.of(kv)`; each kind of memory is a subclass, registered in `_WAYS` by `kind`."""
+def ipc_describe(t: torch.Tensor) -> dict:
+    """A CUDA tensor of this process as JSON that another process of the host maps (`ipc_open`): torch's CUDA IPC
+    reduction (`torch.multiprocessing.reductions`), its arguments as JSON, so nothing is unpickled. Each call takes
+    a reference counter of its own, which the mapping process counts off when it drops its mapping."""
+    from torch.multiprocessing.reductions import reduce_tensor
 
-    kind: ClassVar[str]
-
-    def __init__(self, kv: KVPages):
-        self.handle = {"kind": self.kind} | kv_header(kv)
-
-    @staticmethod
-    def of(kv: KVPages) -> SharedKV:
-        """`kv` shared the way its device allows; ValueError if none does."""
-        kind = "empty" if kv.k.numel() == 0 else kv.k.device.type
-        if kind not in _WAYS:
-            raise ValueError(f"transfer: KV on a {kind} device cannot be shared by reference; ask for bytes")
-        return _WAYS[kind](kv)
-
-    @staticmethod
-    def supports(device: torch.device | str) -> bool:
-        return torch.device(device).type in _WAYS
-
-    def free(self, taken: bool) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def open(cls, handle: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The receiver's end: copies on `device` of the keys and values `handle` describes, the mapping dropped."""
-        raise NotImplementedError
+    _, (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _, counter, counter_offset,
+        event, event_sync) = reduce_tensor(t)
+    return {"size": list(size), "stride": list(stride), "offset": offset, "handle": _b64(handle),
+            "storage_bytes": storage_bytes, "storage_offset": storage_offset, "ref_counter": _b64(counter),
+            "ref_counter_offset": counter_offset, "event": _b64(event), "event_sync": bool(event_sync)}
 
 
-class _EmptyKV(SharedKV):
-    """No positions (the decode server held every page): nothing to map."""
+def ipc_open(part: dict, dtype: torch.dtype, index: int) -> torch.Tensor:
+    """The tensor `ipc_describe` described, mapped into this process on GPU `index` (its memory, not a copy)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
-    kind = "empty"
-
-    def free(self, taken: bool) -> None:
-        pass
-
-    @classmethod
-    def open(cls, handle, device):
-        shape = _shape(handle)
-        if math.prod(shape):
-            raise ValueError(f"an empty handle of shape {shape}")
-        k = torch.empty(shape, dtype=_dtype(handle), device=device)
-        return k, k.clone()
-
-
-class _ShmKV(SharedKV):
-    """On a CPU: keys then values copied into a file of their own in `SHM_DIR` (shared memory), removed by
-    `free`. Mapping a file that is gone fails; one removed while mapped stays readable until unmapped."""
-
-    kind = "cpu"
-
-    def __init__(self, kv: KVPages):
-        super().__init__(kv)
-        name = f"tandem-kv-{uuid.uuid4().hex}"
-        self.path, nbytes = os.path.join(SHM_DIR, name), _nbytes(self.handle)
-        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
-        try:
-            os.truncate(self.path, nbytes)
-            kv_2LTKD = _as_kv(torch.from_file(self.path, shared=True, size=nbytes, dtype=torch.uint8), self.handle)
-            kv_2LTKD[0].copy_(kv.k)
-            kv_2LTKD[1].copy_(kv.v)
-        except BaseException:
-            self.free(taken=False)
-            raise
-        self.handle["name"] = name
-
-    def free(self, taken: bool) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-
-    @classmethod
-    def open(cls, handle, device):
-        name = handle["name"]
-        if not isinstance(name, str) or not _SHM_NAME.fullmatch(name):
-            raise ValueError(f"not a shared KV file: {name!r}")
-        path, nbytes = os.path.join(SHM_DIR, name), _nbytes(handle)
-        if (size := os.path.getsize(path)) != nbytes:  # (a shorter file would fault when read past its end)
-            raise ValueError(f"{path} holds {size} bytes, the handle {nbytes}")
-        kv_2LTKD = _as_kv(torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8), handle).to(
-            device, copy=True)
-        return kv_2LTKD[0], kv_2LTKD[1]
-
-
-class _CudaKV(SharedKV):
-    """On a GPU: the KV's own device tensors, by CUDA IPC (torch.multiprocessing's reductions, their arguments
-    sent as JSON: nothing is unpickled). torch counts the receiver's mappings in shared memory and keeps a tensor
-    whose count is not zero after this process drops it (its "limbo"); the receiver counts its mapping off when it
-    drops it. A receiver that died never does: `free(taken=False)` counts it off for it."""
-
-    kind = "cuda"
-
-    def __init__(self, kv: KVPages):
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        super().__init__(kv)
-        self._tensors = [kv.k, kv.v]  # alive here until freed: the receiver maps this memory
-        self._counters: list[tuple[bytes, int]] = []
-        parts = []
-        for t in self._tensors:
-            _, (_, size, stride, offset, _, _, _, handle, storage_bytes, storage_offset, _, counter, counter_offset,
-                event, event_sync) = reduce_tensor(t)
-            self._counters.append((counter, counter_offset))
-            parts.append({"size": list(size), "stride": list(stride), "offset": offset, "handle": _b64(handle),
-                          "storage_bytes": storage_bytes, "storage_offset": storage_offset,
-                          "ref_counter": _b64(counter), "ref_counter_offset": counter_offset, "event": _b64(event),
-                          "event_sync": bool(event_sync)})
-        self.handle |= {"gpu": _gpu_uuid(kv.k.device), "tensors": parts}
-
-    def free(self, taken: bool) -> None:
-        if not taken and self._tensors:
-            for counter, offset in self._counters:
-                torch.UntypedStorage._release_ipc_counter(counter, offset, device=self._tensors[0].device)
-        self._tensors = []
-
-    @classmethod
-    def open(cls, handle, device):
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
-        dtype, parts, index = _dtype(handle), handle["tensors"], _local_gpu(handle["gpu"])
-        remotes = []
-        try:
-            if index is None:
-                raise ValueError(f"the sender's GPU {handle['gpu']} is not visible to this process")
-            if len(parts) != 2:
-                raise ValueError(f"a handle of {len(parts)} tensors, not keys and values")
-            with transfer_stream(device) as stream:  # (the sender's event is waited for on it, as the copies are)
-                for part in parts:
-                    remotes.append(rebuild_cuda_tensor(
-                        torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]),
-                        torch.UntypedStorage, dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]),
-                        int(part["storage_offset"]), False, _unb64(part["ref_counter"]),
-                        int(part["ref_counter_offset"]), _unb64(part["event"]), bool(part["event_sync"])))
-                kv_2LTKD = torch.empty((2, *remotes[0].shape), dtype=dtype, device=device)
-                for i, remote in enumerate(remotes):
-                    kv_2LTKD[i].copy_(remote)  # (device to device: the host does not wait)
-                stream.synchronize()  # the copies have finished before the mappings go
-        finally:
-            for part in parts[len(remotes):]:  # never mapped: count them off, or the sender's torch keeps them
-                with contextlib.suppress(Exception):  # (it fails only if the sender's counters are gone with it)
-                    torch.UntypedStorage._release_ipc_counter(_unb64(part["ref_counter"]),
-                                                              int(part["ref_counter_offset"]), device=device)
-            remotes.clear()  # (dropping the mappings counts them off, now, not with a traceback that holds them)
-        return kv_2LTKD[0], kv_2LTKD[1]
-
-
-_WAYS: dict[str, type[SharedKV]] = {w.kind: w for w in (_EmptyKV, _ShmKV, _CudaKV)}
+    return rebuild_cuda_tensor(
+        torch.Tensor, torch.Size(part["size"]), tuple(part["stride"]), int(part["offset"]), torch.UntypedStorage,
+        dtype, index, _unb64(part["handle"]), int(part["storage_bytes"]), int(part["storage_offset"]), False,
+        _unb64(part["ref_counter"]), int(part["ref_counter_offset"]), _unb64(part["event"]),
+        bool(part["event_sync"]))
 
 
 def sharing_domain(device: torch.device | str) -> dict:
@@ -258,23 +123,6 @@ def _dtype(handle: dict) -> torch.dtype:
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"not a dtype: {handle['dtype']!r}")
     return dtype
-
-
-def _shape(handle: dict) -> list[int]:
-    shape = [int(n) for n in handle["shape"]]
-    if len(shape) != 4 or min(shape) < 0:
-        raise ValueError(f"not a KV shape [L, T, K, D]: {shape}")
-    return shape
-
-
-def _nbytes(handle: dict) -> int:
-    """The bytes of keys and values together."""
-    return 2 * math.prod(_shape(handle)) * _dtype(handle).itemsize
-
-
-def _as_kv(raw: torch.Tensor, handle: dict) -> torch.Tensor:
-    """Bytes `raw` seen as keys and values [2, L, T, K, D]."""
-    return raw.view(_dtype(handle)).view(2, *_shape(handle))
 
 
 def _b64(data: bytes | None) -> str | None:

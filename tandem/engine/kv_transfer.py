@@ -9,17 +9,13 @@ device, that it writes what the sender read. It moves in one of three ways (the 
 
 - bytes, between any two processes: `to_bytes` / `from_bytes` (safetensors: dtype and shapes travel with the data).
   The receiver owns what it parsed.
-- by reference, between processes of one host: the sender's `SharedKV` puts the KV where the receiver can map it
-  (on a GPU its own device tensors, by CUDA IPC; on a CPU a file in shared memory) and describes it in a JSON
-  `handle`; the receiver's `KVPages.from_shared(handle, device)` maps it, copies it onto `device` (device to
-  device, one host sync) and drops the mapping before it returns. The sender keeps the memory until the receiver
-  says it is done, then `free`s it; if the receiver never says so (it died) the sender frees it after a timeout of
-  its own choosing, and a receiver that maps it later fails, or reads other bytes and fails its checksums: it
-  never writes them.
+- by reference, between processes of one host: the sender's pool mapped once by the receiver, pages pinned
+  (`tandem.engine.kv_mapped`: no copy on either side but the receiver's one pass into its pool; not a `KVPages`).
 - point to point, between two processes of a torch.distributed group of their own (gloo on CPUs, NCCL between
   GPUs): `tandem.engine.kv_p2p`.
 
-Every way the receiver verifies the checksums of what it holds (`verify`, on its device) before it writes anything.
+Bytes and point to point: the receiver verifies the checksums of what it holds (`verify`, on its device) before
+it writes anything; by reference, as it writes (what fails is freed, never seen).
 No cryptographic hash: the checksums guard against accidents (memory freed and reused, a copy gone wrong), not
 against a sender that lies, and the servers trust each other as they trust their router; bytes that cross hosts
 are carried by TCP, whose own checksums and this one's both apply.
@@ -44,10 +40,10 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.kv_shared import _WAYS, SHM_DIR, SharedKV, _unb64, sharing_domain, transfer_stream, why_not_shared
+from tandem.engine.kv_shared import _unb64, sharing_domain, transfer_stream, why_not_shared
 
-__all__ = ["SHM_DIR", "KVPages", "SharedKV", "TransferClock", "page_checksums", "page_sums", "read_pages",
-           "sharing_domain", "transfer_stream", "why_not_shared", "wire_meta", "write_pages"]
+__all__ = ["KVPages", "TransferClock", "checksum_weights", "page_checksums", "page_sums",
+           "read_pages", "sharing_domain", "transfer_stream", "why_not_shared", "wire_meta", "write_pages"]
 
 
 @dataclass(frozen=True)
@@ -88,16 +84,6 @@ class KVPages:
             raise ValueError(f"kv transfer: the payload does not parse ({e})") from e
 
     @classmethod
-    def from_shared(cls, handle: dict, device: torch.device | str) -> KVPages:
-        """A copy on `device` of the KV that another process's `SharedKV` describes (`handle`). The mapping is
-        dropped before this returns (on a GPU, once the copy has finished), so the sender may then free it; not
-        verified yet. ValueError if the handle does not parse or its memory cannot be mapped here."""
-        try:
-            return cls.from_header(handle, *_WAYS[handle["kind"]].open(handle, torch.device(device)))
-        except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:
-            raise ValueError(f"kv transfer: the shared KV cannot be taken ({type(e).__name__}: {e})") from e
-
-    @classmethod
     def from_header(cls, header: dict, k: torch.Tensor, v: torch.Tensor) -> KVPages:
         """Keys `k` and values `v` with what `kv_shared.kv_header` says of them (not verified yet); KeyError,
         ValueError or TypeError if the header does not parse."""
@@ -133,6 +119,13 @@ class KVPages:
         timed = dataclasses.replace(self, clock=clock)
         object.__setattr__(timed, "_verified", self._verified)
         return timed
+
+    def write_into(self, pool: KVPool, pages: list[int]) -> None:
+        """`write_pages(pool, pages, self)` (what an engine calls on any import: `kv_mapped.MappedKV` too)."""
+        write_pages(pool, pages, self)
+
+    def settle(self) -> None:
+        """Nothing: this KV is the receiver's own (a `kv_mapped.MappedKV` tells its server it may release)."""
 
     def verify(self) -> None:
         """Raise ValueError naming the first page whose checksum differs from the sender's. The checksums run on the
@@ -181,10 +174,8 @@ def page_sums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> torch.Tensor:
     cols_part = torch.zeros(num_pages, dtype=torch.int32, device=k.device)
     for which, x in enumerate((k, v)):
         words_LTM = _words(x)
-        row_w_LO = _odd_weights(layers * page_size, 0x9E3779B1, which * layers * page_size, k.device).view(
-            layers, page_size)
-        col_w_LM = _odd_weights(layers * words_LTM.shape[2], 0x85EBCA77, which * (1 << 24), k.device).view(
-            layers, -1).to(torch.int32)
+        row_w_LO, col_w_LM = checksum_weights(which, layers, page_size, words_LTM.shape[2], k.device)
+        col_w_LM = col_w_LM.to(torch.int32)
         if full:
             body_LPOM = words_LTM[:, :full].view(layers, full // page_size, page_size, -1)
             rows_LPO = body_LPOM.sum(3, dtype=torch.int32).long()
@@ -205,6 +196,14 @@ def page_checksums(k: torch.Tensor, v: torch.Tensor, page_size: int) -> tuple[st
 
 def _hex(pair: list[int]) -> str:
     return f"{pair[0] & MASK:016x}{pair[1] & 0xFFFFFFFF:08x}"
+
+
+def checksum_weights(which: int, layers: int, page_size: int, words: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`page_sums`'s odd weights of keys (`which` 0) or values (1): per (layer, offset in the page) [L, page_size]
+    and per (layer, column of 32-bit words) [L, words], int64 on `device`."""
+    rows = _odd_weights(layers * page_size, 0x9E3779B1, which * layers * page_size, device).view(layers, page_size)
+    return rows, _odd_weights(layers * words, 0x85EBCA77, which * (1 << 24), device).view(layers, words)
 
 
 def _odd_weights(n: int, multiplier: int, offset: int, device: torch.device) -> torch.Tensor:

@@ -29,12 +29,17 @@ The three transfers (`PrefillClient(transfer=...)`; by default reference where t
 point where it allows that, else bytes), each verified on the decode server's device before its engine writes:
 - "bytes": the body is `KVPages.to_bytes()` (application/octet-stream). Nothing is held after the answer.
 - "reference" (servers of one host, KV on the same kind of device; on CUDA also two processes, the prefill
-  server's GPU visible to the decode server): the body is JSON `{"id": ..., "kv": handle}` (a
-  `kv_transfer.SharedKV`: GPU memory by CUDA IPC, or a shared-memory file on a CPU). The prefill server holds that
-  KV until the decode server, having copied it onto its own device and dropped its mapping, POSTs
-  `/pd/release {"id": ...}`, which frees it; an export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S`
-  of its answer (a decode server that died) is freed then, so memory never leaks. The decode server releases
-  whether or not its copy succeeded, and verifies the copy's checksums before its engine writes anything.
+  server's GPU visible to the decode server; a prefill server of one rank, its pool on a GPU or, on a CPU, in
+  shared memory): at pairing the decode server maps the prefill server's whole KV pool once (`GET /pd/pool`,
+  `kv_mapped.MappedPool`: CUDA IPC, or the pool's shared-memory file) and keeps it until it unpairs. The prefill
+  engine pins the request's pages (no page is freed or reused while they are pinned) and checksums them in place;
+  the body is JSON `{"id": ..., "kv": handle}` naming the pages and their checksums (`kv_mapped.PinnedKV`). The
+  decode engine writes them into its pool in one pass from the mapping, checksumming what it read, and compares
+  (`kv_mapped.MappedKV.write_into`); on a difference the request ends with an abort naming the page and the pages
+  it wrote are freed. Once the engine wrote the import or dropped it (or the request ended), the decode server
+  POSTs `/pd/release {"id": ...}`, which unpins the pages; an export nobody releases within
+  `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned then, and a decode
+  server that reads those pages later fails their checksums: it never keeps what it read.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
   `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
@@ -44,8 +49,10 @@ point where it allows that, else bytes), each verified on the decode server's de
   with an abort and the decode server pairs anew on its next request.
 
 `GET /pd/transfers` on a decode server: its latest transfers, each timed by itself (`PrefillClient._record`): the
-prefill server's export, the take (mapped or received, copied, verified), the write into the pool (device time),
-and the whole import from the answer to the pages written.
+prefill server's export, the take (received, copied, verified; by reference nothing), the write into the pool
+(device time; by reference the one pass), and the whole import from the answer to the pages written (by reference
+checked too); by reference also the hop to the engine's thread (`queue_s`) and the wait for the pass and the
+comparison (`check_s`).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ import torch
 from fastapi import FastAPI
 
 from tandem.engine.engine import Engine
+from tandem.engine.kv_mapped import MappedKV, MappedPool
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PLink, join_store, why_not_p2p
 from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages, TransferClock, sharing_domain, why_not_shared, wire_meta
@@ -98,7 +106,7 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     away)."""
     role = engine.config.role
     device = engine.pool.k_cache.device
-    kinds, exports = offered(device), Exports()
+    kinds, exports = offered(engine), Exports()
 
     @app.get("/pd/transfers")
     async def transfers():
@@ -133,10 +141,11 @@ class PrefillClient:
         self.engine, self.timeout_s, self.transfer = engine, timeout_s, transfer
         self.paired: dict[str, Transfer] = {}  # prefill server URL -> the transfer from it
         self.links: dict[str, tuple[str, P2PLink, asyncio.Lock]] = {}  # URL -> link id, this end, its turn
+        self.pools: dict[str, MappedPool] = {}  # URL -> its KV pool, mapped while paired by reference
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
-        for url in list(self.links):
+        for url in list(self.links) + list(self.pools):
             self._unpair(url)
         if self._session is not None:
             await self._session.close()
@@ -148,7 +157,8 @@ class PrefillClient:
 
     async def pair(self, url: str) -> None:
         """Check once that `url` is a prefill server this one can take KV from, and choose the transfer; ValueError
-        naming what differs, or why the transfer asked for cannot be made."""
+        naming what differs, or why the transfer asked for cannot be made. By reference it maps the prefill server's
+        pool now; where that fails, a transfer not asked for falls back to bytes (logged)."""
         if url in self.paired:
             return
         try:
@@ -168,11 +178,20 @@ class PrefillClient:
         transfer = self._choose(url, theirs.get("transfer") or {})
         if transfer == "p2p":
             self.links[url] = await self._open_link(url)
+        elif transfer == "reference":
+            try:
+                self.pools[url] = await self._map_pool(url)
+            except ValueError as e:
+                if self.transfer is not None:  # (asked for: refuse, naming why)
+                    raise
+                log.warning("decode server: takes KV from %s as bytes: %s", url, e)
+                transfer = "bytes"
         self.paired[url] = transfer
 
     def _unpair(self, url: str) -> None:
         """Forget `url`'s pairing and break its link (after a failed transfer): the next request pairs anew."""
         self.paired.pop(url, None)
+        self.pools.pop(url, None)  # (imports still on their way keep what they read mapped)
         if (link := self.links.pop(url, None)) is not None:
             link[1].close()
 
@@ -187,6 +206,18 @@ class PrefillClient:
             raise ValueError(f"bootstrap.prefill_url: this decode server takes KV by {self.transfer}, and cannot from "
                              f"{url}: {why_not[self.transfer]}")
         return self.transfer or next(kind for kind in ("reference", "p2p", "bytes") if why_not[kind] is None)
+
+    async def _map_pool(self, url: str) -> MappedPool:
+        """The KV pool of the prefill server at `url`, mapped here (`kv_mapped`); ValueError if it cannot be."""
+        try:
+            async with self._http().get(f"{url}/pd/pool") as r:
+                if r.status != 200:
+                    raise ValueError(f"answered {r.status}: {(await r.read())[:300].decode(errors='replace')}")
+                handle = await r.json()
+            return await asyncio.to_thread(MappedPool, handle, self.engine.pool.k_cache.device)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            raise ValueError(f"bootstrap.prefill_url: the KV pool of {url} cannot be mapped ({type(e).__name__}: "
+                             f"{e})") from None
 
     async def _open_link(self, url: str) -> tuple[str, P2PLink, asyncio.Lock]:
         """A point-to-point link with the prefill server at `url` (this end rank 1); ValueError if none can be made."""
@@ -221,6 +252,7 @@ class PrefillClient:
         so far computed there under the weights held now)."""
         if sampling.seed is None:  # the prefill server samples the first token, this engine the rest: one seed
             sampling = dataclasses.replace(sampling, seed=random.getrandbits(63))
+        self.engine.validate(input_ids, sampling, rid)  # (once: not on the way of each transfer)
         so_far = GenerateOutput(rid, [], [], [], FinishReason("abort", message=HANDED_BACK), len(input_ids), 0)
         prefilled = retractions = 0
         while so_far.finish_reason.message == HANDED_BACK:
@@ -243,7 +275,18 @@ class PrefillClient:
                 return dataclasses.replace(so_far, finish_reason=FinishReason(**meta["finish_reason"]))
             generated = [[*mine, theirs] for mine, theirs in zip(
                 (so_far.output_ids, so_far.output_logprobs, so_far.weight_versions), sampled, strict=True)]
-            out = await self.engine.generate_imported(input_ids, sampling, tuple(generated), kv, rid, routed)
+            generating = asyncio.ensure_future(self.engine.generate_imported(
+                input_ids, sampling, tuple(generated), kv, rid, routed, validated=True))
+            if isinstance(kv, MappedKV):  # (released once written, or dropped: the request may decode on long)
+                releasing = asyncio.ensure_future(self._release_settled(url, kv, generating))
+            try:
+                out = await asyncio.shield(generating)
+            except asyncio.CancelledError:
+                generating.cancel()  # (which aborts it in the engine)
+                raise
+            finally:
+                if isinstance(kv, MappedKV):
+                    await asyncio.shield(releasing)
             self._record(rid, kv, meta)
             retractions += out.finish_reason.message == HANDED_BACK
             so_far = dataclasses.replace(out, cached_tokens=so_far.cached_tokens)
@@ -278,6 +321,8 @@ class PrefillClient:
         else:
             kv = await self._take(url, data, clock)
         if kv.start != kv_from or kv.end != len(input_ids):
+            if isinstance(kv, MappedKV):  # (never to be written: its pages go back now)
+                await asyncio.shield(self._release(url, kv.export_id))
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
         return meta["first"], kv.with_clock(clock), meta
 
@@ -290,43 +335,54 @@ class PrefillClient:
         null where it did not write them. Host times are taken where the host has waited for the device."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
+        mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
         try:
             write_s = clock.seconds("write", "written") if written else None
-            import_s = take_s + clock.seconds("verified", "written") if written else None
+            if mapped:
+                import_s = clock.host["checked"] - clock.host["import"] if "checked" in clock.host else None
+            else:
+                import_s = take_s + clock.seconds("verified", "written") if written else None
         except RuntimeError as e:  # (a measurement must not fail the request it measured)
             log.warning("decode server: transfer of %s not timed: %s", rid, e)
             write_s = import_s = None
         _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
-            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end, "pages": len(kv.checksums),
-            "kv_bytes": 2 * kv.k.numel() * kv.k.element_size(), "export_s": meta.get("export_s"), "take_s": take_s,
+            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
+            "pages": len(kv.pages) if mapped else len(kv.checksums),
+            "kv_bytes": kv.kv_bytes if mapped else 2 * kv.k.numel() * kv.k.element_size(),
+            "export_s": meta.get("export_s"), "export_sums_s": meta.get("export_sums_s"), "take_s": take_s,
             "copy_s": clock.host["taken"] - clock.host["import"],
             "verify_s": clock.host["verified"] - clock.host["taken"],
+            "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
+            "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
             "write_s": write_s, "import_s": import_s})
 
-    async def _take(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
-        """The KV a prefill server holds for this one (`data`: its answer), copied onto this engine's device and
-        verified; released there once copied, whether the copy succeeded or not. The copy and the checksums run in a
-        worker thread: on a GPU they wait for the device, which the event loop must not."""
+    async def _take(self, url: str, data: bytes, clock: TransferClock) -> MappedKV:
+        """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
+        pool mapped at pairing: nothing is read until the engine writes it (`MappedKV.write_into`, which checks its
+        checksums). The export is released once the engine is done with it (`_release_settled`); an answer that
+        does not parse is released at once, and breaks the pairing if it names another pool."""
         try:
             answer = json.loads(data)
             export_id, handle = answer["id"], answer["kv"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
+        if (source := self.pools.get(url)) is None:
+            await asyncio.shield(self._release(url, export_id))
+            raise RuntimeError("its pool's mapping was dropped while this request waited (another transfer failed)")
         try:
-            kv = await asyncio.to_thread(KVPages.from_shared, handle, self.engine.pool.k_cache.device)
-        except BaseException:  # (shielded: a request cancelled now still releases what it was sent; should the
-            # release overtake the copy, the shared memory outlives it: a file removed while mapped, a GPU tensor
-            # torch keeps)
+            kv = MappedKV(source, handle, url, export_id)
+        except ValueError:
+            self._unpair(url)  # (it may have restarted: map its pool anew)
             await asyncio.shield(self._release(url, export_id))
             raise
         clock.mark("taken")
-        release = asyncio.ensure_future(self._release(url, export_id))  # (heard while this verifies)
-        try:
-            await asyncio.to_thread(_verify, kv)
-            clock.mark("verified")
-        finally:
-            await asyncio.shield(release)
+        clock.mark("verified")  # (checked as the engine writes it)
         return kv
+
+    async def _release_settled(self, url: str, kv: MappedKV, generating: asyncio.Future) -> None:
+        """Release `kv`'s export once the engine wrote or dropped it, or the request ended (whichever is first)."""
+        await asyncio.wait([asyncio.wrap_future(kv.settled), generating], return_when=asyncio.FIRST_COMPLETED)
+        await self._release(url, kv.export_id)
 
     async def _receive(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
         """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's

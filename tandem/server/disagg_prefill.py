@@ -17,8 +17,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
+from tandem.engine.kv_mapped import PinnedKV, pool_handle
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store
-from tandem.engine.kv_transfer import SharedKV
 from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
 from tandem.types import SamplingParams
 
@@ -28,9 +28,12 @@ HEADER = "X-Tandem-Prefill"  # the answer's header: the first token and what the
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 
 
-def offered(device) -> list[str]:
-    """The transfers a prefill server with its KV on `device` offers."""
-    return ["bytes", *(["reference"] if SharedKV.supports(device) else []), *(["p2p"] if backend_for(device) else [])]
+def offered(engine: Engine) -> list[str]:
+    """The transfers a prefill server offers: bytes; by reference where its pool can be mapped (on a GPU, or in
+    shared memory on a CPU) and pinned (one rank); point to point where its device has a backend."""
+    pool, device = engine.pool, engine.pool.k_cache.device
+    mappable = engine.tp.size == 1 and (device.type == "cuda" or pool.shm_path is not None)
+    return ["bytes", *(["reference"] if mappable else []), *(["p2p"] if backend_for(device) else [])]
 
 
 def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: list[str], exports: Exports) -> None:
@@ -51,7 +54,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
         engine.validate(body.input_ids, sampling, rid)
         out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
-                                                                body.prompt_len))
+                                                                body.prompt_len,
+                                                                export_pinned=body.transfer == "reference"))
         if out is None:
             return Response(status_code=499)
         sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
@@ -64,11 +68,18 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         else:
             if body.transfer == "p2p" and body.link not in links:
                 raise ValueError(f"link: {body.link!r} is no link of this prefill server (open one: /pd/p2p/open)")
-            export_id, handle = exports.hold(SharedKV.of(out.kv) if body.transfer == "reference" else
-                                             P2PExport(out.kv))
+            export_id, handle = exports.hold(out.kv if body.transfer == "reference" else P2PExport(out.kv))
             data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
         meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
+        meta["export_sums_s"] = getattr(out.kv, "sums_s", None)  # (by reference on a GPU: the checksum pass)
         return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
+
+    @app.get("/pd/pool")
+    async def pool():
+        """This server's KV pool, for a decode server of this host to map once (`kv_mapped.pool_handle`)."""
+        if "reference" not in kinds:
+            raise ValueError(f"transfer: this prefill server offers {kinds}, not by reference")
+        return pool_handle(engine.pool)
 
     @app.post("/pd/release")
     async def release(request: Request):
@@ -104,18 +115,19 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
 
 
 class Exports:
-    """A prefill server's KV held for decode servers to take by reference (`SharedKV`), by export id: each until its
-    decode server releases it or `RELEASE_TIMEOUT_S` (read as it is held) passes, whichever is first; then it is
-    freed. Runs in the server's event loop. What is still held when the process exits is freed then."""
+    """A prefill server's KV held for decode servers to take by reference (`PinnedKV`: its pages pinned) or point to
+    point (`P2PExport`), by export id: each until its decode server releases it or `RELEASE_TIMEOUT_S` (read as it
+    is held) passes, whichever is first; then it is freed. Runs in the server's event loop. What is still held when
+    the process exits is freed then."""
 
     def __init__(self):
-        self._held: dict[str, tuple[SharedKV, asyncio.TimerHandle]] = {}
+        self._held: dict[str, tuple[PinnedKV | P2PExport, asyncio.TimerHandle]] = {}
         weakref.finalize(self, _free_all, self._held)
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, shared: SharedKV | P2PExport) -> tuple[str, dict]:
+    def hold(self, shared: PinnedKV | P2PExport) -> tuple[str, dict]:
         """Hold `shared` (KV shared or to be sent): its export id and handle."""
         export_id = uuid.uuid4().hex
         timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
@@ -146,7 +158,7 @@ class Exports:
             held[0].free(taken=False)
 
 
-def _free_all(held: dict[str, tuple[SharedKV, asyncio.TimerHandle]]) -> None:
+def _free_all(held: dict[str, tuple[PinnedKV | P2PExport, asyncio.TimerHandle]]) -> None:
     for shared, _ in held.values():
         with contextlib.suppress(Exception):  # (at exit: what torch tore down already is freed with it)
             shared.free(taken=False)

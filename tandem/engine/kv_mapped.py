@@ -1,0 +1,327 @@
+"""The KV transfer by reference between processes of one host, the pool mapped once (`tandem.server.disagg`).
+
+At pairing the decode server maps the prefill server's whole KV pool (`pool_handle` -> `MappedPool`: CUDA IPC on a
+GPU, the pool's shared-memory file on a CPU, `KVPool(shared=True)`) and keeps the mapping until it unpairs. For each
+request the prefill engine *pins* the pages holding the KV to send (`pin_pages`: a reference in its allocator, so no
+page is freed or reused while the transfer is in flight) and checksums them in place, one pass over the pages on the
+device (`page_sums_by_index`); its answer names the pages and their checksums (`PinnedKV.handle`). The decode
+engine writes the transfer in one pass too (`MappedKV.write_into`, in its own thread, between steps, gated by a
+pause as any import): it reads the mapped pages, writes them into its own pages and checksums what it read, then
+compares the checksums with the prefill server's (one host read); on a difference it raises ValueError naming the
+first page that differs, and the engine frees the pages it wrote and ends the request (nothing of it is seen). Then
+it settles the import (`MappedKV.settle`): its server tells the prefill server, which unpins the pages
+(`PinnedKV.free`); if it never does (a decode server that died), the prefill server unpins them after its timeout,
+and a decode server that reads them later reads other bytes and fails its checksums: it never keeps them.
+
+The checksums are `kv_transfer.page_sums`'s, computed from the pool by index (no gather buffer): on a GPU by the
+Triton kernel of `tandem.kernels.kv_copy` (which copies in the same pass), elsewhere by torch (a gather, the sums,
+and a scatter).
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import functools
+import os
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.kv_shared import _b64, _dtype, _gpu_uuid, _local_gpu, _unb64, ipc_describe, ipc_open
+from tandem.engine.kv_transfer import TransferClock, _hex, checksum_weights, page_sums
+
+__all__ = ["MappedKV", "MappedPool", "PinnedKV", "page_sums_by_index", "pin_pages", "pool_handle"]
+
+
+def pool_handle(pool: KVPool) -> dict:
+    """What another process of this host needs to map `pool` (JSON): its identity, dtype and shape, and on a GPU its
+    keys and values by CUDA IPC (a fresh reference counter each call), on a CPU its shared-memory file; ValueError if
+    it cannot be mapped (a CPU pool not built `shared`)."""
+    k = pool.k_cache
+    handle = {"pool": pool.share_id, "dtype": str(k.dtype).removeprefix("torch."), "shape": list(k.shape),
+              "page_size": pool.page_size, "num_pages": pool.num_pages}
+    if k.is_cuda:
+        with torch.cuda.device(k.device):
+            return handle | {"kind": "cuda", "gpu": _gpu_uuid(k.device),
+                             "tensors": [ipc_describe(pool.k_cache), ipc_describe(pool.v_cache)]}
+    if pool.shm_path is None:
+        raise ValueError("kv transfer: this pool is not in shared memory (KVPool(shared=True))")
+    return handle | {"kind": "cpu", "path": pool.shm_path}
+
+
+class MappedPool:
+    """A prefill server's KV pool mapped into this process (`pool_handle`'s `handle`): `k`, `v` [L, S, K, D] its own
+    memory, read where a transfer names pages of it. ValueError if it cannot be mapped here."""
+
+    def __init__(self, handle: dict, device: torch.device | str):
+        try:
+            self.id, self.page_size = str(handle["pool"]), int(handle["page_size"])
+            self.num_pages, dtype = int(handle["num_pages"]), _dtype(handle)
+            shape = [int(n) for n in handle["shape"]]
+            if handle["kind"] == "cuda":
+                if (index := _local_gpu(handle["gpu"])) is None:
+                    raise ValueError(f"the prefill server's GPU {handle['gpu']} is not visible to this process")
+                mine = torch.device(device)
+                mine = mine.index if mine.type == "cuda" and mine.index is not None else torch.cuda.current_device()
+                if mine != index or torch.device(device).type != "cuda":
+                    raise ValueError(f"its pool is on GPU {index} of this process, this server's KV on {device}")
+                with torch.cuda.device(index):
+                    self.k, self.v = (ipc_open(part, dtype, index) for part in handle["tensors"])
+            elif handle["kind"] == "cpu":
+                path, nbytes = str(handle["path"]), 2 * _numel(shape) * dtype.itemsize
+                if not path.startswith("/proc/") or (size := os.path.getsize(path)) != nbytes:
+                    raise ValueError(f"{path} is not a pool of {nbytes} bytes")
+                kv = torch.from_file(path, shared=True, size=size, dtype=torch.uint8).view(dtype).view(2, *shape)
+                self.k, self.v = kv[0], kv[1]
+            else:
+                raise ValueError(f"no pool of kind {handle['kind']!r}")
+        except (KeyError, ValueError, TypeError, OSError, RuntimeError) as e:
+            raise ValueError(f"kv transfer: the prefill server's pool cannot be mapped ({type(e).__name__}: {e})") \
+                from None
+        if list(self.k.shape) != shape or self.k.dtype != dtype:
+            raise ValueError(f"kv transfer: the mapped pool is {tuple(self.k.shape)} {self.k.dtype}, not {shape}")
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@functools.lru_cache(maxsize=16)
+def _weights(layers: int, page_size: int, words: int, device: torch.device):
+    """`checksum_weights` of keys and values, made once per shape and device."""
+    return tuple(checksum_weights(which, layers, page_size, words, device) for which in (0, 1))
+
+
+def _words_per_position(cache: torch.Tensor) -> int:
+    return cache.shape[2] * cache.shape[3] * cache.element_size() // 4
+
+
+def _kernel_ok(*caches: torch.Tensor) -> bool:
+    """Whether the Triton kernel takes these pools (on one GPU, laid out in words)."""
+    if not all(c.is_cuda and c.device == caches[0].device for c in caches):
+        return False
+    try:
+        from tandem.kernels.kv_copy import supports
+    except ImportError:  # (no Triton)
+        return False
+    return all(supports(c) for c in caches)
+
+
+def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list[int], start: int, end: int,
+                       page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
+                       dst_pages: list[int] | None = None) -> torch.Tensor:
+    """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
+    host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
+    page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
+    [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
+    same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter."""
+    num, n = len(src_pages), end - start
+    if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
+        raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
+                         f"do not hold positions [{start}, {end}) in pages of {page_size}")
+    caches = (src_k, src_v) + ((dst_k, dst_v) if dst_k is not None else ())
+    device = src_k.device
+    if _kernel_ok(*caches):
+        from tandem.kernels.kv_copy import copy_page_sums
+
+        rows = array.array("i", [page_size]) * num
+        if num:
+            rows[-1] = n - (num - 1) * page_size
+        index = torch.cat([_int32(src_pages), _int32(dst_pages or src_pages), _int32(rows)]).view(3, num)
+        index = index.to(device, non_blocking=True)  # (from pageable memory: staged before it returns, no sync)
+        layers = src_k.shape[0]
+        parts = torch.empty((num, 2, layers, 2), dtype=torch.int64, device=device)  # page, keys/values, layer
+        for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
+            row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
+            copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
+                           index[1] if dst is not None else None, out=parts[:, which])
+        return parts.view(num, 2 * layers, 2).sum(1)
+    slots = _slots(src_pages, page_size, n, device)
+    k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
+    sums = page_sums(k, v, page_size)
+    if dst_k is not None:
+        dst_slots = _slots(dst_pages, page_size, n, dst_k.device)
+        dst_k.index_copy_(1, dst_slots, k.to(dst_k.dtype))
+        dst_v.index_copy_(1, dst_slots, v.to(dst_v.dtype))
+    return sums
+
+
+def _int32(values) -> torch.Tensor:
+    """Python ints (a list or an `array`) as an int32 tensor on the host, quicker than `torch.tensor` of a list."""
+    values = values if isinstance(values, array.array) else array.array("i", values)
+    return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
+
+
+def canonical(sums: torch.Tensor) -> torch.Tensor:
+    """Sums [pages, 2] as `page_sums` has them: the column parts' low 32 bits as a signed 32-bit value (the
+    kernel's parts summed over layers keep higher bits too; `page_sums`'s are unchanged)."""
+    cols = sums[:, 1] & 0xFFFFFFFF
+    return torch.stack([sums[:, 0], (cols ^ 0x80000000) - 0x80000000], dim=1)
+
+
+def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:
+    """The slots of the first `n` positions held by `pages` in order."""
+    pos = torch.arange(n)
+    return (torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size).to(device)
+
+
+class PinnedKV:
+    """A prefill engine's export by reference: positions [start, end) of a sequence, held in `pages` (one per page
+    of `page_size` from `start`) of its pool, pinned until `free`; `sums` their `page_sums` [pages, 2] computed as
+    they were pinned (on the host; in the handle the hex of their bytes; `checksums` as `page_checksums` has them),
+    `routing` ([end - start, layers, k] int16 on the host) where the pool keeps it. `handle`: what the decode
+    server needs (JSON); `unpin(pages)` is called once, by `free` or when this is collected. `read_s`: the export's
+    time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time (on a GPU; else
+    None)."""
+
+    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: torch.Tensor,
+                 routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float,
+                 sums_s: float | None):
+        self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
+        self.sums, self.routing, self.read_s, self.sums_s = sums, routing, read_s, sums_s
+        self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
+        self.handle = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
+                       "page_size": pool.page_size, "pages": pages, "sums": _sums_hex(sums)}
+        if routing is not None:
+            self.handle["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
+                                      "shape": list(routing.shape)}
+
+    @property
+    def checksums(self) -> tuple[str, ...]:
+        return _hex_pairs(self.sums)
+
+    def free(self, taken: bool) -> None:
+        """Unpin the pages (once; `taken` is ignored: the decode server maps the pool, not this export). An export
+        nobody frees unpins its pages when it is collected."""
+        self._unpin()
+
+
+def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
+              unpin: Callable[[list[int]], None]) -> PinnedKV:
+    """Pin the pages holding positions [start, end) (`start` page-aligned) of a sequence with page table `pages`
+    (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and checksum them
+    where they are: one pass on the device, one host sync. Call in the engine's thread, between steps."""
+    P = pool.page_size
+    assert start % P == 0, start
+    began = time.perf_counter()
+    held = list(pages[start // P:-(-end // P)])
+    pool.incref(held)
+    try:
+        clock = TransferClock(pool.k_cache.device)
+        clock.mark("sums")
+        sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P)
+        clock.mark("summed")
+        routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
+        on_host = canonical(sums.cpu())  # (the host waits for the sums)
+        sums_s = clock.seconds("sums", "summed") if pool.k_cache.is_cuda else None
+    except BaseException:
+        pool.decref(held)
+        raise
+    return PinnedKV(pool, held, start, end, on_host, routing, unpin, time.perf_counter() - began, sums_s)
+
+
+def _hex_pairs(sums: torch.Tensor) -> tuple[str, ...]:
+    """`page_sums` [pages, 2] as `page_checksums` gives them."""
+    return tuple(_hex(pair) for pair in sums.tolist())
+
+
+def _sums_hex(sums: torch.Tensor) -> str:
+    """`page_sums` [pages, 2] (int64 on the host) as the hex of their bytes (little-endian): quick both ways."""
+    return sums.contiguous().numpy().astype("<i8", copy=False).tobytes().hex()
+
+
+def _sums_of_hex(text: str, pages: int) -> torch.Tensor:
+    """The inverse of `_sums_hex`, for `pages` pages; ValueError if it is not that."""
+    raw = bytearray.fromhex(text)
+    if len(raw) != 16 * pages:
+        raise ValueError(f"{len(raw)} bytes of sums for {pages} pages")
+    return torch.frombuffer(raw, dtype=torch.int64).view(pages, 2) if pages else torch.empty(0, 2, dtype=torch.int64)
+
+
+class MappedKV:
+    """A decode server's import by reference: what a prefill server's `PinnedKV.handle` names in the pool `source`
+    maps (positions [start, end), their pages there, checksums, routing), from the prefill server `origin` (named
+    in errors), export `export_id`. Nothing is read until the engine writes it (`write_into`), which checks it;
+    `verify` checks nothing. `settled` is done once the engine wrote it or dropped it (`settle`): its server may
+    then release the export."""
+
+    def __init__(self, source: MappedPool, handle: dict, origin: str = "", export_id: str = ""):
+        try:
+            if handle["kind"] != "pages" or handle["pool"] != source.id:
+                raise ValueError(f"it names pool {handle.get('pool')!r} ({handle['kind']}), the one mapped is "
+                                 f"{source.id!r} (the prefill server restarted?)")
+            self.start, self.end, self.page_size = int(handle["start"]), int(handle["end"]), int(handle["page_size"])
+            self.pages = [int(p) for p in handle["pages"]]
+            self.sums = _sums_of_hex(str(handle["sums"]), len(self.pages))  # (as `PinnedKV.sums`)
+            self.routing = None
+            if (shared := handle.get("routing")) is not None:
+                self.routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(
+                    shared["shape"])
+        except (KeyError, ValueError, TypeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV by reference ({type(e).__name__}: {e})") from None
+        n = self.end - self.start
+        if (self.page_size != source.page_size or self.start % self.page_size or n < 0
+                or len(self.pages) != -(-n // self.page_size)
+                or (self.pages and not 0 <= min(self.pages) <= max(self.pages) < source.num_pages)):
+            raise ValueError(f"kv transfer: pages {self.pages[:8]}... do not "
+                             f"hold positions [{self.start}, {self.end}) of pool {source.id}")
+        self.source, self.origin, self.export_id = source, origin, export_id
+        self.clock: TransferClock | None = None
+        self.settled: Future = Future()
+
+    @property
+    def checksums(self) -> tuple[str, ...]:
+        """The prefill server's checksums, as `page_checksums` gives them."""
+        return _hex_pairs(self.sums)
+
+    @property
+    def kv_bytes(self) -> int:
+        k = self.source.k
+        return 2 * k.shape[0] * (self.end - self.start) * k.shape[2] * k.shape[3] * k.element_size()
+
+    def with_clock(self, clock: TransferClock) -> MappedKV:
+        self.clock = clock
+        return self
+
+    def verify(self) -> None:
+        """Nothing: `write_into` checks what it writes."""
+
+    def settle(self) -> None:
+        """The engine is done with this import (written, or dropped): its server may release the export."""
+        with contextlib.suppress(Exception):  # (once)
+            self.settled.set_result(None)
+
+    def write_into(self, pool: KVPool, pages: list[int]) -> None:
+        """Write positions [start, end) into the sequence with page table `pages` in `pool`, in one pass from the
+        mapped pages, and check the checksums of what was read against the prefill server's (one host sync);
+        ValueError naming the first page that differs (the pages written then hold bytes nobody may use: the
+        caller frees them), or if the routing the pool keeps is missing. Marks `clock` "write" and "written"
+        around the pass (device events on a GPU), "checked" once compared. Call in the engine's thread."""
+        P = self.page_size
+        if pool.routing is not None and self.routing is None:
+            raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
+        if pool.page_size != P:
+            raise ValueError(f"kv transfer: pages of {P} positions, this pool's of {pool.page_size}")
+        clock = self.clock or TransferClock(pool.k_cache.device)
+        clock.mark("write")
+        sums = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
+                                  pool.k_cache, pool.v_cache, list(pages[self.start // P:-(-self.end // P)]))
+        clock.mark("written")
+        if pool.routing is not None:
+            pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
+        mine = canonical(sums.cpu())  # (the host waits for the pass)
+        same = torch.equal(mine, self.sums)
+        clock.mark("checked")
+        if not same:
+            i = int((mine != self.sums).any(1).nonzero()[0, 0])
+            raise ValueError(f"kv transfer from {self.origin or 'the prefill server'}: page {i} (positions "
+                             f"{self.start + i * P}...) arrived with another checksum than it left with")
+

@@ -1,0 +1,135 @@
+"""The one-pass KV transfer's checksums and copy (`tandem.kernels.kv_copy`, `kv_mapped.page_sums_by_index`): the
+Triton kernel against `kv_transfer.page_sums` over the same positions gathered by torch, bit for bit (under Triton's
+CPU interpreter here, on the device in the `gpu` cases), the pages it writes equal to those it read and nothing
+else written; the torch path (a CPU's) against the same definition; falsifiers: a changed word or a page read from
+elsewhere changes the page's checksum."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
+
+from tandem.engine import kv_mapped  # noqa: E402
+from tandem.engine.kv_mapped import _weights, _words_per_position, canonical, page_sums_by_index  # noqa: E402
+from tandem.engine.kv_transfer import page_sums  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pool(layers, pages, page_size, heads, dim, dtype, seed=0, device="cpu"):
+    """Random keys and values [L, (pages + 1) * page_size, K, D] (random bits, NaNs and all, for a bf16 pool)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (layers, (pages + 1) * page_size, heads, dim)
+    words = torch.randint(-2**31, 2**31 - 1, (2, *shape[:-1], dim * dtype.itemsize // 4), generator=gen,
+                          dtype=torch.int32) if dtype.itemsize * dim % 4 == 0 else None
+    kv = words.view(dtype) if words is not None else torch.randn((2, *shape), generator=gen).to(dtype)
+    return kv[0].contiguous().to(device), kv[1].contiguous().to(device)
+
+
+def reference(k, v, pages, start, end, page_size):
+    """`page_sums` of the positions gathered by slot."""
+    pos = torch.arange(end - start)
+    slots = (torch.tensor(pages)[pos // page_size] * page_size + pos % page_size).to(k.device)
+    return page_sums(k.index_select(1, slots).cpu(), v.index_select(1, slots).cpu(), page_size), slots
+
+
+CASES = [  # layers, pool pages, page size, KV heads, head dim, dtype, positions
+    (3, 12, 4, 2, 6, torch.float32, 18),
+    (2, 10, 4, 1, 8, torch.bfloat16, 16),
+    (2, 9, 16, 2, 64, torch.bfloat16, 37),
+    (1, 6, 8, 3, 10, torch.float16, 9),
+    (1, 5, 16, 8, 128, torch.bfloat16, 40),  # (qwen3-0.6b's position: 512 words, two chunks of the row a program)
+    (2, 7, 6, 1, 8, torch.float32, 20),  # (pages of 6 positions: rows masked to a power of 2)
+]
+
+
+def kernel_sums(k, v, pages, start, end, page_size, dst=None, dst_pages=None):
+    from tandem.kernels.kv_copy import copy_page_sums
+
+    num = len(pages)
+    rows = [page_size] * num
+    rows[-1] = end - start - (num - 1) * page_size
+    index = torch.tensor([pages, dst_pages or pages, rows], dtype=torch.int32, device=k.device)
+    parts = []
+    for which, (src, out) in enumerate(zip((k, v), dst or (None, None), strict=True)):
+        row_w, col_w = _weights(k.shape[0], page_size, _words_per_position(k), k.device)[which]
+        parts.append(copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, out,
+                                    index[1] if out is not None else None))
+    return canonical(torch.cat(parts, dim=1).sum(1).cpu())
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"L{c[0]} P{c[2]} K{c[3]} D{c[4]} {c[5]} n{c[6]}")
+def test_the_kernel_gives_the_definitions_checksums_and_copies_only_the_pages_named(case):
+    pytest.importorskip("triton")
+    layers, num_pages, P, heads, dim, dtype, n = case
+    k, v = pool(layers, num_pages, P, heads, dim, dtype, device=DEVICE)
+    num = -(-n // P)
+    src_pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(1))[:num].tolist()
+    dst_pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(2))[:num].tolist()
+    want, src_slots = reference(k, v, src_pages, 0, n, P)
+    dk, dv = pool(layers, num_pages, P, heads, dim, dtype, seed=7, device=DEVICE)
+    before_k, before_v = dk.clone(), dv.clone()
+    assert torch.equal(kernel_sums(k, v, src_pages, 0, n, P), want.cpu())
+    got = kernel_sums(k, v, src_pages, 0, n, P, (dk, dv), dst_pages)
+    assert torch.equal(got, want.cpu())
+    _, dst_slots = reference(dk, dv, dst_pages, 0, n, P)
+    for src, dst, before in ((k, dk, before_k), (v, dv, before_v)):
+        assert torch.equal(dst[:, dst_slots].view(torch.uint8), src[:, src_slots].view(torch.uint8))
+        untouched = torch.ones(dst.shape[1], dtype=torch.bool, device=dst.device)
+        untouched[dst_slots] = False
+        assert torch.equal(dst[:, untouched].view(torch.uint8), before[:, untouched].view(torch.uint8))
+
+
+@pytest.mark.parametrize("case", CASES[:2], ids=["fp32", "bf16"])
+def test_a_changed_word_or_another_page_changes_that_pages_checksum(case):
+    pytest.importorskip("triton")
+    layers, num_pages, P, heads, dim, dtype, n = case
+    k, v = pool(layers, num_pages, P, heads, dim, dtype, device=DEVICE)
+    pages = [3, 1, 7, 5, 2][:-(-n // P)]
+    want = kernel_sums(k, v, pages, 0, n, P)
+    k.view(torch.uint8)[1, 1 * P + 2, 0, 1] ^= 4  # (page 1 of the pool: the transfer's page 1)
+    changed = kernel_sums(k, v, pages, 0, n, P)
+    assert [i for i in range(len(pages)) if not torch.equal(changed[i], want[i])] == [1]
+    swapped = kernel_sums(k, v, [pages[0], pages[2], pages[1], *pages[3:]], 0, n, P)
+    assert not torch.equal(swapped[1], changed[1]) and not torch.equal(swapped[2], changed[2])
+
+
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[5]} n{c[6]}")
+def test_the_dispatch_gives_the_definitions_checksums_and_copies(case, kernel, monkeypatch):
+    """`page_sums_by_index`: on a CPU it gathers, sums and scatters with torch; made to take the kernel (under the
+    interpreter here), keys and values into one buffer of parts: the same values (`canonical`) and pages."""
+    if kernel:
+        pytest.importorskip("triton")
+        monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
+    layers, num_pages, P, heads, dim, dtype, n = case
+    k, v = pool(layers, num_pages, P, heads, dim, dtype)
+    num = -(-n // P)
+    src_pages, dst_pages = list(range(num_pages - num, num_pages)), list(range(num))
+    want, src_slots = reference(k, v, src_pages, 0, n, P)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    assert torch.equal(canonical(page_sums_by_index(k, v, src_pages, 0, n, P, dk, dv, dst_pages)), want)
+    _, dst_slots = reference(dk, dv, dst_pages, 0, n, P)
+    assert torch.equal(dk[:, dst_slots].view(torch.uint8), k[:, src_slots].view(torch.uint8))
+    with pytest.raises(ValueError, match="do not hold positions"):
+        page_sums_by_index(k, v, src_pages[:-1], 0, n, P)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums_at_the_models_shape():
+    """qwen3-0.6b's layout (28 layers, 8 KV heads of 128, bf16, pages of 16), 1,000 positions: the dispatch takes
+    the kernel on the GPU and gives what the CPU's torch path gives, pages and all."""
+    k, v = pool(28, 80, 16, 8, 128, torch.bfloat16)
+    pages = torch.randperm(80, generator=torch.Generator().manual_seed(3))[:63].tolist()
+    dst_pages = list(range(63))
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    want = page_sums_by_index(k, v, pages, 0, 1000, 16, dk, dv, dst_pages)
+    gk, gv = k.cuda(), v.cuda()
+    gdk, gdv = torch.zeros_like(gk), torch.zeros_like(gv)
+    got = page_sums_by_index(gk, gv, pages, 0, 1000, 16, gdk, gdv, dst_pages)
+    assert torch.equal(canonical(got.cpu()), want)
+    assert torch.equal(gdk.cpu().view(torch.uint8), dk.view(torch.uint8))
+    assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))

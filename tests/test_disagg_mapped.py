@@ -1,0 +1,202 @@
+"""The KV transfer by reference with the prefill pool mapped once (`tandem.engine.kv_mapped`), in process on CPU
+(fp32; the prefill engine's pool in shared memory): a pinned export survives its engine freeing the pages and
+writing a pool's worth of other prompts (falsifier: unpinned at once, the pages are reused and the import fails
+its checksums); a page changed after the export ends the import with an abort naming it, its pages freed and
+nothing cached; a paused decode engine writes nothing of an import until it continues (falsifier: a late gate).
+The servers' protocol over HTTP: tests/test_disagg_transfer.py."""
+
+import asyncio
+import dataclasses
+import gc
+
+import pytest
+import torch
+
+from tandem.config import EngineConfig
+from tandem.engine import kv_mapped
+from tandem.engine.core import EngineCore
+from tandem.engine.engine import Engine
+from tandem.engine.kv_mapped import MappedKV, MappedPool, PinnedKV, pool_handle
+from tandem.types import SamplingParams
+
+POOL = EngineConfig(page_size=4, num_pages=96)
+PREFILL = dataclasses.replace(POOL, role="prefill")
+SEEDED = SamplingParams(max_new_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+
+
+def prompt(n, seed=0):
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def pinned(p: Engine, ids: list[int]) -> PinnedKV:
+    first = await p.generate(ids, dataclasses.replace(SEEDED, max_new_tokens=1), export_kv_from=0,
+                             export_pinned=True)
+    assert isinstance(first.kv, PinnedKV)
+    return first
+
+
+async def import_mapped(p: Engine, d: Engine, first, ids, rid=None):
+    kv = MappedKV(MappedPool(pool_handle(p.pool), d.pool.k_cache.device), first.kv.handle, "prefill-here", "e")
+    out = await d.generate_imported(ids, SEEDED, (first.output_ids, first.output_logprobs, first.weight_versions),
+                                    kv, rid)
+    return out, kv
+
+
+def churn_after_pinning(monkeypatch, pin: bool):
+    """Export a prompt by pinning, flush the prefill engine's cache and run other prompts through it (their pages
+    reuse what is free), then import the export: its output and the decode engine's free pages after it.
+    `pin=False`: a mutant export whose pages are unpinned at once."""
+    if not pin:
+        real = kv_mapped.pin_pages
+
+        def unpinned(*args, **kwargs):
+            kv = real(*args, **kwargs)
+            kv.free(taken=True)
+            return kv
+        monkeypatch.setattr("tandem.engine.core.pin_pages", unpinned)
+
+    async def go():
+        with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d, Engine("tiny", POOL) as unified:
+            ids = prompt(22)
+            want = await unified.generate(ids, SEEDED)
+            first = await pinned(p, ids)
+            await p.flush_cache()
+            assert (await p.get_stats()).pages_free == POOL.num_pages - 6 * pin
+            for seed in range(3):  # (most of the pool: the pages freed last are handed out first)
+                await p.generate(prompt(100, seed=seed + 1), dataclasses.replace(SEEDED, max_new_tokens=1))
+            out, kv = await import_mapped(p, d, first, ids)
+            assert kv.settled.done() and kv.checksums == first.kv.checksums and len(kv.checksums) == 6
+            first.kv.free(taken=True)
+            await p.flush_cache()
+            assert (await p.get_stats()).pages_free == POOL.num_pages  # unpinned once freed (twice: once)
+            return out, want, (await d.get_stats()).pages_free
+    return asyncio.run(go())
+
+
+def test_a_pinned_export_survives_its_pages_being_freed_and_the_pool_reused(monkeypatch):
+    out, want, _ = churn_after_pinning(monkeypatch, pin=True)
+    assert (out.output_ids, out.output_logprobs, out.weight_versions) == \
+        (want.output_ids, want.output_logprobs, want.weight_versions)
+
+
+def test_the_pin_falsifier_unpinned_pages_are_reused_and_the_import_fails(monkeypatch):
+    out, _, free = churn_after_pinning(monkeypatch, pin=False)
+    assert out.finish_reason.type == "abort" and "prefill-here" in out.finish_reason.message, out.finish_reason
+    assert "arrived with another checksum" in out.finish_reason.message
+    assert free == POOL.num_pages  # the pages it wrote are free, none cached
+
+
+def test_a_page_changed_after_the_export_is_named_and_nothing_of_it_is_kept():
+    async def go():
+        with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d:
+            ids = prompt(18)
+            first = await pinned(p, ids)
+            p.pool.v_cache[1, first.kv.pages[2] * 4 + 1, 0, 5] += 1.0  # position 9: the third page
+            out, kv = await import_mapped(p, d, first, ids, "r1")
+            assert out.finish_reason.type == "abort", out.finish_reason
+            assert "page 2 (positions 8...)" in out.finish_reason.message and out.output_ids == first.output_ids
+            assert kv.settled.done() and (await d.get_stats()).pages_free == POOL.num_pages
+            assert await d.probe(ids) == 0  # nothing of it cached
+            first.kv.free(taken=True)
+    asyncio.run(go())
+
+
+def writes_while_paused(monkeypatch, gate_late: bool) -> bool:
+    """Pause the decode engine (in place), import a request by reference, read the pool, continue: whether the
+    pool changed before the continue (and the import settled only after it). `gate_late`: a mutant core that places
+    imports whatever the pause."""
+    if gate_late:
+        original = EngineCore._import_request
+
+        def late(self, cmd):
+            paused, self.paused = self.paused, None  # the gate checked too late: as if not paused yet
+            try:
+                original(self, cmd)
+            finally:
+                self.paused = paused
+        monkeypatch.setattr(EngineCore, "_import_request", late)
+
+    async def go():
+        with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d:
+            ids = prompt(22)
+            first = await pinned(p, ids)
+            await d.pause("in_place")
+            before = d.pool.k_cache.clone()
+            task = asyncio.ensure_future(import_mapped(p, d, first, ids))
+            await asyncio.sleep(0.05)  # (the task submits its import)
+            await d.get_stats()  # (which has been applied: commands run in order)
+            written = not torch.equal(d.pool.k_cache, before)
+            await d.resume()
+            out, kv = await task
+            assert len(out.output_ids) == SEEDED.max_new_tokens and not torch.equal(d.pool.k_cache, before)
+            assert kv.settled.done()
+            return written
+    return asyncio.run(go())
+
+
+def test_an_import_by_reference_arriving_while_paused_writes_nothing_until_continue(monkeypatch):
+    assert not writes_while_paused(monkeypatch, gate_late=False)
+
+
+def test_the_pause_gate_falsifier_a_late_gate_writes_a_reference_while_paused(monkeypatch):
+    assert writes_while_paused(monkeypatch, gate_late=True)
+
+
+def test_a_handle_of_another_pool_or_pages_that_do_not_fit_is_refused():
+    async def go():
+        with Engine("tiny", PREFILL) as p:
+            first = await pinned(p, prompt(10))
+            source = MappedPool(pool_handle(p.pool), "cpu")
+            with pytest.raises(ValueError, match="restarted"):
+                MappedKV(source, first.kv.handle | {"pool": "another"})
+            with pytest.raises(ValueError, match="bytes of sums for 2 pages"):
+                MappedKV(source, first.kv.handle | {"pages": first.kv.pages[:-1]})
+            with pytest.raises(ValueError, match="do not hold positions"):
+                MappedKV(source, first.kv.handle | {"end": 20})
+            with pytest.raises(ValueError, match="do not hold positions"):
+                MappedKV(source, first.kv.handle | {"pages": [0, 1, POOL.num_pages]})
+            first.kv.free(taken=True)
+        with pytest.raises(ValueError, match="not in shared memory"), Engine("tiny", POOL) as unified:
+            pool_handle(unified.pool)
+    asyncio.run(go())
+
+
+def test_a_pool_that_shared_memory_cannot_hold_is_private_and_offers_no_reference(monkeypatch):
+    """/dev/shm full (its space is reserved as the pool is made): the pool falls back to private memory, and its
+    prefill server offers bytes (and point to point), not a reference it could not honour."""
+    from tandem.server.disagg_prefill import offered
+
+    with Engine("tiny", PREFILL) as p:
+        assert p.pool.shm_path is not None and "reference" in offered(p)
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", full)
+    with Engine("tiny", PREFILL) as p:
+        assert p.pool.shm_path is None and offered(p) == ["bytes", "p2p"]
+
+
+def dropped_export_pins(monkeypatch, collected: bool) -> int:
+    """A pinned export dropped unfreed (its answer lost: the client went away): the pages still pinned once it is
+    collected and the prefill engine's cache flushed. `collected=False`: a mutant export that unpins only when
+    freed."""
+    if not collected:
+        monkeypatch.setattr(kv_mapped.weakref, "finalize", lambda obj, unpin, pages: lambda: unpin(pages))
+
+    async def go():
+        with Engine("tiny", PREFILL) as p:
+            first = await pinned(p, prompt(18))
+            del first
+            gc.collect()
+            await p.flush_cache()
+            return POOL.num_pages - (await p.get_stats()).pages_free
+    return asyncio.run(go())
+
+
+def test_an_export_dropped_unfreed_unpins_its_pages_as_it_is_collected(monkeypatch):
+    assert dropped_export_pins(monkeypatch, collected=True) == 0
+
+
+def test_the_collection_falsifier_an_export_dropped_unfreed_stays_pinned(monkeypatch):
+    assert dropped_export_pins(monkeypatch, collected=False) == 5
