@@ -5,6 +5,7 @@ timeouts; and the pipelined sender delivers exactly what the unpipelined one doe
 push and the next one."""
 
 import asyncio
+import concurrent.futures
 import copy
 import gc
 import os
@@ -314,13 +315,13 @@ def test_colocated_push_to_an_engine_that_does_not_load_fails_within_the_timeout
     model = build_model("tiny", seed=1)
     late = {}
 
-    async def stuck(named, version, pause_mode):
+    def stuck(named, version, pause_mode):
         late["handover"] = named
-        await asyncio.sleep(30)
+        return concurrent.futures.Future()  # never applied
 
     async def go():
         await placement.start(model.named_parameters(), 1)
-        placement.engine.load_paused = stuck
+        placement.engine.load_soon = stuck
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="did not load weights version 2 within timeout_s=1") as failed:
             await placement.push(model.named_parameters(), 2)

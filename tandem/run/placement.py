@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -31,7 +32,6 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
@@ -40,11 +40,12 @@ from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
 from tandem.run.engine_process import EngineProcess, freeze_heap
+from tandem.run.pending import PendingSync, SyncStats
 from tandem.transport.dist import DistSender
-from tandem.transport.inprocess import InProcessReceiver, InProcessSender
+from tandem.transport.inprocess import InProcessSender
 from tandem.transport.ipc import IpcSender
 from tandem.transport.switch import switching
-from tandem.transport.sync import SyncReply, load_received
+from tandem.transport.sync import SyncReply
 from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -52,38 +53,6 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 CurrentWeights = Callable[[], AbstractAsyncContextManager[tuple[NamedTensors, int]]]
 MONITOR_S = 1.0  # how often the monitor looks at the engine
 GROUP = "tandem-weights"
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStats:
-    """One weight sync, `sync_s` as the trainer waited for it: its own send (`sent`) and the engine's reply
-    (`reply`). `transfer_s`: the send, until the engine holds the weights (it keeps generating meanwhile), of it
-    `wait_s` until the engine started receiving, where the transport can tell; `pause_s`: generation excluded (pause,
-    load into the parameters, resume)."""
-
-    sent: TransferStats
-    reply: SyncReply
-    sync_s: float
-
-    @property
-    def transfer_s(self) -> float:
-        return self.sent.seconds
-
-    @property
-    def wait_s(self) -> float:
-        return self.sent.wait_s
-
-    @property
-    def pause_s(self) -> float:
-        return self.reply.pause_s
-
-    @property
-    def num_bytes(self) -> int:
-        return self.sent.num_bytes
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.num_bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
 
 
 class Placement(abc.ABC):
@@ -101,6 +70,14 @@ class Placement(abc.ABC):
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         """Make the engine hold `named_weights` as `version`; returns once it does. Reads the tensors only before
         it returns. Raises (naming the engine) when the transfer fails; the run cannot continue after that."""
+
+    async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
+        """`push`, returning as early as the placement allows: a placement whose engine reads the trainer's tensors
+        by reference (one GPU) returns once the load is queued to the engine, and the trainer must call the
+        result's `fence` before it writes the tensors again (see `tandem.run.pending`); the others return once
+        the engine holds the weights (a completed `PendingSync`). Raises as `push` does; a load that fails later
+        raises from `fence` and `applied`."""
+        return PendingSync.completed(await self.push(named_weights, version))
 
     @abc.abstractmethod
     def check(self) -> None:
@@ -130,16 +107,16 @@ class Colocated(Placement):
     steps then never queue behind the trainer's kernels on the default stream, and the GPU interleaves the two. A
     push hands the trainer's tensors over by reference, in this thread (no worker thread, no copy but the engine's
     own into its parameters, no checksum: nobody compares one engine's); the engine's copy waits for the trainer's
-    writes, and the trainer's next writes for the copy, on the device."""
+    writes, and the trainer's next writes for the copy, on the device. `send` returns once the load is in the
+    engine's queue (`tandem.run.pending`); `push` once the engine applied it."""
 
     def __init__(self, cfg: RunConfig):
         device = torch.device(cfg.engine.device)
         stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
-        self.receiver = InProcessReceiver(cfg.weight_sync_timeout_s)
-        self.sender = InProcessSender(self.receiver, cfg.weight_sync_timeout_s)
         self.pause_mode, self.timeout_s = cfg.rollout.pause_mode, cfg.weight_sync_timeout_s
+        self.pending: PendingSync | None = None  # the last push
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
         stats = await self.push(named_weights, version)
@@ -147,28 +124,62 @@ class Colocated(Placement):
         return stats
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
-        t0 = time.perf_counter()
-        handover = self.sender.offer(named_weights)  # ValueError on bad input: refused before the engine hears of it
-        t1 = time.perf_counter()
-        received = self.receiver.take(version, handover)
+        pending = await self.send(named_weights, version)
         try:
             with switching():  # this thread wakes when the engine's thread set the load's result: take the GIL soon
-                reply = await asyncio.wait_for(load_received(self.receiver, self.engine, received, version,
-                                                             self.pause_mode, checksum=False), self.timeout_s)
-        except TimeoutError as e:  # (a load that starts later is refused: the handover is released below)
-            raise TransportError(f"weights: the engine's thread did not load weights version {version} within "
-                                 f"timeout_s={self.timeout_s:g}", ranks=(1,)) from e
-        finally:
-            self.receiver.release()
-            handover.wait_read()  # this thread's stream, the trainer's, waits for the engine's copy
-        sent = TransferStats(version, reply.num_bytes, 1, reply.num_tensors, t1 - t0, phases={"offer": t1 - t0})
-        return SyncStats(sent, reply, time.perf_counter() - t0)
+                stats = await pending.applied()
+        except BaseException:
+            pending.abandon()  # a load that has not started reads nothing (one that failed has nothing to order)
+            if self.pending is pending:
+                self.pending = None  # (its error is raised here: the next push does not raise it again)
+            raise
+        pending.fence()  # this thread's stream, the trainer's, waits for the engine's copy
+        return SyncStats(stats.sent, stats.reply, stats.applied_s or stats.sync_s)
+
+    async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
+        """Returns once the load of the trainer's tensors (by reference) is in the engine's queue, ahead of every
+        later request; the previous push's load first (its error raised). ValueError on bad input, before the
+        engine hears of it."""
+        previous, self.pending = self.pending, None
+        if previous is not None:  # one at a time, in order (normally applied long ago); raises its error, once
+            if not previous.done():
+                await previous.applied()
+            previous.fence()
+        t0 = time.perf_counter()
+        handover = InProcessSender.offer(named_weights)  # ValueError: refused before the engine hears of it
+        num_bytes = sum(t.nbytes for t in handover.tensors.values())
+        try:
+            loaded = self.engine.load_soon(handover, version, self.pause_mode)
+        except BaseException:
+            handover.release()
+            raise
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+
+        def answer(future: concurrent.futures.Future) -> None:  # (on the engine's thread)
+            if (error := future.exception()) is not None:
+                reply.set_exception(error)
+            else:
+                applied, pause_s = future.result()
+                reply.set_result(SyncReply(applied, pause_s, pause_s, 0.0, num_bytes, 1, len(handover)))
+
+        def close(ordered: bool) -> None:
+            handover.release()  # no read starts after this (one reading finishes enqueuing first)
+            if ordered:
+                handover.wait_read()  # the caller's current stream waits for the engine's copy
+
+        loaded.add_done_callback(answer)
+        t1 = time.perf_counter()
+        sent = TransferStats(version, num_bytes, 1, len(handover), t1 - t0, phases={"offer": t1 - t0})
+        self.pending = PendingSync(version, sent, reply, close, self.timeout_s, "the engine's thread")
+        return self.pending
 
     def check(self) -> None:
         if not self.engine.is_alive():
             raise EngineError("engine thread stopped")
 
     def shutdown(self) -> None:
+        if self.pending is not None:
+            self.pending.abandon()  # a load still queued reads nothing (the engine refuses it as it stops)
         self.engine.shutdown()
         gc.unfreeze()  # (what `start` froze may go again)
 
