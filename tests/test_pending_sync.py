@@ -197,6 +197,46 @@ def test_a_load_queued_at_shutdown_reads_nothing_and_its_fence_raises(monkeypatc
         pending.fence()
 
 
+def test_shared_send_returns_before_the_load_and_the_fenced_write_never_reaches_it():
+    """The engine in its own process, the weights by reference (shared memory here, CUDA IPC on a GPU): the push
+    returns once posted; the trainer's write right after its fence leaves the engine with exactly what was pushed
+    (it generates as a fresh engine on those weights does); the engine's version is the reply's."""
+    from tandem.engine.engine import Engine
+
+    placement = place(RunConfig.load(None, ["placement=separate", "weight_transport=ipc", "weight_sync_timeout_s=30"]))
+    trainer = build_model("tiny", seed=2)
+    pushed = build_model("tiny", seed=2)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    prompts = [[3 + i, 17, 9] for i in range(3)]
+
+    async def go():
+        await placement.start(build_model("tiny", seed=1).named_parameters(), 1)
+        pending = await placement.send(trainer.named_parameters(), 2)
+
+        def write():
+            pending.fence()
+            with torch.no_grad():
+                torch._foreach_add_(list(trainer.parameters()), 1.0)
+
+        await asyncio.wrap_future(in_thread(write))
+        stats = await pending.applied()
+        outs = [await placement.engine.generate(p, greedy) for p in prompts]
+        await placement.disconnect()
+        return stats, outs
+
+    try:
+        stats, outs = asyncio.run(go())
+        version = placement.engine.weight_version
+    finally:
+        placement.shutdown()
+    assert stats.reply.weight_version == version == 2 and stats.sync_s < stats.applied_s
+    with Engine(pushed) as fresh:
+        for p, out in zip(prompts, outs, strict=True):
+            ref = asyncio.run(fresh.generate(p, greedy))
+            assert ref.output_ids == out.output_ids and out.weight_versions == [2] * 8
+            assert torch.allclose(torch.tensor(ref.output_logprobs), torch.tensor(out.output_logprobs), atol=1e-4)
+
+
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_the_trainer_calls_its_hook_before_it_writes_the_weights_it_hands_out(param_dtype):
     """With the weights the engine reads unchanged at the hook (the optimizer writes them when they are the

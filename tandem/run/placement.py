@@ -195,6 +195,8 @@ class Separate(Placement):
         self.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self.sender: WeightSender | None = None
         self.ipc = cfg.resolved_weight_transport == "ipc"
+        self.pending: PendingSync | None = None  # (ipc) the last push
+        self._loads = concurrent.futures.ThreadPoolExecutor(1, "tandem-ipc-load") if self.ipc else None
         self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_start_timeout_s, cfg.engine_dtype,
                                      ipc_timeout_s=cfg.weight_sync_timeout_s if self.ipc else None)
         try:
@@ -221,20 +223,65 @@ class Separate(Placement):
         return await self.push(named_weights, version)
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        if self.ipc:
+            pending = await self.send(named_weights, version)
+            try:
+                stats = await pending.applied()
+            except BaseException:
+                if self.pending is pending:
+                    self.pending = None  # (its error is raised here: the next push does not raise it again)
+                pending.abandon()
+                raise
+            pending.fence()  # this thread's stream waits for the engine's reads
+            return SyncStats(stats.sent, stats.reply, stats.applied_s or stats.sync_s)
         t0 = time.perf_counter()
         sent = asyncio.to_thread(self.sender.send, named_weights, version)
         sent, reply = await self._both(sent, self._receive_and_load(version), f"weight sync of version {version}")
         return SyncStats(sent, reply, time.perf_counter() - t0)
 
-    async def _receive_and_load(self, version: int) -> SyncReply:
-        """Have the engine receive the transfer and load it: over HTTP for a group, through its process's pipe for
-        ipc (then the client's `weight_version` is set here, as the group route's reply sets it)."""
-        mode = self.cfg.rollout.pause_mode
+    async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
+        """ipc: returns once the transfer is posted and the engine's process asked to load it (the engine applies
+        it at its next step boundary; `tandem.run.pending`); the previous push's load first (its error raised).
+        ValueError on bad input, once the engine's process heard of the abort. A group: as `push`."""
         if not self.ipc:
-            return await self.engine.update_weights_from_distributed(GROUP, version, mode)
-        reply = await asyncio.to_thread(self.process.update_weights, version, mode, self.cfg.weight_sync_timeout_s)
-        self.engine.weight_version = reply.weight_version
+            return await super().send(named_weights, version)
+        previous, self.pending = self.pending, None
+        if previous is not None:  # one at a time, in order (normally applied long ago); raises its error, once
+            if not previous.done():
+                await previous.applied()
+            previous.fence()
+        timeout_s, sender = self.cfg.weight_sync_timeout_s, self.sender
+        t0 = time.perf_counter()
+        reply = self._loads.submit(self._load, version)  # first: its receive takes an aborted transfer too
+        try:
+            posted = sender.post(named_weights, version)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # (the engine's process refuses the aborted transfer)
+                await asyncio.wrap_future(reply)
+            raise
+
+        def close(ordered: bool) -> None:
+            failed = reply.exception() if reply.done() else None
+            if not ordered or not reply.done() or (failed is not None and not isinstance(failed, ValueError)):
+                sender.abandon(f"the transfer of weights version {version} was abandoned unacknowledged")
+            else:  # (the engine's process held and released it, whether it loaded it or refused it)
+                sender.settle(posted)  # this thread's stream waits for the engine's reads
+
+        sent = TransferStats(version, posted.num_bytes, 1, posted.num_tensors, time.perf_counter() - t0,
+                             phases={"post": posted.t1 - posted.t0})
+        # (the load's own wait is bounded by timeout_s and names the engine's process: this bound is a backstop)
+        self.pending = PendingSync(version, sent, reply, close, 2 * timeout_s, str(self.process))
+        return self.pending
+
+    def _load(self, version: int) -> SyncReply:
+        """(ipc, in a worker thread) The engine's process receives the posted transfer and loads it."""
+        reply = self.process.update_weights(version, self.cfg.rollout.pause_mode, self.cfg.weight_sync_timeout_s)
+        self.engine.weight_version = reply.weight_version  # (as the group route's reply sets it)
         return reply
+
+    async def _receive_and_load(self, version: int) -> SyncReply:
+        """(A group) Have the engine receive the transfer over HTTP and load it."""
+        return await self.engine.update_weights_from_distributed(GROUP, version, self.cfg.rollout.pause_mode)
 
     async def _both(self, trainer_side, engine_side, what: str) -> list:
         """Await both sides of one step (each bounded by its timeout). If either fails, raise one TransportError
@@ -269,9 +316,13 @@ class Separate(Placement):
         await self.engine.aclose()
 
     def shutdown(self) -> None:
+        if self.pending is not None:
+            self.pending.abandon()
         if self.sender is not None:
             self.sender.close()
         self.process.stop()
+        if self._loads is not None:
+            self._loads.shutdown(wait=False)
         gc.unfreeze()
 
 
