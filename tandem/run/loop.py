@@ -35,6 +35,7 @@ from tandem.run.export import export_trainer
 from tandem.run.pending import PendingSync
 from tandem.run.placement import place
 from tandem.trainer.trainer import Trainer
+from tandem.transport.switch import switching
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,8 @@ class Run:
         manager (the staleness bound counts a version from then on), record the step, checkpoint and export."""
         cfg = self.cfg
         try:
-            sync = await pending.applied()
+            with switching():  # this thread wakes when the engine set the load's result: take the GIL soon
+                sync = await pending.applied()
             self.manager.notify_version()
             stats = await self.engine.get_stats()
         except BaseException as e:  # the step was trained (a resume pushes its weights): record it
