@@ -16,7 +16,9 @@ Every sync is the same two sides run together: the trainer's `WeightSender.send`
 `receive_and_load` (its receiver's `receive`, the load, `release`), which replies with a `SyncReply`. What excludes
 generation is only the load: the engine receives the new weights while it keeps generating (into a staging copy, or
 by reference: nothing to receive), then pauses (the run's pause mode), copies them into its parameters, and
-resumes. `SyncStats` measures the transfer and that pause separately.
+resumes. `SyncStats` measures the transfer and that pause separately. On one GPU (colocated, ipc) the run does
+not wait for the load at all: `send` returns once it is queued to the engine, and the trainer's next write into its
+weights fences on the engine's reads (`tandem.run.pending`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,37 @@ class Placement(abc.ABC):
         raises from `fence` and `applied`."""
         return PendingSync.completed(await self.push(named_weights, version))
 
+    pending: PendingSync | None = None  # (a placement whose `send` returns early) its last push
+
+    async def _after_previous(self) -> None:
+        """Before an early-returning `send`: the previous push's load first (normally applied long ago), fenced, so
+        that pushes apply one at a time and in order; raises its error (once: it is forgotten here)."""
+        previous, self.pending = self.pending, None
+        if previous is None:
+            return
+        try:
+            if not previous.done():
+                await previous.applied()
+        except BaseException:
+            previous.abandon()
+            raise
+        previous.fence()
+
+    async def _push_by_send(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        """`push` as `send`, then the wait for the engine's load, then the fence (this thread's stream waits for the
+        engine's reads). A push that fails is abandoned: a load not yet reading reads nothing."""
+        pending = await self.send(named_weights, version)
+        try:
+            with switching():  # this thread wakes when the engine's side set the load's result: take the GIL soon
+                stats = await pending.applied()
+        except BaseException:
+            pending.abandon()
+            if self.pending is pending:
+                self.pending = None  # (its error is raised here: the next push does not raise it again)
+            raise
+        pending.fence()
+        return SyncStats(stats.sent, stats.reply, stats.applied_s or stats.sync_s)
+
     @abc.abstractmethod
     def check(self) -> None:
         """Raise if the engine is gone (its thread or process ended)."""
@@ -116,7 +149,6 @@ class Colocated(Placement):
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
         self.pause_mode, self.timeout_s = cfg.rollout.pause_mode, cfg.weight_sync_timeout_s
-        self.pending: PendingSync | None = None  # the last push
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
         stats = await self.push(named_weights, version)
@@ -124,27 +156,13 @@ class Colocated(Placement):
         return stats
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
-        pending = await self.send(named_weights, version)
-        try:
-            with switching():  # this thread wakes when the engine's thread set the load's result: take the GIL soon
-                stats = await pending.applied()
-        except BaseException:
-            pending.abandon()  # a load that has not started reads nothing (one that failed has nothing to order)
-            if self.pending is pending:
-                self.pending = None  # (its error is raised here: the next push does not raise it again)
-            raise
-        pending.fence()  # this thread's stream, the trainer's, waits for the engine's copy
-        return SyncStats(stats.sent, stats.reply, stats.applied_s or stats.sync_s)
+        return await self._push_by_send(named_weights, version)
 
     async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
         """Returns once the load of the trainer's tensors (by reference) is in the engine's queue, ahead of every
         later request; the previous push's load first (its error raised). ValueError on bad input, before the
         engine hears of it."""
-        previous, self.pending = self.pending, None
-        if previous is not None:  # one at a time, in order (normally applied long ago); raises its error, once
-            if not previous.done():
-                await previous.applied()
-            previous.fence()
+        await self._after_previous()
         t0 = time.perf_counter()
         handover = InProcessSender.offer(named_weights)  # ValueError: refused before the engine hears of it
         num_bytes = sum(t.nbytes for t in handover.tensors.values())
@@ -195,7 +213,6 @@ class Separate(Placement):
         self.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self.sender: WeightSender | None = None
         self.ipc = cfg.resolved_weight_transport == "ipc"
-        self.pending: PendingSync | None = None  # (ipc) the last push
         self._loads = concurrent.futures.ThreadPoolExecutor(1, "tandem-ipc-load") if self.ipc else None
         self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_start_timeout_s, cfg.engine_dtype,
                                      ipc_timeout_s=cfg.weight_sync_timeout_s if self.ipc else None)
@@ -224,16 +241,7 @@ class Separate(Placement):
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         if self.ipc:
-            pending = await self.send(named_weights, version)
-            try:
-                stats = await pending.applied()
-            except BaseException:
-                if self.pending is pending:
-                    self.pending = None  # (its error is raised here: the next push does not raise it again)
-                pending.abandon()
-                raise
-            pending.fence()  # this thread's stream waits for the engine's reads
-            return SyncStats(stats.sent, stats.reply, stats.applied_s or stats.sync_s)
+            return await self._push_by_send(named_weights, version)
         t0 = time.perf_counter()
         sent = asyncio.to_thread(self.sender.send, named_weights, version)
         sent, reply = await self._both(sent, self._receive_and_load(version), f"weight sync of version {version}")
@@ -245,11 +253,7 @@ class Separate(Placement):
         ValueError on bad input, once the engine's process heard of the abort. A group: as `push`."""
         if not self.ipc:
             return await super().send(named_weights, version)
-        previous, self.pending = self.pending, None
-        if previous is not None:  # one at a time, in order (normally applied long ago); raises its error, once
-            if not previous.done():
-                await previous.applied()
-            previous.fence()
+        await self._after_previous()
         timeout_s, sender = self.cfg.weight_sync_timeout_s, self.sender
         t0 = time.perf_counter()
         reply = self._loads.submit(self._load, version)  # first: its receive takes an aborted transfer too
