@@ -237,6 +237,26 @@ def test_shared_send_returns_before_the_load_and_the_fenced_write_never_reaches_
             assert torch.allclose(torch.tensor(ref.output_logprobs), torch.tensor(out.output_logprobs), atol=1e-4)
 
 
+def test_a_fence_whose_closing_fails_raises_now_and_at_every_later_fence_and_abandon_never_raises():
+    """(A missing acknowledgement, say.) Without the error kept, a second fence would return as if ordered."""
+    from tandem.run.pending import PendingSync
+    from tandem.transport.weights import TransferStats
+
+    def failing(ordered):
+        raise TransportError("no acknowledgement")
+
+    applied = concurrent.futures.Future()
+    applied.set_result(None)
+    fenced = PendingSync(1, TransferStats(1, 0, 1, 0, 0.0), applied, failing, 1.0)
+    for _ in range(2):
+        with pytest.raises(TransportError, match="no acknowledgement"):
+            fenced.fence()
+    abandoned = PendingSync(1, TransferStats(1, 0, 1, 0, 0.0), applied, failing, 1.0)
+    abandoned.abandon()
+    with pytest.raises(TransportError, match="no acknowledgement"):
+        abandoned.fence()
+
+
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
 def test_the_trainer_calls_its_hook_before_it_writes_the_weights_it_hands_out(param_dtype):
     """With the weights the engine reads unchanged at the hook (the optimizer writes them when they are the

@@ -72,8 +72,9 @@ class PendingSync:
     engine in errors."""
 
     def __init__(self, version: int, sent: TransferStats, reply: concurrent.futures.Future,
-                 close: Callable[[bool], None], timeout_s: float, what: str = "the engine"):
-        self.version, self.sent, self.reply = version, sent, reply
+                 close: Callable[[bool], None], timeout_s: float, what: str = "the engine",
+                 stats: SyncStats | None = None):
+        self.version, self.sent, self.reply, self._stats = version, sent, reply, stats
         self.timeout_s, self.what = timeout_s, what
         self._close = close
         self._lock = threading.Lock()
@@ -88,11 +89,7 @@ class PendingSync:
         """A push that returned only once the engine held the weights: nothing left to wait for or to order."""
         reply: concurrent.futures.Future = concurrent.futures.Future()
         reply.set_result(stats.reply)
-        pending = cls(stats.reply.weight_version, stats.sent, reply, lambda _: None, 1.0)
-        pending._stats = stats
-        return pending
-
-    _stats: SyncStats | None = None
+        return cls(stats.reply.weight_version, stats.sent, reply, lambda _: None, 1.0, stats=stats)
 
     def _mark_applied(self, _future) -> None:
         self._applied_s = time.perf_counter() - self._t0
@@ -122,32 +119,38 @@ class PendingSync:
         once, or raise the same error."""
         with self._lock:
             if not self._closed:
+                self._closed = True
                 try:
                     self.reply.result(self.timeout_s)
                 except concurrent.futures.TimeoutError:
                     self._error = self._late()
                 except BaseException as e:  # the load's own error (the engine refused the weights, or stopped)
                     self._error = e
-                finally:
-                    self._closed = True
+                try:
                     self._close(True)
+                except BaseException as e:  # (closing failed: an acknowledgement missing) raised now and later
+                    self._error = self._error or e
         if self._error is not None:
             raise self._error
 
     def abandon(self) -> None:
-        """Close the transfer without waiting (shutdown, a timed out push): a load that has not started reading
-        is refused; one reading finishes enqueuing first. The caller's stream is not ordered after the reads:
-        the tensors must not be written on the device before they ran (`fence` orders them)."""
+        """Close the transfer without waiting (shutdown, a failed or timed out push): a load that has not started
+        reading is refused (in this process; another process's is not, but the transport refuses further
+        transfers); one reading finishes enqueuing first. A load still pending is not waited for on the device
+        either: later `fence` calls raise. Never raises."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            if self.reply.done():  # (applied or failed: nothing left to refuse, and ordering costs nothing)
-                self._error = self.reply.exception()
-                self._close(True)
-            else:
-                self._error = self._late()
-                self._close(False)
+            try:
+                if self.reply.done():  # (applied or failed: nothing left to refuse, and ordering costs nothing)
+                    self._error = self.reply.exception()
+                    self._close(True)
+                else:
+                    self._error = self._late()
+                    self._close(False)
+            except BaseException as e:
+                self._error = self._error or e
 
     def _late(self) -> TransportError:
         return TransportError(f"weights: {self.what} did not load weights version {self.version} within "
