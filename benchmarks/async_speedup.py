@@ -30,12 +30,13 @@ loop, while the device may still run the step in flight), the engine's steps (wh
 decode, the commands that made the engine wait for its step in flight, requests running and waiting per step), the
 episodes in flight on average (admitted, not ended: those not in the engine are between turns), the weight sync per
 update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause ms; the handover as the one-GPU
-target reads it: the trainer's wait median and longest, the pause median and longest), how often the engine's loop
-was held past 200 ms by one step or command (colocated, from its log; the reports follow the table), staleness
-(mean, max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and last
-quarter of the steps. With `separate`, also a plain broadcast of one update's bytes between the same two devices
-with the same backend, measured in the same run: what the sync could reach; on one GPU, one device-to-device copy of
-the same tensors. `--out`: every row's figures as JSON, written after each placement.
+target reads it: the trainer's wait median and longest, the pause median and longest, and when the engine had
+applied the update, from the push's start: on one GPU the push returns once the load is queued), how often the
+engine's loop was held past 200 ms by one step or command (colocated, from its log; the reports follow the table),
+staleness (mean, max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and
+last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes between the same two
+devices with the same backend, measured in the same run: what the sync could reach; on one GPU, one
+device-to-device copy of the same tensors. `--out`: every row's figures as JSON, written after each row.
 """
 
 from __future__ import annotations
@@ -145,7 +146,12 @@ def measure(overrides: list[str], warmup: int) -> dict:
         **{k: (last[f"engine_{k}"] - first[f"engine_{k}"]) / steps for k in ENGINE_STEP_COUNTERS},
         "transfer_ms": 1e3 * statistics.mean(h["transfer_s"] for h in steady),
         "transfer_wait_ms": 1e3 * statistics.mean(h["transfer_wait_s"] for h in steady),
-        "sync_ms": 1e3 * statistics.mean(h["sync_s"] for h in steady),  # the trainer's wait: transfer, load, reply
+        # the trainer's wait for its push: on one GPU until the load is queued to the engine (`tandem.run.pending`),
+        # elsewhere the transfer, the load and the reply
+        "sync_ms": 1e3 * statistics.mean(h["sync_s"] for h in steady),
+        # from the push's start until the engine had applied it (= the trainer's wait where it waits for that)
+        "applied_median_ms": 1e3 * statistics.median(applied(h) for h in steady),
+        "applied_max_ms": 1e3 * max(applied(h) for h in steady),
         "sync_max_ms": 1e3 * max(h["sync_s"] for h in steady),
         "sync_gb_s": statistics.mean(h["sync_gb_per_s"] for h in steady), "sync_bytes": last["sync_bytes"],
         "pause_ms": 1e3 * statistics.mean(h["pause_s"] for h in steady),
@@ -170,6 +176,11 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "reward_first": statistics.mean(h["reward_mean"] for h in history[:quarter]),
         "reward_last": statistics.mean(h["reward_mean"] for h in history[-quarter:]),
     }
+
+
+def applied(record: dict) -> float:
+    """Seconds from a step's push until the engine had applied its weights."""
+    return record["applied_s"] if record.get("applied_s") is not None else record["sync_s"]
 
 
 def distribution(counts: list[list[int]]) -> str:
@@ -278,8 +289,14 @@ def main() -> None:
                         help="default: the config's engine.prefix_cache_max_age")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of rates and fractions")
     parser.add_argument("--out", default=None, help="also write every row's figures here (JSON)")
+    parser.add_argument("--switch-interval-ms", type=float, default=None,
+                        help="the interpreter's thread switch interval for the whole run (default: Python's, 5 ms): "
+                             "colocated, the engine's thread waits up to it for the GIL at each wake-up while the "
+                             "trainer's thread runs Python")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.switch_interval_ms is not None:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup: must be in [0, --steps), got {args.warmup}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -288,16 +305,21 @@ def main() -> None:
     print(f"## async speedup ({datetime.date.today()}, {device}, Python {platform.python_version()}, "
           f"torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
-    report = {"command": " ".join(sys.argv), "device": device, "torch": torch.__version__, "placements": {}}
-    for placement in args.placement:
-        report["placements"][placement] = run_placement(args, placement)
-        if args.out:  # after each placement: a later one that fails leaves the earlier ones' figures
+    report = {"command": " ".join(sys.argv), "device": device, "torch": torch.__version__,
+              "switch_interval_ms": 1e3 * sys.getswitchinterval(), "placements": {}}
+    def save(placement: str, figures: dict) -> None:
+        report["placements"][placement] = figures
+        if args.out:  # after each row: a later one that fails (or a time limit) leaves the earlier ones' figures
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
 
+    for placement in args.placement:
+        save(placement, run_placement(args, placement, save))
 
-def run_placement(args, placement: str) -> dict:
-    """Sync, then every async variant, on one placement; prints its table. Returns its rows' figures."""
+
+def run_placement(args, placement: str, save=lambda placement, figures: None) -> dict:
+    """Sync, then every async variant, on one placement; prints its table. Returns its rows' figures; `save` gets
+    them so far after each row."""
     out = tempfile.mkdtemp(prefix="tandem-bench-")
     trainer_device, engine_device = devices_for(placement)
     chosen = ["placement=separate", "weight_transport=ipc"] if placement == "shared" else [f"placement={placement}"]
@@ -323,7 +345,8 @@ def run_placement(args, placement: str) -> dict:
           "episodes in flight | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update (longest) | "
-          "pause ms / update | handover ms: trainer waits median (longest), pause median (longest) | "
+          "pause ms / update | handover ms: trainer waits median (longest), pause median (longest), "
+          "applied after median (longest) | "
           "engine loop held > 200 ms: times (longest ms) | staleness mean / max | "
           "tokens at staleness 0 / 1 / ... (%) | cache hit | reuse vs ideal | reward first -> last quarter |")
     print("|---" * 27 + "|", flush=True)
@@ -338,6 +361,7 @@ def run_placement(args, placement: str) -> dict:
         kept = f", KV kept {age} update{'s' * (age > 1)}" if age else ""
         rows.append((f"async, max_staleness={s}, {mode}, {order} order{kept}" if s else "sync", r))
         r["speedup"] = r["tok_s"] / rows[0][1]["tok_s"]
+        save(placement, {"rows": dict(rows), "partial": True})
         print(f"measured {rows[-1][0]} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         slow = f"{r['slow_iterations']} ({r['slowest_iteration_ms']:.0f})" if placement == "colocated" else "-"
         print(f"| {rows[-1][0]} | {r['wall_s']:.1f} | {r['tokens']:.0f} | {r['us_per_token']:.0f} | "
@@ -351,7 +375,8 @@ def run_placement(args, placement: str) -> dict:
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | "
               f"{r['sync_ms']:.1f} ({r['sync_max_ms']:.1f}) | {r['pause_ms']:.1f} | "
               f"{r['handover_ms']:.2f} ({r['sync_max_ms']:.2f}), "
-              f"{r['pause_median_ms']:.2f} ({r['pause_max_ms']:.2f}) | "
+              f"{r['pause_median_ms']:.2f} ({r['pause_max_ms']:.2f}), "
+              f"{r['applied_median_ms']:.2f} ({r['applied_max_ms']:.2f}) | "
               f"{slow} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
               f"{r['stale_dist']} | "
               f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",

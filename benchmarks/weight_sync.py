@@ -17,10 +17,11 @@ the engine's HTTP call, and where the trainer's side went (the hello; gathering 
 metadata; starting their data; waiting for a bucket's data before its memory is reused; the last buckets' data; the
 engines' confirmation), the same transfer as the engine's receiver timed it (its hello to its last bucket) and where
 that went (the hello; waiting for each bucket's metadata; allocating and starting each bucket; waiting for the data
-to land; the acknowledgement), the pause (generation excluded), the sync as the trainer waited for it, and the rest
-of that wait (the sync less the transfer and the pause: the engine's thread hops and its HTTP reply; in brackets, of
-it the load's wait for the engine's thread to take it). Then, per placement, the trainer's wait and the pause:
-median and longest. `--out`: the figures as JSON.
+to land; the acknowledgement), the pause (generation excluded), what the trainer waited for (the push: on one GPU
+until the load is queued to the engine, elsewhere until the engine holds the weights; and the fence its next write
+into the weights waits for, 50 ms later as a step would be, see `tandem.run.pending`), when the engine had applied
+it (from the push's start), and the engine's gap (from the load's start to the launch of its first step on the new
+weights; shared: reported by the next load). Then, per placement, medians and longest. `--out`: the figures as JSON.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import random
 import statistics
 import sys
+import time
 
 import torch
 from async_speedup import _broadcast_worker, device_copy_ms, devices_for, two_process_gb_s, weight_shapes
@@ -41,7 +43,9 @@ from tandem.run.placement import place
 from tandem.types import SamplingParams
 
 
-async def syncs(cfg: RunConfig, named: list, reps: int, busy: int) -> list:
+async def syncs(cfg: RunConfig, named: list, reps: int, busy: int) -> tuple[list, int]:
+    """`reps` pushes as a run makes them (`Placement.send`, then the trainer's fence before its next write, 50 ms
+    later), the first one after start left out; per push: its stats, the fence's wait, the engine's gap."""
     placement = place(cfg)
     try:
         await placement.start(named, 0)
@@ -51,16 +55,26 @@ async def syncs(cfg: RunConfig, named: list, reps: int, busy: int) -> list:
         load = [asyncio.create_task(placement.engine.generate([rng.randrange(vocab) for _ in range(64)], sampling))
                 for _ in range(busy)]
         await asyncio.sleep(1.0 if busy else 0)  # the requests are decoding
-        stats = []
+        out = []
+        core = getattr(placement.engine, "core", None)  # (colocated: the engine's own figures)
         for version in range(1, reps + 2):  # the first push after start pays for first launches: left out
-            stats.append(await placement.push(named, version))
-            await asyncio.sleep(0.05)  # the engine generates between updates, as in a run
+            pending = await placement.send(named, version)
+            stats = await pending.applied()
+            await asyncio.sleep(0.05)  # the engine generates meanwhile, as it does while the trainer trains
+            t0 = time.perf_counter()
+            pending.fence()  # the trainer's next write into its weights waits for the engine's reads
+            fence_s = time.perf_counter() - t0
+            gap_s = core.load_gap_s if core is not None else None
+            out.append((stats, fence_s, gap_s))
+        if core is None:  # (shared) each reply carries the gap of the load before it
+            gaps = [s.reply.receive_phases.get("previous_load_gap") for s, _, _ in out[1:]] + [None]
+            out = [(s, f, g) for (s, f, _), g in zip(out, gaps, strict=True)]
         running = (await placement.engine.get_stats()).num_running
         for task in load:
             task.cancel()
         await asyncio.gather(*load, return_exceptions=True)
         await placement.disconnect()
-        return stats[1:], running
+        return out[1:], running
     finally:
         placement.shutdown()
 
@@ -112,30 +126,41 @@ def measure(args, placement: str, shapes: list, num_bytes: int) -> dict:
         plain_ms = device_copy_ms(shapes, engine_device) if cuda else None
     torch.manual_seed(0)
     named = [(name, torch.randn(shape, device=trainer_device, dtype=dtype) * 0.02) for name, shape, _ in shapes]
-    stats, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
+    results, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
     del named
     if cuda:
         torch.cuda.empty_cache()
     print("| sync | transfer ms (waiting for the engine) | of it, by phase ms | the engine's receive ms | "
-          "of it, by phase ms | GB/s | pause ms | sync ms | rest ms (of it: the load's wait for the engine's "
-          "thread) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for i, s in enumerate(stats, 1):
-        sent, received = (", ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items()) or "-"
-                          for phases in (s.sent.phases, s.reply.receive_phases))
+          "of it, by phase ms | GB/s | pause ms | trainer waits ms: push + fence | applied ms | engine gap ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    waits, pauses, applied, gaps = [], [], [], []
+    for i, (s, fence_s, gap_s) in enumerate(results, 1):
+        sent, received = (", ".join(f"{k} {1e3 * v:.1f}" for k, v in phases.items() if k != "previous_load_gap")
+                          or "-" for phases in (s.sent.phases, s.reply.receive_phases))
+        waits.append(1e3 * (s.sync_s + fence_s))
+        pauses.append(1e3 * s.pause_s)
+        applied.append(1e3 * (s.applied_s if s.applied_s is not None else s.sync_s))
+        gaps.append(None if gap_s is None else 1e3 * gap_s)
         print(f"| {i} | {1e3 * s.transfer_s:.1f} ({1e3 * s.wait_s:.1f}) | {sent} | {1e3 * s.reply.transfer_s:.1f} | "
-              f"{received} | {s.gb_per_s:.3g} | {1e3 * s.pause_s:.2f} | {1e3 * s.sync_s:.2f} | "
-              f"{1e3 * (s.sync_s - s.transfer_s - s.pause_s):.1f} ({1e3 * (s.reply.load_s - s.pause_s):.1f}) |")
-    waits, pauses = [1e3 * s.sync_s for s in stats], [1e3 * s.pause_s for s in stats]
-    median = statistics.median(s.transfer_s for s in stats)
-    print(f"\nthe trainer waits {statistics.median(waits):.2f} ms per update (median; longest {max(waits):.2f}), the "
-          f"engine pauses {statistics.median(pauses):.2f} ms (longest {max(pauses):.2f}); median transfer "
-          f"{1e3 * median:.2f} ms. Requests still running after the syncs: {running} of {args.busy}")
+              f"{received} | {s.gb_per_s:.3g} | {1e3 * s.pause_s:.2f} | {1e3 * s.sync_s:.2f} + {1e3 * fence_s:.2f} | "
+              f"{applied[-1]:.2f} | {'-' if gap_s is None else f'{1e3 * gap_s:.2f}'} |")
+    known = [g for g in gaps if g is not None]
+    gap_text = f"{statistics.median(known):.2f} ms (longest {max(known):.2f})" if known else "not measured"
+    print(f"\nthe trainer waits {statistics.median(waits):.2f} ms per update (median; longest {max(waits):.2f}: the "
+          f"push, until the load is queued to the engine, and the fence before its next write); the engine applies "
+          f"it {statistics.median(applied):.2f} ms after the push started (median; longest {max(applied):.2f}); it "
+          f"pauses {statistics.median(pauses):.2f} ms (longest {max(pauses):.2f}); its gap from the load's start to "
+          f"its first step on the new weights: {gap_text}. Requests still running after the syncs: {running} of "
+          f"{args.busy}")
     if plain_ms is not None:
         what = f"one plain {backend} broadcast" if placement == "separate" else "one device-to-device copy"
         print(f"{what} of the same bytes in this run: {plain_ms:.2f} ms")
-    return {"trainer_wait_ms": waits, "pause_ms": pauses, "transfer_ms": [1e3 * s.transfer_s for s in stats],
+    return {"pause_mode": cfg.rollout.pause_mode, "trainer_wait_ms": waits, "pause_ms": pauses,
+            "applied_ms": applied, "engine_gap_ms": gaps,
+            "transfer_ms": [1e3 * s.transfer_s for s, _, _ in results],
             "trainer_wait_median_ms": statistics.median(waits), "trainer_wait_max_ms": max(waits),
+            "applied_median_ms": statistics.median(applied),
+            "engine_gap_median_ms": statistics.median(known) if known else None,
             "pause_median_ms": statistics.median(pauses), "pause_max_ms": max(pauses), "plain_ms": plain_ms,
             "running_after": running}
 

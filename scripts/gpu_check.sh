@@ -3,6 +3,7 @@
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
+#                        [handover2] [async1gpu]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -89,6 +90,13 @@ for part in $parts; do
                    --busy 64 --reps 8 --out "$OUT/handover.json" &&
                   timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement colocated --steps 10 --warmup 2 --staleness 2 \
+                   --pause-modes in_place --out "$OUT/async1gpu.json" ;;
+        handover2) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_pending_sync.py \
+                   tests/test_placement.py tests/test_transport_handover.py &&
+                   timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
+                   --busy 64 --reps 8 --out "$OUT/handover.json" rollout.pause_mode=in_place ;;
+        async1gpu) timeout 580 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement colocated shared --steps 8 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
         tier_sweep) timeout 590 python3 benchmarks/host_tier.py --sweep --points 0,1 --out "$OUT/sweep_a.json" ;;
         pd_transfer) timeout 120 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \

@@ -5,6 +5,7 @@ timeouts; and the pipelined sender delivers exactly what the unpipelined one doe
 push and the next one."""
 
 import asyncio
+import concurrent.futures
 import copy
 import gc
 import os
@@ -78,8 +79,9 @@ def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_pa
     # the engine's own version (from its stats, over HTTP) follows the trainer's after every step
     assert [(h["step"], h["version"]) for h in history] == [(s, s) for s in range(1, 5)]
     num_bytes = sum(p.numel() * p.element_size() for p in run.trainer.model.parameters())
-    for h in history:
-        assert h["sync_bytes"] == num_bytes and 0 < h["transfer_s"] < h["sync_s"] and 0 < h["pause_s"] < h["sync_s"]
+    for h in history:  # (ipc: the trainer waits only for the post; `applied_s` until the engine's reply)
+        assert h["sync_bytes"] == num_bytes and 0 < h["transfer_s"] <= h["sync_s"] and h["pause_s"] > 0
+        assert h["pause_s"] < (h["applied_s"] if "ipc" in transport else h["sync_s"])
 
     # every sampled token's behaviour logprob is the trainer's logprob under the weights of the token's version
     # (pause mode retract: no token attends to KV of older weights), so the weights crossed exactly
@@ -267,7 +269,7 @@ def test_ipc_handoff_of_bad_weights_is_an_error_naming_them_and_the_engine_keeps
     async def go():
         await placement.start(model.named_parameters(), 1)
         bad = [(n, p[:-1] if n == "model.norm.weight" else p) for n, p in model.named_parameters()]
-        with pytest.raises(TransportError, match=r"refused weights version 2: ValueError: .*model\.norm\.weight"):
+        with pytest.raises(ValueError, match=r"refused weights version 2: ValueError: .*model\.norm\.weight"):
             await placement.push(bad, 2)
         stats = await placement.engine.get_stats()
         out = await placement.engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
@@ -314,13 +316,13 @@ def test_colocated_push_to_an_engine_that_does_not_load_fails_within_the_timeout
     model = build_model("tiny", seed=1)
     late = {}
 
-    async def stuck(named, version, pause_mode):
+    def stuck(named, version, pause_mode):
         late["handover"] = named
-        await asyncio.sleep(30)
+        return concurrent.futures.Future()  # never applied
 
     async def go():
         await placement.start(model.named_parameters(), 1)
-        placement.engine.load_paused = stuck
+        placement.engine.load_soon = stuck
         t0 = time.monotonic()
         with pytest.raises(TransportError, match="did not load weights version 2 within timeout_s=1") as failed:
             await placement.push(model.named_parameters(), 2)

@@ -125,6 +125,9 @@ class EngineCore(DecodeImports):
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         self.fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
         self._cache_age = 0  # weight updates since the prefix cache was last emptied
+        # host seconds from the last weight load's start to the launch of the first step on its weights
+        self.load_gap_s: float | None = None
+        self._load_started: float | None = None
         self._requests: dict[str, Request] = {}
         self._finished: list[GenerateOutput] = []
         self._rng = random.Random(config.seed)
@@ -313,6 +316,7 @@ class EngineCore(DecodeImports):
             self._pause(mode)
         try:
             self._update_weights(cmd.named, cmd.version)
+            self._load_started = t0
         finally:
             if pausing:
                 self.paused = None
@@ -363,6 +367,8 @@ class EngineCore(DecodeImports):
             self._drain()
             return
         t1 = time.perf_counter()
+        if self._load_started is not None:
+            self.load_gap_s, self._load_started = t1 - self._load_started, None
         try:
             launched = self.runner.launch(chunks, self._inflight)
         except StepInputError as e:

@@ -176,6 +176,16 @@ class Engine:
         _, seconds = await self._call(commands.LoadWeights(as_mapping(named_tensors), version, pause_mode))
         return seconds
 
+    def load_soon(self, named_tensors: NamedWeights, version: int | None, pause_mode: PauseMode) -> Future:
+        """`load_paused` without awaiting it: the command is enqueued before this returns (ahead of every command
+        and request enqueued later, so their tokens see the new weights) and runs at the engine's next step
+        boundary. Returns its future, from any thread: (the new weight version, the seconds paused) once applied,
+        or the load's error. Raises EngineError when the engine stopped."""
+        self._check_alive()
+        fut: Future = Future()
+        self._inbox.put((commands.LoadWeights(as_mapping(named_tensors), version, pause_mode), fut))
+        return fut
+
     async def flush_cache(self) -> None:
         """Empty the prefix cache. Refused (EngineError) while requests hold KV pages."""
         await self._call(commands.FlushCache())

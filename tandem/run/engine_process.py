@@ -195,8 +195,12 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
             # takes the GIL from the engine's thread each time (`switching`)
             # (no checksum: one engine's is compared with nothing, and it would read every weight once more)
             with switching():
-                return loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
-                                                             command.pause_mode, checksum=False))
+                reply = loop.run_until_complete(load_received(receiver, engine, receiver.receive(), command.version,
+                                                              command.pause_mode, checksum=False))
+            # the previous load's gap (its start to the first step on its weights), known only once a step ran
+            if (gap := engine.core.load_gap_s) is not None:
+                reply = dataclasses.replace(reply, receive_phases={**reply.receive_phases, "previous_load_gap": gap})
+            return reply
         except (ValueError, EngineError, TransportError) as e:
             return Failed(type(e).__name__, str(e))
 

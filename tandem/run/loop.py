@@ -32,8 +32,10 @@ from tandem.model.loader import build_model
 from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
 from tandem.run.export import export_trainer
+from tandem.run.pending import PendingSync
 from tandem.run.placement import place
 from tandem.trainer.trainer import Trainer
+from tandem.transport.switch import switching
 from tandem.types import Group
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,8 @@ class Run:
         self._training: tuple[asyncio.Future, list[Group]] | None = None  # a trainer step in its thread, its batch
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
         self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
+        self._pending: PendingSync | None = None  # the last push (its load may still be queued to the engine)
+        self.trainer.before_weight_write = self._fence
 
     @contextlib.asynccontextmanager
     async def _current_weights(self):
@@ -104,10 +108,15 @@ class Run:
         self._weights_lock = asyncio.Lock()
         monitor = asyncio.create_task(self.placement.monitor(self._current_weights))
         waited = trained = 0.0
+        finishing: asyncio.Task | None = None  # the last step's end: once the engine applied its weights
         try:
             while self.trainer.version < cfg.steps:
                 t0 = time.perf_counter()
-                batch = await _unless_failed(self.manager.next_batch(), monitor, lambda _: self.manager.untake())
+                batch = await _unless_failed(self.manager.next_batch(), monitor, lambda _: self.manager.untake(),
+                                             finishing)
+                if finishing is not None:  # (done by now, normally: its record first, or its load's error)
+                    await finishing
+                    finishing = None
                 if not batch:
                     self.placement.check()  # the likeliest reason, named if so
                     raise RuntimeError(f"every group of batch {self.trainer.version} failed; dropped so far: "
@@ -122,52 +131,25 @@ class Run:
                     self._training = None
                 metrics["group_ids"] = [g.index for g in batch]  # what this step trained (a soak checks it)
                 t2 = time.perf_counter()
-                try:
-                    sync = await self.placement.push(self.trainer.named_weights(), self.trainer.version)
-                    self.manager.notify_version()
-                    stats = await self.engine.get_stats()
+                try:  # returns once the engine holds the weights, or (one GPU) once their load is queued to it
+                    self._pending = await self.placement.send(self.trainer.named_weights(), self.trainer.version)
                 except BaseException as e:  # the step was trained (a resume pushes its weights): record it
                     self._append_record(dict(step=self.trainer.version, **metrics, error=repr(e)))
                     if isinstance(e, EngineUnreachable):
                         self.placement.check()  # an engine process that died is named, with its exit code
                     raise
                 waited, trained = waited + t1 - t0, trained + t2 - t1
-                wall = time.perf_counter() - start
-                record = dict(
-                    step=self.trainer.version, version=stats.weight_version, wall_s=wall,
-                    **metrics, **self.manager.summary(),
-                    wait_s=t1 - t0, train_s=t2 - t1, transfer_s=sync.transfer_s, transfer_wait_s=sync.wait_s,
-                    pause_s=sync.pause_s,
-                    sync_s=sync.sync_s, sync_bytes=sync.num_bytes, sync_gb_per_s=sync.gb_per_s,
-                    trainer_idle_frac=waited / wall,
-                    engine_idle_frac=(stats.idle_seconds - idle0) / wall / self.placement.num_engines,
-                    trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
-                                          + metrics["tokens_trained"]) / wall,
-                    generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
-                    engine_steps=stats.num_steps, engine_decode_steps=stats.decode_steps,
-                    engine_running_request_steps=stats.running_request_steps,
-                    engine_waiting_request_steps=stats.waiting_request_steps, engine_busy_s=stats.busy_seconds,
-                    engine_idle_s=stats.idle_seconds,
-                    engine_command_waits=stats.command_waits,
-                    engine_forward_s=stats.forward_seconds, engine_schedule_s=stats.schedule_seconds,
-                    engine_prepare_s=stats.prepare_seconds, engine_postprocess_s=stats.postprocess_seconds,
-                    rollout_tokens_per_s=stats.generated_tokens / wall,
-                    cache_hit_rate=stats.cache_hit_rate,
-                    cache_reuse_vs_ideal=stats.reuse_vs_ideal if stats.ideal_measured else None,
-                    dropped=dict(self.manager.dropped),
-                    **self.placement.view(),
-                )
-                self._append_record(record)
-                if on_step:
-                    on_step(record)
-                if cfg.checkpoint_every and self.trainer.version % cfg.checkpoint_every == 0:
-                    self._save_checkpoint()
-                if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every == 0:
-                    await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
+                finishing = asyncio.create_task(self._finish_step(self._pending, metrics, t1 - t0, t2 - t1, waited,
+                                                                  start, idle0, on_step))
+            if finishing is not None:
+                await finishing
+                finishing = None
         finally:
             runner.cancel()
             monitor.cancel()  # (first: nothing may read the weights while a step's thread still runs)
-            await asyncio.gather(runner, monitor, return_exceptions=True)
+            if finishing is not None:
+                finishing.cancel()
+            await asyncio.gather(runner, monitor, *[finishing] if finishing else [], return_exceptions=True)
             if self._training is not None:
                 await self._settle_step(*self._training)
             await self.manager.stop()
@@ -176,6 +158,60 @@ class Run:
         if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every:  # (else written above)
             export_trainer(cfg, self.trainer)
         return self.history
+
+    async def _finish_step(self, pending: PendingSync, metrics: dict, wait_s: float, train_s: float, waited: float,
+                           start: float, idle0: float, on_step: Callable[[dict], None] | None) -> None:
+        """A step's end, while the run goes on to the next batch: once the engine applied its weights, tell the
+        manager (the staleness bound counts a version from then on), record the step, checkpoint and export."""
+        cfg = self.cfg
+        try:
+            with switching():  # this thread wakes when the engine set the load's result: take the GIL soon
+                sync = await pending.applied()
+            self.manager.notify_version()
+            stats = await self.engine.get_stats()
+        except BaseException as e:  # the step was trained (a resume pushes its weights): record it
+            self._append_record(dict(step=pending.version, **metrics, error=repr(e)))
+            if isinstance(e, EngineUnreachable):
+                self.placement.check()  # an engine process that died is named, with its exit code
+            raise
+        wall = time.perf_counter() - start
+        record = dict(
+            step=pending.version, version=stats.weight_version, wall_s=wall,
+            **metrics, **self.manager.summary(),
+            wait_s=wait_s, train_s=train_s, transfer_s=sync.transfer_s, transfer_wait_s=sync.wait_s,
+            pause_s=sync.pause_s, sync_s=sync.sync_s, applied_s=sync.applied_s, sync_bytes=sync.num_bytes,
+            sync_gb_per_s=sync.gb_per_s,
+            trainer_idle_frac=waited / wall,
+            engine_idle_frac=(stats.idle_seconds - idle0) / wall / self.placement.num_engines,
+            trained_tokens_per_s=(sum(r["tokens_trained"] for r in self.history)
+                                  + metrics["tokens_trained"]) / wall,
+            generated_tokens=stats.generated_tokens, prefill_tokens_computed=stats.prefill_tokens_computed,
+            engine_steps=stats.num_steps, engine_decode_steps=stats.decode_steps,
+            engine_running_request_steps=stats.running_request_steps,
+            engine_waiting_request_steps=stats.waiting_request_steps, engine_busy_s=stats.busy_seconds,
+            engine_idle_s=stats.idle_seconds,
+            engine_command_waits=stats.command_waits,
+            engine_forward_s=stats.forward_seconds, engine_schedule_s=stats.schedule_seconds,
+            engine_prepare_s=stats.prepare_seconds, engine_postprocess_s=stats.postprocess_seconds,
+            rollout_tokens_per_s=stats.generated_tokens / wall,
+            cache_hit_rate=stats.cache_hit_rate,
+            cache_reuse_vs_ideal=stats.reuse_vs_ideal if stats.ideal_measured else None,
+            dropped=dict(self.manager.dropped),
+            **self.placement.view(),
+        )
+        self._append_record(record)
+        if on_step:
+            on_step(record)
+        if cfg.checkpoint_every and pending.version % cfg.checkpoint_every == 0:
+            self._save_checkpoint()
+        if cfg.trainer.export_every and pending.version % cfg.trainer.export_every == 0:
+            await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
+
+    def _fence(self) -> None:
+        """The trainer is about to write its weights (in its step's thread): the engine's reads of the last push
+        come first (`PendingSync.fence`; raises that load's error)."""
+        if (pending := self._pending) is not None:
+            pending.fence()
 
     async def _settle_step(self, step: asyncio.Future, batch: list[Group]) -> None:
         """The run stops (cancelled, or failing) while a trainer step runs: wait for its thread, so that nothing is
@@ -227,13 +263,20 @@ class Run:
         self.placement.shutdown()
 
 
-async def _unless_failed(coro, monitor: asyncio.Task, abandoned: Callable[[object], None]):
-    """Await `coro`, unless `monitor` (which only ever ends by raising) ends first: then raise its error. If the
-    caller is cancelled meanwhile, `coro` is cancelled too, or, if it had just finished, `abandoned` gets its
-    result (nothing it took may be lost)."""
+async def _unless_failed(coro, monitor: asyncio.Task, abandoned: Callable[[object], None],
+                         also: asyncio.Task | None = None):
+    """Await `coro`, unless `monitor` (which only ever ends by raising) ends first, or `also` (a task that may
+    end either way) fails first: then raise that error. If the caller is cancelled meanwhile, `coro` is cancelled
+    too, or, if it had just finished, `abandoned` gets its result (nothing it took may be lost)."""
     task = asyncio.ensure_future(coro)
+    watched = [monitor] + ([also] if also is not None and not also.done() else [])
     try:
-        await asyncio.wait([task, monitor], return_when=asyncio.FIRST_COMPLETED)
+        while not task.done() and not monitor.done():
+            await asyncio.wait([task, *watched], return_when=asyncio.FIRST_COMPLETED)
+            if also in watched and also.done():
+                if also.cancelled() or also.exception() is not None:
+                    break
+                watched.remove(also)  # (it ended well: wait on for `coro`)
     except asyncio.CancelledError:
         if task.done() and not task.cancelled() and task.exception() is None:
             abandoned(task.result())
@@ -243,7 +286,9 @@ async def _unless_failed(coro, monitor: asyncio.Task, abandoned: Callable[[objec
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     if task.cancelled():
-        monitor.result()
+        if monitor.done():
+            monitor.result()
+        also.result()  # (its error; `coro` was cancelled for it)
     return task.result()
 
 

@@ -16,13 +16,16 @@ Every sync is the same two sides run together: the trainer's `WeightSender.send`
 `receive_and_load` (its receiver's `receive`, the load, `release`), which replies with a `SyncReply`. What excludes
 generation is only the load: the engine receives the new weights while it keeps generating (into a staging copy, or
 by reference: nothing to receive), then pauses (the run's pause mode), copies them into its parameters, and
-resumes. `SyncStats` measures the transfer and that pause separately.
+resumes. `SyncStats` measures the transfer and that pause separately. On one GPU (colocated, ipc) the run does
+not wait for the load at all: `send` returns once it is queued to the engine, and the trainer's next write into its
+weights fences on the engine's reads (`tandem.run.pending`).
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -31,7 +34,6 @@ import socket
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
@@ -40,11 +42,12 @@ from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
 from tandem.run.engine_process import EngineProcess, freeze_heap
+from tandem.run.pending import PendingSync, SyncStats
 from tandem.transport.dist import DistSender
-from tandem.transport.inprocess import InProcessReceiver, InProcessSender
+from tandem.transport.inprocess import InProcessSender
 from tandem.transport.ipc import IpcSender
 from tandem.transport.switch import switching
-from tandem.transport.sync import SyncReply, load_received
+from tandem.transport.sync import SyncReply
 from tandem.transport.weights import TransferStats, TransportError, WeightSender
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -52,38 +55,6 @@ NamedTensors = Iterable[tuple[str, torch.Tensor]]
 CurrentWeights = Callable[[], AbstractAsyncContextManager[tuple[NamedTensors, int]]]
 MONITOR_S = 1.0  # how often the monitor looks at the engine
 GROUP = "tandem-weights"
-
-
-@dataclass(frozen=True, slots=True)
-class SyncStats:
-    """One weight sync, `sync_s` as the trainer waited for it: its own send (`sent`) and the engine's reply
-    (`reply`). `transfer_s`: the send, until the engine holds the weights (it keeps generating meanwhile), of it
-    `wait_s` until the engine started receiving, where the transport can tell; `pause_s`: generation excluded (pause,
-    load into the parameters, resume)."""
-
-    sent: TransferStats
-    reply: SyncReply
-    sync_s: float
-
-    @property
-    def transfer_s(self) -> float:
-        return self.sent.seconds
-
-    @property
-    def wait_s(self) -> float:
-        return self.sent.wait_s
-
-    @property
-    def pause_s(self) -> float:
-        return self.reply.pause_s
-
-    @property
-    def num_bytes(self) -> int:
-        return self.sent.num_bytes
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.num_bytes / self.transfer_s / 1e9 if self.transfer_s > 0 else 0.0
 
 
 class Placement(abc.ABC):
@@ -101,6 +72,45 @@ class Placement(abc.ABC):
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
         """Make the engine hold `named_weights` as `version`; returns once it does. Reads the tensors only before
         it returns. Raises (naming the engine) when the transfer fails; the run cannot continue after that."""
+
+    async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
+        """`push`, returning as early as the placement allows: a placement whose engine reads the trainer's tensors
+        by reference (one GPU) returns once the load is queued to the engine, and the trainer must call the
+        result's `fence` before it writes the tensors again (see `tandem.run.pending`); the others return once
+        the engine holds the weights (a completed `PendingSync`). Raises as `push` does; a load that fails later
+        raises from `fence` and `applied`."""
+        return PendingSync.completed(await self.push(named_weights, version))
+
+    pending: PendingSync | None = None  # (a placement whose `send` returns early) its last push
+
+    async def _after_previous(self) -> None:
+        """Before an early-returning `send`: the previous push's load first (normally applied long ago), fenced, so
+        that pushes apply one at a time and in order; raises its error (once: it is forgotten here)."""
+        previous, self.pending = self.pending, None
+        if previous is None:
+            return
+        try:
+            if not previous.done():
+                await previous.applied()
+        except BaseException:
+            previous.abandon()
+            raise
+        previous.fence()
+
+    async def _push_by_send(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        """`push` as `send`, then the wait for the engine's load, then the fence (this thread's stream waits for the
+        engine's reads). A push that fails is abandoned: a load not yet reading reads nothing."""
+        pending = await self.send(named_weights, version)
+        try:
+            with switching():  # this thread wakes when the engine's side set the load's result: take the GIL soon
+                stats = await pending.applied()
+        except BaseException:
+            pending.abandon()
+            if self.pending is pending:
+                self.pending = None  # (its error is raised here: the next push does not raise it again)
+            raise
+        pending.fence()
+        return SyncStats(stats.sent, stats.reply, stats.applied_s or stats.sync_s)
 
     @abc.abstractmethod
     def check(self) -> None:
@@ -130,15 +140,14 @@ class Colocated(Placement):
     steps then never queue behind the trainer's kernels on the default stream, and the GPU interleaves the two. A
     push hands the trainer's tensors over by reference, in this thread (no worker thread, no copy but the engine's
     own into its parameters, no checksum: nobody compares one engine's); the engine's copy waits for the trainer's
-    writes, and the trainer's next writes for the copy, on the device."""
+    writes, and the trainer's next writes for the copy, on the device. `send` returns once the load is in the
+    engine's queue (`tandem.run.pending`); `push` once the engine applied it."""
 
     def __init__(self, cfg: RunConfig):
         device = torch.device(cfg.engine.device)
         stream = torch.cuda.Stream(device, priority=-1) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.engine = Engine(cfg.model, cfg.engine, dtype=cfg.engine_dtype, seed=cfg.seed)
-        self.receiver = InProcessReceiver(cfg.weight_sync_timeout_s)
-        self.sender = InProcessSender(self.receiver, cfg.weight_sync_timeout_s)
         self.pause_mode, self.timeout_s = cfg.rollout.pause_mode, cfg.weight_sync_timeout_s
 
     async def start(self, named_weights: NamedTensors, version: int) -> SyncStats:
@@ -147,28 +156,48 @@ class Colocated(Placement):
         return stats
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        return await self._push_by_send(named_weights, version)
+
+    async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
+        """Returns once the load of the trainer's tensors (by reference) is in the engine's queue, ahead of every
+        later request; the previous push's load first (its error raised). ValueError on bad input, before the
+        engine hears of it."""
+        await self._after_previous()
         t0 = time.perf_counter()
-        handover = self.sender.offer(named_weights)  # ValueError on bad input: refused before the engine hears of it
-        t1 = time.perf_counter()
-        received = self.receiver.take(version, handover)
+        handover = InProcessSender.offer(named_weights)  # ValueError: refused before the engine hears of it
+        num_bytes = sum(t.nbytes for t in handover.tensors.values())
         try:
-            with switching():  # this thread wakes when the engine's thread set the load's result: take the GIL soon
-                reply = await asyncio.wait_for(load_received(self.receiver, self.engine, received, version,
-                                                             self.pause_mode, checksum=False), self.timeout_s)
-        except TimeoutError as e:  # (a load that starts later is refused: the handover is released below)
-            raise TransportError(f"weights: the engine's thread did not load weights version {version} within "
-                                 f"timeout_s={self.timeout_s:g}", ranks=(1,)) from e
-        finally:
-            self.receiver.release()
-            handover.wait_read()  # this thread's stream, the trainer's, waits for the engine's copy
-        sent = TransferStats(version, reply.num_bytes, 1, reply.num_tensors, t1 - t0, phases={"offer": t1 - t0})
-        return SyncStats(sent, reply, time.perf_counter() - t0)
+            loaded = self.engine.load_soon(handover, version, self.pause_mode)
+        except BaseException:
+            handover.release()
+            raise
+        reply: concurrent.futures.Future = concurrent.futures.Future()
+
+        def answer(future: concurrent.futures.Future) -> None:  # (on the engine's thread)
+            if (error := future.exception()) is not None:
+                reply.set_exception(error)
+            else:
+                applied, pause_s = future.result()
+                reply.set_result(SyncReply(applied, pause_s, pause_s, 0.0, num_bytes, 1, len(handover)))
+
+        def close(ordered: bool) -> None:
+            handover.release()  # no read starts after this (one reading finishes enqueuing first)
+            if ordered:
+                handover.wait_read()  # the caller's current stream waits for the engine's copy
+
+        loaded.add_done_callback(answer)
+        t1 = time.perf_counter()
+        sent = TransferStats(version, num_bytes, 1, len(handover), t1 - t0, phases={"offer": t1 - t0})
+        self.pending = PendingSync(version, sent, reply, close, self.timeout_s, "the engine's thread")
+        return self.pending
 
     def check(self) -> None:
         if not self.engine.is_alive():
             raise EngineError("engine thread stopped")
 
     def shutdown(self) -> None:
+        if self.pending is not None:
+            self.pending.abandon()  # a load still queued reads nothing (the engine refuses it as it stops)
         self.engine.shutdown()
         gc.unfreeze()  # (what `start` froze may go again)
 
@@ -184,6 +213,7 @@ class Separate(Placement):
         self.backend = "nccl" if self.device.startswith("cuda") else "gloo"
         self.sender: WeightSender | None = None
         self.ipc = cfg.resolved_weight_transport == "ipc"
+        self._loads = concurrent.futures.ThreadPoolExecutor(1, "tandem-ipc-load") if self.ipc else None
         self.process = EngineProcess(cfg.model, cfg.engine, cfg.seed, cfg.engine_start_timeout_s, cfg.engine_dtype,
                                      ipc_timeout_s=cfg.weight_sync_timeout_s if self.ipc else None)
         try:
@@ -210,20 +240,52 @@ class Separate(Placement):
         return await self.push(named_weights, version)
 
     async def push(self, named_weights: NamedTensors, version: int) -> SyncStats:
+        if self.ipc:
+            return await self._push_by_send(named_weights, version)
         t0 = time.perf_counter()
         sent = asyncio.to_thread(self.sender.send, named_weights, version)
         sent, reply = await self._both(sent, self._receive_and_load(version), f"weight sync of version {version}")
         return SyncStats(sent, reply, time.perf_counter() - t0)
 
-    async def _receive_and_load(self, version: int) -> SyncReply:
-        """Have the engine receive the transfer and load it: over HTTP for a group, through its process's pipe for
-        ipc (then the client's `weight_version` is set here, as the group route's reply sets it)."""
-        mode = self.cfg.rollout.pause_mode
+    async def send(self, named_weights: NamedTensors, version: int) -> PendingSync:
+        """ipc: returns once the transfer is posted and the engine's process asked to load it (the engine applies
+        it at its next step boundary; `tandem.run.pending`); the previous push's load first (its error raised).
+        ValueError on bad input, once the engine's process heard of the abort. A group: as `push`."""
         if not self.ipc:
-            return await self.engine.update_weights_from_distributed(GROUP, version, mode)
-        reply = await asyncio.to_thread(self.process.update_weights, version, mode, self.cfg.weight_sync_timeout_s)
-        self.engine.weight_version = reply.weight_version
+            return await super().send(named_weights, version)
+        await self._after_previous()
+        timeout_s, sender = self.cfg.weight_sync_timeout_s, self.sender
+        t0 = time.perf_counter()
+        reply = self._loads.submit(self._load, version)  # first: its receive takes an aborted transfer too
+        try:
+            posted = sender.post(named_weights, version)
+        except BaseException:
+            with contextlib.suppress(BaseException):  # (the engine's process refuses the aborted transfer)
+                await asyncio.wrap_future(reply)
+            raise
+
+        def close(ordered: bool) -> None:
+            failed = reply.exception() if reply.done() else None
+            if not ordered or not reply.done() or (failed is not None and not isinstance(failed, ValueError)):
+                sender.abandon(f"the transfer of weights version {version} was abandoned unacknowledged")
+            else:  # (the engine's process held and released it, whether it loaded it or refused it)
+                sender.settle(posted)  # this thread's stream waits for the engine's reads
+
+        sent = TransferStats(version, posted.num_bytes, 1, posted.num_tensors, time.perf_counter() - t0,
+                             phases={"post": posted.t1 - posted.t0})
+        # (the load's own wait is bounded by timeout_s and names the engine's process: this bound is a backstop)
+        self.pending = PendingSync(version, sent, reply, close, 2 * timeout_s, str(self.process))
+        return self.pending
+
+    def _load(self, version: int) -> SyncReply:
+        """(ipc, in a worker thread) The engine's process receives the posted transfer and loads it."""
+        reply = self.process.update_weights(version, self.cfg.rollout.pause_mode, self.cfg.weight_sync_timeout_s)
+        self.engine.weight_version = reply.weight_version  # (as the group route's reply sets it)
         return reply
+
+    async def _receive_and_load(self, version: int) -> SyncReply:
+        """(A group) Have the engine receive the transfer over HTTP and load it."""
+        return await self.engine.update_weights_from_distributed(GROUP, version, self.cfg.rollout.pause_mode)
 
     async def _both(self, trainer_side, engine_side, what: str) -> list:
         """Await both sides of one step (each bounded by its timeout). If either fails, raise one TransportError
@@ -258,9 +320,13 @@ class Separate(Placement):
         await self.engine.aclose()
 
     def shutdown(self) -> None:
+        if self.pending is not None:
+            self.pending.abandon()
         if self.sender is not None:
             self.sender.close()
         self.process.stop()
+        if self._loads is not None:
+            self._loads.shutdown(wait=False)
         gc.unfreeze()
 
 

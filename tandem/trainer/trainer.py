@@ -27,7 +27,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,10 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.master.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
                                            fused=self.device.type == "cuda" or None)
         self.version = 0  # optimizer steps taken = the weight version of the current parameters
+        # called (in the caller's thread) right before the tensors `named_weights` yields are written: an engine
+        # may still be reading them by reference (`tandem.run.pending.PendingSync.fence`); what it raises fails
+        # the write's call (a step or `load_state_dict`) before anything changed
+        self.before_weight_write: Callable[[], None] | None = None
 
     def _accumulate_grads_in_masters(self) -> None:
         """After each backward, add every bf16 gradient into its master's float32 one and free it, so micro-batches
@@ -142,6 +146,8 @@ class Trainer:
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, grad_norm)
+        if self.model is self.master:  # the optimizer writes the weights the engine reads
+            self._before_weight_write()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._refresh_compute_weights()
@@ -201,9 +207,14 @@ class Trainer:
             parallel.reduce_metrics(sums, extremes, self.device)
         return sums, extremes
 
+    def _before_weight_write(self) -> None:
+        if self.before_weight_write is not None:
+            self.before_weight_write()
+
     @torch.no_grad()
     def _refresh_compute_weights(self) -> None:
         if self.model is not self.master:
+            self._before_weight_write()
             torch._foreach_copy_(list(self.model.parameters()), list(self.master.parameters()))
 
     def _micro_batches(self, episodes: list[Episode]) -> list[list[int]]:
@@ -324,6 +335,7 @@ class Trainer:
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved; the trainer may keep `state`'s tensors (as PyTorch's optimizers do), so
         pass a state read from disk or a copy. Under FSDP: collective, rank 0's state is read and broadcast."""
+        self._before_weight_write()
         if self.cfg.fsdp:
             # two calls: `set_state_dict` skips the model on ranks whose model state is empty, and deadlocks;
             # a copy of the model's dict: `set_model_state_dict` puts this rank's shards into the one it is given

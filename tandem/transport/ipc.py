@@ -66,6 +66,18 @@ class _Ack:
     read: bool = False  # (released) whether it read them (then the sender's stream waits for its done event)
 
 
+@dataclass(frozen=True)
+class Posted:
+    """A transfer `IpcSender.post` sent and `settle` has yet to see acknowledged."""
+
+    version: int
+    device: torch.device | None
+    num_bytes: int
+    num_tensors: int
+    t0: float  # post's start and end (perf_counter)
+    t1: float
+
+
 def _same(mapped: Tensor | None, tensor: Tensor) -> bool:
     """Whether `tensor` is the memory and layout of `mapped`, which the sender keeps alive (so no other tensor can
     have its address)."""
@@ -132,9 +144,12 @@ class IpcSender(_IpcEnd, WeightSender):
     def send(self, named_tensors: NamedTensors, version: int) -> TransferStats:
         """On CUDA, returns once the engine's copy is enqueued, with the caller's current stream waiting for it."""
         with switching():  # this thread wakes at each acknowledgement: take the GIL soon
-            return self._send_weights(named_tensors, version)
+            return self.settle(self.post(named_tensors, version))
 
-    def _send_weights(self, named_tensors: NamedTensors, version: int) -> TransferStats:
+    def post(self, named_tensors: NamedTensors, version: int) -> Posted:
+        """`send`'s first half: check the tensors, record the ready event, post the transfer; returns without
+        waiting for the receiver. Call `settle` with the result before writing the tensors again, and before the
+        next `post`. Raises ValueError on bad input (the receiver hears of the abort), TransportError as `send`."""
         self._begin()
         t0 = time.perf_counter()
         try:
@@ -154,7 +169,14 @@ class IpcSender(_IpcEnd, WeightSender):
                 self._ready.record(torch.cuda.current_stream(device))
         self._post(_Transfer(version, list(named), remap, new_ready))
         self._mapped, self.last_mapped = named, len(remap)
-        t1 = time.perf_counter()
+        num_bytes = sum(t.numel() * t.element_size() for t in named.values())
+        return Posted(version, device, num_bytes, len(named), t0, time.perf_counter())
+
+    def settle(self, posted: Posted) -> TransferStats:
+        """`send`'s second half: wait for the receiver's acknowledgements of `posted` (it held the tensors, then
+        released them; each at most the timeout); on CUDA the caller's current stream then waits for the
+        receiver's reads. Its stats time the transfer from `post`'s start to the held acknowledgement."""
+        version, device = posted.version, posted.device
         held = self._expect("held", f"take weights version {version}")
         if held.done is not None:
             self._done = torch.cuda.Event.from_ipc_handle(device, held.done)
@@ -164,8 +186,13 @@ class IpcSender(_IpcEnd, WeightSender):
         released = self._expect("released", f"release weights version {version}")
         if released.read and device is not None:
             torch.cuda.current_stream(device).wait_event(self._done)
-        num_bytes = sum(t.numel() * t.element_size() for t in named.values())
-        return TransferStats(version, num_bytes, 1, len(named), t2 - t0, phases={"post": t1 - t0, "held": t2 - t1})
+        return TransferStats(version, posted.num_bytes, 1, posted.num_tensors, t2 - posted.t0,
+                             phases={"post": posted.t1 - posted.t0, "held": t2 - posted.t1})
+
+    def abandon(self, why: str) -> None:
+        """A posted transfer that will not be settled (its acknowledgements stay unread): no later transfer can
+        go through this end."""
+        self.broken = self.broken or why
 
     def _post(self, transfer: _Transfer) -> None:
         """Write one transfer, at most the timeout: a message larger than the pipe's buffer blocks its writer until
