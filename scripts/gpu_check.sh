@@ -99,8 +99,9 @@ for part in $parts; do
                    --model qwen3-0.6b --placement colocated shared --steps 8 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
         tier_sweep) timeout 590 python3 benchmarks/host_tier.py --sweep --points 0,1 --out "$OUT/sweep_a.json" ;;
-        pd_transfer) timeout 120 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
-                   tests/test_disagg_checksum.py tests/test_disagg_transfer.py &&
+        pd_transfer) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
+                   tests/test_disagg_checksum.py tests/test_disagg_transfer.py tests/test_disagg_kv_copy.py \
+                   tests/test_disagg.py;
                      timeout 120 python3 benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only \
                    --out "$OUT/disagg_transfer.json" ;;
         *) echo "unknown part $part" ;;
