@@ -227,7 +227,8 @@ class RunConfig:
     """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU.
 
     `task`: a registered task name or `package.module:factory` (checked by `tandem.rollout.registry`).
-    Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory;
+    Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory (the
+    default, for CPU development; on one GPU "separate" with ipc is the one to use, BENCHMARKS.md says why);
     "separate" runs the engine in a process of its own behind its HTTP server; "disaggregated" a prefill server and a
     decode server, each in a process of its own, behind a router in the trainer's process (weights by ipc to both);
     "ray" the trainer and `rollout.num_engines` engine replicas as Ray actors (`tandem.run.ray_placement`). With
