@@ -119,6 +119,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
     finally:
         core_log.removeHandler(slow)
         gc.callbacks.remove(collections)
+    gc.collect()  # (the run's objects go now, not at a later full pass: the next run's engine sizes its pool from
+    # the memory left; a run is meant to hold no cycle, tests/test_run_release.py)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step

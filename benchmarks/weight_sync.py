@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import random
 import statistics
@@ -128,6 +129,7 @@ def measure(args, placement: str, shapes: list, num_bytes: int) -> dict:
     named = [(name, torch.randn(shape, device=trainer_device, dtype=dtype) * 0.02) for name, shape, _ in shapes]
     results, running = asyncio.run(syncs(cfg, named, args.reps, args.busy))
     del named
+    gc.collect()  # (the placement's objects go now: the next placement's engine sizes its pool from what is left)
     if cuda:
         torch.cuda.empty_cache()
     print("| sync | transfer ms (waiting for the engine) | of it, by phase ms | the engine's receive ms | "

@@ -55,7 +55,9 @@ class Watchdog:
         self._last_progress = time.monotonic()
         self._fired_for: float | None = None  # the _last_progress of the stall already reported
         self._num_paused, self._pause_lock = 0, threading.Lock()
-        self._providers: dict[str, Callable[[], object]] = {"watchdog": self.status}
+        # (its own status is added at dump time: a bound method kept here would be a reference cycle, which holds
+        # whatever the providers reach, an engine's KV pool among them, until the collector's next full pass)
+        self._providers: dict[str, Callable[[], object]] = {}
         self._requests: list[str] = []
         self._dump_lock = threading.Lock()
         self._stop, self._thread = threading.Event(), None
@@ -116,7 +118,7 @@ class Watchdog:
                     faulthandler.dump_traceback(file=f, all_threads=True)
                 stacks_file = path.name
             state = {}
-            for name, provider in list(self._providers.items()):
+            for name, provider in [("watchdog", self.status), *self._providers.items()]:
                 try:
                     state[name] = provider()
                 except Exception as e:  # one broken provider must not cost the rest of the evidence

@@ -67,10 +67,11 @@ class Run:
             self.placement.shutdown()
             raise
         max_context = min(cfg.random_agent.max_context, self.engine.max_context_len)
+        engine = self.engine  # (the lambda below holds the engine, not the run: no cycle keeps a run's engine alive)
         # the episodes keep their routing whenever the engine does (always under trainer.routing_replay)
         # with replicas, a group an unreachable replica cut short runs again on another one at once
         self.manager = RolloutManager(self.engine, env_factory, cfg.rollout, max_context, cfg.seed,
-                                      version=lambda: self.engine.weight_version,
+                                      version=lambda: engine.weight_version,
                                       routing=cfg.engine.enable_return_routed_experts,
                                       **({"retry_delay_s": REPLICA_RETRY_DELAY_S} if cfg.replicas else {}))
         self.out_dir = Path(cfg.out_dir)
@@ -78,8 +79,8 @@ class Run:
         self._training: tuple[asyncio.Future, list[Group]] | None = None  # a trainer step in its thread, its batch
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
         self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
-        self._pending: PendingSync | None = None  # the last push (its load may still be queued to the engine)
-        self.trainer.before_weight_write = self._fence
+        self._last_push = LastPush()  # the trainer's hook fences it (it holds no reference to the run: no cycle)
+        self.trainer.before_weight_write = self._last_push.fence
 
     @contextlib.asynccontextmanager
     async def _current_weights(self):
@@ -132,14 +133,15 @@ class Run:
                 metrics["group_ids"] = [g.index for g in batch]  # what this step trained (a soak checks it)
                 t2 = time.perf_counter()
                 try:  # returns once the engine holds the weights, or (one GPU) once their load is queued to it
-                    self._pending = await self.placement.send(self.trainer.named_weights(), self.trainer.version)
+                    pending = await self.placement.send(self.trainer.named_weights(), self.trainer.version)
+                    self._last_push.pending = pending
                 except BaseException as e:  # the step was trained (a resume pushes its weights): record it
                     self._append_record(dict(step=self.trainer.version, **metrics, error=repr(e)))
                     if isinstance(e, EngineUnreachable):
                         self.placement.check()  # an engine process that died is named, with its exit code
                     raise
                 waited, trained = waited + t1 - t0, trained + t2 - t1
-                finishing = asyncio.create_task(self._finish_step(self._pending, metrics, t1 - t0, t2 - t1, waited,
+                finishing = asyncio.create_task(self._finish_step(pending, metrics, t1 - t0, t2 - t1, waited,
                                                                   start, idle0, on_step))
             if finishing is not None:
                 await finishing
@@ -207,12 +209,6 @@ class Run:
         if cfg.trainer.export_every and pending.version % cfg.trainer.export_every == 0:
             await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
 
-    def _fence(self) -> None:
-        """The trainer is about to write its weights (in its step's thread): the engine's reads of the last push
-        come first (`PendingSync.fence`; raises that load's error)."""
-        if (pending := self._pending) is not None:
-            pending.fence()
-
     async def _settle_step(self, step: asyncio.Future, batch: list[Group]) -> None:
         """The run stops (cancelled, or failing) while a trainer step runs: wait for its thread, so that nothing is
         saved while it trains. A step that finished is recorded; the batch of one that failed goes back to the
@@ -261,6 +257,18 @@ class Run:
 
     def shutdown(self) -> None:
         self.placement.shutdown()
+
+
+class LastPush:
+    """The run's last push (`pending`), which the trainer fences before it writes its weights (`fence`, in the
+    step's thread: the engine's reads of it come first; raises that load's error)."""
+
+    def __init__(self):
+        self.pending: PendingSync | None = None
+
+    def fence(self) -> None:
+        if (pending := self.pending) is not None:
+            pending.fence()
 
 
 async def _unless_failed(coro, monitor: asyncio.Task, abandoned: Callable[[object], None],

@@ -80,9 +80,10 @@ class PendingSync:
         self._lock = threading.Lock()
         self._closed = False
         self._error: BaseException | None = None
-        self._t0 = time.perf_counter() - sent.seconds
-        self._applied_s: float | None = None
-        reply.add_done_callback(self._mark_applied)
+        t0, self._applied_at = time.perf_counter() - sent.seconds, []
+        # (a closure over the list, not a bound method: the future keeps its callbacks, and a cycle through this
+        # object would keep the tensors it hands over alive until the collector's next full pass)
+        reply.add_done_callback(lambda _, at=self._applied_at: at.append(time.perf_counter() - t0))
 
     @classmethod
     def completed(cls, stats: SyncStats) -> PendingSync:
@@ -90,9 +91,6 @@ class PendingSync:
         reply: concurrent.futures.Future = concurrent.futures.Future()
         reply.set_result(stats.reply)
         return cls(stats.reply.weight_version, stats.sent, reply, lambda _: None, 1.0, stats=stats)
-
-    def _mark_applied(self, _future) -> None:
-        self._applied_s = time.perf_counter() - self._t0
 
     def done(self) -> bool:
         """Whether the engine's load has ended (applied or failed)."""
@@ -109,7 +107,7 @@ class PendingSync:
         except TimeoutError:
             self.abandon()
             raise self._late() from None
-        return SyncStats(self.sent, reply, self.sent.seconds, self._applied_s)
+        return SyncStats(self.sent, reply, self.sent.seconds, self._applied_at[0] if self._applied_at else None)
 
     def fence(self) -> None:
         """Before the trainer writes the pushed tensors again (from any thread): wait on the host until the engine
