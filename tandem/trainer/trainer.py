@@ -31,12 +31,6 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.tensor import DTensor
 
 from tandem.config import LossConfig, TrainerConfig
@@ -326,6 +320,8 @@ class Trainer:
         PyTorch's state dicts): save or copy them before the next `step`. Under FSDP: collective, full (unsharded)
         tensors on CPU on rank 0, empty model and optimizer states on the other ranks."""
         if self.cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # (imports dynamo)
+
             model, optimizer = get_state_dict(self.master, self.optimizer,
                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
@@ -337,6 +333,12 @@ class Trainer:
         pass a state read from disk or a copy. Under FSDP: collective, rank 0's state is read and broadcast."""
         self._before_weight_write()
         if self.cfg.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
             # two calls: `set_state_dict` skips the model on ranks whose model state is empty, and deadlocks;
             # a copy of the model's dict: `set_model_state_dict` puts this rank's shards into the one it is given
             options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
