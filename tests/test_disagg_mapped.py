@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import gc
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,6 +23,11 @@ from tandem.types import SamplingParams
 POOL = EngineConfig(page_size=4, num_pages=96)
 PREFILL = dataclasses.replace(POOL, role="prefill")
 SEEDED = SamplingParams(max_new_tokens=6, temperature=0.8, seed=5, ignore_eos=True)
+
+
+def hex_pages(pages: list[int]) -> str:
+    """Page ids as a handle carries them (the hex of their int32 bytes)."""
+    return np.asarray(pages, dtype="<i4").tobytes().hex()
 
 
 def prompt(n, seed=0):
@@ -150,11 +156,11 @@ def test_a_handle_of_another_pool_or_pages_that_do_not_fit_is_refused():
             with pytest.raises(ValueError, match="restarted"):
                 MappedKV(source, first.kv.handle | {"pool": "another"})
             with pytest.raises(ValueError, match="bytes of sums for 2 pages"):
-                MappedKV(source, first.kv.handle | {"pages": first.kv.pages[:-1]})
+                MappedKV(source, first.kv.handle | {"pages": hex_pages(first.kv.pages[:-1])})
             with pytest.raises(ValueError, match="do not hold positions"):
                 MappedKV(source, first.kv.handle | {"end": 20})
             with pytest.raises(ValueError, match="do not hold positions"):
-                MappedKV(source, first.kv.handle | {"pages": [0, 1, POOL.num_pages]})
+                MappedKV(source, first.kv.handle | {"pages": hex_pages([0, 1, POOL.num_pages])})
             first.kv.free(taken=True)
         with pytest.raises(ValueError, match="not in shared memory"), Engine("tiny", POOL) as unified:
             pool_handle(unified.pool)

@@ -173,7 +173,7 @@ def unreleased_export(device: str, monkeypatch, timeout_release: bool = True) ->
         monkeypatch.setattr(disagg.Exports, "_expire", lambda self, export_id: None)
     with prefill_server(device, release_timeout_s=0.3) as url:
         answer = export(url, prompt(18))
-        assert answer["kv"]["pages"] and 32 * len(answer["kv"]["pages"]) == len(answer["kv"]["sums"]) == 160
+        assert 4 * len(answer["kv"]["pages"]) == len(answer["kv"]["sums"]) == 160  # (5 pages: int32, int64 pairs)
         before = held(url)
         wait_until(lambda: held(url) == 0, timeout_s=3.0)
         return before, held(url), POOL.num_pages - pinned_free(url)
@@ -198,7 +198,7 @@ def test_a_reference_that_changed_is_named_by_page_and_still_released(device, mo
 
     async def altered(self, url, data, clock):
         kv = await take(self, url, data, clock)
-        slot = kv.pages[2] * kv.page_size + 1
+        slot = int(kv.pages[2]) * kv.page_size + 1
         kv.source.k[1, slot, 0, 3] += 1.0
         if kv.source.k.is_cuda:
             torch.cuda.synchronize(kv.source.k.device)

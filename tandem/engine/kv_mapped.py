@@ -29,6 +29,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
+import numpy as np
 import torch
 
 from tandem.engine.kv_pool import KVPool
@@ -115,14 +116,16 @@ def _kernel_ok(*caches: torch.Tensor) -> bool:
     return all(supports(c) for c in caches)
 
 
-def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list[int], start: int, end: int,
+def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, start: int, end: int,
                        page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
-                       dst_pages: list[int] | None = None) -> torch.Tensor:
+                       dst_pages=None, clock: TransferClock | None = None) -> torch.Tensor:
     """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
     host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
     page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
     [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
-    same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter."""
+    same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
+    Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
+    before the first kernel is launched (the device time from there is the pass's own)."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -135,9 +138,12 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list
         rows = array.array("i", [page_size]) * num
         if num:
             rows[-1] = n - (num - 1) * page_size
-        index = torch.cat([_int32(src_pages), _int32(dst_pages or src_pages), _int32(rows)]).view(3, num)
+        index = torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages),
+                           _int32(rows)]).view(3, num)
         index = index.to(device, non_blocking=True)  # (from pageable memory: staged before it returns, no sync)
         layers = src_k.shape[0]
+        if clock is not None:
+            clock.mark("launch")
         parts = torch.empty((num, 2, layers, 2), dtype=torch.int64, device=device)  # page, keys/values, layer
         for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
@@ -155,16 +161,22 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages: list
 
 
 def _int32(values) -> torch.Tensor:
-    """Python ints (a list or an `array`) as an int32 tensor on the host, quicker than `torch.tensor` of a list."""
+    """Ints (a list, an `array`, an int32 numpy array) as an int32 tensor on the host, quicker than `torch.tensor`
+    of a list."""
+    if isinstance(values, np.ndarray):
+        return torch.from_numpy(np.array(values, dtype=np.int32))  # (a copy: a handle's pages are read-only)
     values = values if isinstance(values, array.array) else array.array("i", values)
     return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
 
 
-def canonical(sums: torch.Tensor) -> torch.Tensor:
+def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """Sums [pages, 2] as `page_sums` has them: the column parts' low 32 bits as a signed 32-bit value (the
-    kernel's parts summed over layers keep higher bits too; `page_sums`'s are unchanged)."""
+    kernel's parts summed over layers keep higher bits too; `page_sums`'s are unchanged). A tensor or, quicker on
+    the host, a numpy array (int64)."""
     cols = sums[:, 1] & 0xFFFFFFFF
-    return torch.stack([sums[:, 0], (cols ^ 0x80000000) - 0x80000000], dim=1)
+    cols = (cols ^ 0x80000000) - 0x80000000
+    return np.stack([sums[:, 0], cols], axis=1) if isinstance(sums, np.ndarray) else torch.stack([sums[:, 0], cols],
+                                                                                                    dim=1)
 
 
 def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:
@@ -176,20 +188,22 @@ def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> to
 class PinnedKV:
     """A prefill engine's export by reference: positions [start, end) of a sequence, held in `pages` (one per page
     of `page_size` from `start`) of its pool, pinned until `free`; `sums` their `page_sums` [pages, 2] computed as
-    they were pinned (on the host; in the handle the hex of their bytes; `checksums` as `page_checksums` has them),
+    they were pinned (int64 numpy on the host; `checksums` as `page_checksums` has them; in the handle the pages and
+    the sums are the hex of their little-endian bytes: int32 and int64),
     `routing` ([end - start, layers, k] int16 on the host) where the pool keeps it. `handle`: what the decode
     server needs (JSON); `unpin(pages)` is called once, by `free` or when this is collected. `read_s`: the export's
-    time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time (on a GPU; else
-    None)."""
+    time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time from its launch
+    (with the kernel, on a GPU; else None)."""
 
-    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: torch.Tensor,
+    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: np.ndarray,
                  routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float,
                  sums_s: float | None):
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
         self.sums, self.routing, self.read_s, self.sums_s = sums, routing, read_s, sums_s
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
         self.handle = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
-                       "page_size": pool.page_size, "pages": pages, "sums": _sums_hex(sums)}
+                       "page_size": pool.page_size, "pages": np.asarray(pages, dtype="<i4").tobytes().hex(),
+                       "sums": _sums_hex(sums)}
         if routing is not None:
             self.handle["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
                                       "shape": list(routing.shape)}
@@ -216,34 +230,33 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     pool.incref(held)
     try:
         clock = TransferClock(pool.k_cache.device)
-        clock.mark("sums")
-        sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P)
+        sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
         clock.mark("summed")
         routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
-        on_host = canonical(sums.cpu())  # (the host waits for the sums)
-        sums_s = clock.seconds("sums", "summed") if pool.k_cache.is_cuda else None
+        on_host = canonical(sums.cpu().numpy())  # (the host waits for the sums)
+        sums_s = clock.seconds("launch", "summed") if "launch" in clock.host else None
     except BaseException:
         pool.decref(held)
         raise
     return PinnedKV(pool, held, start, end, on_host, routing, unpin, time.perf_counter() - began, sums_s)
 
 
-def _hex_pairs(sums: torch.Tensor) -> tuple[str, ...]:
+def _hex_pairs(sums: np.ndarray) -> tuple[str, ...]:
     """`page_sums` [pages, 2] as `page_checksums` gives them."""
     return tuple(_hex(pair) for pair in sums.tolist())
 
 
-def _sums_hex(sums: torch.Tensor) -> str:
+def _sums_hex(sums: np.ndarray) -> str:
     """`page_sums` [pages, 2] (int64 on the host) as the hex of their bytes (little-endian): quick both ways."""
-    return sums.contiguous().numpy().astype("<i8", copy=False).tobytes().hex()
+    return np.ascontiguousarray(sums, dtype="<i8").tobytes().hex()
 
 
-def _sums_of_hex(text: str, pages: int) -> torch.Tensor:
+def _sums_of_hex(text: str, pages: int) -> np.ndarray:
     """The inverse of `_sums_hex`, for `pages` pages; ValueError if it is not that."""
-    raw = bytearray.fromhex(text)
+    raw = bytes.fromhex(text)
     if len(raw) != 16 * pages:
         raise ValueError(f"{len(raw)} bytes of sums for {pages} pages")
-    return torch.frombuffer(raw, dtype=torch.int64).view(pages, 2) if pages else torch.empty(0, 2, dtype=torch.int64)
+    return np.frombuffer(raw, dtype="<i8").reshape(pages, 2)
 
 
 class MappedKV:
@@ -259,7 +272,7 @@ class MappedKV:
                 raise ValueError(f"it names pool {handle.get('pool')!r} ({handle['kind']}), the one mapped is "
                                  f"{source.id!r} (the prefill server restarted?)")
             self.start, self.end, self.page_size = int(handle["start"]), int(handle["end"]), int(handle["page_size"])
-            self.pages = [int(p) for p in handle["pages"]]
+            self.pages = np.frombuffer(bytes.fromhex(str(handle["pages"])), dtype="<i4")  # (as `PinnedKV.handle`)
             self.sums = _sums_of_hex(str(handle["sums"]), len(self.pages))  # (as `PinnedKV.sums`)
             self.routing = None
             if (shared := handle.get("routing")) is not None:
@@ -270,8 +283,8 @@ class MappedKV:
         n = self.end - self.start
         if (self.page_size != source.page_size or self.start % self.page_size or n < 0
                 or len(self.pages) != -(-n // self.page_size)
-                or (self.pages and not 0 <= min(self.pages) <= max(self.pages) < source.num_pages)):
-            raise ValueError(f"kv transfer: pages {self.pages[:8]}... do not "
+                or (len(self.pages) and not 0 <= self.pages.min() <= self.pages.max() < source.num_pages)):
+            raise ValueError(f"kv transfer: pages {self.pages[:8].tolist()}... do not "
                              f"hold positions [{self.start}, {self.end}) of pool {source.id}")
         self.source, self.origin, self.export_id = source, origin, export_id
         self.clock: TransferClock | None = None
@@ -304,7 +317,8 @@ class MappedKV:
         mapped pages, and check the checksums of what was read against the prefill server's (one host sync);
         ValueError naming the first page that differs (the pages written then hold bytes nobody may use: the
         caller frees them), or if the routing the pool keeps is missing. Marks `clock` "write" and "written"
-        around the pass (device events on a GPU), "checked" once compared. Call in the engine's thread."""
+        around the pass (device events on a GPU; "launch" as its kernels are launched), "checked" once compared. Call
+        in the engine's thread."""
         P = self.page_size
         if pool.routing is not None and self.routing is None:
             raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
@@ -313,15 +327,15 @@ class MappedKV:
         clock = self.clock or TransferClock(pool.k_cache.device)
         clock.mark("write")
         sums = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
-                                  pool.k_cache, pool.v_cache, list(pages[self.start // P:-(-self.end // P)]))
+                                  pool.k_cache, pool.v_cache, pages[self.start // P:-(-self.end // P)], clock)
         clock.mark("written")
         if pool.routing is not None:
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        mine = canonical(sums.cpu())  # (the host waits for the pass)
-        same = torch.equal(mine, self.sums)
+        mine = canonical(sums.cpu().numpy())  # (the host waits for the pass)
+        same = np.array_equal(mine, self.sums)
         clock.mark("checked")
         if not same:
-            i = int((mine != self.sums).any(1).nonzero()[0, 0])
+            i = int(np.flatnonzero((mine != self.sums).any(axis=1))[0])
             raise ValueError(f"kv transfer from {self.origin or 'the prefill server'}: page {i} (positions "
                              f"{self.start + i * P}...) arrived with another checksum than it left with")
 

@@ -276,9 +276,10 @@ class TransferClock:
         self.host: dict[str, float] = {}
         self._events: dict[str, torch.cuda.Event] = {}
 
-    def mark(self, name: str) -> None:
+    def mark(self, name: str, device: bool = True) -> None:
+        """`device=False`: the host's time alone (a point no device time is measured from or to)."""
         self.host[name] = time.perf_counter()
-        if self.device.type == "cuda":
+        if device and self.device.type == "cuda":
             event = self._events[name] = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
 

@@ -308,7 +308,7 @@ class PrefillClient:
         if meta["first"] is None:
             return None, None, meta
         clock = TransferClock(self.engine.pool.k_cache.device)
-        clock.mark("import")
+        clock.mark("import", device=False)
         meta["transfer"] = transfer
         if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
             kv = await asyncio.to_thread(lambda: KVPages.from_bytes(data, wire_meta(data)).to(
@@ -331,20 +331,22 @@ class PrefillClient:
         `export_s` the prefill server's (its pages read out of its pool, checksummed and shared or serialised),
         `take_s` this server's from the answer to the KV verified on its device (`copy_s` of it until the KV was
         copied or received onto its device, `verify_s` the checksums), `write_s` its write into the pool (device
-        time), `import_s` from the answer to the pages written (device-synchronised, the engine's turn included);
+        time; `pass_s` of it from the kernels' launch: the pass's own), `import_s` from the answer to the pages
+        written (device-synchronised, the engine's turn included);
         null where it did not write them. Host times are taken where the host has waited for the device."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
         try:
             write_s = clock.seconds("write", "written") if written else None
+            pass_s = clock.seconds("launch", "written") if written and "launch" in clock.host else None
             if mapped:
                 import_s = clock.host["checked"] - clock.host["import"] if "checked" in clock.host else None
             else:
                 import_s = take_s + clock.seconds("verified", "written") if written else None
         except RuntimeError as e:  # (a measurement must not fail the request it measured)
             log.warning("decode server: transfer of %s not timed: %s", rid, e)
-            write_s = import_s = None
+            write_s = import_s = pass_s = None
         _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
             "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
             "pages": len(kv.pages) if mapped else len(kv.checksums),
@@ -354,7 +356,7 @@ class PrefillClient:
             "verify_s": clock.host["verified"] - clock.host["taken"],
             "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
             "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
-            "write_s": write_s, "import_s": import_s})
+            "write_s": write_s, "pass_s": pass_s, "import_s": import_s})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
@@ -375,8 +377,8 @@ class PrefillClient:
             self._unpair(url)  # (it may have restarted: map its pool anew)
             await asyncio.shield(self._release(url, export_id))
             raise
-        clock.mark("taken")
-        clock.mark("verified")  # (checked as the engine writes it)
+        clock.mark("taken", device=False)
+        clock.mark("verified", device=False)  # (checked as the engine writes it)
         return kv
 
     async def _release_settled(self, url: str, kv: MappedKV, generating: asyncio.Future) -> None:
