@@ -148,9 +148,10 @@ WEIGHTS = (
     Work("weights_load", "compute", "copy", "weights", reads=("received",), writes=("weights",)),
 )
 
-# Prefill/decode disaggregation (one rank a server): a decode server writes imported KV into its pool from the host
-# (pageable: the host waits) as a command between steps; a prefill server reads a finished request's KV out of
-# its pool after applying the step that completed it (onto the host: the host waits for the stream).
+# Prefill/decode disaggregation (one rank a server): a decode server writes imported KV into its pool as a command
+# between steps, from the host (pageable) or by reference from the mapped prefill pool, and the host waits for it
+# (its checksums are read back); a prefill server reads a finished request's KV out of its pool, or checksums the
+# pages it pins, after applying the step that completed it (the host waits for the stream).
 KV_IMPORT = Work("kv_import", "compute", "sync", "schedule", writes=("kv",))
 KV_EXPORT = Work("kv_export", "compute", "sync", "finish", reads=("kv",), lag=1)
 
