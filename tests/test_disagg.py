@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 import torch
+from disagg_helpers import gate_imports_late
 
 from tandem.config import EngineConfig
-from tandem.engine.core import EngineCore
 from tandem.engine.engine import Engine
 from tandem.engine.kv_transfer import KVPages, page_checksums, wire_meta
 from tandem.server.http import ServerThread
@@ -94,15 +94,7 @@ def writes_while_paused(monkeypatch, gate_late: bool) -> bool:
     """Pause the decode engine (in place), import a request, read the pool, continue: whether the pool changed
     before the continue. `gate_late`: a mutant core that places imports whatever the pause."""
     if gate_late:
-        original = EngineCore._import_request
-
-        def late(self, cmd):
-            paused, self.paused = self.paused, None  # the gate checked too late: as if not paused yet
-            try:
-                original(self, cmd)
-            finally:
-                self.paused = paused
-        monkeypatch.setattr(EngineCore, "_import_request", late)
+        gate_imports_late(monkeypatch)
 
     async def go():
         with Engine("tiny", POOL) as p, Engine("tiny", POOL) as d:

@@ -12,10 +12,10 @@ import gc
 import numpy as np
 import pytest
 import torch
+from disagg_helpers import gate_imports_late
 
 from tandem.config import EngineConfig
 from tandem.engine import kv_mapped
-from tandem.engine.core import EngineCore
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV, MappedPool, PinnedKV, pool_handle
 from tandem.types import SamplingParams
@@ -112,15 +112,7 @@ def writes_while_paused(monkeypatch, gate_late: bool) -> bool:
     pool changed before the continue (and the import settled only after it). `gate_late`: a mutant core that places
     imports whatever the pause."""
     if gate_late:
-        original = EngineCore._import_request
-
-        def late(self, cmd):
-            paused, self.paused = self.paused, None  # the gate checked too late: as if not paused yet
-            try:
-                original(self, cmd)
-            finally:
-                self.paused = paused
-        monkeypatch.setattr(EngineCore, "_import_request", late)
+        gate_imports_late(monkeypatch)
 
     async def go():
         with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d:
