@@ -92,13 +92,13 @@ def _rank_main(rank, port, results, size, make_requests, config, plan, work=gene
 
 def rank_processes():
     """The multiprocessing context rank processes start in: forked from multiprocessing's fork server, which imported
-    torch and the engine once, instead of each rank a fresh interpreter importing them again (about 2.5 s of CPU a
-    rank). Nothing runs in the server but those imports (no threads, process group or device), so a fork of it is as
-    clean as a spawn; the rank then imports its test module as a spawned one would. (The server does not get the
-    tests' directory on its path: it preloads packages only. A module it cannot import is skipped, not an error.)"""
+    torch, the engine and the trainer once, instead of each rank a fresh interpreter importing them again (about
+    2.5 s of CPU a rank). Nothing runs in the server but those imports (no threads, process group or device), so a
+    fork of it is as clean as a spawn; the rank then imports its test module as a spawned one would. (The server
+    does not get the tests' directory on its path: it preloads packages only; one it cannot import is skipped.)"""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "tandem.engine.engine", "tandem.run.tp",
-                                "tandem.distributed.faults"])  # (read when the server starts: at the first rank)
+                                "tandem.distributed.faults", "tandem.trainer.trainer"])  # (read as the server starts)
     return ctx
 
 
