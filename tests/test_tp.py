@@ -93,9 +93,13 @@ def _rank_main(rank, port, results, size, make_requests, config, plan, work=gene
 def rank_processes():
     """The multiprocessing context rank processes start in: forked from multiprocessing's fork server, which imported
     torch, the engine and the trainer once, instead of each rank a fresh interpreter importing them again (about
-    2.5 s of CPU a rank). Nothing runs in the server but those imports (no threads, process group or device), so a
-    fork of it is as clean as a spawn; the rank then imports its test module as a spawned one would. (The server
-    does not get the tests' directory on its path: it preloads packages only; one it cannot import is skipped.)"""
+    2.5 s of CPU a rank). Nothing runs in the server but those imports (no process group, device or work), so a
+    fork of it is as clean as a DataLoader worker's; the rank then imports its test module as a spawned one would.
+    (The server does not get the tests' directory on its path: it preloads packages only; one it cannot import is
+    skipped.) Ranks on GPUs (TANDEM_TP_BACKEND=nccl) are spawned as before: nothing may have touched CUDA before
+    their fork, and the GPU run is no place to find out that an import did."""
+    if BACKEND == "nccl":
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "tandem.engine.engine", "tandem.run.tp",
                                 "tandem.distributed.faults", "tandem.trainer.trainer"])  # (read as the server starts)
