@@ -95,8 +95,9 @@ def test_tandem_run_trains_the_chat_agent(tmp_path):
     """On the tiny random model: reward from answering with a number, then with right ones (see chat_agent). The
     first step trains on tokens sampled under the trainer's own weights: equal logprobs prove the episode holds
     exactly the sampled ids."""
+    # (lr 3e-2 climbs in 16 steps as far as 2e-2 did in 20: the last five steps' mean reward ~0.23 against ~0.20)
     run, history, _ = run_recording(RunConfig.load(None, [
-        "task=chat_agent", "steps=20", "trainer.lr=2e-2", "rollout.group_size=8", f"out_dir={tmp_path}"]))
+        "task=chat_agent", "steps=16", "trainer.lr=3e-2", "rollout.group_size=8", f"out_dir={tmp_path}"]))
     rewards = [h["reward_mean"] for h in history]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first < 0.1 and last > first + 0.1, rewards

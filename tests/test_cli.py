@@ -32,10 +32,21 @@ def healthy(port: int) -> bool:
         return False
 
 
+# a small batch of short episodes: a step takes a fraction of a second, so the run is interrupted soon after its
+# second step and the step it is in when SIGINT comes finishes quickly (the default's batch of 16 long episodes made
+# that minutes on a loaded machine)
+SMALL_RUN = ["rollout.batch_groups=2", "rollout.group_size=2", "rollout.num_in_flight=8",
+             "random_agent.prompt_len_max=20", "random_agent.response_len_median=4", "random_agent.response_len_max=16",
+             "random_agent.max_context=128"]
+
+
 def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
+    """SIGINT saves a checkpoint at the last recorded step and exits 130. (`checkpoint_every=0`: no periodic
+    checkpoint, so the one found can only be the interrupt's.)"""
     metrics = tmp_path / "metrics.jsonl"
-    proc = subprocess.Popen([*TANDEM, "run", "steps=100000", f"out_dir={tmp_path}"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([*TANDEM, "run", "steps=100000", "checkpoint_every=0", *SMALL_RUN, f"out_dir={tmp_path}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 120, "two steps")
         proc.send_signal(signal.SIGINT)
@@ -50,7 +61,7 @@ def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
+def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp, capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -67,8 +78,11 @@ def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp):
         proc.wait(timeout=30)
     log = proc.stdout.read()
     assert b"KV cache: 64 device pages" in log and (b"128 host pages" in log) == (tp == 2)  # the start-up sizes
-    bad = subprocess.run([*TANDEM, "serve", "--model", "no-such-model"], capture_output=True, timeout=60)
-    assert bad.returncode == 2 and b"neither a preset" in bad.stderr
+    from tandem.cli import main  # (in this process: the same `main` a subprocess runs, without its second start-up)
+
+    with pytest.raises(SystemExit) as bad:
+        main(["serve", "--model", "no-such-model"])
+    assert bad.value.code == 2 and "neither a preset" in capsys.readouterr().err
 
 
 def test_serve_choices_are_the_configs(capsys):

@@ -3,6 +3,7 @@ controls: test_engine_rl.py)."""
 
 import asyncio
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -101,11 +102,23 @@ def test_multi_turn_conversation_prefills_only_new_tokens():
             history = prompt + out.output_ids
 
 
-def _alone_and_together(config, n=64):
+def _workload(n):
     ps = prompts(n, 512, 2, 60, seed=4)
     params = [SamplingParams(temperature=0, max_new_tokens=1 + (7 * i) % 23, ignore_eos=True) for i in range(n)]
+    return ps, params
+
+
+@functools.cache
+def _alone(n) -> list[list[int]]:
+    """Each request of `_workload(n)` run alone, one after another (greedy: the reference both tests below compare
+    with, computed once)."""
     with Engine("tiny", EngineConfig(page_size=4, num_pages=512, enable_prefix_cache=False)) as engine:
-        alone = [asyncio.run(engine.generate(p, sp)).output_ids for p, sp in zip(ps, params, strict=True)]
+        return [asyncio.run(engine.generate(p, sp)).output_ids for p, sp in zip(*_workload(n), strict=True)]
+
+
+def _alone_and_together(config, n=64):
+    ps, params = _workload(n)
+    alone = _alone(n)
     with Engine("tiny", config) as engine:
         async def go():
             return await asyncio.gather(*[engine.generate(p, sp) for p, sp in zip(ps, params, strict=True)])

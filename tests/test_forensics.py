@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_flight_recorder import wait_for_dumps
+from test_tp import rank_processes
 from torch.torch_version import TorchVersion
 
 from tandem.distributed import collectives, faults
@@ -100,10 +100,11 @@ def run_trial(rank: int, world_size: int, trial: dict, heal) -> dict:
 
 
 class Ranks:
-    """`world_size` spawned ranks that run trials on request; always joined, then terminated, then killed."""
+    """`world_size` rank processes (forked from test_tp's fork server, which imported torch once) that run trials
+    on request; always joined, then terminated, then killed."""
 
     def __init__(self, world_size: int):
-        ctx = mp.get_context("spawn")
+        ctx = rank_processes()
         self.world_size, self.num_trials = world_size, 0
         self.inboxes, self.outbox, self.heal = [ctx.Queue() for _ in range(world_size)], ctx.Queue(), ctx.Queue()
         self.procs = [ctx.Process(target=rank_main, args=(rank, world_size, self.inboxes[rank], self.outbox, self.heal),

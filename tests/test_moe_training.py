@@ -151,7 +151,7 @@ def test_with_the_balance_the_step_is_independent_of_packing_and_checkpointing()
 def test_bf16_compute_trains_a_moe_model_with_the_balance():
     trainer = make_trainer(param_dtype="bfloat16", lr=1e-2, load_balancing_coef=0.01)
     groups = make_groups(seed=4)
-    steps = [trainer.step(groups) for _ in range(4)]
+    steps = [trainer.step(groups) for _ in range(3)]  # (losses 0.03, -0.28, -0.48: the third clears the bar by 0.2)
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.3, [s["loss"] for s in steps]
     assert all(math.isfinite(s["load_balancing_loss"]) for s in steps)
 

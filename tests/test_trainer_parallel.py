@@ -4,7 +4,6 @@ ranks (the same step as one process, and a falsifier for the global token normal
 
 import datetime
 import io
-import multiprocessing
 import queue
 import random
 import shutil
@@ -14,6 +13,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from test_tp import rank_processes
 
 from tandem.config import LossConfig, TrainerConfig
 from tandem.model.loader import build_model
@@ -249,7 +249,7 @@ def run_fsdp(world, groups, out_dir, timeout=120) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_processes()
     results = ctx.Queue()
     procs = [ctx.Process(target=_fsdp_rank, args=(r, world, port, groups, out_dir, results)) for r in range(world)]
     for p in procs:
