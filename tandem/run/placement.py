@@ -260,9 +260,11 @@ class Separate(Placement):
         reply = self._loads.submit(self._load, version)  # first: its receive takes an aborted transfer too
         try:
             posted = sender.post(named_weights, version)
-        except BaseException:
+        except BaseException as posting:
             with contextlib.suppress(BaseException):  # (the engine's process refuses the aborted transfer)
                 await asyncio.wrap_future(reply)
+            if not reply.cancelled() and isinstance(reply.exception(), EngineUnreachable):  # it died: its end says more
+                raise reply.exception() from posting
             raise
 
         def close(ordered: bool) -> None:
