@@ -261,10 +261,9 @@ class EngineCore(DecodeImports):
         kv = routed = None
         pinned = req.rid in self._pinned_exports
         self._pinned_exports.discard(req.rid)
-        if any(r is req for r, _ in self._held):
-            for r, held in self._held:
-                if r is req:
-                    held.settle()
+        if held := [kv for r, kv in self._held if r is req]:
+            for kv_held in held:
+                kv_held.settle()
             self._held = [(r, pages) for r, pages in self._held if r is not req]
             req.status, req.finish_reason = Status.FINISHED, reason
         else:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import array
 import contextlib
 import functools
+import math
 import os
 import time
 import weakref
@@ -74,7 +75,7 @@ class MappedPool:
                 with torch.cuda.device(index):
                     self.k, self.v = (ipc_open(part, dtype, index) for part in handle["tensors"])
             elif handle["kind"] == "cpu":
-                path, nbytes = str(handle["path"]), 2 * _numel(shape) * dtype.itemsize
+                path, nbytes = str(handle["path"]), 2 * math.prod(shape) * dtype.itemsize
                 if not path.startswith("/proc/") or (size := os.path.getsize(path)) != nbytes:
                     raise ValueError(f"{path} is not a pool of {nbytes} bytes")
                 kv = torch.from_file(path, shared=True, size=size, dtype=torch.uint8).view(dtype).view(2, *shape)
@@ -86,13 +87,6 @@ class MappedPool:
                 from None
         if list(self.k.shape) != shape or self.k.dtype != dtype:
             raise ValueError(f"kv transfer: the mapped pool is {tuple(self.k.shape)} {self.k.dtype}, not {shape}")
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 @functools.lru_cache(maxsize=16)

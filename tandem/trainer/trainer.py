@@ -320,7 +320,7 @@ class Trainer:
         PyTorch's state dicts): save or copy them before the next `step`. Under FSDP: collective, full (unsharded)
         tensors on CPU on rank 0, empty model and optimizer states on the other ranks."""
         if self.cfg.fsdp:
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # (imports dynamo)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict  # (slow to import)
 
             model, optimizer = get_state_dict(self.master, self.optimizer,
                                               options=StateDictOptions(full_state_dict=True, cpu_offload=True))
