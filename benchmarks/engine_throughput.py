@@ -218,7 +218,7 @@ def main() -> None:
             from moe_throughput import top_kernels
 
             with torch.inference_mode():
-                rows, total = top_kernels(decode_step(engine, args.profile_batch), engine.runner.device, top=16)
+                rows, total, _ = top_kernels(decode_step(engine, args.profile_batch), engine.runner.device, top=16)
             print(f"\none decode step at batch {args.profile_batch}, context 1024: {total / 1e3:.3f} ms of kernels\n"
                   "| kernel | calls / step | us / step | share |\n|---|---|---|---|")
             for k in rows:

@@ -150,10 +150,31 @@ def step_bytes(model: Qwen3ForCausalLM, batch: int, context: int, touched: list[
     return {"dense": dense + embed, "experts": sum(touched) * per_expert, "kv": batch * context * kv_per_token}
 
 
+def expected_experts(batch: int, num_experts: int, k: int) -> float:
+    """The distinct experts a MoE layer reads for `batch` tokens that each route to k distinct experts uniformly
+    at random (random weights route about so; (d) prints the counts measured beside it)."""
+    return num_experts * (1 - (1 - k / num_experts) ** batch)
+
+
+def bandwidth_bound(prompts, outputs, model: Qwen3ForCausalLM, bandwidth: float) -> float:
+    """Output tokens a second that the workload's bytes allow, as `engine_throughput.bandwidth_bound` for a dense
+    model: every decode step reads `step_bytes` for the sequences still running (the experts their tokens are
+    expected to touch, `expected_experts`) at `bandwidth`; prefill's compute and the KV writes left out, so no run
+    can beat it."""
+    cfg, blocks = model.config, len(model.moe_blocks)
+    one = step_bytes(model, 1, 1, [1])  # the dense weights and one row's embedding, one expert, one token's KV
+    seconds = 0.0
+    for s in range(max(outputs)):
+        contexts = [len(p) + s for p, n in zip(prompts, outputs, strict=True) if n > s]
+        touched = blocks * expected_experts(len(contexts), cfg.num_experts, cfg.num_experts_per_tok)
+        seconds += (one["dense"] + touched * one["experts"] + sum(contexts) * one["kv"]) / bandwidth
+    return sum(outputs) / seconds
+
+
 # ---- (e) profile -----------------------------------------------------------------------------------------------
-def top_kernels(step, device: torch.device, steps: int = 5, top: int = 12) -> tuple[list[dict], float]:
-    """(the top kernels of `steps` calls of `step` by time, per step; the step's total kernel microseconds). On a
-    CPU the rows are operators by self CPU time."""
+def top_kernels(step, device: torch.device, steps: int = 5, top: int = 12) -> tuple[list[dict], float, float]:
+    """(the top kernels of `steps` calls of `step` by time, per step; the step's total kernel microseconds; its
+    kernel launches). On a CPU the rows are operators by self CPU time, and the launches operator calls."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -173,7 +194,7 @@ def top_kernels(step, device: torch.device, steps: int = 5, top: int = 12) -> tu
     total = sum(us(e) for e in events) / steps
     rows = [{"kernel": e.key[:100], "calls": e.count / steps, "us": us(e) / steps, "share": us(e) / steps / total}
             for e in sorted(events, key=us, reverse=True)[:top]]
-    return rows, total
+    return rows, total, sum(e.count for e in events) / steps
 
 
 def print_tables(results: dict, args: argparse.Namespace, num_experts: int, bw: float) -> None:
@@ -190,17 +211,19 @@ def print_tables(results: dict, args: argparse.Namespace, num_experts: int, bw: 
                   f"{row['tok_s']:,.0f} | {row['tok_s'] / hf_tok_s[b]:.1f}x |")
     print(f"\n(d) decode step at context {args.context} ({args.iters} steps timed a batch size); bytes = dense "
           "weights + embedding rows, touched experts, KV:\n")
-    print("| batch | step ms | tok/s | experts touched / layer (min-max) | dense + experts + KV GB | achieved GB/s "
-          "| of copy BW |\n|---|---|---|---|---|---|---|")
+    print("| batch | step ms | tok/s | experts touched / layer (min-max; uniform routing's expectation) | dense + "
+          "experts + KV GB | achieved GB/s | of copy BW |\n|---|---|---|---|---|---|---|")
     for row in sweep:
         t, gb = row["experts_touched"], {k: v / 1e9 for k, v in row["bytes"].items()}
         print(f"| {row['batch']} | {row['step_s'] * 1e3:.2f} | {row['tok_s']:,.0f} | {sum(t) / len(t):.1f} of "
-              f"{num_experts} ({min(t)}-{max(t)}) | {gb['dense']:.2f} + {gb['experts']:.2f} + {gb['kv']:.2f} "
-              f"| {row['bytes_per_s'] / 1e9:,.0f} | {row['bytes_per_s'] / bw:.0%} |")
+              f"{num_experts} ({min(t)}-{max(t)}; {row['expected_experts']:.1f}) | {gb['dense']:.2f} + "
+              f"{gb['experts']:.2f} + {gb['kv']:.2f} | {row['bytes_per_s'] / 1e9:,.0f} | "
+              f"{row['bytes_per_s'] / bw:.0%} |")
     profile = results["profile"]
     what = "kernels" if args.device.startswith("cuda") else "operators (CPU: self time)"
     print(f"\n(e) one decode step at batch {profile['batch']}, context {args.context}, by torch.profiler: "
-          f"{profile['kernel_us_per_step'] / 1e3:.2f} ms in {what}; the top {len(profile['top'])}:\n")
+          f"{profile['kernel_us_per_step'] / 1e3:.2f} ms in {profile['launches_per_step']:,.0f} {what}; the top "
+          f"{len(profile['top'])}:\n")
     print("| kernel | calls / step | us / step | share |\n|---|---|---|---|")
     for k in profile["top"]:
         print(f"| `{k['kernel'][:80]}` | {k['calls']:g} | {k['us']:,.0f} | {k['share']:.0%} |")
@@ -293,9 +316,13 @@ def workload_part(engine, config, args, results: dict, hf_runs: dict) -> None:
     steps = results["workload_steps"] = asyncio.run(engine.get_stats()).num_steps - before.num_steps
     hf_best = max(hf_tok_s.values())
     results["workload_over_hf_best"] = tok_s / hf_best
+    bound = results["workload_bound_tok_s"] = bandwidth_bound(prompts, outputs, engine.model,
+                                                               results["copy_bytes_per_s"])
     print(f"(b) {args.num_seqs} sequences, in/out uniform {args.lengths}: **{tok_s:,.0f} output tok/s** "
           f"({steps} steps); HF generate's best (batch {max(hf_tok_s, key=hf_tok_s.get)}): {hf_best:,.1f} tok/s; "
-          f"tandem / HF = **{tok_s / hf_best:.1f}x**\n")
+          f"tandem / HF = **{tok_s / hf_best:.1f}x**")
+    print(f"    the workload's bandwidth bound (weights, expected experts and running KV each step, at the copy's "
+          f"bandwidth): {bound:,.0f} tok/s = {bound / hf_best:.1f}x HF; measured {tok_s / bound:.0%} of it\n")
 
     # (c) the same jobs through the engine
     jobs = {b: asyncio.run(engine_job(engine, b, args.new_tokens)) for b in args.batches}
@@ -317,10 +344,13 @@ def decode_part(engine, model, args, results: dict, device) -> None:
             sec = seconds_per_call(step, args.iters, device)
             touched = experts_touched(model, lambda b=batch: engine.runner._forward_decode(b, width))
             read = step_bytes(model, batch, args.context, touched)
+            expected = expected_experts(batch, model.config.num_experts, model.config.num_experts_per_tok)
             sweep.append({"batch": batch, "step_s": sec, "tok_s": batch / sec, "bytes": read,
+                          "expected_experts": expected,
                           "experts_touched": touched, "bytes_per_s": sum(read.values()) / sec})
-        kernels, kernel_us = top_kernels(sweep_step(engine, args.profile_batch, args.context, gen), device)
-    results["profile"] = {"batch": args.profile_batch, "kernel_us_per_step": kernel_us, "top": kernels}
+        kernels, kernel_us, launches = top_kernels(sweep_step(engine, args.profile_batch, args.context, gen), device)
+    results["profile"] = {"batch": args.profile_batch, "kernel_us_per_step": kernel_us, "top": kernels,
+                          "launches_per_step": launches}
 
 
 def main() -> None:

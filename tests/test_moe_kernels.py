@@ -1,4 +1,5 @@
-"""The mixture-of-experts kernel (`tandem.kernels.moe.fused_experts`) against `Qwen3Experts.reference`.
+"""The mixture-of-experts kernels (`tandem.kernels.moe.fused_experts` against `Qwen3Experts.reference`, the
+routing's `tandem.kernels.moe_routing` against `route` and the sort).
 
 Without CUDA the kernel runs under Triton's CPU interpreter, so those cases stay tiny (hidden and intermediate
 sizes that are not powers of two and not multiples of a block, tiles of one expert that spill into a second);
@@ -22,6 +23,7 @@ from tandem.config import PRESETS, EngineConfig  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
 from tandem.kernels import moe as moe_kernels  # noqa: E402
 from tandem.kernels.moe import _tiles, fused_experts  # noqa: E402
+from tandem.kernels.moe_routing import route_topk  # noqa: E402
 from tandem.model.attention import PackedCausal  # noqa: E402
 from tandem.model.loader import build_model  # noqa: E402
 from tandem.model.moe import Qwen3Experts, route  # noqa: E402
@@ -144,19 +146,25 @@ def test_deterministic():
     assert torch.equal(fused_experts(*args), fused_experts(*args))
 
 
-@pytest.mark.parametrize("grouping", ["as chosen", "sorted"])
+@pytest.mark.parametrize("grouping", ["as chosen", "one launch", "sorted"])
 @pytest.mark.parametrize("block_m", [16, 32, 64])
-@pytest.mark.parametrize("T,E,k", [(1, 128, 8), (300, 8, 2), (50, 3, 3)])
+@pytest.mark.parametrize("T,E,k", [(1, 128, 8), (300, 8, 2), (50, 3, 3), (64, 128, 8)])
 def test_tiles_hold_each_local_pair_once(T, E, k, block_m, grouping, monkeypatch):
     """The grouping at every tile height the GPU uses (the interpreter runs only 16), by each of its ways (a tile
-    per pair, sorting): each pair of a local expert in exactly one tile, of that expert and at most
-    block_m tall; another rank's pairs in none."""
-    if grouping == "sorted":
+    per pair, one launch, sorting): each pair of a local expert in exactly one tile, of that expert and at most
+    block_m tall, the tiles in use first and of experts in order; another rank's pairs in none; `order` a
+    permutation of the pairs."""
+    if grouping != "as chosen":
         monkeypatch.setattr(moe_kernels, "PAIR_TILES_UPTO", 0)
+    if grouping == "sorted":
+        monkeypatch.setattr(moe_kernels, "GROUP_IN_ONE_LAUNCH_UPTO", 0)
     gen = torch.Generator().manual_seed(T)
-    ids = torch.randint(-3, E + 3, (T, k), generator=gen)
+    ids = torch.randint(-3, E + 3, (T, k), generator=gen).to(DEVICE)
     ids[: T // 2, 0] = E - 1  # imbalance
     order, tiles = _tiles(ids, E, block_m)
+    order, tiles, ids = order.cpu().long(), tiles.cpu(), ids.cpu()
+    assert tiles.shape == (3, T * k // block_m + min(E, T * k))
+    assert sorted(order.tolist()) == list(range(T * k))
     seen = torch.zeros(T * k, dtype=torch.int64)
     for expert, first, end in tiles.T.tolist():
         assert 0 <= end - first <= block_m
@@ -165,6 +173,28 @@ def test_tiles_hold_each_local_pair_once(T, E, k, block_m, grouping, monkeypatch
         seen[rows] += 1
     local = (ids >= 0) & (ids < E)
     assert torch.equal(seen, local.reshape(-1).long())
+    used = tiles[2] > tiles[1]
+    assert not used[used.sum():].any(), "the tiles in use come first"
+    if grouping != "as chosen" or T * k > moe_kernels.PAIR_TILES_UPTO:
+        assert torch.equal(tiles[0, used], tiles[0, used].sort().values), "tiles in expert order"
+
+
+@pytest.mark.parametrize("T,E,k,normalize", [(1, 128, 8, True), (37, 60, 4, False), (20, 3, 3, True)])
+def test_route_kernel_equals_route(T, E, k, normalize):
+    """The router's top-k in one kernel: the same experts in the same order as `route`, and its weights within
+    fp32's last bits (its exponential and its sum's order are not PyTorch's)."""
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    weights, ids = route_topk(logits, k, normalize)
+    want_weights, want_ids = route(logits, k, normalize)
+    assert ids.dtype == want_ids.dtype and torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_weights, rtol=4e-7, atol=1e-7)
+
+
+def test_route_kernel_takes_the_lowest_expert_among_equal_logits():
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 1.0]], device=DEVICE)
+    weights, ids = route_topk(logits, 4, normalize=False)
+    assert ids.tolist() == [[1, 3, 2, 4]]
+    torch.testing.assert_close(weights, torch.softmax(logits, -1)[:, [1, 3, 2, 4]])
 
 
 @pytest.mark.parametrize("lens", [[5, 3], [13, 9]], ids=["small-rows", "wide"])
@@ -178,7 +208,8 @@ def test_use_fused_kernels_runs_the_experts_through_the_kernel(lens):
     with torch.no_grad():
         want = model(ids, positions, PackedCausal(lens))
         model.use_fused_kernels()
-        assert model.moe_blocks and all(b.experts.kernel is fused_experts for b in model.moe_blocks)
+        assert model.moe_blocks and all(b.experts.kernel is fused_experts and b.route_kernel is route_topk
+                                        for b in model.moe_blocks)
         out = model(ids, positions, PackedCausal(lens))
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
 
@@ -207,6 +238,22 @@ def realistic_routing(T, first=0, seed=0):
 @pytest.mark.parametrize("T", [1, 64, 300])
 def test_kernel_equals_reference_at_qwen3_30b_shape_gpu(T):
     check(realistic_experts(), *realistic_routing(T))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 300])
+def test_route_kernel_at_qwen3_30b_shape_gpu(T):
+    """bf16 router logits of 128 experts, top 8: the same weights as `route`, and the same experts in every row
+    whose 8th and 9th largest logits differ (equal ones may be taken in another order, or the other one)."""
+    logits = randn(T, QWEN3_30B.num_experts, dtype=torch.bfloat16, seed=T)
+    k = QWEN3_30B.num_experts_per_tok
+    weights, ids = route_topk(logits, k, normalize=True)
+    want_weights, want_ids = route(logits, k, normalize=True)
+    torch.testing.assert_close(weights.float(), want_weights.float(), rtol=2 ** -7, atol=0)
+    top = logits.float().topk(k + 1, dim=-1).values
+    clear = top[:, k - 1] > top[:, k]
+    assert clear.float().mean() > 0.5
+    assert torch.equal(ids[clear].sort(-1).values, want_ids[clear].sort(-1).values)
 
 
 @pytest.mark.gpu

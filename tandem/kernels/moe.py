@@ -1,9 +1,10 @@
 """The mixture-of-experts layer's experts on the GPU: a grouped SwiGLU MLP over each token's routed experts.
 
 `fused_experts` has `Qwen3Experts.reference`'s contract. Three steps:
-  - group: the (token, slot) pairs are sorted by expert with PyTorch ops that never read a value on the host, and
-    cut into tiles of at most BLOCK_M pairs of one expert (`_tiles`); pairs of another rank's experts sort last,
-    into no tile.
+  - group: the (token, slot) pairs are grouped by expert without reading a value on the host (one kernel launch
+    for decode's numbers of pairs, `tandem.kernels.moe_routing.group_pairs`; a sort of PyTorch's beyond) and cut
+    into tiles of at most BLOCK_M pairs of one expert (`_tiles`); pairs of another rank's experts go last, into no
+    tile.
   - gate/up kernel, one program per (tile, block of I): the tile's tokens times its expert's gate and up rows,
     SiLU-and-multiply in the epilogue, into an activation row per pair (in sorted order).
   - down kernel, one program per (tile, block of H): the activations times the expert's down matrix, scaled by
@@ -27,6 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tandem.kernels.moe_routing import group_pairs
 
 
 def _interpreted() -> bool:
@@ -126,6 +129,8 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
         order = torch.arange(M, device=device)
         end = torch.where(keys < E, order + 1, order)  # (another rank's pair: an empty tile)
         return order, torch.stack([keys.clamp(max=E - 1), order, end]).to(torch.int32)
+    if M <= GROUP_IN_ONE_LAUNCH_UPTO:
+        return group_pairs(local_ids_TK, E, block_m)
     sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
     bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))
     num_expert_tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m
@@ -144,6 +149,10 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 # Up to this many pairs (decode at a batch of a few tokens) each pair is its own tile: the grouping's sort and
 # searches cost more than reading an expert twice when two of so few pairs share it.
 PAIR_TILES_UPTO = 32
+# Up to this many pairs (decode and small mixed steps) the grouping is one launch of one program
+# (`tandem.kernels.moe_routing.group_pairs`); a program loops over the pairs, so beyond it a sort of PyTorch's,
+# whose dozen kernels spread over the GPU, is faster.
+GROUP_IN_ONE_LAUNCH_UPTO = 4096
 
 
 def _blocks(num_pairs: int, num_experts: int) -> tuple[int, int, int, int, int]:

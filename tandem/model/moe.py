@@ -61,7 +61,7 @@ class Qwen3Experts(nn.Module):
     def forward(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
         """Each token's sum of weight * expert(x) over its routed experts (all of them: this rank's summed with
         the other ranks' over `ep`)."""
-        local_TK = ids_TK - self.start  # this rank's experts are 0..num_local-1; the others' fall outside
+        local_TK = ids_TK - self.start if self.start else ids_TK  # this rank's: 0..num_local-1; others' outside
         if self.kernel is not None:
             out = self.kernel(x_TH, self.gate_up_proj, self.down_proj, local_TK, weights_TK)
         else:
@@ -97,10 +97,14 @@ class Qwen3SparseMoeBlock(nn.Module):
         self.keep_router_logits, self.router_logits = False, None
         self.capture: tuple[torch.Tensor, torch.Tensor] | None = None
         self.replay: torch.Tensor | None = None
+        self.route_kernel = None  # a fused `route` without a recorded routing (the GPU's; None: `route`)
 
     def forward(self, x_TH: torch.Tensor) -> torch.Tensor:
         logits_TE = self.gate(x_TH)
-        weights_TK, ids_TK = route(logits_TE, self.top_k, self.normalize, self.replay)
+        if self.route_kernel is not None and self.replay is None:
+            weights_TK, ids_TK = self.route_kernel(logits_TE, self.top_k, self.normalize)
+        else:
+            weights_TK, ids_TK = route(logits_TE, self.top_k, self.normalize, self.replay)
         if self.keep_router_logits:
             self.router_logits = logits_TE
         if self.routing_checksum is not None:

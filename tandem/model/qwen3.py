@@ -205,7 +205,7 @@ class Qwen3ForCausalLM(nn.Module):
         a shape those kernels cannot take is refused here (`check_kernel_shapes`), before any step. `small`: steps
         of few rows on one tensor-parallel rank through `tandem.kernels.small_linear` (`_forward_small`)."""
         self.check_kernel_shapes()
-        from tandem.kernels import fused, moe
+        from tandem.kernels import fused, moe, moe_routing
 
         self.fused = fused
         if small and self.tp.size == 1:  # (under TP a projection's output is all-reduced before the residual add)
@@ -215,6 +215,7 @@ class Qwen3ForCausalLM(nn.Module):
             self.small_arrived = small_linear.arrival_counts(next(self.parameters()).device)
         for block in self.moe_blocks:
             block.experts.kernel = moe.fused_experts
+            block.route_kernel = moe_routing.route_topk
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_weight = _concatenate_as_views(attn.q_proj, attn.k_proj, attn.v_proj)
