@@ -43,6 +43,7 @@ from engine_throughput import (
 from tandem.config import EngineConfig, resolve_model
 from tandem.distributed.parallel import cdiv
 from tandem.engine.engine import Engine
+from tandem.kernels import moe as moe_kernels
 from tandem.model.loader import build_model
 from tandem.model.moe import route
 from tandem.model.qwen3 import Qwen3ForCausalLM
@@ -112,6 +113,30 @@ def sweep_step(engine: Engine, batch: int, context: int, gen: torch.Generator):
     step = decode_step(engine, batch, context)
     engine.runner.ids_B[:batch].copy_(torch.randint(engine.model_config.vocab_size, (batch,), generator=gen))
     return step
+
+
+def torch_routing_step_seconds(engine: Engine, batch: int, context: int, iters: int) -> float:
+    """One decode step (a graph of its own, captured here) with the routing by PyTorch ops: `route` and the sorted
+    grouping instead of `tandem.kernels.moe_routing`'s one launch each (the same-run A/B of those kernels)."""
+    blocks = engine.model.moe_blocks
+    kernels, upto = [b.route_kernel for b in blocks], moe_kernels.GROUP_IN_ONE_LAUNCH_UPTO
+    width = cdiv(context, engine.pool.page_size)
+    for b in blocks:
+        b.route_kernel = None
+    moe_kernels.GROUP_IN_ONE_LAUNCH_UPTO = 0
+    try:
+        with torch.inference_mode():
+            engine.runner._forward_decode(batch, width)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                engine.runner._forward_decode(batch, width)
+            seconds = seconds_per_call(graph.replay, iters, engine.runner.device)
+        del graph
+        return seconds
+    finally:
+        for b, kernel in zip(blocks, kernels, strict=True):
+            b.route_kernel = kernel
+        moe_kernels.GROUP_IN_ONE_LAUNCH_UPTO = upto
 
 
 def experts_touched(model: Qwen3ForCausalLM, step) -> list[int]:
@@ -243,6 +268,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-batch", type=int, default=64)
     parser.add_argument("--iters", type=int, default=20, help="decode sweep: timed steps per batch size")
     parser.add_argument("--decode-only", action="store_true", help="only the decode sweep (d) and profile (e)")
+    parser.add_argument("--routing-ab", action="store_true", help="(d) also with the routing by PyTorch ops (GPU)")
     return parse_with_quick(parser, QUICK)
 
 
@@ -344,9 +370,14 @@ def decode_part(engine, model, args, results: dict, device) -> None:
             sec = seconds_per_call(step, args.iters, device)
             touched = experts_touched(model, lambda b=batch: engine.runner._forward_decode(b, width))
             read = step_bytes(model, batch, args.context, touched)
+            torch_routing = None
+            if args.routing_ab and device.type == "cuda":
+                torch_routing = torch_routing_step_seconds(engine, batch, args.context, args.iters)
+                print(f"(d) batch {batch}: {sec * 1e3:.2f} ms a step; routing by PyTorch ops: "
+                      f"{torch_routing * 1e3:.2f} ms")
             expected = expected_experts(batch, model.config.num_experts, model.config.num_experts_per_tok)
             sweep.append({"batch": batch, "step_s": sec, "tok_s": batch / sec, "bytes": read,
-                          "expected_experts": expected,
+                          "expected_experts": expected, "torch_routing_step_s": torch_routing,
                           "experts_touched": touched, "bytes_per_s": sum(read.values()) / sec})
         kernels, kernel_us, launches = top_kernels(sweep_step(engine, args.profile_batch, args.context, gen), device)
     results["profile"] = {"batch": args.profile_batch, "kernel_us_per_step": kernel_us, "top": kernels,
