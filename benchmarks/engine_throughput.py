@@ -11,6 +11,8 @@
     `EngineConfig.small_batch_kernels`) is timed again with its projections as plain matrix multiplies (the
     model's `_forward_fused`, a graph captured for it), the same run's A/B of the few-row fusions.
     `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
+    `--profile-workload`: a third run of (a) under torch.profiler: the share of its wall time in which the GPU ran
+    a kernel (the union of the kernels' intervals), and its top kernels: is the workload bound by the device?
 (c) with `--hf`: workload (a) through Hugging Face `generate` (all sequences in one left-padded batch, greedy,
     max_new_tokens = the longest output; only each sequence's requested tokens count), and the ratio.
 """
@@ -151,6 +153,32 @@ def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
     return sum(outputs) / elapsed
 
 
+def profile_workload(engine: Engine, prompts, outputs, top: int = 16) -> None:
+    """Run workload (a) under torch.profiler and print how busy the GPU was, and the kernels it ran longest."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        tok_s = asyncio.run(run_workload(engine, prompts, outputs))
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy, end = 0.0, float("-inf")  # the union of the kernels' [start, end) intervals, in us
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+        busy += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    print(f"\n(a) under the profiler: {tok_s:,.0f} output tok/s, {wall:.2f} s; a kernel ran on the GPU "
+          f"{busy / 1e6:.2f} s of it ({busy / 1e6 / wall:.0%}), {len(kernels):,} kernels\n"
+          "| kernel | calls | s | share of the busy time |\n|---|---|---|---|")
+    totals: dict[str, list] = {}
+    for e in kernels:
+        row = totals.setdefault(e.name[:80], [0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us()
+    for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| `{name}` | {calls:,} | {us / 1e6:.3f} | {us / busy:.0%} |")
+
+
 def bandwidth_bound(prompts, outputs, weight_bytes: int, kv_per_token: int, bandwidth: float) -> float:
     """Output tokens a second that the workload's bytes allow: every decode step reads the weights and the KV of
     every sequence still running (all admitted at once, as the pool holds them all), at `bandwidth` (the copy's, as
@@ -172,6 +200,7 @@ def main() -> None:
     parser.add_argument("--small-ab", action="store_true", help="time batches of few rows without their fusions too")
     parser.add_argument("--profile-batch", type=int, help="the top kernels of a decode step at this batch")
     parser.add_argument("--skip-workload", action="store_true", help="only the decode sweep")
+    parser.add_argument("--profile-workload", action="store_true", help="(a) a third time, under the profiler")
     args = parser.parse_args()
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
@@ -205,6 +234,9 @@ def main() -> None:
             bound = bandwidth_bound(prompts, outputs, weight_bytes, kv_per_token, bw)
             print(f"    the workload's bandwidth bound (weights and running KV each step, at the copy's bandwidth): "
                   f"{bound:,.0f} tok/s; measured {tok_s / bound:.0%} of it")
+            if args.profile_workload:
+                asyncio.run(engine.flush_cache())
+                profile_workload(engine, prompts, outputs)
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
               "fusions: step ms |\n|---|---|---|---|---|---|---|")
         for batch in args.batches:
