@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.moe_routing import group_pairs
+from tandem.kernels.moe_routing import group_pairs, pair_tiles
 
 
 def _interpreted() -> bool:
@@ -116,21 +116,19 @@ def _down_kernel(act_ptr, w_ptr, order_ptr, tiles_ptr, weights_ptr, y_ptr, num_t
 
 def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs grouped by expert, on the device (no host sync; sizes from M and E only); up to
-    `PAIR_TILES_UPTO` pairs, a tile per pair instead.
+    `PAIR_TILES_UPTO` pairs, a tile per pair instead; up to `GROUP_IN_ONE_LAUNCH_UPTO`, in one launch.
 
     Returns (order [M]: flat pair indices t * k + slot sorted by expert, the other ranks' pairs last;
     tiles [3, N] int32: each tile's expert, first and end row of `order`). A tile holds at most `block_m` pairs
     of one expert; N = M // block_m + min(E, M) bounds the tiles in use (an expert with c pairs takes
     ceil(c / block_m) <= c // block_m + 1 tiles), and the tiles past those are empty (first row == end row)."""
     M, E, device = local_ids_TK.numel(), num_experts, local_ids_TK.device
-    ids = local_ids_TK.reshape(-1)
-    keys = torch.where((ids >= 0) & (ids < E), ids, E)  # E: another rank's expert
-    if M <= PAIR_TILES_UPTO:  # a tile per pair, in the pairs' order: no grouping kernels at all
-        order = torch.arange(M, device=device)
-        end = torch.where(keys < E, order + 1, order)  # (another rank's pair: an empty tile)
-        return order, torch.stack([keys.clamp(max=E - 1), order, end]).to(torch.int32)
+    if M <= PAIR_TILES_UPTO:  # a tile per pair, in the pairs' order: no grouping at all
+        return pair_tiles(local_ids_TK, E)
     if M <= GROUP_IN_ONE_LAUNCH_UPTO:
         return group_pairs(local_ids_TK, E, block_m)
+    ids = local_ids_TK.reshape(-1)
+    keys = torch.where((ids >= 0) & (ids < E), ids, E)  # E: another rank's expert
     sorted_keys, order = torch.sort(keys)  # (the order of one expert's pairs does not change any result)
     bounds = torch.searchsorted(sorted_keys, torch.arange(E + 1, device=device))
     num_expert_tiles = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m

@@ -10,7 +10,8 @@ the renormalisation in registers, where PyTorch runs half a dozen kernels.
 `block_m` pairs of one expert, another rank's pairs last in no tile), in one program: a histogram of the pairs'
 experts by atomic adds, its prefix sums, each pair's row by an atomic add on its expert's cursor, and the tiles
 from the histogram, where a sort and its searches take a dozen kernels. Within an expert, pairs land in the order
-the atomics ran: the rows of a tile are computed independently, so no result depends on it.
+the atomics ran: the rows of a tile are computed independently, so no result depends on it. `pair_tiles`: the
+same contract for a few pairs, a tile each.
 
 CUDA-graph safe: sizes come from the number of pairs and experts alone, and nothing is read on the host.
 """
@@ -92,24 +93,48 @@ def _group_kernel(ids_ptr, scratch_ptr, order_ptr, tiles_ptr, M, E, num_tiles, b
         keys = tl.where((ids >= 0) & (ids < E), ids, E).to(tl.int32)
         rows = tl.atomic_add(scratch_ptr + BLOCK_E + keys, 1, mask=pairs < M)
         tl.store(order_ptr + rows, pairs, mask=pairs < M)
-    # tiles: expert e takes cdiv(counts[e], block_m) of them, in expert order
-    local = buckets < E
-    num = tl.where(local, (counts + block_m - 1) // block_m, 0)
-    tiles_end = tl.cumsum(num, axis=0)
-    tiles_first = tiles_end - num
-    for t0 in range(0, num_tiles, BLOCK_TILES):
+    # tiles: expert e takes cdiv(counts[e], block_m) of them, in expert order, written expert by expert: the j-th
+    # of every expert at once
+    num = tl.where(buckets < E, (counts + block_m - 1) // block_m, 0)
+    first_tile = tl.cumsum(num, axis=0) - num
+    for j in range(0, tl.max(num, axis=0)):
+        mine = j < num
+        first = start + j * block_m
+        tiles = first_tile + j
+        tl.store(tiles_ptr + tiles, buckets, mask=mine)
+        tl.store(tiles_ptr + num_tiles + tiles, first, mask=mine)
+        tl.store(tiles_ptr + 2 * num_tiles + tiles, tl.minimum(first + block_m, start + counts), mask=mine)
+    for t0 in range(tl.sum(num, axis=0), num_tiles, BLOCK_TILES):  # the tiles past those in use: empty
         tiles = t0 + tl.arange(0, BLOCK_TILES)
-        expert = tl.sum(((tiles_end[None, :] <= tiles[:, None]) & local[None, :]).to(tl.int32), axis=1)
-        mine = buckets[None, :] == expert[:, None]  # (no column when expert == E: a tile past those in use)
-        first = tl.sum(tl.where(mine, start[None, :] + (tiles[:, None] - tiles_first[None, :]) * block_m, 0),
-                       axis=1)
-        end = tl.minimum(first + block_m, tl.sum(tl.where(mine, (start + counts)[None, :], 0), axis=1))
-        first = tl.where(expert < E, first, 0)  # (a tile past those in use: empty)
-        end = tl.where(expert < E, end, 0)
         keep = tiles < num_tiles
-        tl.store(tiles_ptr + tiles, tl.minimum(expert, E - 1), mask=keep)
-        tl.store(tiles_ptr + num_tiles + tiles, first, mask=keep)
-        tl.store(tiles_ptr + 2 * num_tiles + tiles, end, mask=keep)
+        zeros = tl.zeros([BLOCK_TILES], tl.int32)
+        tl.store(tiles_ptr + tiles, zeros + E - 1, mask=keep)
+        tl.store(tiles_ptr + num_tiles + tiles, zeros, mask=keep)
+        tl.store(tiles_ptr + 2 * num_tiles + tiles, zeros, mask=keep)
+
+
+@triton.jit
+def _pair_tiles_kernel(ids_ptr, order_ptr, tiles_ptr, M, E, BLOCK: tl.constexpr):
+    pairs = tl.arange(0, BLOCK)
+    mask = pairs < M
+    ids = tl.load(ids_ptr + pairs, mask=mask, other=0)
+    local = (ids >= 0) & (ids < E)
+    tl.store(order_ptr + pairs, pairs, mask=mask)
+    tl.store(tiles_ptr + pairs, tl.where(local, ids, E - 1).to(tl.int32), mask=mask)
+    tl.store(tiles_ptr + M + pairs, pairs, mask=mask)
+    tl.store(tiles_ptr + 2 * M + pairs, tl.where(local, pairs + 1, pairs), mask=mask)  # (another rank's: empty)
+
+
+def pair_tiles(local_ids_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tile per pair, in the pairs' order (order [M] int32 = 0..M-1, tiles [3, M] int32), in one launch: for
+    so few pairs that grouping costs more than reading an expert once more when two pairs share it."""
+    M, device = local_ids_TK.numel(), local_ids_TK.device
+    order = torch.empty(M, dtype=torch.int32, device=device)
+    tiles = torch.empty(3, M, dtype=torch.int32, device=device)
+    if M:
+        _pair_tiles_kernel[(1,)](local_ids_TK.reshape(-1).contiguous(), order, tiles, M, num_experts,
+                                 BLOCK=triton.next_power_of_2(M), num_warps=1)
+    return order, tiles
 
 
 def group_pairs(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,5 +147,5 @@ def group_pairs(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> t
     order = torch.empty(M, dtype=torch.int32, device=device)
     tiles = torch.empty(3, num_tiles, dtype=torch.int32, device=device)
     _group_kernel[(1,)](local_ids_TK.reshape(-1).contiguous(), scratch, order, tiles, M, E, num_tiles, block_m,
-                        BLOCK=1024, BLOCK_E=block_e, BLOCK_TILES=max(16, 8192 // block_e), num_warps=8)
+                        BLOCK=1024, BLOCK_E=block_e, BLOCK_TILES=256, num_warps=8)
     return order, tiles
