@@ -35,6 +35,7 @@ from engine_throughput import (
     copy_bandwidth,
     decode_step,
     parse_with_quick,
+    profile_workload,
     run_workload,
     seconds_per_call,
     workload,
@@ -269,6 +270,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=20, help="decode sweep: timed steps per batch size")
     parser.add_argument("--decode-only", action="store_true", help="only the decode sweep (d) and profile (e)")
     parser.add_argument("--routing-ab", action="store_true", help="(d) also with the routing by PyTorch ops (GPU)")
+    parser.add_argument("--profile-workload", action="store_true", help="(b) a third time, under the profiler")
     return parse_with_quick(parser, QUICK)
 
 
@@ -349,6 +351,10 @@ def workload_part(engine, config, args, results: dict, hf_runs: dict) -> None:
           f"tandem / HF = **{tok_s / hf_best:.1f}x**")
     print(f"    the workload's bandwidth bound (weights, expected experts and running KV each step, at the copy's "
           f"bandwidth): {bound:,.0f} tok/s = {bound / hf_best:.1f}x HF; measured {tok_s / bound:.0%} of it\n")
+    if args.profile_workload and engine.runner.device.type == "cuda":
+        asyncio.run(engine.flush_cache())
+        profile_workload(engine, prompts, outputs)
+        print()
 
     # (c) the same jobs through the engine
     jobs = {b: asyncio.run(engine_job(engine, b, args.new_tokens)) for b in args.batches}
