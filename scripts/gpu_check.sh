@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
-#                        [handover2] [async1gpu]
+#                        [handover2] [async1gpu] [workload_profile] [async_switch]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -31,7 +31,12 @@ for part in $parts; do
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         moe_tests) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
-        moe) timeout 420 python3 benchmarks/moe_throughput.py --out "$OUT/moe.json" ;;
+        moe) timeout 560 python3 benchmarks/moe_throughput.py --routing-ab --profile-workload --out "$OUT/moe.json" ;;
+        workload_profile) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 \
+                   --profile-workload ;;
+        async_switch) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement colocated --steps 8 --warmup 2 --staleness 2 \
+                   --pause-modes in_place --switch-interval-ms 0.5 --out "$OUT/async_switch.json" ;;
         hf) timeout 420 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --hf ;;
         8b) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-8b ;;
         host_tier) timeout 300 python3 benchmarks/host_tier.py --model qwen3-0.6b --concurrency 64 --episodes 192 ;;
