@@ -1,6 +1,7 @@
 """The Triton paged decode kernel's achieved bandwidth against a device-to-device copy, measured in the same run.
 
     python benchmarks/decode_attention_bench.py [--context 1024] [--batch 1 64 256] [--page-size 16 32] [--sweep]
+    python benchmarks/decode_attention_bench.py --mixed 100 2048 --table-tokens 40960 --splits 1 2 4 8 16
 
 Qwen3-0.6B's attention shape (16 query heads, 8 kv heads, head dim 128, bf16 cache), pages scattered over the
 pool. Each timed call reads its own block table's pages (several calls per captured CUDA graph, rotating
@@ -8,7 +9,9 @@ through at least `--rotate-mib` of KV), so the time is the kernel's, with no lau
 in L2 by the previous call, as in a real decode step where every layer reads another cache.
 Bandwidth = KV bytes read / time; the copy's bandwidth counts bytes read plus bytes written. `eager us` is
 `triton.testing.do_bench` of one launch from Python (launch overhead included). `--sweep` adds rows for
-other split counts and block sizes.
+other split counts and block sizes; `--splits` times those split counts. `--mixed LOW HIGH`: each request's context
+uniform in [LOW, HIGH] (seeded) instead of `--context`, as in a serving batch; `--table-tokens N`: block tables N
+tokens wide (the engine's CUDA graphs use the model's longest context, which sets the automatic split count).
 """
 
 from __future__ import annotations
@@ -54,21 +57,25 @@ def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
 
 
 class Setup:
-    """A pool with `num_tables` disjoint batches of `batch` requests of `context` tokens, pages shuffled."""
+    """A pool with `num_tables` disjoint batches of `batch` requests of the contexts `lens`, pages shuffled, block
+    tables `width` pages wide (past a request's pages: page 0, never read)."""
 
-    def __init__(self, batch: int, context: int, page_size: int, rotate_bytes: int):
+    def __init__(self, lens: list[int], page_size: int, rotate_bytes: int, width: int | None = None):
+        batch = len(lens)
         self.page_size = page_size
-        self.kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+        self.kv_bytes = 2 * sum(lens) * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
         self.num_tables = triton.cdiv(rotate_bytes, self.kv_bytes)
-        pages_per_req = triton.cdiv(context, page_size)
+        pages_per_req = triton.cdiv(max(lens), page_size)
         num_pages = self.num_tables * batch * pages_per_req
         shape = (num_pages * page_size, NUM_KV_HEADS, HEAD_DIM)
         self.k_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
         self.v_cache = torch.randn(shape, dtype=DTYPE, device="cuda")
-        pages = torch.randperm(num_pages, device="cuda").int()
-        self.tables = pages.view(self.num_tables, batch, pages_per_req)
+        pages = torch.randperm(num_pages, device="cuda").int().view(self.num_tables, batch, pages_per_req)
+        width = max(width or 0, pages_per_req)
+        self.tables = torch.zeros(self.num_tables, batch, width, dtype=torch.int32, device="cuda")
+        self.tables[:, :, :pages_per_req] = pages
         self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-        self.seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
 
     def call(self, table: int, num_kv_splits=None, block_n=None):
         return lambda: paged_decode_attention(self.q, self.k_cache, self.v_cache, self.tables[table], self.seq_lens,
@@ -82,6 +89,9 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--rotate-mib", type=int, default=512, help="KV read per graph replay (defeats L2)")
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--splits", type=int, nargs="+", default=[], help="also time these split counts")
+    parser.add_argument("--mixed", type=int, nargs=2, metavar=("LOW", "HIGH"), help="contexts uniform in [LOW, HIGH]")
+    parser.add_argument("--table-tokens", type=int, help="block tables this many tokens wide")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA device")
@@ -91,15 +101,21 @@ def main() -> None:
     print(f"## paged decode attention ({datetime.date.today()}, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, triton {triton.__version__})")
     print(f"command: python {' '.join(sys.argv)}\n")
-    print(f"H={NUM_HEADS} K={NUM_KV_HEADS} D={HEAD_DIM} bf16, context {args.context}; "
+    contexts = f"contexts uniform in {args.mixed}" if args.mixed else f"context {args.context}"
+    tables = args.table_tokens or "as wide as the longest context's"
+    print(f"H={NUM_HEADS} K={NUM_KV_HEADS} D={HEAD_DIM} bf16, {contexts}, tables {tables} tokens; "
           f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
     print("| page | batch | splits | block_n | KV MiB | graph us | eager us | KV TB/s | of copy |")
     print("|---|---|---|---|---|---|---|---|---|")
     for page_size in args.page_size:
         for batch in args.batch:
-            setup = Setup(batch, args.context, page_size, args.rotate_mib << 20)
+            gen = torch.Generator().manual_seed(batch)
+            lens = (torch.randint(args.mixed[0], args.mixed[1] + 1, (batch,), generator=gen).tolist() if args.mixed
+                    else [args.context] * batch)
+            width = triton.cdiv(args.table_tokens, page_size) if args.table_tokens else None
+            setup = Setup(lens, page_size, args.rotate_mib << 20, width)
             auto = choose_num_kv_splits(batch, NUM_KV_HEADS, setup.tables.shape[2] * page_size, num_sms)
-            configs = [(None, None)]
+            configs = [(None, None)] + [(splits, None) for splits in args.splits if splits != auto]
             if args.sweep:
                 configs += [(splits, None) for splits in sorted({1, 4, 16, 64} - {auto})]
                 configs += [(None, block_n) for block_n in (16, 64)]
