@@ -31,6 +31,7 @@ import torch
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
 from tandem.engine.engine import Engine
+from tandem.kernels import decode_attention
 from tandem.types import SamplingParams
 
 
@@ -201,11 +202,16 @@ def main() -> None:
     parser.add_argument("--profile-batch", type=int, help="the top kernels of a decode step at this batch")
     parser.add_argument("--skip-workload", action="store_true", help="only the decode sweep")
     parser.add_argument("--profile-workload", action="store_true", help="(a) a third time, under the profiler")
+    parser.add_argument("--attention-programs-per-sm", type=int, help="decode attention's split choice (an A/B): "
+                        f"programs per SM (default {decode_attention.PROGRAMS_PER_SM})")
     args = parser.parse_args()
+    if args.attention_programs_per_sm:
+        decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s\n")
+    print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
+          "programs per SM\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]
