@@ -32,6 +32,9 @@ for part in $parts; do
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         moe_tests) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
         moe) timeout 560 python3 benchmarks/moe_throughput.py --routing-ab --profile-workload --out "$OUT/moe.json" ;;
+        attn_ab) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
+                 for pps in 4 32; do timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b \
+                     --attention-programs-per-sm $pps; done ;;
         workload_profile) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 \
                    --profile-workload ;;
         async_switch) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
