@@ -199,19 +199,12 @@ class Scheduler:
                    for other in prefilling.get(tuple(req.tokens[:self.page_size]), ()))
 
     def alloc(self, n: int, reserve: int = 0) -> list[int] | None:
-        """n fresh pages, evicting cached ones (and waiting for host-tier copies) as needed, keeping `reserve`
-        free; None if they do not fit."""
+        """n fresh pages, evicting cached ones as needed, keeping `reserve` free; None if they do not fit. (A
+        host-tier copy holds pool pages only until its gather, which eviction issues first, or its scatter, which
+        admission issues: none is waited for.)"""
         short = n + reserve - self.pool.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
-        if self.tier is not None:
-            # loads hold the pages they fill until reaped: wait first for those that wait for no compute still
-            # running, then, if that is not enough, for them all (the same choices on every rank)
-            for upto in (self.tier.settled_upto, None):
-                if self.pool.num_free - reserve >= n or not self.tier.in_flight:
-                    break
-                self.tier.reap(upto)
-                self.cache.evict(n + reserve - self.pool.num_free)
         if self.pool.num_free - reserve < n:
             return None
         return self.pool.alloc(n)
