@@ -182,6 +182,11 @@ class HostTier(PageAllocator):
     def prefetching(self, key: str) -> bool:
         return key in self._prefetches
 
+    @property
+    def prefetch_room(self) -> int:
+        """Staging pages a new prefetch may take."""
+        return self.prefetch_pages - self._prefetch_held
+
     def prefetch(self, key: str, host_pages: list[int], max_pages: int | None = None) -> int:
         """Start copying the host pages a waiting request will load into staging of their own, unless `key`
         has a prefetch already; leaves out pages prefetched already or whose backup is in flight (rule 4), and
@@ -192,7 +197,7 @@ class HostTier(PageAllocator):
             return 0
         self.flush()  # (a queued backup's host pages are in flight too)
         pages = [h for h in host_pages if self._prefetchable(h)]
-        room = self.prefetch_pages - self._prefetch_held
+        room = self.prefetch_room
         pages = pages[:max(0, room if max_pages is None else min(room, max_pages))]
         if not pages:
             return 0

@@ -91,8 +91,9 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Start the host tier's copies for the first waiting request (of the next few) whose cached prefix is
         partly on the host and not prefetched yet, so that they cross the bus while it waits; one a step, at most
-        half the prefetch budget, as the loads of later steps queue behind it."""
-        if self.tier is None or not self.tier.prefetch_pages:
+        half the prefetch budget, as the loads of later steps queue behind it. (None while the budget is spent:
+        the probes would find no room.)"""
+        if self.tier is None or self.tier.prefetch_room <= 0:
             return
         for req in itertools.islice(self.waiting, PREFETCH_AHEAD):
             if req.pages or req.tokens[-1] == PENDING or self.tier.prefetching(req.rid):
