@@ -77,8 +77,9 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
             "mean_batch": s.running_request_steps / max(1, s.num_steps),
-            "issue_s": tier.issue_seconds if tier else 0.0, "join_s": tier.join_seconds if tier else 0.0,
-            "wait_s": tier.wait_seconds if tier else 0.0,
+            "tier_s": dict(tier.seconds) if tier else {},
+            "issue_s": sum(tier.seconds[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
+            "join_s": tier.seconds["scatter"] if tier else 0.0, "wait_s": tier.seconds["wait"] if tier else 0.0,
             "copies": [tier.num_backups, tier.num_loads, tier.num_prefetches] if tier else [0, 0, 0],
             "transfers": tier.num_transfers if tier else 0,
             "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
@@ -137,7 +138,8 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
         print(f"{policy} copies: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
               f"{r['transfers']} bus transfers for {moved} pages moved (loaded, backed up, prefetched); host time "
               f"{(r['issue_s'] + r['join_s']) / max(1, moved) * 1e6:.1f} us a page, "
-              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter)")
+              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter); "
+              f"host s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tier_s"].items()))
     sys.stdout.flush()
     return {"model": model, "dtype": dtype, "context_scale": scale, "concurrency": concurrency, "episodes": episodes,
             "mean_len": mean_len, "working_set": working_set, "pool_tokens": pages * args.page_size,

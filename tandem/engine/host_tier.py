@@ -113,9 +113,10 @@ class HostTier(PageAllocator):
         # copies issued (a flushed batch of backups is one) and the bus transfers they took (one per run of
         # consecutive host pages)
         self.num_backups = self.num_loads = self.num_prefetches = self.num_transfers = 0
-        # host time: issuing copies (their transfers and a backup's gather), their scatters (`before_compute`), and
-        # waiting for them (reaps that had to block; `waits` counts those copies)
-        self.issue_seconds = self.join_seconds = self.wait_seconds = 0.0
+        # host seconds: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
+        # transfers), the loads' scatters (`before_compute`), and waiting for copies (reaps that had to block;
+        # `waits` counts those copies)
+        self.seconds = dict.fromkeys(("backup", "load", "prefetch", "scatter", "wait"), 0.0)
         self.waits = 0
 
     @property
@@ -135,7 +136,7 @@ class HostTier(PageAllocator):
         self._hold_pool(device_pages)
         self._hold(op, host_pages)
         self.pages_backed_up += len(host_pages)
-        self.issue_seconds += time.perf_counter() - t0
+        self.seconds["backup"] += time.perf_counter() - t0
 
     def flush(self) -> None:
         """Issue the queued backups as one copy: a gather of their device pages into staging on the compute stream
@@ -153,7 +154,7 @@ class HostTier(PageAllocator):
         for i, h in enumerate(op.host_pages):
             self._backing[h] = (op, i)
         self.num_backups += 1
-        self.issue_seconds += time.perf_counter() - t0
+        self.seconds["backup"] += time.perf_counter() - t0
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages. Call `before_compute` before anything reads them."""
@@ -177,7 +178,7 @@ class HostTier(PageAllocator):
         self._unjoined.append(op)
         self.pages_loaded += len(device_pages)
         self.num_loads += 1
-        self.issue_seconds += time.perf_counter() - t0
+        self.seconds["load"] += time.perf_counter() - t0
 
     def prefetching(self, key: str) -> bool:
         return key in self._prefetches
@@ -214,7 +215,7 @@ class HostTier(PageAllocator):
         self._prefetch_held += len(pages)
         self.pages_prefetched += len(pages)
         self.num_prefetches += 1
-        self.issue_seconds += time.perf_counter() - t0
+        self.seconds["prefetch"] += time.perf_counter() - t0
         return len(pages)
 
     def _prefetchable(self, host_page: int) -> bool:
@@ -257,7 +258,7 @@ class HostTier(PageAllocator):
                 if self.cuda:
                     op.done = torch.cuda.Event()
                     op.done.record()
-        self.join_seconds += time.perf_counter() - t0
+        self.seconds["scatter"] += time.perf_counter() - t0
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -425,7 +426,7 @@ class HostTier(PageAllocator):
                 if op.done is not None:
                     op.done.synchronize()
                 self.waits += 1
-                self.wait_seconds += time.perf_counter() - t0
+                self.seconds["wait"] += time.perf_counter() - t0
             self.ops.popleft()
             self._release(op)
 
