@@ -10,7 +10,9 @@ final episode length, from a first run with a pool that holds everything); the d
 `--pool-fraction` of it. Per configuration: prompt tokens, what an ideal cache would have served (the longest
 prefix the engine had ever computed, per request), what was served from the device and the host tier, prefill
 tokens actually computed, and their ratio to the ideal ("only new tokens": prompt minus ideal reuse), wall time,
-engine steps, and the host time the tier's copies took (issuing, and reaps that had to wait: `waits` copies).
+engine steps, and the host time the tier's copies took (issuing, their scatters into the pool, and reaps that had
+to wait: `waits` copies); under the table, per policy, how many copies and bus transfers (one per run of
+consecutive host pages) they took and their host time per page moved and per copy.
 
 `--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
 prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
@@ -75,7 +77,11 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
             "mean_batch": s.running_request_steps / max(1, s.num_steps),
-            "issue_s": tier.issue_seconds if tier else 0.0, "wait_s": tier.wait_seconds if tier else 0.0,
+            "tier_s": dict(tier.seconds) if tier else {},
+            "issue_s": sum(tier.seconds[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
+            "join_s": tier.seconds["scatter"] if tier else 0.0, "wait_s": tier.seconds["wait"] if tier else 0.0,
+            "copies": [tier.num_backups, tier.num_loads, tier.num_prefetches] if tier else [0, 0, 0],
+            "transfers": tier.num_transfers if tier else 0,
             "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
             "prefetched": tier.pages_prefetched if tier else 0,
             "from_prefetch": tier.pages_from_prefetch if tier else 0}
@@ -114,13 +120,13 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
           f"tokens ({pages * args.page_size / working_set:.0%}), host tier {host_pages * args.page_size} tokens\n")
     print("| configuration | prompt tokens ideally reusable | served: device / host | prefill computed "
           "| only-new tokens | computed / only-new | retractions | pages loaded / backed up | wall s | engine steps "
-          "| engine busy s | mean batch | copies: issue / wait s (waits) |")
+          "| engine busy s | mean batch | copies: issue / scatter / wait s (waits) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
         print(f"| {name} | {r['ideal']} | {r['cached'] - r['host']} / {r['host']} | {r['computed']} | {r['new']} | "
               f"{r['computed'] / r['new']:.3f} | {r['retractions']} | {r['loaded']} / {r['backed_up']} | "
               f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['mean_batch']:.1f} | "
-              f"{r['issue_s']:.2f} / {r['wait_s']:.2f} "
+              f"{r['issue_s']:.2f} / {r['join_s']:.2f} / {r['wait_s']:.2f} "
               f"({r['waits']}) |")
     for policy in policies:
         r = runs[f"{fraction} + host tier ({policy})"]
@@ -128,6 +134,12 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
               f"{r['wall_s'] / ideal['wall_s']:.2f}x the run whose pool holds everything (target: below 1.00x and at "
               f"most 1.30x); pages loaded {r['loaded']}: {r['from_prefetch']} from prefetches ({r['prefetched']} "
               f"prefetched), {r['from_backups']} from backups in flight")
+        moved = r["loaded"] + r["backed_up"] + r["prefetched"]
+        print(f"{policy} copies: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
+              f"{r['transfers']} bus transfers for {moved} pages moved (loaded, backed up, prefetched); host time "
+              f"{(r['issue_s'] + r['join_s']) / max(1, moved) * 1e6:.1f} us a page, "
+              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter); "
+              f"host s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tier_s"].items()))
     sys.stdout.flush()
     return {"model": model, "dtype": dtype, "context_scale": scale, "concurrency": concurrency, "episodes": episodes,
             "mean_len": mean_len, "working_set": working_set, "pool_tokens": pages * args.page_size,

@@ -189,7 +189,8 @@ class TierModel(RuleBasedStateMachine):
         """Requests and tree pages on the device hold their KV; a host copy holds it once its backup landed."""
         for req in self.requests:
             assert holds(self.pool, req.pages, req.tokens)
-        landing = {h for op in self.tier.ops if op.pending is not None for h in op.host_pages}
+        landing = {h for op in self.tier.ops if op.pending is not None or op is self.tier._queued  # (not flushed)
+                   for h in op.host_pages}
         loading = {p for op in self.tier.ops if op.pending is not None and op.is_load for p in op.device_pages}
         for node, tokens, offset in nodes_with_paths(self.cache):
             for j, (p, h) in enumerate(zip(node.pages, node.host, strict=True)):
@@ -278,7 +279,7 @@ def test_a_prefetched_host_page_freed_and_rewritten_under_its_prefetch_is_caught
     """A prefetch holds its host pages (rule 3): without, the tree frees one, a backup rewrites it, and a load of
     the new content takes the prefetch's stale copy."""
     hold, unhold = HostTier._hold, HostTier._unhold
-    monkeypatch.setattr(HostTier, "_hold", lambda self, op: None if op.prefetch else hold(self, op))
+    monkeypatch.setattr(HostTier, "_hold", lambda self, op, pages: None if op.prefetch else hold(self, op, pages))
     monkeypatch.setattr(HostTier, "_unhold", lambda self, op: None if op.prefetch else unhold(self, op))
     with pytest.raises(AssertionError, match="wrong KV"):
         run_random_scenarios(60, headroom_pages=0, host_pages=12, policy=policy)
@@ -358,6 +359,32 @@ def test_greedy_multi_turn_episodes_are_identical_with_the_tier_on_and_off(polic
         assert meta["cached_tokens_details"]["device"] + meta["cached_tokens_details"]["host"] == o.cached_tokens
         assert o.cached_tokens < o.prompt_tokens
     assert stats_on.prompt_tokens_cached <= stats_on.prompt_tokens_ideal < stats_on.prompt_tokens
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_backups_batched_per_step_and_loads_of_scattered_host_pages_keep_outputs_identical(monkeypatch, mutant):
+    """Backups of several requests in one step go out as one copy (one gather, one transfer), and a host tier much
+    smaller than the history is full, so host pages are evicted and reused and a load's pages are scattered runs:
+    the outputs equal the tier off. The mutant gathers a batch's pages rotated by one (rows misaligned with their
+    host pages), which must show."""
+    calls = []
+    backup, gather = HostTier.backup, HostTier._gather
+    monkeypatch.setattr(HostTier, "backup", lambda self, d, h: (calls.append(len(h)), backup(self, d, h)))
+    if mutant:
+        monkeypatch.setattr(HostTier, "_gather", lambda self, pages: gather(self, pages[1:] + pages[:1]))
+    small = dict(page_size=4, num_pages=48, max_prefill_tokens=64)
+    off, _ = agent_turns(EngineConfig(**small), episodes=8, turns=3)
+    tiers = []
+    init = HostTier.__init__
+    monkeypatch.setattr(HostTier, "__init__", lambda self, *a, **k: (init(self, *a, **k), tiers.append(self))[0])
+    on, stats = agent_turns(EngineConfig(**small, host_cache="write_through", host_cache_pages=96), episodes=8,
+                            turns=3)
+    tier = tiers[0]
+    assert len(calls) > tier.num_backups + 5, "several requests' backups should share a flush"
+    assert tier.num_transfers > tier.num_loads + tier.num_prefetches + tier.num_backups + 10, \
+        "copies should take several runs of host pages"
+    assert stats.host_pages_loaded > 50 and sum(calls) > tier.num_pages  # the tier filled up and reused pages
+    assert ([o.output_ids for o in on] == [o.output_ids for o in off]) != mutant
 
 
 def test_ideal_reuse_is_what_was_computed_before():

@@ -3,7 +3,7 @@ mode) and the two side streams land apart, so a page freed, filled or read out o
 
 import pytest
 import torch
-from test_radix_cache import P, holds, write
+from test_radix_cache import P, holds, kv_value, write
 
 from tandem.config import PRESETS
 from tandem.engine.host_tier import HostTier
@@ -38,7 +38,7 @@ def test_a_host_page_a_load_still_reads_is_never_freed_under_it(monkeypatch, mut
     """Rule 3: the load's transfer runs on its own stream, so it may still be reading a host page when a backup
     (another stream, which may run ahead) writes a page the tree freed meanwhile. Held, the page is not freed."""
     if mutant:
-        monkeypatch.setattr(HostTier, "_hold", lambda self, op: None)
+        monkeypatch.setattr(HostTier, "_hold", lambda self, op, pages: None)
         monkeypatch.setattr(HostTier, "_unhold", lambda self, op: None)
     pool, tier, cache, tokens = _conversation("write_through")
     tier.reap()  # the backups landed
@@ -52,6 +52,7 @@ def test_a_host_page_a_load_still_reads_is_never_freed_under_it(monkeypatch, mut
     pages = pool.alloc(3)
     write(pool, pages, other, 0, len(other))
     cache.insert(other, pages)  # backed up into whatever host pages are free
+    tier.flush()  # (the engine's next reap does)
     backup = tier.ops[-1]
     backup.pending, run = None, backup.pending
     run()  # the backup stream runs ahead of the tier stream
@@ -98,3 +99,56 @@ def test_a_step_never_waits_for_a_backup(monkeypatch, mutant):
     table = _admit_loading(pool, cache, tokens)
     assert holds(pool, table, tokens)
     assert (backup.pending is None) == mutant
+
+
+def _host_holds(tier: HostTier, host_pages: list[int], tokens: list[int]) -> bool:
+    """Whether the host pages hold the KV of `tokens`, page by page."""
+    return all(tuple(tier.kv[h, i, 0, pos % P, 0, 0].item() for i in (0, 1)) == kv_value(tokens, pos)
+               for pos in range(len(tokens)) for h in [host_pages[pos // P]])
+
+
+def _drop_pool_holds(monkeypatch) -> None:
+    monkeypatch.setattr(HostTier, "_hold_pool", lambda self, pages: None)
+    monkeypatch.setattr(HostTier, "_drop_pool", lambda self, op: setattr(op, "device_pages", []))
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_queued_backup_keeps_its_pool_pages_until_its_gather(monkeypatch, mutant):
+    """Rule 3 for the pool pages of a backup queued until the step's flush: the caller drops its references at once
+    (write_back eviction frees the pages it backs up), so without the tier's hold a page could be handed out and
+    rewritten before the gather reads it, and the host copy would hold the new owner's KV."""
+    if mutant:
+        _drop_pool_holds(monkeypatch)
+    pool = KVPool(PRESETS["tiny"], NUM_PAGES, P, torch.float32, "cpu")
+    tier = HostTier(pool, HOST_PAGES, "write_back", deferred=True)
+    tokens = list(range(3, 3 + 2 * P))
+    pages = pool.alloc(2)
+    write(pool, pages, tokens, 0, len(tokens))
+    host = sorted(tier.alloc(2))
+    tier.backup(pages, host)
+    pool.decref(pages)
+    others = pool.alloc(pool.num_free)  # everything free now: with the mutant, the queued pages too
+    other = list(range(100, 100 + len(others) * P))
+    write(pool, others, other, 0, len(other))
+    tier.reap()  # flushes: the gather reads the pages now
+    assert _host_holds(tier, host, tokens) != mutant
+
+
+@pytest.mark.parametrize("mutant", [False, True])
+def test_a_load_keeps_its_pool_pages_until_its_scatter(monkeypatch, mutant):
+    """Rule 3 for the pool pages a load fills: held from its issue to its scatter, so they cannot be handed out and
+    written by someone else first (whose KV the scatter would then overwrite)."""
+    if mutant:
+        _drop_pool_holds(monkeypatch)
+    pool, tier, cache, tokens = _conversation("write_through")
+    tier.reap()
+    cache.evict(NUM_PAGES)
+    m = cache.match(tokens)
+    fresh = pool.alloc(len(m.loads))
+    tier.load(m.host_pages, fresh)
+    pool.decref(fresh)  # (the caller's references go before the scatter)
+    others = pool.alloc(pool.num_free)
+    other = list(range(200, 200 + len(others) * P))
+    write(pool, others, other, 0, len(other))
+    tier.before_compute()
+    assert holds(pool, others, other) != mutant

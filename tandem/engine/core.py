@@ -374,11 +374,8 @@ class EngineCore(DecodeImports):
             self._fail_culprits(chunks, e)
             return
         launched.version, t2 = self.weight_version, time.perf_counter()
-        issued = self.tier.issued if self.tier is not None else 0
         self._record_step(chunks, self.scheduler.advance(chunks), t0, t1, t2)
         self._drain()  # (its time counts as busy by itself)
-        if self.tier is not None:  # every step before this one has finished now
-            self.tier.settled_upto = issued
         self._inflight = launched
         if not self.config.overlap:
             self._drain()

@@ -7,8 +7,11 @@ each slot's routed experts (`KVPool.routing`) has them moved with the KV, in the
 
 Each copy is two halves: the bus transfer, on a side stream, and a device-side gather or scatter between the pool
 and a staging tensor of its own, on the compute stream, in the step's order:
-  - a backup gathers its device pages into staging on the compute stream (`tier_gather`: after the compute that
-    wrote them, before any that reuses them, so the device pages are free at once), then copies the staging to
+  - backups are queued (`backup`) and issued together as one copy by `flush`, which the tier's other calls, the
+    step's reap and device eviction run first: so the backups of one engine step (every request that published a
+    prefix or finished) cost one gather, one index upload and one transfer. The flush gathers their device pages
+    into staging on the compute stream (`tier_gather`: after the compute that wrote them, before any that reuses
+    them: the tier holds them while they are queued, and lets them go once gathered), then copies the staging to
     the host on the backup stream (`tier_backup`), which the step never waits for;
   - a load copies its host pages into staging on the tier stream as soon as it is issued (`tier_load`: it touches
     no pool page, so it waits for no compute and overlaps the step in flight), and the compute stream waits for
@@ -21,8 +24,9 @@ never freed, reused and rewritten under it: the staging always holds what the pa
 The ordering rules, each enforced here (docs/streams.md has them as edges, `tandem.engine.step_order` as data):
   1. pool pages are read and written only on the compute stream, in the step's order;
   2. the scatter waits for its transfer (`before_compute` is called before anything reads the pages);
-  3. a copy holds a reference on every host page it touches, and a load on the pool pages it fills, until it is
-     reaped, so nothing is freed and reused under it; its staging tensors live as long;
+  3. a copy holds a reference on every host page it touches until it is reaped, and on the pool pages it reads or
+     fills until its gather or scatter is issued (every later use of a pool page is on the compute stream, after
+     it: rule 1), so nothing is freed and reused under it; its staging tensors live as long;
   4. a load never reads a host page whose backup is still in flight: it takes that page from the backup's
      staging instead (on the device, already gathered);
   5. copies are reaped in issue order up to a point rank 0 decides (`ready`) and every rank applies, so under
@@ -54,7 +58,8 @@ POLICIES = get_args(HostCache)  # ("off", "write_through", "write_back")
 
 @dataclass(eq=False)
 class CopyOp:
-    """One copy. `device_pages`: the pool pages a load fills (a backup holds none: its gather has read them)."""
+    """One copy. `device_pages`: the pool pages it holds (rule 3): a queued backup's until its gather, a load's
+    until its scatter; empty after."""
 
     id: int
     device_pages: list[int]
@@ -81,15 +86,20 @@ class HostTier(PageAllocator):
         super().__init__(num_pages, pool.page_size)
         self.pool, self.policy, self.deferred = pool, policy, deferred
         L, _, K, D = pool.k_cache.shape
+        P = pool.page_size
         self.cuda = pool.k_cache.is_cuda
-        self.kv = torch.zeros((num_pages, 2, L, pool.page_size, K, D), dtype=pool.k_cache.dtype,
-                              pin_memory=self.cuda)
+        self.kv = torch.zeros((num_pages, 2, L, P, K, D), dtype=pool.k_cache.dtype, pin_memory=self.cuda)
         self.routing = None if pool.routing is None else torch.full(
-            (num_pages, pool.page_size, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=self.cuda)
+            (num_pages, P, *pool.routing.shape[1:]), -1, dtype=pool.routing.dtype, pin_memory=self.cuda)
+        # the pool by page, pages first: k, v [pages, L, P, K, D] (views), routing [pages, P, layers, k]
+        self._k = pool.k_cache.view(L, -1, P, K, D).transpose(0, 1)
+        self._v = pool.v_cache.view(L, -1, P, K, D).transpose(0, 1)
+        self._routing = None if pool.routing is None else pool.routing.view(-1, P, *pool.routing.shape[1:])
         # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load, tier_join and
         # tier_prefetch of `tandem.engine.step_order`; shared with the model runner by the engine core
         self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
         self.ops: deque[CopyOp] = deque()
+        self._queued: CopyOp | None = None  # backups not flushed yet (the last of `ops` while there are any)
         self._unjoined: list[CopyOp] = []  # loads issued, not scattered yet
         self._backing: dict[int, tuple[CopyOp, int]] = {}  # host page -> the backup in flight filling it (rule 4)
         self.prefetch_pages = pool.num_pages // 8 if prefetch_pages is None else prefetch_pages
@@ -97,14 +107,16 @@ class HostTier(PageAllocator):
         self._prefetched: dict[int, tuple[CopyOp, int]] = {}  # host page -> (its prefetch, index there)
         self._prefetch_held = 0  # staging pages the prefetches hold
         self.issued = 0  # id of the last copy issued
-        # the engine sets this: copies up to this id were issued before the step in flight was launched, so
-        # they wait for no compute still running, only for their own transfer
-        self.settled_upto = 0
         self.pages_loaded = self.pages_backed_up = 0
         self.pages_from_backups = 0  # loaded pages taken from a backup's staging (rule 4)
         self.pages_prefetched = self.pages_from_prefetch = 0  # prefetched; loaded pages taken from a prefetch
-        # host time: issuing copies, and waiting for them (reaps that had to block; `waits` counts those copies)
-        self.issue_seconds = self.wait_seconds = 0.0
+        # copies issued (a flushed batch of backups is one) and the bus transfers they took (one per run of
+        # consecutive host pages)
+        self.num_backups = self.num_loads = self.num_prefetches = self.num_transfers = 0
+        # host seconds: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
+        # transfers), the loads' scatters (`before_compute`), and waiting for copies (reaps that had to block;
+        # `waits` counts those copies)
+        self.seconds = dict.fromkeys(("backup", "load", "prefetch", "scatter", "wait"), 0.0)
         self.waits = 0
 
     @property
@@ -113,21 +125,40 @@ class HostTier(PageAllocator):
 
     # ---- issuing copies --------------------------------------------------------------------------------
     def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy device pages into host pages (their tree references are the caller's business). The device
-        pages are read at once, in the compute stream's order: the caller may free them right after."""
+        """Copy device pages into host pages (their tree references are the caller's business), at the next
+        `flush`: until then the tier holds the device pages, so the caller may drop its references at once."""
         t0 = time.perf_counter()
-        op = self._new_op([], host_pages, is_load=False)
+        if self._queued is None:
+            self._queued = self._new_op([], [], is_load=False)
+        op = self._queued
+        op.device_pages += device_pages
+        op.host_pages += host_pages
+        self._hold_pool(device_pages)
+        self._hold(op, host_pages)
+        self.pages_backed_up += len(host_pages)
+        self.seconds["backup"] += time.perf_counter() - t0
+
+    def flush(self) -> None:
+        """Issue the queued backups as one copy: a gather of their device pages into staging on the compute stream
+        (the tier's references on them go: whatever reuses them runs after it), then one transfer to the host on
+        the backup stream. Rule 4 applies from here: a load of one of its host pages takes it from the staging."""
+        op, self._queued = self._queued, None
+        if op is None:
+            return
+        t0 = time.perf_counter()
         with self.order.work("tier_gather"):
-            op.staged = self._gather(device_pages)
+            op.staged = self._gather(op.device_pages)
+        self._drop_pool(op)
         with self.order.work("tier_backup"):
             self._transfer(op, lambda: self._to_host(op))
-        for i, h in enumerate(host_pages):
+        for i, h in enumerate(op.host_pages):
             self._backing[h] = (op, i)
-        self.pages_backed_up += len(host_pages)
-        self.issue_seconds += time.perf_counter() - t0
+        self.num_backups += 1
+        self.seconds["backup"] += time.perf_counter() - t0
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages. Call `before_compute` before anything reads them."""
+        self.flush()  # (rule 4 needs every backup of these host pages gathered)
         t0 = time.perf_counter()
         op = self._new_op(device_pages, host_pages, is_load=True)
         for i, h in enumerate(host_pages):
@@ -146,10 +177,16 @@ class HostTier(PageAllocator):
                 self._transfer(op, lambda: self._from_host(op))
         self._unjoined.append(op)
         self.pages_loaded += len(device_pages)
-        self.issue_seconds += time.perf_counter() - t0
+        self.num_loads += 1
+        self.seconds["load"] += time.perf_counter() - t0
 
     def prefetching(self, key: str) -> bool:
         return key in self._prefetches
+
+    @property
+    def prefetch_room(self) -> int:
+        """Staging pages a new prefetch may take."""
+        return self.prefetch_pages - self._prefetch_held
 
     def prefetch(self, key: str, host_pages: list[int], max_pages: int | None = None) -> int:
         """Start copying the host pages a waiting request will load into staging of their own, unless `key`
@@ -159,15 +196,16 @@ class HostTier(PageAllocator):
         and a load issued after it waits for it: hence `max_pages`."""
         if key in self._prefetches:
             return 0
+        self.flush()  # (a queued backup's host pages are in flight too)
         pages = [h for h in host_pages if self._prefetchable(h)]
-        room = self.prefetch_pages - self._prefetch_held
+        room = self.prefetch_room
         pages = pages[:max(0, room if max_pages is None else min(room, max_pages))]
         if not pages:
             return 0
         t0 = time.perf_counter()
         self.issued += 1  # (its id until it is retired, for `land`)
         op = CopyOp(self.issued, [], pages, is_load=True, prefetch=True)
-        self._hold(op)
+        self._hold(op, pages)
         with self.order.work("tier_prefetch"):
             op.staged = self._staging(len(pages))
             self._transfer(op, lambda: self._from_host(op))
@@ -176,7 +214,8 @@ class HostTier(PageAllocator):
             self._prefetched[h] = (op, i)
         self._prefetch_held += len(pages)
         self.pages_prefetched += len(pages)
-        self.issue_seconds += time.perf_counter() - t0
+        self.num_prefetches += 1
+        self.seconds["prefetch"] += time.perf_counter() - t0
         return len(pages)
 
     def _prefetchable(self, host_page: int) -> bool:
@@ -190,6 +229,7 @@ class HostTier(PageAllocator):
         op = self._prefetches.pop(key, None)
         if op is None:
             return
+        self.flush()  # (the queued backups stay the last of `ops`)
         for h in op.host_pages:
             del self._prefetched[h]
         self._prefetch_held -= len(op.host_pages)
@@ -203,18 +243,22 @@ class HostTier(PageAllocator):
 
     def before_compute(self) -> None:
         """Scatter every load issued so far into its pool pages, on the compute stream after its transfer
-        (rule 2): whatever the compute stream runs next reads them loaded."""
+        (rule 2): whatever the compute stream runs next reads them loaded. The loads' references on the pool
+        pages go (rule 3: every later use of them runs on the compute stream, after the scatter)."""
         if not self._unjoined:
             return
+        t0 = time.perf_counter()
         ops, self._unjoined = self._unjoined, []
         with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's transfer)
             for op in ops:
                 self._await_transfer(op)
                 self._scatter(op)
+                self._drop_pool(op)
                 op.joined = True
                 if self.cuda:
                     op.done = torch.cuda.Event()
                     op.done.record()
+        self.seconds["scatter"] += time.perf_counter() - t0
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -227,20 +271,38 @@ class HostTier(PageAllocator):
         return self._backing.get(host_page)
 
     def _new_op(self, device_pages: list[int], host_pages: list[int], is_load: bool) -> CopyOp:
+        """A copy in issue order, holding the pages it touches (rule 3)."""
         self.issued += 1
         op = CopyOp(self.issued, list(device_pages), list(host_pages), is_load)
-        self._hold(op)
+        self._hold_pool(op.device_pages)
+        self._hold(op, op.host_pages)
         self.ops.append(op)
         return op
 
-    def _hold(self, op: CopyOp) -> None:
-        """Rule 3: the pages a copy touches stay allocated until it is reaped."""
-        self.pool.incref(op.device_pages)
-        self.incref(op.host_pages)
+    def _hold(self, op: CopyOp, host_pages: list[int]) -> None:
+        """Rule 3: the host pages a copy touches (`op.host_pages`) stay allocated until it is reaped."""
+        self.incref(host_pages)
 
     def _unhold(self, op: CopyOp) -> None:
-        self.pool.decref(op.device_pages)
         self.decref(op.host_pages)
+
+    def _hold_pool(self, device_pages: list[int]) -> None:
+        """Rule 3: the pool pages a copy reads or fills (`op.device_pages`) stay allocated until its gather or
+        scatter is issued (`_drop_pool`)."""
+        self.pool.incref(device_pages)
+
+    def _drop_pool(self, op: CopyOp) -> None:
+        self.pool.decref(op.device_pages)
+        op.device_pages = []
+
+    def _release(self, op: CopyOp) -> None:
+        """A reaped copy's references go."""
+        self._drop_pool(op)
+        self._unhold(op)
+        if not op.is_load:
+            for h in op.host_pages:
+                if self._backing.get(h, (None,))[0] is op:
+                    del self._backing[h]
 
     def _transfer(self, op: CopyOp, run: Callable) -> None:
         """Run a bus transfer on the current (side) stream: now on CUDA or CPU, later in deferred mode."""
@@ -255,31 +317,29 @@ class HostTier(PageAllocator):
             run()
 
     # ---- the copies' halves ------------------------------------------------------------------------------
-    def _views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The pool by page: k, v [L, pages, P, K, D] and routing [pages, P, layers, k]."""
-        pool, P = self.pool, self.page_size
-        L, _, K, D = pool.k_cache.shape
-        routing = None if pool.routing is None else pool.routing.view(-1, P, *pool.routing.shape[1:])
-        return pool.k_cache.view(L, -1, P, K, D), pool.v_cache.view(L, -1, P, K, D), routing
-
-    def _index(self, pages: list[int], device: torch.device) -> torch.Tensor:
-        idx = torch.tensor(pages, dtype=torch.long)
-        if idx.device != device:
-            idx = idx.pin_memory().to(device, non_blocking=True)  # pageable memory would sync the stream
-        return idx
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        """`pages` as a long tensor on the pool's device, uploaded from pinned memory (pageable memory would sync
+        the stream)."""
+        if not self.cuda:
+            return torch.tensor(pages, dtype=torch.long)
+        return torch.tensor(pages, dtype=torch.long, pin_memory=True).to(self._k.device, non_blocking=True)
 
     def _staging(self, n: int) -> tuple:
-        kv = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self.pool.k_cache.device)
+        kv = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self._k.device)
         routing = None if self.routing is None else torch.empty(
-            (n, *self.routing.shape[1:]), dtype=self.routing.dtype, device=self.pool.routing.device)
+            (n, *self.routing.shape[1:]), dtype=self.routing.dtype, device=self._k.device)
         return kv, routing
 
     def _gather(self, device_pages: list[int]) -> tuple:
-        """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream."""
-        k, v, routing = self._views()
-        idx = self._index(device_pages, k.device)
-        kv = torch.stack((k[:, idx], v[:, idx])).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return kv, None if routing is None else routing[idx]  # (indexing copies)
+        """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream: one
+        indexed copy per tensor, straight into the staging."""
+        idx = self._index(device_pages)
+        kv, routing = self._staging(len(device_pages))
+        torch.index_select(self._k, 0, idx, out=kv[:, 0])
+        torch.index_select(self._v, 0, idx, out=kv[:, 1])
+        if routing is not None:
+            torch.index_select(self._routing, 0, idx, out=routing)
+        return kv, routing
 
     def _to_host(self, op: CopyOp) -> None:
         kv, routing = op.staged
@@ -287,6 +347,7 @@ class HostTier(PageAllocator):
             self.kv[h:h + n].copy_(kv[i:i + n], non_blocking=True)
             if routing is not None:
                 self.routing[h:h + n].copy_(routing[i:i + n], non_blocking=True)
+            self.num_transfers += 1
 
     def _from_host(self, op: CopyOp) -> None:
         """The host pages of the copy's own transfer (`own`) into its staging, in that order."""
@@ -296,12 +357,14 @@ class HostTier(PageAllocator):
             kv[i:i + n].copy_(self.kv[h:h + n], non_blocking=True)
             if routing is not None:
                 routing[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
+            self.num_transfers += 1
 
     def _scatter(self, op: CopyOp) -> None:
         """The load's pages into the pool (on the current stream: compute), one indexed copy per staging tensor
         they come from: its own, and those of the prefetches and backups in flight it takes pages from (a backup's
         gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream, which the join waited
-        for)."""
+        for). Every index it needs is uploaded at once; rows of another copy's staging that form a run are a view
+        of it, others are selected first."""
         sources = {id(op): (op.staged, list(range(len(op.own))), [op.device_pages[i] for i in op.own])}
         for i, src, j in op.from_staging:
             if src.prefetch:
@@ -309,18 +372,25 @@ class HostTier(PageAllocator):
             rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
             rows.append(j)
             pages.append(op.device_pages[i])
-        k, v, pool_routing = self._views()
-        for (kv, routing), rows, pages in sources.values():
-            if not pages:
-                continue
-            idx = self._index(pages, k.device)
-            if rows != list(range(len(kv))):
-                at = self._index(rows, k.device)
-                kv, routing = kv[at], None if routing is None else routing[at]
-            k[:, idx] = kv[:, 0].transpose(0, 1)
-            v[:, idx] = kv[:, 1].transpose(0, 1)
+        sources = [s for s in sources.values() if s[2]]
+        flat = [p for _, _, pages in sources for p in pages]
+        picks = [rows for _, rows, _ in sources if not _is_run(rows)]
+        idx = self._index(flat + [j for rows in picks for j in rows])
+        at, picked = 0, len(flat)
+        for (kv, routing), rows, pages in sources:
+            dst = idx[at:at + len(pages)]
+            at += len(pages)
+            if _is_run(rows):
+                kv, routing = kv[rows[0]:rows[0] + len(rows)], None if routing is None else \
+                    routing[rows[0]:rows[0] + len(rows)]
+            else:
+                take = idx[picked:picked + len(rows)]
+                picked += len(rows)
+                kv, routing = kv.index_select(0, take), None if routing is None else routing.index_select(0, take)
+            self._k[dst] = kv[:, 0]
+            self._v[dst] = kv[:, 1]
             if routing is not None:
-                pool_routing[idx] = routing
+                self._routing[dst] = routing
 
     # ---- completion ------------------------------------------------------------------------------------
     def land(self, upto: int, stream: str | None = None) -> None:
@@ -337,14 +407,16 @@ class HostTier(PageAllocator):
         """The id up to which every copy has completed: the reap point (rank 0 decides it, see rule 5)."""
         last = 0
         for op in self.ops:
-            if (op.pending is not None or (op.is_load and not op.joined)
+            if (op is self._queued or op.pending is not None or (op.is_load and not op.joined)
                     or (op.done is not None and not op.done.query())):
                 break
             last = op.id
         return last
 
     def reap(self, upto: int | None = None) -> None:
-        """Wait for the copies up to id `upto` (every one if None) and drop the references they hold."""
+        """Flush the queued backups, wait for the copies up to id `upto` (every one if None) and drop the
+        references they hold."""
+        self.flush()
         while self.ops and (upto is None or self.ops[0].id <= upto):
             op = self.ops[0]
             assert not op.is_load or op.joined, "a load is reaped before its scatter (call before_compute)"
@@ -354,20 +426,18 @@ class HostTier(PageAllocator):
                 if op.done is not None:
                     op.done.synchronize()
                 self.waits += 1
-                self.wait_seconds += time.perf_counter() - t0
+                self.seconds["wait"] += time.perf_counter() - t0
             self.ops.popleft()
             self._release(op)
-
-    def _release(self, op: CopyOp) -> None:
-        self._unhold(op)
-        if not op.is_load:
-            for h in op.host_pages:
-                if self._backing.get(h, (None,))[0] is op:
-                    del self._backing[h]
 
     @property
     def in_flight(self) -> int:
         return len(self.ops)
+
+
+def _is_run(rows: list[int]) -> bool:
+    """Whether `rows` are consecutive ascending indices."""
+    return rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 def _runs(pages: list[int], skip: set[int] = frozenset()):

@@ -279,6 +279,8 @@ class RadixCache:
         reads it at once, in the compute stream's order) and leaves too; any other page is cut from the tree,
         with the host-only pages below it. Returns how many pages were freed."""
         refcount, freed, backlog = self.pool.refcount, 0, []
+        if self.tier is not None:
+            self.tier.flush()  # (queued backups hold their pages)
         write_back = self.tier is not None and self.tier.policy == "write_back"
         if write_back and num_pages > self.tier.num_free:
             self.evict_host(num_pages - self.tier.num_free)  # room for the backups
@@ -287,32 +289,44 @@ class RadixCache:
                 break
             if not node.pages or node.pages[0] is None or any(c.pages[0] is not None for c in node.children):
                 continue
+            taken = []  # (j, device page) of the node's pages to back up, deepest first
             for j in reversed(range(len(node.pages))):
                 d = node.pages[j]
                 if freed >= num_pages or (d is not None and refcount[d] != 1):
                     break
                 if d is None:
                     continue
-                if node.host[j] is None and write_back and self.tier.num_free:
-                    node.host[j] = self.tier.alloc(1)[0]
-                    backlog.append((node.pages[j], node.host[j]))  # the tree's reference, until the copy reads it
+                if node.host[j] is None and write_back and self.tier.num_free > len(taken):
+                    taken.append((j, d))  # the tree's reference, until the copy reads it
                     node.pages[j] = None
                 elif node.host[j] is not None:
                     node.pages[j] = None
                     self.pool.decref([d])
                 else:
+                    self._take_host_pages(node, taken, backlog)
                     self._flush_backups(backlog)  # what is cut below may be waiting in it
                     self._cut(node, j)
                 freed += 1
+            self._take_host_pages(node, taken, backlog)
         self._flush_backups(backlog)
         return freed
 
+    def _take_host_pages(self, node: Node, taken: list[tuple[int, int]], backlog: list[tuple[int, int]]) -> None:
+        """Give the node's pages `taken` host pages, ascending with their position (a run of host pages, as far as
+        the tier's free pages allow, is one copy for the backup and for a later load of the path)."""
+        if taken:
+            for (j, d), h in zip(reversed(taken), sorted(self.tier.alloc(len(taken))), strict=True):
+                node.host[j] = h
+                backlog.append((d, h))
+            taken.clear()
+
     def _flush_backups(self, backlog: list[tuple[int, int]]) -> None:
         """Issue one copy for the (device page, host page) pairs eviction collected; it reads the device pages
-        at once, so the tree's references on them go."""
+        at once, so they are free when eviction returns."""
         if backlog:
             device, host = map(list, zip(*backlog, strict=True))
             self.tier.backup(device, host)
+            self.tier.flush()
             self.pool.decref(device)
             backlog.clear()
 

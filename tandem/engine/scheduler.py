@@ -91,8 +91,9 @@ class Scheduler:
     def _prefetch(self) -> None:
         """Start the host tier's copies for the first waiting request (of the next few) whose cached prefix is
         partly on the host and not prefetched yet, so that they cross the bus while it waits; one a step, at most
-        half the prefetch budget, as the loads of later steps queue behind it."""
-        if self.tier is None or not self.tier.prefetch_pages:
+        half the prefetch budget, as the loads of later steps queue behind it. (None while the budget is spent:
+        the probes would find no room.)"""
+        if self.tier is None or self.tier.prefetch_room <= 0:
             return
         for req in itertools.islice(self.waiting, PREFETCH_AHEAD):
             if req.pages or req.tokens[-1] == PENDING or self.tier.prefetching(req.rid):
@@ -199,19 +200,12 @@ class Scheduler:
                    for other in prefilling.get(tuple(req.tokens[:self.page_size]), ()))
 
     def alloc(self, n: int, reserve: int = 0) -> list[int] | None:
-        """n fresh pages, evicting cached ones (and waiting for host-tier copies) as needed, keeping `reserve`
-        free; None if they do not fit."""
+        """n fresh pages, evicting cached ones as needed, keeping `reserve` free; None if they do not fit. (A
+        host-tier copy holds pool pages only until its gather, which eviction issues first, or its scatter, which
+        admission issues: none is waited for.)"""
         short = n + reserve - self.pool.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
-        if self.tier is not None:
-            # loads hold the pages they fill until reaped: wait first for those that wait for no compute still
-            # running, then, if that is not enough, for them all (the same choices on every rank)
-            for upto in (self.tier.settled_upto, None):
-                if self.pool.num_free - reserve >= n or not self.tier.in_flight:
-                    break
-                self.tier.reap(upto)
-                self.cache.evict(n + reserve - self.pool.num_free)
         if self.pool.num_free - reserve < n:
             return None
         return self.pool.alloc(n)
