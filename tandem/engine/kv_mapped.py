@@ -112,14 +112,15 @@ def _kernel_ok(*caches: torch.Tensor) -> bool:
 
 def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, start: int, end: int,
                        page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
-                       dst_pages=None, clock: TransferClock | None = None) -> torch.Tensor:
+                       dst_pages=None, clock: TransferClock | None = None, tile=None) -> torch.Tensor:
     """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
     host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
     page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
     [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
     same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
     Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
-    before the first kernel is launched (the device time from there is the pass's own)."""
+    before the first kernel is launched (the device time from there is the pass's own). `tile`: the kernel's
+    (`kv_copy.Tile`; its default if None)."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -142,7 +143,7 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
-                           index[1] if dst is not None else None, out=parts[:, which])
+                           index[1] if dst is not None else None, out=parts[:, which], tile=tile)
         return parts.view(num, 2 * layers, 2).sum(1)
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
