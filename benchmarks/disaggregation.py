@@ -36,7 +36,11 @@ Metrics:
   step; (iii) the transfer itself, as the servers time it in those calls (`/pd/transfers`): (iv) the prefill
   server's export (pages gathered out of its pool, checksummed, shared or serialised) plus (v) the decode
   server's import (from the answer in hand to the pages written in its pool, device-synchronised: mapped or
-  received, copied, verified, written; by reference: the engine's one pass over the mapped pages, checked).
+  received, copied, verified, written; by reference: the one pass over the mapped pages, checked, run as the
+  answer lands into pages set aside when the decode server sent the prompt, else by the engine's thread). By
+  reference also (vi), after (v), the request queued in the engine with the pages written, and (vii) the whole
+  way from the prefill server starting its export to the decode server's checksums compared, on the host's one
+  monotonic clock: (iii) plus what it leaves out (the prefill engine's output to its server, the answer's way).
   Against a device-to-device copy in the same run (on a CPU a memcpy), traffic against traffic: a transfer of B
   bytes of KV reads and writes each once, so its share is `copy_time(B) / time`, where `copy_time(B)` is the time the
   copy takes to move B bytes (to read B and write B: 2 B / the copy's read + write bandwidth); a transfer as fast as
@@ -258,8 +262,10 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
             "decode_take_s": med("take_s"), "decode_copy_s": med("copy_s"), "decode_verify_s": med("verify_s"),
             "decode_write_s": med("write_s"), "decode_import_s": med("import_s"),
             **{f"{side}_{key}": med(key) for side, key in (("prefill", "export_sums_s"), ("decode", "queue_s"),
-                                                            ("decode", "check_s"), ("decode", "pass_s"))
+                                                            ("decode", "check_s"), ("decode", "pass_s"),
+                                                            ("decode", "handoff_s"), ("decode", "path_s"))
                if all(r.get(key) is not None for r in records)},
+            "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
 
@@ -443,17 +449,25 @@ def report(results: dict, args) -> None:
                        "decode_write_s"),
                       ("(v''a) of (v''): from the kernels' launch (device; before it the host readies their inputs)",
                        "decode_pass_s"),
-                      ("(v''') by reference, of (v): the answer to the engine's thread starting the pass (host)",
-                       "decode_queue_s"),
+                      ("(v''') by reference, of (v): the answer to the pass starting (host; in the thread the answer "
+                       "landed in where it was written so, else the engine's)", "decode_queue_s"),
                       ("(v'''') by reference, of (v): the pass queued to its checksums compared (host)",
                        "decode_check_s"),
                       ("(iv') by reference, of (iv): the checksum pass over the pinned pages (device, from its launch)",
-                       "prefill_export_sums_s")):
+                       "prefill_export_sums_s"),
+                      ("(vi) by reference, after (v) where written as it landed: checked to the request queued in "
+                       "the engine (host)", "decode_handoff_s"),
+                      ("(vii) by reference, the whole way on one clock: the prefill server starting its export to "
+                       "the checksums compared (with the answer's way between the two, which (iii) leaves out)",
+                       "decode_path_s")):
         if key not in t or (key in ("decode_take_s", "decode_copy_s", "decode_verify_s") and "decode_queue_s" in t):
             continue  # (by reference nothing is taken before the engine's pass)
         seconds = max(t[key], 1e-9)
         print(f"| {what} | {1e3 * seconds:,.3f} | {t['kv_bytes'] / seconds / 1e9:,.2f} | "
               f"{copy_time / seconds:.1%} | {copy_time / seconds / 2:.1%} |")
+    if "landed" in t:
+        print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
+              f"{len(t['records'])} timed transfers")
     if "decode_write_s" in t and t.get("decode_import_s"):
         passes = t.get("decode_pass_s", t["decode_write_s"]) + t.get("prefill_export_sums_s", 0.0)
         print(f"\nhost-side overhead of (iii): (iii) minus the device passes (iv') and (v''a, else v''): "

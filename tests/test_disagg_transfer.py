@@ -150,6 +150,8 @@ def test_by_reference_the_servers_generate_what_bytes_and_one_engine_do(device, 
                 assert r["pages"] == -(-(r["end"] - r["start"]) // 4), r
                 assert r["kv_bytes"] == (r["end"] - r["start"]) * per_token, r
                 assert r["export_s"] > 0 and 0 <= r["write_s"] <= r["import_s"] and 0 < r["take_s"] <= r["import_s"]
+                if transfer == "reference":  # written as the answer landed, then queued; timed on one clock too
+                    assert r["landed"] and r["handoff_s"] >= 0 and r["path_s"] >= r["import_s"], r
         got[transfer] = [tokens(a) for a in answers]
     assert got["reference"] == got["bytes"]
     assert got["reference"][:3] == want

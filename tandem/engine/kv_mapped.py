@@ -188,11 +188,12 @@ class PinnedKV:
     `routing` ([end - start, layers, k] int16 on the host) where the pool keeps it. `handle`: what the decode
     server needs (JSON); `unpin(pages)` is called once, by `free` or when this is collected. `read_s`: the export's
     time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time from its launch
-    (with the kernel, on a GPU; else None)."""
+    (with the kernel, on a GPU; else None); `pinned_at`: `time.monotonic()` as the pinning began."""
 
     def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: np.ndarray,
                  routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float,
-                 sums_s: float | None):
+                 sums_s: float | None, pinned_at: float | None = None):
+        self.pinned_at = pinned_at
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
         self.sums, self.routing, self.read_s, self.sums_s = sums, routing, read_s, sums_s
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
@@ -220,7 +221,7 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     where they are: one pass on the device, one host sync. Call in the engine's thread, between steps."""
     P = pool.page_size
     assert start % P == 0, start
-    began = time.perf_counter()
+    began, pinned_at = time.perf_counter(), time.monotonic()
     held = list(pages[start // P:-(-end // P)])
     pool.incref(held)
     try:
@@ -233,7 +234,8 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     except BaseException:
         pool.decref(held)
         raise
-    return PinnedKV(pool, held, start, end, on_host, routing, unpin, time.perf_counter() - began, sums_s)
+    return PinnedKV(pool, held, start, end, on_host, routing, unpin, time.perf_counter() - began, sums_s,
+                    pinned_at)
 
 
 def _hex_pairs(sums: np.ndarray) -> tuple[str, ...]:

@@ -257,10 +257,12 @@ class PrefillClient:
         prefilled = retractions = 0
         while so_far.finish_reason.message == HANDED_BACK:
             history = input_ids + so_far.output_ids
-            kv_from = await self.engine.probe(history, rid)
+            kv_from = await self.engine.probe(history, rid, reserve=self.paired.get(url) == "reference")
             try:
                 await self.pair(url)  # (again if a failed transfer broke the pairing)
                 sampled, kv, meta = await self._prefill(url, history, sampling, rid, kv_from, len(input_ids))
+                if isinstance(kv, MappedKV):
+                    await self._write_landed(url, rid, kv, sampled[2])
             except BaseException as e:
                 self.engine.abort(rid)  # it expected the import: forget it
                 if isinstance(e, asyncio.CancelledError):
@@ -326,14 +328,28 @@ class PrefillClient:
             raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
         return meta["first"], kv.with_clock(clock), meta
 
+    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int) -> None:
+        """Write `kv` (computed under weight `version`) into the pages `rid`'s probe set aside and check it, here,
+        as the answer lands (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this
+        loop for the device pass). Where it cannot (nothing set aside, a pause, other weights) the engine writes it
+        as it places the import. The export is released if this fails."""
+        try:
+            self.engine.write_reserved(rid, kv, version)
+        except BaseException:
+            await asyncio.shield(self._release(url, kv.export_id))
+            raise
+
     def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
         """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
         `export_s` the prefill server's (its pages read out of its pool, checksummed and shared or serialised),
         `take_s` this server's from the answer to the KV verified on its device (`copy_s` of it until the KV was
         copied or received onto its device, `verify_s` the checksums), `write_s` its write into the pool (device
         time; `pass_s` of it from the kernels' launch: the pass's own), `import_s` from the answer to the pages
-        written (device-synchronised, the engine's turn included);
-        null where it did not write them. Host times are taken where the host has waited for the device."""
+        written (device-synchronised; by reference checked too: the engine's turn included unless the pass ran as
+        the answer landed, `landed`; then `handoff_s`, after it, until the engine queued the request);
+        null where it did not write them. By reference `path_s`: from the prefill server starting its export to
+        the checksums compared here, on the host's one monotonic clock (both processes' work and the answer's way
+        between them). Host times are taken where the host has waited for the device."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
@@ -356,7 +372,11 @@ class PrefillClient:
             "verify_s": clock.host["verified"] - clock.host["taken"],
             "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
             "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
-            "write_s": write_s, "pass_s": pass_s, "import_s": import_s})
+            "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
+            "landed": mapped and "placed" in clock.host,
+            "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
+            "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
+            and meta.get("pinned_at") is not None else None})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the

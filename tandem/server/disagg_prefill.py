@@ -72,6 +72,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
         meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
         meta["export_sums_s"] = getattr(out.kv, "sums_s", None)  # (by reference on a GPU: the checksum pass)
+        meta["pinned_at"] = getattr(out.kv, "pinned_at", None)  # (by reference: time.monotonic() as it began)
         return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
 
     @app.get("/pd/pool")
