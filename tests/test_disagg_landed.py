@@ -10,6 +10,7 @@ import asyncio
 import threading
 import time
 
+import httpx
 import torch
 from test_disagg_mapped import POOL, PREFILL, SEEDED, pinned, prompt
 
@@ -25,30 +26,33 @@ def mapped(p: Engine, d: Engine, first) -> MappedKV:
 
 
 async def import_landed(p: Engine, d: Engine, first, ids, rid="r", before_landing=None):
-    """Probe with pages set aside, land the answer (`write_reserved`), import: (landed, output, kv)."""
+    """Probe with pages set aside, land the answer (`write_reserved`) and compare (as the decode server does once
+    the prefill server's sums have come), import: (landed, output, kv)."""
     assert await d.probe(ids, rid, reserve=True) == 0
     kv = mapped(p, d, first)
     if before_landing is not None:
         await before_landing()
     landed = d.write_reserved(rid, kv, first.weight_versions[-1])
+    if landed:
+        kv.check()
     out = await d.generate_imported(ids, SEEDED, (first.output_ids, first.output_logprobs, first.weight_versions),
                                     kv, rid)
     return landed, out, kv
 
 
-def count_writes(monkeypatch) -> list[str]:
-    """Which thread wrote each import by reference (`MappedKV.write_into`'s callers)."""
-    threads, real = [], MappedKV.write_into
+def count_writes(monkeypatch, method: str) -> list[str]:
+    """Which thread wrote each import by reference (the callers of `MappedKV`'s `method`)."""
+    threads, real = [], getattr(MappedKV, method)
 
     def counted(self, pool, pages):
         threads.append(threading.current_thread().name)
         return real(self, pool, pages)
-    monkeypatch.setattr(MappedKV, "write_into", counted)
+    monkeypatch.setattr(MappedKV, method, counted)
     return threads
 
 
 def test_an_import_written_as_it_lands_decodes_what_one_engine_does_written_once(monkeypatch):
-    writers = count_writes(monkeypatch)
+    writers = count_writes(monkeypatch, "pass_into")
 
     async def go():
         with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d, Engine("tiny", POOL) as unified:
@@ -120,7 +124,7 @@ def during_a_slow_write(monkeypatch, command: str, gated: bool) -> dict:
     engine (`command` "pause") or abort the request ("abort"): when the command was acknowledged against when the
     write was checked, and whether the reserved pages were all still held as the write ended. `gated=False`: a
     mutant engine whose pause and reservations do not take the writer's gate."""
-    real, seen = MappedKV.write_into, {}
+    real, seen = MappedKV.pass_into, {}
 
     def slow(self, pool, pages):
         seen["started"] = time.monotonic()
@@ -128,7 +132,7 @@ def during_a_slow_write(monkeypatch, command: str, gated: bool) -> dict:
         real(self, pool, pages)
         seen["held"] = all(pool.refcount[page] > 0 for page in pages)
         seen["checked"] = time.monotonic()
-    monkeypatch.setattr(MappedKV, "write_into", slow)
+    monkeypatch.setattr(MappedKV, "pass_into", slow)
 
     async def go():
         with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d:
@@ -202,3 +206,64 @@ def test_reservations_go_back_with_an_abort_need_free_pages_and_the_weights_they
             d.abort("big")
             first.kv.free(taken=True)
     asyncio.run(go())
+
+
+def test_a_pause_between_the_landed_pass_and_its_check_has_the_engine_write_it_again_after_continue():
+    """The pass ran before the pause (allowed: nothing of it is used yet); the import arriving while paused waits,
+    its set-aside pages go back, and after continue the engine writes it again (from the prefill server's pages,
+    still pinned): one engine's tokens, every page back once done."""
+    async def go():
+        with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d, Engine("tiny", POOL) as unified:
+            ids = prompt(22)
+            want = await unified.generate(ids, SEEDED)
+            first = await pinned(p, ids)
+            await d.probe(ids, "r", reserve=True)
+            kv = mapped(p, d, first)
+            assert d.write_reserved("r", kv, first.weight_versions[-1])
+            await d.pause("in_place")
+            kv.check()
+            task = asyncio.ensure_future(d.generate_imported(
+                ids, SEEDED, (first.output_ids, first.output_logprobs, first.weight_versions), kv, "r"))
+            await asyncio.sleep(0.05)
+            await d.get_stats()
+            assert not task.done() and (await d.get_stats()).pages_free == POOL.num_pages  # held, pages back
+            await d.resume()
+            out = await task
+            assert (out.output_ids, out.output_logprobs) == (want.output_ids, want.output_logprobs)
+            assert "placed" not in kv.clock.host  # (written by the engine, not taken as landed)
+            first.kv.free(taken=True)
+            await d.flush_cache()
+            assert (await d.get_stats()).pages_free == POOL.num_pages
+    asyncio.run(go())
+
+
+def test_over_http_the_decode_pass_runs_before_the_prefill_servers_sums_come(monkeypatch):
+    """The prefill server answers with the pages at once and their sums when its checksum pass is done (made slow
+    here: 0.3 s): the decode server's pass runs meanwhile, it compares once they come, and generates what bytes
+    give; a sums line that never comes ends the request with an abort naming it, the export released."""
+    from test_disagg_transfer import SAMPLING, decode_server, generate, held, prefill_server, tokens
+
+    from tandem.engine.kv_mapped import PinnedKV
+
+    real = PinnedKV.sums_hex
+
+    def slow(self):
+        time.sleep(0.3)
+        return real(self)
+    monkeypatch.setattr(PinnedKV, "sums_hex", slow)
+    monkeypatch.setattr(PinnedKV, "sums_ready", lambda self: False)  # (as on a GPU, its pass still running)
+    ids = prompt(30, seed=1)
+    with prefill_server("cpu", own_process=False) as p_url, decode_server("cpu", "bytes") as d_url:
+        want = tokens(generate(d_url, p_url, ids))
+    with prefill_server("cpu", own_process=False) as p_url:
+        with decode_server("cpu", "reference") as d_url:
+            got = tokens(generate(d_url, p_url, ids))
+            record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
+        assert got == want and record["landed"] and record["sums_after_pass_s"] > 0.1, record
+        monkeypatch.setattr(PinnedKV, "sums_hex", lambda self: 1 / 0)
+        with decode_server("cpu", "reference") as d_url:
+            body = {"input_ids": ids, "sampling_params": SAMPLING, "bootstrap": {"prefill_url": p_url}}
+            answer = httpx.post(f"{d_url}/generate", json=body, timeout=60).json()
+            assert answer["meta_info"]["finish_reason"]["type"] == "abort", answer
+            assert "sums did not come" in answer["meta_info"]["finish_reason"]["message"], answer
+            assert held(p_url) == 0

@@ -5,12 +5,13 @@ concept: its methods use the core's state and run in its thread, as every comman
 they are thread-safe (`unpin`, `write_reserved`).
 
 An import by reference may be written before its `ImportRequest` reaches the engine's thread: `Probe(reserve=True)`
-sets pages aside for it (`Reservation`), and the decode server, as the prefill server's answer lands, writes and
-checks the KV into them from its own thread (`write_reserved`), so that the transfer does not wait for a turn of
-the engine's thread; the import then only queues the request with those pages. The gate (`_gate`) keeps the
-guarantees: a write out of the thread holds it from its checks to its checksums compared, and the engine takes it
-to pause (so no such write completes after a pause is acknowledged) and to take or drop a reservation (so none is
-freed while it is written). A write out of the thread runs on the transfer stream (`kv_shared.transfer_stream`),
+sets pages aside for it (`Reservation`), and the decode server, as the prefill server's answer lands, writes the KV
+into them from its own thread (`write_reserved`) and compares its checksums, so that the transfer does not wait
+for a turn of the engine's thread; the import then only queues the request with those pages, if they were checked
+and the same. The gate (`_gate`) keeps the guarantees: a write out of the thread holds it from its checks to its
+pass done, and the engine takes it to pause (so no such write runs after a pause is acknowledged; an import that
+arrives paused gives its pages back, and is written again after continue) and to take or drop a reservation (so
+none is freed while it is written). A write out of the thread runs on the transfer stream (`kv_shared.transfer_stream`),
 after the engine's work queued before the pages were set aside (`Reservation.ready`), not behind later steps; the
 host waits for it before the request is queued, so every step that reads the pages comes after it."""
 
@@ -40,8 +41,7 @@ class Reservation:
     """Pages set aside for a probed import (`Probe(reserve=True)`): `pages`, the page table of its positions
     [0, `end`) (the cached pages before `start`, referenced, then fresh ones), set aside under weight `version`;
     `ready`: an event on the engine's stream as they were (a GPU's), after which their earlier users are done.
-    `written`: the KV written into them out of the engine's thread (`write_reserved`), `error` its checksums'
-    difference if they differed."""
+    `written`: the KV written into them out of the engine's thread (`write_reserved`)."""
 
     pages: list[int]
     start: int
@@ -49,7 +49,6 @@ class Reservation:
     version: int
     ready: torch.cuda.Event | None
     written: object = None
-    error: str | None = None
 
 
 class DecodeImports:
@@ -67,11 +66,11 @@ class DecodeImports:
 
     def write_reserved(self, rid: str, kv: MappedKV, version: int) -> bool:
         """Thread-safe, for a decode server's thread as `rid`'s answer lands: write `kv` (KV computed under weight
-        `version`) into the pages its probe set aside and check it (`MappedKV.write_into`, on the transfer stream;
-        blocks for the pass). False, nothing written, if there is no such reservation (none set aside, dropped, or
-        written already), the engine is paused, or `version` is not the engine's and the reservation's, or `kv` is
-        not the positions reserved: the import then takes the engine's own way. A checksum difference is kept for
-        the import to report (True: it is the import's outcome)."""
+        `version`) into the pages its probe set aside (`MappedKV.pass_into`, on the transfer stream; blocks for the
+        pass); its caller then compares the checksums (`MappedKV.check`) before it sends the import, which takes
+        the pages only if they were checked and the same. False, nothing written, if there is no such reservation
+        (none set aside, dropped, or written already), the engine is paused, or `version` is not the engine's and
+        the reservation's, or `kv` is not the positions reserved: the import then takes the engine's own way."""
         with self._gate:
             res = self._reserved.get(rid)
             if (res is None or res.written is not None or self.paused is not None
@@ -81,9 +80,9 @@ class DecodeImports:
                 if stream is not None and res.ready is not None:
                     stream.wait_event(res.ready)
                 try:
-                    kv.write_into(self.pool, res.pages)
-                except ValueError as e:  # (checked as written: what it wrote is nobody's)
-                    res.error = str(e)
+                    kv.pass_into(self.pool, res.pages)
+                except ValueError as e:  # (what it wrote is nobody's)
+                    kv.failure, kv.checked = str(e), True
             res.written = kv
             return True
 
@@ -166,8 +165,9 @@ class DecodeImports:
         other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
         versions that sampled them). KV whose checksums fail as it is written (`MappedKV`) ends the request with an
         abort naming the page, its pages freed (nothing of it is seen). With `res`, the pages its probe set aside:
-        if `write_reserved` wrote `kv` into them under the weights held now, the request takes them as they are
-        (or, if its checksums differed, ends so, they freed); else they are freed and the import goes as above.
+        if `write_reserved` wrote `kv` into them under the weights held now and it was checked, the request takes
+        them as they are (or, if its checksums differed, ends so, they freed); else they are freed and the import
+        goes as above.
         The import is settled either way."""
         try:
             self._place_import_kv(req, kv, res)
@@ -177,11 +177,11 @@ class DecodeImports:
     def _place_import_kv(self, req: Request, kv: KVPages | MappedKV, res: Reservation | None) -> None:
         n, P = len(req.tokens) - 1, self.pool.page_size
         stale = req.weight_versions[-1] != self.weight_version
-        if res is not None and res.written is kv and res.version == self.weight_version and not stale:
-            if res.error is not None:
+        if res is not None and res.written is kv and kv.checked and res.version == self.weight_version and not stale:
+            if kv.failure is not None:
                 self._release(res)
                 self.scheduler.waiting.append(req)
-                self._finish(req, FinishReason("abort", message=res.error))
+                self._finish(req, FinishReason("abort", message=kv.failure))
             else:
                 req.pages, req.num_computed = res.pages, n
                 req.pages_replaced()

@@ -285,6 +285,15 @@ class TransferClock:
             event = self._events[name] = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
 
+    def reached(self, name: str) -> bool:
+        """Whether the device has reached mark `name` (without waiting; on a CPU, yes)."""
+        return (event := self._events.get(name)) is None or event.query()
+
+    def wait(self, name: str) -> None:
+        """Wait until the device has reached mark `name` (nothing to wait for on a CPU)."""
+        if (event := self._events.get(name)) is not None:
+            event.synchronize()
+
     def seconds(self, a: str, b: str) -> float:
         if self.device.type != "cuda":
             return self.host[b] - self.host[a]
