@@ -161,6 +161,26 @@ def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
     assert torch.equal(dv[:, dst_slots].view(torch.uint8), v[:, src_slots].view(torch.uint8))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["Tile(1024, 2)", "Tile(4096, 4)", "Tile(8192, 8, stream=True)",
+                                  "Tile(16384, 16, stream=True)"])
+def test_on_the_gpu_every_tile_gives_the_cpus_checksums_at_the_models_shape(tile):
+    """qwen3-0.6b's layout, 1,000 positions, the sweep's corners: the same sums and pages as the CPU's torch path."""
+    from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
+
+    k, v = pool(28, 80, 16, 8, 128, torch.bfloat16)
+    pages = torch.randperm(80, generator=torch.Generator().manual_seed(4))[:63].tolist()
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    want = page_sums_by_index(k, v, pages, 0, 1000, 16, dk, dv, list(range(63)))
+    gk, gv = k.cuda(), v.cuda()
+    gdk, gdv = torch.zeros_like(gk), torch.zeros_like(gv)
+    got = page_sums_by_index(gk, gv, pages, 0, 1000, 16, gdk, gdv, list(range(63)), tile=eval(tile))
+    assert torch.equal(canonical(got.cpu()), want)
+    assert torch.equal(canonical(page_sums_by_index(gk, gv, pages, 0, 1000, 16, tile=eval(tile)).cpu()), want)
+    assert torch.equal(gdk.cpu().view(torch.uint8), dk.view(torch.uint8))
+    assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))
+
+
 def test_a_tile_that_no_program_can_hold_is_refused():
     pytest.importorskip("triton")
     from tandem.kernels.kv_copy import Tile
