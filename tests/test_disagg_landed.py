@@ -239,7 +239,7 @@ def test_a_pause_between_the_landed_pass_and_its_check_has_the_engine_write_it_a
 
 def test_over_http_the_decode_pass_runs_before_the_prefill_servers_sums_come(monkeypatch):
     """The prefill server answers with the pages at once and their sums when its checksum pass is done (made slow
-    here: 0.3 s): the decode server's pass runs meanwhile, it compares once they come, and generates what bytes
+    here: 0.5 s): the decode server's pass runs meanwhile, it compares once they come, and generates what bytes
     give; a sums line that never comes ends the request with an abort naming it, the export released."""
     from test_disagg_transfer import SAMPLING, decode_server, generate, held, prefill_server, tokens
 
@@ -248,7 +248,7 @@ def test_over_http_the_decode_pass_runs_before_the_prefill_servers_sums_come(mon
     real = PinnedKV.sums_hex
 
     def slow(self):
-        time.sleep(0.3)
+        time.sleep(0.5)
         return real(self)
     monkeypatch.setattr(PinnedKV, "sums_hex", slow)
     monkeypatch.setattr(PinnedKV, "sums_ready", lambda self: False)  # (as on a GPU, its pass still running)
