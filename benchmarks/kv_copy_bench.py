@@ -88,9 +88,10 @@ SWEEP_WARPS = (2, 4, 8, 16)
 def sweep(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, reps: int = 20,
           device: str = "cuda") -> dict:
     """Device times of the fused pass and the checksum pass for each tile of the grid (`SWEEP_WORDS` x
-    `SWEEP_WARPS`, plain; and streaming at 4 and 8 warps), each checked against the default tile's output bit for
-    bit (a tile that differs or fails is reported, never chosen), with the plain copy's time of the same bytes."""
-    from tandem.engine.kv_mapped import _kernel_ok, page_sums_by_index
+    `SWEEP_WARPS`, plain; and at 2,048-8,192 words and 4 or 8 warps, streaming, deferred, and both), each checked
+    against the default tile's output bit for bit (a tile that differs or fails is reported, never chosen), with
+    the plain copy's time of the same bytes."""
+    from tandem.engine.kv_mapped import _kernel_ok, canonical, page_sums_by_index
     from tandem.kernels.kv_copy import COPY_TILE, SUMS_TILE, Tile
 
     t, src_pages, dst_pages, kv_bytes = _pools(model, tokens, page_size, device)
@@ -101,22 +102,25 @@ def sweep(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, re
     copy_s = _time(lambda: flat["dst"].copy_(flat["src"]), reps)
     flat.clear()
 
-    def run(tile, write: bool):
+    def run(tile, write: bool) -> torch.Tensor:  # (the sums as compared: their column parts' low 32 bits)
         if write:
             t["dst_k"].zero_(), t["dst_v"].zero_()
-            return page_sums_by_index(t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, t["dst_k"],
+            sums = page_sums_by_index(t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, t["dst_k"],
                                       t["dst_v"], dst_pages, tile=tile)
-        return page_sums_by_index(t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, tile=tile)
+        else:
+            sums = page_sums_by_index(t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, tile=tile)
+        return canonical(sums.cpu())
 
-    expect = {write: run(COPY_TILE if write else SUMS_TILE, write).clone() for write in (True, False)}
+    expect = {write: run(COPY_TILE if write else SUMS_TILE, write) for write in (True, False)}
     written = t["dst_k"].clone(), t["dst_v"].clone()  # (the default's pages)
     tiles = [Tile(w, n) for w in SWEEP_WORDS for n in SWEEP_WARPS] + \
-            [Tile(w, n, stream=True) for w in SWEEP_WORDS for n in (4, 8)]
+            [Tile(w, n, stream, defer) for stream, defer in ((True, False), (False, True), (True, True))
+             for w in (2048, 4096, 8192) for n in (4, 8)]
     rows = []
     for write in (True, False):
         for tile in tiles:
             row = {"pass": "fused" if write else "sums", "words": tile.words, "num_warps": tile.num_warps,
-                   "stream": tile.stream, "default": tile == (COPY_TILE if write else SUMS_TILE)}
+                   "stream": tile.stream, "defer": tile.defer, "default": tile == (COPY_TILE if write else SUMS_TILE)}
             try:
                 same = torch.equal(run(tile, write), expect[write])
                 if write:
@@ -140,16 +144,18 @@ def sweep(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, re
 def report_sweep(result: dict) -> None:
     copy = result["copy_s"]
     print(f"\n| tile sweep ({result['tokens']} tokens, {result['kv_bytes'] / 1e6:,.1f} MB; plain copy "
-          f"{1e3 * copy:.3f} ms) | words | warps | stream | ms | copy time / time |\n|---|---|---|---|---|---|")
+          f"{1e3 * copy:.3f} ms) | words | warps | stream | defer | ms | copy time / time |\n"
+          "|---|---|---|---|---|---|---|")
     for p in ("fused", "sums"):
         rows = sorted((r for r in result["rows"] if r["pass"] == p), key=lambda r: r.get("s", float("inf")))
         for r in rows:
             mark = (" (best)" if r is result["best"][p] else "") + (" (default)" if r["default"] else "")
             ms = f"{1e3 * r['s']:.3f} | {copy / r['s']:.0%}" if "s" in r else f"failed: {r['error']} | -"
-            print(f"| {p}{mark} | {r['words']} | {r['num_warps']} | {r['stream']} | {ms} |")
+            print(f"| {p}{mark} | {r['words']} | {r['num_warps']} | {r['stream']} | {r['defer']} | {ms} |")
     for p, name in (("fused", "COPY_TILE"), ("sums", "SUMS_TILE")):
         if (b := result["best"][p]) is not None:
-            print(f"best {p}: kv_copy.{name} = Tile({b['words']}, {b['num_warps']}, stream={b['stream']}) "
+            print(f"best {p}: kv_copy.{name} = Tile({b['words']}, {b['num_warps']}, stream={b['stream']}, "
+                  f"defer={b['defer']}) "
                   f"({1e3 * b['s']:.3f} ms, {copy / b['s']:.0%} of the copy)")
 
 

@@ -135,14 +135,16 @@ def test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums_at_the_models_shape
     assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))
 
 
-TILES = ["Tile(16, 1)", "Tile(1024, 2)", "Tile(16384, 16, stream=True)"]
+TILES = ["Tile(16, 1)", "Tile(1024, 2)", "Tile(16384, 16, stream=True)", "Tile(16, 1, defer=True)",
+         "Tile(1024, 4, defer=True)", "Tile(8192, 8, stream=True, defer=True)"]
 
 
 @pytest.mark.parametrize("tile", TILES)
 @pytest.mark.parametrize("case", [CASES[4], CASES[5]], ids=["qwen3-position", "pages-of-6"])
 def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
     """`kv_copy.Tile` changes only how a program walks its page: sums and pages as the definition's, whatever the
-    chunk of a row (down to a row in many chunks, up to a page in one), the warps or the streaming hints."""
+    chunk of a row (down to a row in many chunks, up to a page in one), the warps, the streaming hints or the
+    reductions deferred to the end."""
     pytest.importorskip("triton")
     from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
 
@@ -163,7 +165,8 @@ def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["Tile(1024, 2)", "Tile(4096, 4)", "Tile(8192, 8, stream=True)",
-                                  "Tile(16384, 16, stream=True)"])
+                                  "Tile(16384, 16, stream=True)", "Tile(4096, 4, defer=True)",
+                                  "Tile(8192, 8, stream=True, defer=True)"])
 def test_on_the_gpu_every_tile_gives_the_cpus_checksums_at_the_models_shape(tile):
     """qwen3-0.6b's layout, 1,000 positions, the sweep's corners: the same sums and pages as the CPU's torch path."""
     from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
@@ -202,10 +205,11 @@ pointers = {"src_ptr": "*i32", "dst_ptr": "*i32", "src_pages_ptr": "*i32", "dst_
             "rows_ptr": "*i32", "row_w_ptr": "*i64", "col_w_ptr": "*i64", "out_ptr": "*i64"}
 signature = {name: pointers.get(name, "i32") for name in names[:11]} | dict.fromkeys(names[11:], "constexpr")
 found = {}
-for write, tile in ((True, kv_copy.COPY_TILE), (False, kv_copy.SUMS_TILE)):
+for name, write, tile in (("fused", True, kv_copy.COPY_TILE), ("sums", False, kv_copy.SUMS_TILE),
+                          ("fused, deferred", True, kv_copy.Tile(4096, 4, defer=True))):
     constexprs = {"words": 512, "page_size": 16, "WRITE": write, "BLOCK_P": 16,
                   "BLOCK_M": max(16, min(512, tile.words // 16)), "EVICT": "evict_first" if tile.stream else "",
-                  "STORE_CACHE": ".cs" if tile.stream else ""}
+                  "STORE_CACHE": ".cs" if tile.stream else "", "DEFER": tile.defer}
     try:
         source = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs,
                                            attrs={(i,): [["tt.divisibility", 16]] for i in range(11)})
@@ -213,7 +217,7 @@ for write, tile in ((True, kv_copy.COPY_TILE), (False, kv_copy.SUMS_TILE)):
     except Exception as e:
         print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
         sys.exit(0)
-    found[str(write)] = sorted(set(re.findall(r"(?:ld|st)\\.global[\\w.]*\\.v4\\.b32", compiled.asm["ptx"])))
+    found[name] = sorted(set(re.findall(r"(?:ld|st)\\.global[\\w.]*\\.v4\\.b32", compiled.asm["ptx"])))
 print(json.dumps(found))
 """
 
@@ -234,5 +238,6 @@ def test_the_kernel_compiles_for_sm90_with_128_bit_accesses():
     found = json.loads(run.stdout.strip().splitlines()[-1])
     if "skip" in found:
         pytest.skip(f"this Triton cannot compile for sm_90 here: {found['skip']}")
-    assert any(a.startswith("ld") for a in found["True"]) and any(a.startswith("st") for a in found["True"]), found
-    assert any(a.startswith("ld") for a in found["False"]), found
+    for name in ("fused", "sums", "fused, deferred"):
+        assert any(a.startswith("ld") for a in found[name]), found
+        assert name == "sums" or any(a.startswith("st") for a in found[name]), found
