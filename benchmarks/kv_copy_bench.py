@@ -3,6 +3,7 @@ device time, against a plain copy of the same bytes: what the KV transfer by ref
 `disaggregation.py --transfer-only` can tell it from the host's part.
 
     python benchmarks/kv_copy_bench.py [--model qwen3-0.6b] [--tokens 8192] [--out kv_copy.json]
+    python benchmarks/kv_copy_bench.py --sweep [--out kv_copy_sweep.json]
 
 Two pools of the model's KV layout (bf16, pages of 16) holding `tokens` positions, the source's pages scattered;
 timed with CUDA events, median of `reps` after a warm-up: (1) the fused pass (read the source pages, write the
@@ -11,6 +12,10 @@ values, and the sums over layers), (2) the checksum pass alone (what a prefill s
 `torch` copy of the same bytes, contiguous (the reference: `copy_time(B)`), (4) a torch gather by index of the same
 pages (what the previous transfer did, three times). Each row: ms, and the copy's time over it (100% = as fast as
 the plain copy of the same bytes).
+
+`--sweep`: (1) and (2) again for each kernel tile of a grid (`kv_copy.Tile`: words a program holds at once, warps,
+streaming loads and stores), each checked against the default tile's sums and written pages bit for bit, sorted
+by time, the default and the best marked: `kv_copy.COPY_TILE` and `SUMS_TILE` are then set to the best.
 """
 
 from __future__ import annotations
@@ -39,11 +44,9 @@ def _time(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, reps: int = 20,
-                 device: str = "cuda") -> dict:
-    """The four device times above, in seconds, with the KV bytes moved; pools freed before it returns."""
-    from tandem.engine.kv_mapped import _kernel_ok, page_sums_by_index
-
+def _pools(model: str, tokens: int, page_size: int, device: str) -> tuple[dict, list[int], list[int], int]:
+    """Source and destination pools of `model`'s KV layout (bf16) with room for twice `tokens` positions, the
+    source random, the pages of `tokens` positions scattered in each; and the KV bytes of `tokens` positions."""
     cfg = PRESETS[model]
     layers, heads, dim = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     pages = -(-tokens // page_size)
@@ -53,7 +56,15 @@ def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int =
     gen = torch.Generator().manual_seed(0)
     src_pages = torch.randperm(2 * pages, generator=gen)[:pages].tolist()
     dst_pages = torch.randperm(2 * pages, generator=gen)[:pages].tolist()
-    kv_bytes = 2 * layers * tokens * heads * dim * 2
+    return t, src_pages, dst_pages, 2 * layers * tokens * heads * dim * 2
+
+
+def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, reps: int = 20,
+                 device: str = "cuda") -> dict:
+    """The four device times above, in seconds, with the KV bytes moved; pools freed before it returns."""
+    from tandem.engine.kv_mapped import _kernel_ok, page_sums_by_index
+
+    t, src_pages, dst_pages, kv_bytes = _pools(model, tokens, page_size, device)
     t["flat_src"] = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
     t["flat_dst"] = torch.empty_like(t["flat_src"])
     pos = torch.arange(tokens)
@@ -68,6 +79,84 @@ def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int =
     t.clear()
     torch.cuda.empty_cache()
     return out
+
+
+SWEEP_WORDS = (1024, 2048, 4096, 8192, 16384)
+SWEEP_WARPS = (2, 4, 8, 16)
+
+
+def sweep(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, reps: int = 20,
+          device: str = "cuda") -> dict:
+    """Device times of the fused pass and the checksum pass for each tile of the grid (`SWEEP_WORDS` x
+    `SWEEP_WARPS`, plain; and at 2,048-8,192 words and 4 or 8 warps, streaming, deferred, and both), each checked
+    against the default tile's output bit for bit (a tile that differs or fails is reported, never chosen), with
+    the plain copy's time of the same bytes."""
+    from tandem.engine.kv_mapped import _kernel_ok, canonical, page_sums_by_index
+    from tandem.kernels.kv_copy import COPY_TILE, SUMS_TILE, Tile
+
+    t, src_pages, dst_pages, kv_bytes = _pools(model, tokens, page_size, device)
+    if not _kernel_ok(t["src_k"], t["dst_k"]):
+        raise ValueError(f"--sweep: the kernel does not take {model}'s pools on {device}")
+    flat = {"src": torch.empty(kv_bytes, dtype=torch.uint8, device=device)}
+    flat["dst"] = torch.empty_like(flat["src"])
+    copy_s = _time(lambda: flat["dst"].copy_(flat["src"]), reps)
+    flat.clear()
+
+    def run(tile, write: bool) -> torch.Tensor:  # (the sums as compared: their column parts' low 32 bits)
+        if write:
+            t["dst_k"].zero_(), t["dst_v"].zero_()
+            sums = page_sums_by_index(t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, t["dst_k"],
+                                      t["dst_v"], dst_pages, tile=tile)
+        else:
+            sums = page_sums_by_index(t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, tile=tile)
+        return canonical(sums.cpu())
+
+    expect = {write: run(COPY_TILE if write else SUMS_TILE, write) for write in (True, False)}
+    written = t["dst_k"].clone(), t["dst_v"].clone()  # (the default's pages)
+    tiles = [Tile(w, n) for w in SWEEP_WORDS for n in SWEEP_WARPS] + \
+            [Tile(w, n, stream, defer) for stream, defer in ((True, False), (False, True), (True, True))
+             for w in (2048, 4096, 8192) for n in (4, 8)]
+    rows = []
+    for write in (True, False):
+        for tile in tiles:
+            row = {"pass": "fused" if write else "sums", "words": tile.words, "num_warps": tile.num_warps,
+                   "stream": tile.stream, "defer": tile.defer, "default": tile == (COPY_TILE if write else SUMS_TILE)}
+            try:
+                same = torch.equal(run(tile, write), expect[write])
+                if write:
+                    same &= torch.equal(t["dst_k"], written[0]) and torch.equal(t["dst_v"], written[1])
+                if not same:
+                    raise ValueError("its output differs from the default tile's")
+                row["s"] = _time(lambda tile=tile, write=write: page_sums_by_index(
+                    t["src_k"], t["src_v"], src_pages, 0, tokens, page_size, *((t["dst_k"], t["dst_v"], dst_pages)
+                                                                               if write else ()), tile=tile), reps)
+            except Exception as e:  # (one tile that cannot compile or run must not end the sweep)
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+    t.clear()
+    del written
+    torch.cuda.empty_cache()
+    best = {p: min((r for r in rows if r["pass"] == p and "s" in r), key=lambda r: r["s"], default=None)
+            for p in ("fused", "sums")}
+    return {"model": model, "tokens": tokens, "kv_bytes": kv_bytes, "copy_s": copy_s, "rows": rows, "best": best}
+
+
+def report_sweep(result: dict) -> None:
+    copy = result["copy_s"]
+    print(f"\n| tile sweep ({result['tokens']} tokens, {result['kv_bytes'] / 1e6:,.1f} MB; plain copy "
+          f"{1e3 * copy:.3f} ms) | words | warps | stream | defer | ms | copy time / time |\n"
+          "|---|---|---|---|---|---|---|")
+    for p in ("fused", "sums"):
+        rows = sorted((r for r in result["rows"] if r["pass"] == p), key=lambda r: r.get("s", float("inf")))
+        for r in rows:
+            mark = (" (best)" if r is result["best"][p] else "") + (" (default)" if r["default"] else "")
+            ms = f"{1e3 * r['s']:.3f} | {copy / r['s']:.0%}" if "s" in r else f"failed: {r['error']} | -"
+            print(f"| {p}{mark} | {r['words']} | {r['num_warps']} | {r['stream']} | {r['defer']} | {ms} |")
+    for p, name in (("fused", "COPY_TILE"), ("sums", "SUMS_TILE")):
+        if (b := result["best"][p]) is not None:
+            print(f"best {p}: kv_copy.{name} = Tile({b['words']}, {b['num_warps']}, stream={b['stream']}, "
+                  f"defer={b['defer']}) "
+                  f"({1e3 * b['s']:.3f} ms, {copy / b['s']:.0%} of the copy)")
 
 
 def report(times: dict) -> None:
@@ -87,9 +176,14 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-0.6b")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--out")
+    p.add_argument("--sweep", action="store_true", help="time the kernel's tiles (kv_copy.Tile) instead")
     args = p.parse_args()
-    times = kernel_times(args.model, args.tokens)
-    report(times)
+    if args.sweep:
+        times = sweep(args.model, args.tokens)
+        report_sweep(times)
+    else:
+        times = kernel_times(args.model, args.tokens)
+        report(times)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(times, f, indent=1)

@@ -133,3 +133,111 @@ def test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums_at_the_models_shape
     assert torch.equal(canonical(got.cpu()), want)
     assert torch.equal(gdk.cpu().view(torch.uint8), dk.view(torch.uint8))
     assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))
+
+
+TILES = ["Tile(16, 1)", "Tile(1024, 2)", "Tile(16384, 16, stream=True)", "Tile(16, 1, defer=True)",
+         "Tile(1024, 4, defer=True)", "Tile(8192, 8, stream=True, defer=True)"]
+
+
+@pytest.mark.parametrize("tile", TILES)
+@pytest.mark.parametrize("case", [CASES[4], CASES[5]], ids=["qwen3-position", "pages-of-6"])
+def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
+    """`kv_copy.Tile` changes only how a program walks its page: sums and pages as the definition's, whatever the
+    chunk of a row (down to a row in many chunks, up to a page in one), the warps, the streaming hints or the
+    reductions deferred to the end."""
+    pytest.importorskip("triton")
+    from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
+
+    monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
+    layers, num_pages, P, heads, dim, dtype, n = case
+    k, v = pool(layers, num_pages, P, heads, dim, dtype, device=DEVICE)
+    num = -(-n // P)
+    src_pages, dst_pages = list(range(num_pages - num, num_pages)), list(range(num))
+    want, src_slots = reference(k, v, src_pages, 0, n, P)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    got = page_sums_by_index(k, v, src_pages, 0, n, P, dk, dv, dst_pages, tile=eval(tile))
+    assert torch.equal(canonical(got.cpu()), want.cpu())
+    assert torch.equal(canonical(page_sums_by_index(k, v, src_pages, 0, n, P, tile=eval(tile)).cpu()), want.cpu())
+    _, dst_slots = reference(dk, dv, dst_pages, 0, n, P)
+    assert torch.equal(dk[:, dst_slots].view(torch.uint8), k[:, src_slots].view(torch.uint8))
+    assert torch.equal(dv[:, dst_slots].view(torch.uint8), v[:, src_slots].view(torch.uint8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", ["Tile(1024, 2)", "Tile(4096, 4)", "Tile(8192, 8, stream=True)",
+                                  "Tile(16384, 16, stream=True)", "Tile(4096, 4, defer=True)",
+                                  "Tile(8192, 8, stream=True, defer=True)"])
+def test_on_the_gpu_every_tile_gives_the_cpus_checksums_at_the_models_shape(tile):
+    """qwen3-0.6b's layout, 1,000 positions, the sweep's corners: the same sums and pages as the CPU's torch path."""
+    from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
+
+    k, v = pool(28, 80, 16, 8, 128, torch.bfloat16)
+    pages = torch.randperm(80, generator=torch.Generator().manual_seed(4))[:63].tolist()
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    want = page_sums_by_index(k, v, pages, 0, 1000, 16, dk, dv, list(range(63)))
+    gk, gv = k.cuda(), v.cuda()
+    gdk, gdv = torch.zeros_like(gk), torch.zeros_like(gv)
+    got = page_sums_by_index(gk, gv, pages, 0, 1000, 16, gdk, gdv, list(range(63)), tile=eval(tile))
+    assert torch.equal(canonical(got.cpu()), want)
+    assert torch.equal(canonical(page_sums_by_index(gk, gv, pages, 0, 1000, 16, tile=eval(tile)).cpu()), want)
+    assert torch.equal(gdk.cpu().view(torch.uint8), dk.view(torch.uint8))
+    assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))
+
+
+def test_a_tile_that_no_program_can_hold_is_refused():
+    pytest.importorskip("triton")
+    from tandem.kernels.kv_copy import Tile
+
+    for words, warps in ((1000, 4), (8, 4), (4096, 3)):
+        with pytest.raises(ValueError, match="Tile: words must be a power of 2"):
+            Tile(words, warps)
+
+
+SM90_CHECK = """
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from tandem.kernels import kv_copy
+
+jit = kv_copy._copy_page_sums_kernel
+names = jit.arg_names
+pointers = {"src_ptr": "*i32", "dst_ptr": "*i32", "src_pages_ptr": "*i32", "dst_pages_ptr": "*i32",
+            "rows_ptr": "*i32", "row_w_ptr": "*i64", "col_w_ptr": "*i64", "out_ptr": "*i64"}
+signature = {name: pointers.get(name, "i32") for name in names[:11]} | dict.fromkeys(names[11:], "constexpr")
+found = {}
+for name, write, tile in (("fused", True, kv_copy.COPY_TILE), ("sums", False, kv_copy.SUMS_TILE),
+                          ("fused, deferred", True, kv_copy.Tile(4096, 4, defer=True))):
+    constexprs = {"words": 512, "page_size": 16, "WRITE": write, "BLOCK_P": 16,
+                  "BLOCK_M": max(16, min(512, tile.words // 16)), "EVICT": "evict_first" if tile.stream else "",
+                  "STORE_CACHE": ".cs" if tile.stream else "", "DEFER": tile.defer}
+    try:
+        source = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs,
+                                           attrs={(i,): [["tt.divisibility", 16]] for i in range(11)})
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.num_warps})
+    except Exception as e:
+        print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
+        sys.exit(0)
+    found[name] = sorted(set(re.findall(r"(?:ld|st)\\.global[\\w.]*\\.v4\\.b32", compiled.asm["ptx"])))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
+def test_the_kernel_compiles_for_sm90_with_128_bit_accesses():
+    """The kernel as the JIT specialises it for qwen3-0.6b's layout (pointers and strides divisible by 16), with
+    the default tiles, compiles for an H100/H200 (sm_90) and reads (and, fused, writes) the KV in 128-bit accesses:
+    the copy's own width. (In a process of its own: this one runs Triton's interpreter.)"""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SM90_CHECK], capture_output=True, text=True, env=env, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in found:
+        pytest.skip(f"this Triton cannot compile for sm_90 here: {found['skip']}")
+    for name in ("fused", "sums", "fused, deferred"):
+        assert any(a.startswith("ld") for a in found[name]), found
+        assert name == "sums" or any(a.startswith("st") for a in found[name]), found

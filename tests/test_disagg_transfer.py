@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import subprocess
 import sys
 import time
@@ -102,11 +103,13 @@ def held(prefill_url: str) -> int:
 
 
 def export(prefill_url: str, ids: list[int]) -> dict:
-    """A prefill server's answer to a reference transfer of `ids`, taken by nobody: {"id": ..., "kv": handle}."""
+    """A prefill server's answer to a reference transfer of `ids`, taken by nobody: {"id": ..., "kv": handle}, the
+    handle with its sums (which come on a line of their own after the rest if its checksum pass was not done)."""
     body = {"rid": "r", "input_ids": ids, "sampling_params": SAMPLING, "kv_from": 0, "transfer": "reference"}
     r = httpx.post(f"{prefill_url}/pd/prefill", json=body, timeout=60)
-    assert r.status_code == 200 and r.headers["content-type"] == "application/json", r.text
-    return r.json()
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson", r.text
+    head, *sums = (json.loads(line) for line in r.text.splitlines())
+    return head | {"kv": head["kv"] | {"sums": sums[0]["sums"]}} if sums else head
 
 
 def wait_until(predicate, timeout_s: float) -> bool:
@@ -150,6 +153,8 @@ def test_by_reference_the_servers_generate_what_bytes_and_one_engine_do(device, 
                 assert r["pages"] == -(-(r["end"] - r["start"]) // 4), r
                 assert r["kv_bytes"] == (r["end"] - r["start"]) * per_token, r
                 assert r["export_s"] > 0 and 0 <= r["write_s"] <= r["import_s"] and 0 < r["take_s"] <= r["import_s"]
+                if transfer == "reference":  # written as the answer landed, then queued; timed on one clock too
+                    assert r["landed"] and r["handoff_s"] >= 0 and r["path_s"] >= r["import_s"], r
         got[transfer] = [tokens(a) for a in answers]
     assert got["reference"] == got["bytes"]
     assert got["reference"][:3] == want
@@ -196,8 +201,8 @@ def test_a_reference_that_changed_is_named_by_page_and_still_released(device, mo
     they were (the pages it wrote freed, nothing cached)."""
     take = disagg.PrefillClient._take
 
-    async def altered(self, url, data, clock):
-        kv = await take(self, url, data, clock)
+    async def altered(self, url, data, clock, meta):
+        kv = await take(self, url, data, clock, meta)
         slot = int(kv.pages[2]) * kv.page_size + 1
         kv.source.k[1, slot, 0, 3] += 1.0
         if kv.source.k.is_cuda:

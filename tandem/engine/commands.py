@@ -60,11 +60,16 @@ class Probe(Command):
     """How many leading tokens of `input_ids` a decode server holds on its device in whole pages (what it need not
     be sent). With `rid`, the engine expects that request's `ImportRequest` from now on: an abort (of it, of all, or
     a pause in mode abort) before it arrives makes the import end at once with that abort; whoever probed must
-    then send the import or `Abort(rid)`. It touches the cache's recency, so tensor-parallel ranks apply it too."""
+    then send the import or `Abort(rid)`. It touches the cache's recency, so tensor-parallel ranks apply it too.
+    `reserve` (with `rid`, an engine of one rank): also set aside the pages the import will fill (the cached ones
+    referenced, fresh ones for the rest), so that its KV can be written out of the engine's thread as it lands
+    (`EngineCore.write_reserved`); they go back with the import or `Abort(rid)`. None are set aside when none
+    are free (the import then takes pages as it arrives)."""
 
     drains: ClassVar[bool] = False
     input_ids: list[int]
     rid: str | None = None
+    reserve: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ import collections
 import itertools
 import logging
 import random
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -48,7 +49,7 @@ from tandem.distributed import collectives
 from tandem.distributed.flight_recorder import FlightRecorder
 from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.engine import commands
-from tandem.engine.core_imports import DecodeImports
+from tandem.engine.core_imports import DecodeImports, Reservation
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_mapped import MappedKV, pin_pages
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
@@ -140,6 +141,8 @@ class EngineCore(DecodeImports):
         self._pinned_exports: set[str] = set()  # requests whose KV is exported by pinning its pages (`pin_pages`)
         self._unpins: collections.deque[list[int]] = collections.deque()  # pinned pages let go (any thread)
         self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
+        self._reserved: dict[str, Reservation] = {}  # pages set aside for probed imports (`Probe(reserve=True)`)
+        self._gate = threading.RLock()  # held by a write out of this thread, and to pause or drop a reservation
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -185,14 +188,15 @@ class EngineCore(DecodeImports):
                     self._add_request(command)
                 case commands.ImportRequest():
                     self._import_request(command)
-                case commands.Probe(input_ids=ids, rid=rid):
+                case commands.Probe(input_ids=ids, rid=rid, reserve=reserve):
                     if rid is not None:
                         self._expected[rid] = None
-                    return self._probe(ids)
+                    return self._probe(ids, rid if reserve else None)
                 case commands.Abort(rid=rid, message=message):
                     if (req := self._requests.get(rid)) is not None:
                         self._finish(req, FinishReason("abort", message=message))
                     self._expected.pop(rid, None)
+                    self._release(self._take_reservation(rid))
                 case commands.AbortAll(message=message):
                     self._abort_all(message)
                 case commands.Pause(mode=mode):
@@ -298,7 +302,8 @@ class EngineCore(DecodeImports):
         elif mode == "retract":
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.retract(req)
-        self.paused = mode
+        with self._gate:  # (after a write out of this thread in flight is checked: none starts after it)
+            self.paused = mode
 
     def _load_weights(self, cmd: commands.LoadWeights) -> tuple[int, float]:
         t0, mode = time.perf_counter(), cmd.pause_mode

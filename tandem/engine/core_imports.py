@@ -1,16 +1,33 @@
 """The engine core's part in prefill/decode disaggregation (`tandem.engine.core` states it): the decode server's
 end (`Probe`, `ImportRequest`: imports placed into fresh pages, held while paused, checked as written where they
 come by reference) and the prefill server's pinned exports let go (`unpin`). A part of `EngineCore`, split out by
-concept: its methods use the core's state and run in its thread, as every command does."""
+concept: its methods use the core's state and run in its thread, as every command does, but for the two that say
+they are thread-safe (`unpin`, `write_reserved`).
+
+An import by reference may be written before its `ImportRequest` reaches the engine's thread: `Probe(reserve=True)`
+sets pages aside for it (`Reservation`), and the decode server, as the prefill server's answer lands, writes the KV
+into them from its own thread (`write_reserved`) and compares its checksums, so that the transfer does not wait
+for a turn of the engine's thread; the import then only queues the request with those pages, if they were checked
+and the same. The gate (`_gate`) keeps the guarantees: a write out of the thread holds it from its checks to its
+pass done, and the engine takes it to pause (so no such write runs after a pause is acknowledged; an import that
+arrives paused gives its pages back, and is written again after continue) and to take or drop a reservation (so
+none is freed while it is written). A write out of the thread runs on the transfer stream (`kv_shared.transfer_stream`),
+after the engine's work queued before the pages were set aside (`Reservation.ready`), not behind later steps; the
+host waits for it before the request is queued, so every step that reads the pages comes after it."""
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
+from dataclasses import dataclass
+
+import torch
 
 from tandem.distributed.parallel import cdiv
 from tandem.engine import commands
 from tandem.engine.kv_mapped import MappedKV
+from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages
 from tandem.engine.request import Request
 from tandem.engine.scheduler import PENDING
@@ -19,23 +36,97 @@ from tandem.types import HANDED_BACK, FinishReason
 log = logging.getLogger("tandem.engine.core")
 
 
+@dataclass(eq=False)
+class Reservation:
+    """Pages set aside for a probed import (`Probe(reserve=True)`): `pages`, the page table of its positions
+    [0, `end`) (the cached pages before `start`, referenced, then fresh ones), set aside under weight `version`;
+    `ready`: an event on the engine's stream as they were (a GPU's), after which their earlier users are done.
+    `written`: the KV written into them out of the engine's thread (`write_reserved`)."""
+
+    pages: list[int]
+    start: int
+    end: int
+    version: int
+    ready: torch.cuda.Event | None
+    written: object = None
+
+
 class DecodeImports:
-    """`EngineCore`'s disaggregation methods (the core sets `_unpins`, `_held`, `_expected`)."""
+    """`EngineCore`'s disaggregation methods (the core sets `_unpins`, `_held`, `_expected`, `_reserved`,
+    `_gate`)."""
 
     _unpins: collections.deque[list[int]]
+    _reserved: dict[str, Reservation]
+    _gate: threading.RLock
 
     def unpin(self, pages: list[int]) -> None:
         """Drop the references a pinned export holds on `pages` (`kv_mapped.PinnedKV.free`). Thread-safe: the pages
         go back to the allocator before the next command is applied."""
         self._unpins.append(pages)
 
-    def _probe(self, input_ids: list[int]) -> int:
-        if self.cache is None:
-            return 0
-        pages = self.cache.match(input_ids).pages
-        return next((i for i, page in enumerate(pages) if page is None), len(pages)) * self.pool.page_size
+    def write_reserved(self, rid: str, kv: MappedKV, version: int) -> bool:
+        """Thread-safe, for a decode server's thread as `rid`'s answer lands: write `kv` (KV computed under weight
+        `version`) into the pages its probe set aside (`MappedKV.pass_into`, on the transfer stream; blocks for the
+        pass); its caller then compares the checksums (`MappedKV.check`) before it sends the import, which takes
+        the pages only if they were checked and the same. False, nothing written, if there is no such reservation
+        (none set aside, dropped, or written already), the engine is paused, or `version` is not the engine's and
+        the reservation's, or `kv` is not the positions reserved: the import then takes the engine's own way."""
+        with self._gate:
+            res = self._reserved.get(rid)
+            if (res is None or res.written is not None or self.paused is not None
+                    or not res.version == version == self.weight_version or (kv.start, kv.end) != (res.start, res.end)):
+                return False
+            with transfer_stream(self.pool.k_cache.device) as stream:
+                if stream is not None and res.ready is not None:
+                    stream.wait_event(res.ready)
+                try:
+                    kv.pass_into(self.pool, res.pages)
+                except ValueError as e:  # (what it wrote is nobody's)
+                    kv.failure, kv.checked = str(e), True
+            res.written = kv
+            return True
+
+    def _probe(self, input_ids: list[int], reserve_for: str | None = None) -> int:
+        """The leading tokens held in whole device pages; with `reserve_for`, pages set aside for that request's
+        import of the rest (`Reservation`), if enough are free and the engine has one rank."""
+        held, P = 0, self.pool.page_size
+        if self.cache is not None:
+            pages = self.cache.match(input_ids).pages
+            held = next((i for i, page in enumerate(pages) if page is None), len(pages))
+        if reserve_for is not None and self.tp.size == 1:
+            self._release(self._take_reservation(reserve_for))  # (a probe again, after a hand-back)
+            lead = pages[:held] if held else []
+            self.pool.incref(lead)
+            if (fresh := self.scheduler.alloc(cdiv(len(input_ids), P) - held)) is None:
+                self.pool.decref(lead)
+            else:
+                ready = None
+                if self.pool.k_cache.is_cuda:
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(self.pool.k_cache.device))
+                self._reserved[reserve_for] = Reservation(lead + fresh, held * P, len(input_ids),
+                                                          self.weight_version, ready)
+        return held * P
+
+    def _take_reservation(self, rid: str) -> Reservation | None:
+        """`rid`'s reservation, taken out of `_reserved` (the caller owns its pages: `_release` them or use them);
+        waits for a write into them in flight."""
+        with self._gate:
+            return self._reserved.pop(rid, None)
+
+    def _release(self, res: Reservation | None) -> None:
+        if res is not None:
+            self.pool.decref(res.pages)
 
     def _import_request(self, cmd: commands.ImportRequest) -> None:
+        res = self._take_reservation(cmd.rid)  # (its pages are this command's now: used or released)
+        try:
+            self._import_request_with(cmd, res)
+        except BaseException:
+            self._release(res)
+            raise
+
+    def _import_request_with(self, cmd: commands.ImportRequest, res: Reservation | None) -> None:
         kv, out = cmd.kv, cmd.output_ids
         n = len(cmd.input_ids) + len(out) - 1  # the positions with KV: all but the last token
         if cmd.rid in self._requests:
@@ -55,6 +146,9 @@ class DecodeImports:
         if (aborted := self._expected.pop(cmd.rid, None)) is not None:  # aborted while the prefill server computed
             reason = FinishReason("abort", message=aborted)
         self._requests[cmd.rid] = req
+        if reason is not None or self.paused is not None:  # (what was written before the pause is written again)
+            self._release(res)
+            res = None
         if reason is not None:  # the first token ended it, or an abort did
             kv.settle()
             self.scheduler.waiting.append(req)
@@ -62,23 +156,40 @@ class DecodeImports:
         elif self.paused is not None:
             self._held.append((req, kv))
         else:
-            self._place_import(req, kv)
+            self._place_import(req, kv, res)
 
-    def _place_import(self, req: Request, kv: KVPages | MappedKV) -> None:
+    def _place_import(self, req: Request, kv: KVPages | MappedKV, res: Reservation | None = None) -> None:
         """Give the request its prompt's pages: the cached ones before `kv.start` (shared), fresh ones holding the
         imported KV after it; then queue it. The request computes its prompt here instead, nothing written, if those
         cached pages are gone (evicted or flushed since the probe), no pages are free, or the KV was computed under
         other weights than this engine holds now (KV never mixes weight versions silently; its tokens keep the
         versions that sampled them). KV whose checksums fail as it is written (`MappedKV`) ends the request with an
-        abort naming the page, its pages freed (nothing of it is seen). The import is settled either way."""
+        abort naming the page, its pages freed (nothing of it is seen). With `res`, the pages its probe set aside:
+        if `write_reserved` wrote `kv` into them under the weights held now and it was checked, the request takes
+        them as they are (or, if its checksums differed, ends so, they freed); else they are freed and the import
+        goes as above.
+        The import is settled either way."""
         try:
-            self._place_import_kv(req, kv)
+            self._place_import_kv(req, kv, res)
         finally:
             kv.settle()
 
-    def _place_import_kv(self, req: Request, kv: KVPages | MappedKV) -> None:
+    def _place_import_kv(self, req: Request, kv: KVPages | MappedKV, res: Reservation | None) -> None:
         n, P = len(req.tokens) - 1, self.pool.page_size
         stale = req.weight_versions[-1] != self.weight_version
+        if res is not None and res.written is kv and kv.checked and res.version == self.weight_version and not stale:
+            if kv.failure is not None:
+                self._release(res)
+                self.scheduler.waiting.append(req)
+                self._finish(req, FinishReason("abort", message=kv.failure))
+            else:
+                req.pages, req.num_computed = res.pages, n
+                req.pages_replaced()
+                self.scheduler.waiting.append(req)
+                if isinstance(kv, MappedKV) and kv.clock is not None:
+                    kv.clock.mark("placed", device=False)
+            return
+        self._release(res)
         if stale and self.config.role == "decode":
             self.scheduler.waiting.append(req)  # (a prefill server recomputes it under the weights held now)
             self._finish(req, FinishReason("abort", message=HANDED_BACK))

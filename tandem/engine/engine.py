@@ -111,10 +111,16 @@ class Engine:
         return await self._submit(commands.ImportRequest(rid, list(input_ids), sampling, *map(list, generated), kv,
                                                          return_routed_experts))
 
-    async def probe(self, input_ids: list[int], rid: str | None = None) -> int:
+    async def probe(self, input_ids: list[int], rid: str | None = None, reserve: bool = False) -> int:
         """How many leading tokens of `input_ids` this engine holds on its device in whole pages; with `rid`, it
-        expects that request's import (see `commands.Probe`)."""
-        return await self._call(commands.Probe(list(input_ids), rid))
+        expects that request's import, with `reserve` in pages set aside for it (see `commands.Probe`)."""
+        return await self._call(commands.Probe(list(input_ids), rid, reserve))
+
+    def write_reserved(self, rid: str, kv, version: int) -> bool:
+        """Write an import's KV by reference into the pages its probe set aside, from the calling thread, and check
+        it: `EngineCore.write_reserved` (thread-safe; blocks for the device pass)."""
+        self._check_alive()
+        return self.core.write_reserved(rid, kv, version)
 
     async def _submit(self, command: commands.AddRequest | commands.ImportRequest) -> GenerateOutput:
         fut: Future = Future()

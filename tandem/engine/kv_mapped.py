@@ -112,14 +112,15 @@ def _kernel_ok(*caches: torch.Tensor) -> bool:
 
 def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, start: int, end: int,
                        page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
-                       dst_pages=None, clock: TransferClock | None = None) -> torch.Tensor:
+                       dst_pages=None, clock: TransferClock | None = None, tile=None) -> torch.Tensor:
     """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
     host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
     page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
     [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
     same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
     Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
-    before the first kernel is launched (the device time from there is the pass's own)."""
+    before the first kernel is launched (the device time from there is the pass's own). `tile`: the kernel's
+    (`kv_copy.Tile`; its default if None)."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -142,7 +143,7 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
-                           index[1] if dst is not None else None, out=parts[:, which])
+                           index[1] if dst is not None else None, out=parts[:, which], tile=tile)
         return parts.view(num, 2 * layers, 2).sum(1)
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
@@ -182,25 +183,48 @@ def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> to
 class PinnedKV:
     """A prefill engine's export by reference: positions [start, end) of a sequence, held in `pages` (one per page
     of `page_size` from `start`) of its pool, pinned until `free`; `sums` their `page_sums` [pages, 2] computed as
-    they were pinned (int64 numpy on the host; `checksums` as `page_checksums` has them; in the handle the pages and
-    the sums are the hex of their little-endian bytes: int32 and int64),
-    `routing` ([end - start, layers, k] int16 on the host) where the pool keeps it. `handle`: what the decode
-    server needs (JSON); `unpin(pages)` is called once, by `free` or when this is collected. `read_s`: the export's
-    time on the host (pinned, checksummed, synchronised); `sums_s`: the checksum pass's device time from its launch
-    (with the kernel, on a GPU; else None)."""
+    they were pinned (int64 numpy on the host, once the checksum pass is done: reading it waits for the pass;
+    `checksums` as `page_checksums` has them; in the handle the pages and the sums are the hex of their
+    little-endian bytes: int32 and int64), `routing` ([end - start, layers, k] int16 on the host) where the pool
+    keeps it. `head`: what the decode server needs but the sums (JSON, at once), `sums_hex()` the sums (waits for
+    the pass; thread-safe; `sums_ready()` says whether it would wait), `handle` both; `unpin(pages)` is called
+    once, by `free` or when this is collected. `read_s`: the export's time on the host (pinned, its checksum pass
+    queued); `sums_s`: that pass's device time from its launch (with the kernel, on a GPU; else None; known with
+    the sums); `pinned_at`: `time.monotonic()` as the pinning began."""
 
-    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: np.ndarray,
+    def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: torch.Tensor,
                  routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float,
-                 sums_s: float | None):
+                 clock: TransferClock, pinned_at: float | None = None):
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
-        self.sums, self.routing, self.read_s, self.sums_s = sums, routing, read_s, sums_s
+        self.routing, self.read_s, self.pinned_at, self.sums_s = routing, read_s, pinned_at, None
+        self._pending, self._clock, self._sums = sums, clock, None
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
-        self.handle = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
-                       "page_size": pool.page_size, "pages": np.asarray(pages, dtype="<i4").tobytes().hex(),
-                       "sums": _sums_hex(sums)}
+        self.head = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
+                     "page_size": pool.page_size, "pages": np.asarray(pages, dtype="<i4").tobytes().hex()}
         if routing is not None:
-            self.handle["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
-                                      "shape": list(routing.shape)}
+            self.head["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
+                                    "shape": list(routing.shape)}
+
+    @property
+    def sums(self) -> np.ndarray:
+        if self._sums is None:
+            clock = self._clock
+            clock.wait("summed")  # (for the pass and the sums' copy to the host)
+            if "launch" in clock.host:
+                self.sums_s = clock.seconds("launch", "summed")
+            self._sums = canonical(self._pending.numpy())
+        return self._sums
+
+    def sums_ready(self) -> bool:
+        """Whether `sums` would not wait (the checksum pass and the sums' copy are done)."""
+        return self._sums is not None or self._clock.reached("summed")
+
+    def sums_hex(self) -> str:
+        return _sums_hex(self.sums)
+
+    @property
+    def handle(self) -> dict:
+        return self.head | {"sums": self.sums_hex()}
 
     @property
     def checksums(self) -> tuple[str, ...]:
@@ -216,23 +240,27 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
               unpin: Callable[[list[int]], None]) -> PinnedKV:
     """Pin the pages holding positions [start, end) (`start` page-aligned) of a sequence with page table `pages`
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and checksum them
-    where they are: one pass on the device, one host sync. Call in the engine's thread, between steps."""
+    where they are: one pass on the device, its sums copied to the host behind it (`PinnedKV.sums` waits for
+    them; the host does not wait here). Call in the engine's thread, between steps, once the step that computed
+    the KV has been waited for (its sampled tokens read): the pages are complete, whoever reads them when."""
     P = pool.page_size
     assert start % P == 0, start
-    began = time.perf_counter()
+    began, pinned_at = time.perf_counter(), time.monotonic()
     held = list(pages[start // P:-(-end // P)])
     pool.incref(held)
     try:
         clock = TransferClock(pool.k_cache.device)
         sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
+        if sums.is_cuda:  # (into page-locked memory, behind the pass on this stream; the event says when)
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
+            sums = host
         clock.mark("summed")
         routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
-        on_host = canonical(sums.cpu().numpy())  # (the host waits for the sums)
-        sums_s = clock.seconds("launch", "summed") if "launch" in clock.host else None
     except BaseException:
         pool.decref(held)
         raise
-    return PinnedKV(pool, held, start, end, on_host, routing, unpin, time.perf_counter() - began, sums_s)
+    return PinnedKV(pool, held, start, end, sums, routing, unpin, time.perf_counter() - began, clock, pinned_at)
 
 
 def _hex_pairs(sums: np.ndarray) -> tuple[str, ...]:
@@ -257,7 +285,9 @@ class MappedKV:
     """A decode server's import by reference: what a prefill server's `PinnedKV.handle` names in the pool `source`
     maps (positions [start, end), their pages there, checksums, routing), from the prefill server `origin` (named
     in errors), export `export_id`. Nothing is read until the engine writes it (`write_into`), which checks it;
-    `verify` checks nothing. `settled` is done once the engine wrote it or dropped it (`settle`): its server may
+    `verify` checks nothing. A handle may come without the sums (`PinnedKV.head`: the prefill server sends them as
+    its checksum pass is done), which `take_sums` gives later; the pass may run before them (`pass_into`), its
+    comparison (`check`) not. `settled` is done once the engine wrote it or dropped it (`settle`): its server may
     then release the export."""
 
     def __init__(self, source: MappedPool, handle: dict, origin: str = "", export_id: str = ""):
@@ -267,7 +297,7 @@ class MappedKV:
                                  f"{source.id!r} (the prefill server restarted?)")
             self.start, self.end, self.page_size = int(handle["start"]), int(handle["end"]), int(handle["page_size"])
             self.pages = np.frombuffer(bytes.fromhex(str(handle["pages"])), dtype="<i4")  # (as `PinnedKV.handle`)
-            self.sums = _sums_of_hex(str(handle["sums"]), len(self.pages))  # (as `PinnedKV.sums`)
+            self.sums = None if "sums" not in handle else _sums_of_hex(str(handle["sums"]), len(self.pages))
             self.routing = None
             if (shared := handle.get("routing")) is not None:
                 self.routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(
@@ -283,6 +313,17 @@ class MappedKV:
         self.source, self.origin, self.export_id = source, origin, export_id
         self.clock: TransferClock | None = None
         self.settled: Future = Future()
+        self.mine: np.ndarray | None = None  # (the sums of what `pass_into` read)
+        self.failure: str | None = None  # (`check`'s difference, once checked)
+        self.checked = False
+
+    def take_sums(self, text: str) -> None:
+        """The prefill server's sums, sent after the handle (the hex of `PinnedKV.sums`' bytes); ValueError if they
+        are not this many pages' sums."""
+        try:
+            self.sums = _sums_of_hex(str(text), len(self.pages))
+        except ValueError as e:
+            raise ValueError(f"kv transfer: the answer's sums do not parse ({e})") from None
 
     @property
     def checksums(self) -> tuple[str, ...]:
@@ -308,28 +349,45 @@ class MappedKV:
 
     def write_into(self, pool: KVPool, pages: list[int]) -> None:
         """Write positions [start, end) into the sequence with page table `pages` in `pool`, in one pass from the
-        mapped pages, and check the checksums of what was read against the prefill server's (one host sync);
-        ValueError naming the first page that differs (the pages written then hold bytes nobody may use: the
-        caller frees them), or if the routing the pool keeps is missing. Marks `clock` "write" and "written"
-        around the pass (device events on a GPU; "launch" as its kernels are launched), "checked" once compared. Call
-        in the engine's thread."""
+        mapped pages, and check the checksums of what was read against the prefill server's (one host sync):
+        `pass_into`, then `check`, raising its ValueError. Call in the engine's thread (or with the pages owned
+        otherwise: `EngineCore.write_reserved`)."""
+        self.pass_into(pool, pages)
+        if self.check() is not None:
+            raise ValueError(self.failure)
+
+    def pass_into(self, pool: KVPool, pages: list[int]) -> None:
+        """The pass of `write_into`: the pages written and the sums of what was read (`mine`), the host having
+        waited for them. ValueError if the routing the pool keeps is missing, or pages are of another size. Marks
+        `clock` "write" and "written" around the pass (device events on a GPU; "launch" as its kernels are
+        launched), "passed" once the host has its sums."""
         P = self.page_size
         if pool.routing is not None and self.routing is None:
             raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
         if pool.page_size != P:
             raise ValueError(f"kv transfer: pages of {P} positions, this pool's of {pool.page_size}")
-        clock = self.clock or TransferClock(pool.k_cache.device)
+        clock = self.clock = self.clock or TransferClock(pool.k_cache.device)
         clock.mark("write")
         sums = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
                                   pool.k_cache, pool.v_cache, pages[self.start // P:-(-self.end // P)], clock)
         clock.mark("written")
         if pool.routing is not None:
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        mine = canonical(sums.cpu().numpy())  # (the host waits for the pass)
-        same = np.array_equal(mine, self.sums)
-        clock.mark("checked")
-        if not same:
-            i = int(np.flatnonzero((mine != self.sums).any(axis=1))[0])
-            raise ValueError(f"kv transfer from {self.origin or 'the prefill server'}: page {i} (positions "
-                             f"{self.start + i * P}...) arrived with another checksum than it left with")
+        self.mine = canonical(sums.cpu().numpy())  # (the host waits for the pass)
+        clock.mark("passed", device=False)
 
+    def check(self) -> str | None:
+        """Compare the sums of what `pass_into` read with the prefill server's (`sums`, which must have come):
+        None if they are the same, else (also kept as `failure`) a message naming the first page that differs
+        (the pages written then hold bytes nobody may use). Marks `clock` "checked"."""
+        if self.mine is None or self.sums is None:
+            raise ValueError("kv transfer: checked before its pass ran or before the prefill server's sums came")
+        same = np.array_equal(self.mine, self.sums)
+        self.checked = True
+        if self.clock is not None:
+            self.clock.mark("checked", device=False)
+        if not same:
+            i = int(np.flatnonzero((self.mine != self.sums).any(axis=1))[0])
+            self.failure = (f"kv transfer from {self.origin or 'the prefill server'}: page {i} (positions "
+                            f"{self.start + i * self.page_size}...) arrived with another checksum than it left with")
+        return self.failure

@@ -269,19 +269,30 @@ def write_pages(pool: KVPool, pages: list[int], kv: KVPages) -> None:
 class TransferClock:
     """Named points of one transfer on its receiver, for timing it without making the engine wait: each `mark` takes
     the host's time and, on a GPU, records an event on the current stream. `seconds(a, b)` once `b` has been
-    reached (it waits for `b`'s event): on a GPU the device time between the two events, else host time."""
+    reached (it waits for `b`'s event): on a GPU the device time between the two events, else host time. `mono`:
+    each mark's `time.monotonic()`, one clock for all the host's processes."""
 
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.host: dict[str, float] = {}
+        self.mono: dict[str, float] = {}
         self._events: dict[str, torch.cuda.Event] = {}
 
     def mark(self, name: str, device: bool = True) -> None:
         """`device=False`: the host's time alone (a point no device time is measured from or to)."""
-        self.host[name] = time.perf_counter()
+        self.host[name], self.mono[name] = time.perf_counter(), time.monotonic()
         if device and self.device.type == "cuda":
             event = self._events[name] = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
+
+    def reached(self, name: str) -> bool:
+        """Whether the device has reached mark `name` (without waiting; on a CPU, yes)."""
+        return (event := self._events.get(name)) is None or event.query()
+
+    def wait(self, name: str) -> None:
+        """Wait until the device has reached mark `name` (nothing to wait for on a CPU)."""
+        if (event := self._events.get(name)) is not None:
+            event.synchronize()
 
     def seconds(self, a: str, b: str) -> float:
         if self.device.type != "cuda":

@@ -33,10 +33,14 @@ point where it allows that, else bytes), each verified on the decode server's de
   shared memory): at pairing the decode server maps the prefill server's whole KV pool once (`GET /pd/pool`,
   `kv_mapped.MappedPool`: CUDA IPC, or the pool's shared-memory file) and keeps it until it unpairs. The prefill
   engine pins the request's pages (no page is freed or reused while they are pinned) and checksums them in place;
-  the body is JSON `{"id": ..., "kv": handle}` naming the pages and their checksums (`kv_mapped.PinnedKV`). The
-  decode engine writes them into its pool in one pass from the mapping, checksumming what it read, and compares
-  (`kv_mapped.MappedKV.write_into`); on a difference the request ends with an abort naming the page and the pages
-  it wrote are freed. Once the engine wrote the import or dropped it (or the request ended), the decode server
+  the body is two lines of JSON (application/x-ndjson): `{"id": ..., "kv": head}` naming the pages at once, then
+  `{"sums": ...}` their checksums once its checksum pass is done (`kv_mapped.PinnedKV`). The decode server writes
+  them into pages its engine set aside for the request when it was probed, in one pass from the mapping as the
+  first line lands, checksumming what it read (`Engine.write_reserved`), and compares once the second line has
+  come (`kv_mapped.MappedKV.check`); only then does its engine take the request, with the pages. Where none were
+  set aside, or the engine is paused or holds other weights, its engine writes them as it places the import
+  (`MappedKV.write_into`). On a difference the request ends with an abort naming the page and the pages written
+  are freed. Once the engine wrote the import or dropped it (or the request ended), the decode server
   POSTs `/pd/release {"id": ...}`, which unpins the pages; an export nobody releases within
   `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned then, and a decode
   server that reads those pages later fails their checksums: it never keeps what it read.
@@ -257,10 +261,13 @@ class PrefillClient:
         prefilled = retractions = 0
         while so_far.finish_reason.message == HANDED_BACK:
             history = input_ids + so_far.output_ids
-            kv_from = await self.engine.probe(history, rid)
+            kv_from = await self.engine.probe(history, rid, reserve=self.paired.get(url) == "reference")
             try:
                 await self.pair(url)  # (again if a failed transfer broke the pairing)
-                sampled, kv, meta = await self._prefill(url, history, sampling, rid, kv_from, len(input_ids))
+                sampled, kv, meta, arriving = await self._prefill(url, history, sampling, rid, kv_from,
+                                                                  len(input_ids))
+                if isinstance(kv, MappedKV):
+                    await self._write_landed(url, rid, kv, sampled[2], arriving)
             except BaseException as e:
                 self.engine.abort(rid)  # it expected the import: forget it
                 if isinstance(e, asyncio.CancelledError):
@@ -294,46 +301,94 @@ class PrefillClient:
         return so_far
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
+        """`/pd/prefill` at `url`: (first token, KV, the answer's meta, None or a task reading the sums that come
+        after a reference's handle into the KV: `_sums_line`, which owns the answer until then)."""
         if (transfer := self.paired.get(url)) is None or (transfer == "p2p" and url not in self.links):
             raise RuntimeError("its pairing broke while this request waited (another transfer failed)")
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
                 "prompt_len": prompt_len, "transfer": transfer}
         if transfer == "p2p":
             body["link"] = self.links[url][0]
-        async with self._http().post(f"{url}/pd/prefill", json=body) as r:
-            data = await r.read()
+        r = await self._http().post(f"{url}/pd/prefill", json=body)
+        try:
+            streamed = r.status == 200 and r.content_type == "application/x-ndjson"
+            data = await (r.content.readline() if streamed else r.read())
             if r.status != 200:
                 raise RuntimeError(f"answered {r.status}: {data[:300].decode(errors='replace')}")
             meta = json.loads(r.headers[HEADER])
-        if meta["first"] is None:
-            return None, None, meta
-        clock = TransferClock(self.engine.pool.k_cache.device)
-        clock.mark("import", device=False)
-        meta["transfer"] = transfer
-        if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
-            kv = await asyncio.to_thread(lambda: KVPages.from_bytes(data, wire_meta(data)).to(
-                self.engine.pool.k_cache.device))  # (parsed and copied off the event loop)
-            clock.mark("taken")
-            await asyncio.to_thread(_verify, kv)
-            clock.mark("verified")
-        elif transfer == "p2p":
-            kv = await self._receive(url, data, clock)
-        else:
-            kv = await self._take(url, data, clock)
-        if kv.start != kv_from or kv.end != len(input_ids):
-            if isinstance(kv, MappedKV):  # (never to be written: its pages go back now)
-                await asyncio.shield(self._release(url, kv.export_id))
-            raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
-        return meta["first"], kv.with_clock(clock), meta
+            if meta["first"] is None:
+                return None, None, meta, None
+            clock = TransferClock(self.engine.pool.k_cache.device)
+            clock.mark("import", device=False)
+            meta["transfer"] = transfer
+            if transfer == "bytes":  # (verified on this engine's device, where the write reads it)
+                kv = await asyncio.to_thread(lambda: KVPages.from_bytes(data, wire_meta(data)).to(
+                    self.engine.pool.k_cache.device))  # (parsed and copied off the event loop)
+                clock.mark("taken")
+                await asyncio.to_thread(_verify, kv)
+                clock.mark("verified")
+            elif transfer == "p2p":
+                kv = await self._receive(url, data, clock)
+            else:
+                kv = await self._take(url, data, clock, meta)
+            if kv.start != kv_from or kv.end != len(input_ids):
+                if isinstance(kv, MappedKV):  # (never to be written: its pages go back now)
+                    await asyncio.shield(self._release(url, kv.export_id))
+                raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
+            arriving = None
+            if isinstance(kv, MappedKV) and kv.sums is None:
+                if not streamed:
+                    await asyncio.shield(self._release(url, kv.export_id))
+                    raise ValueError("kv transfer: the answer named pages without their sums")
+                arriving, r = asyncio.ensure_future(self._sums_line(r, kv, meta, clock)), None
+            return meta["first"], kv.with_clock(clock), meta, arriving
+        finally:
+            if r is not None:
+                r.release()
+
+    @staticmethod
+    async def _sums_line(r: aiohttp.ClientResponse, kv: MappedKV, meta: dict, clock: TransferClock) -> None:
+        """Read the answer's line of sums into `kv` (its pass time into `meta`); ValueError if it does not come."""
+        try:
+            line = await r.content.readline()
+            answer = json.loads(line)
+            kv.take_sums(answer["sums"])
+            meta["export_sums_s"] = answer.get("sums_s")
+            clock.mark("sums", device=False)
+        except (ValueError, KeyError, TypeError, aiohttp.ClientError) as e:
+            raise ValueError(f"kv transfer: the prefill server's sums did not come ({type(e).__name__}: "
+                             f"{e})") from None
+        finally:
+            r.release()
+
+    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int, arriving) -> None:
+        """Write `kv` (of weight `version`) into the pages `rid`'s probe set aside, here, as the answer lands
+        (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this loop for the pass,
+        which may run beside the prefill server's own), then wait for the prefill server's sums (`arriving`) and
+        compare (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the engine
+        writes and checks it as it places the import. The export is released if this fails."""
+        try:
+            landed = self.engine.write_reserved(rid, kv, version)
+            if arriving is not None:
+                await arriving
+            if landed and not kv.checked:
+                kv.check()
+        except BaseException:
+            if arriving is not None:
+                arriving.cancel()
+            await asyncio.shield(self._release(url, kv.export_id))
+            raise
 
     def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
         """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
-        `export_s` the prefill server's (its pages read out of its pool, checksummed and shared or serialised),
-        `take_s` this server's from the answer to the KV verified on its device (`copy_s` of it until the KV was
-        copied or received onto its device, `verify_s` the checksums), `write_s` its write into the pool (device
-        time; `pass_s` of it from the kernels' launch: the pass's own), `import_s` from the answer to the pages
-        written (device-synchronised, the engine's turn included);
-        null where it did not write them. Host times are taken where the host has waited for the device."""
+        `export_s` the prefill server's (pages read out or pinned, checksummed or its pass queued, shared or
+        serialised), `take_s` this server's from the answer to the KV verified on its device (`copy_s` until
+        copied or received, `verify_s` the checksums), `write_s` its write into the pool (device time; `pass_s`
+        from the kernels' launch), `import_s` from the answer to the pages written (device-synchronised; by
+        reference checked: with the engine's turn unless written as the answer landed, `landed`, then `handoff_s`
+        after it until the engine queued the request); null where not written. By reference `path_s`: from the
+        prefill server starting its export to the checksums compared here, on the host's one monotonic clock;
+        `sums_after_pass_s`: when the prefill server's sums came after this pass (negative: before)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
@@ -356,16 +411,22 @@ class PrefillClient:
             "verify_s": clock.host["verified"] - clock.host["taken"],
             "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
             "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
-            "write_s": write_s, "pass_s": pass_s, "import_s": import_s})
+            "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
+            "landed": mapped and "placed" in clock.host,
+            "sums_after_pass_s": clock.host["sums"] - clock.host["passed"] if mapped and "sums" in clock.host
+            and "passed" in clock.host else None,
+            "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
+            "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
+            and meta.get("pinned_at") is not None else None})
 
-    async def _take(self, url: str, data: bytes, clock: TransferClock) -> MappedKV:
+    async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
         pool mapped at pairing: nothing is read until the engine writes it (`MappedKV.write_into`, which checks its
         checksums). The export is released once the engine is done with it (`_release_settled`); an answer that
         does not parse is released at once, and breaks the pairing if it names another pool."""
         try:
             answer = json.loads(data)
-            export_id, handle = answer["id"], answer["kv"]
+            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
         if (source := self.pools.get(url)) is None:

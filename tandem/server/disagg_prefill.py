@@ -14,7 +14,7 @@ import uuid
 import weakref
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import PinnedKV, pool_handle
@@ -63,15 +63,20 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
                 "prefill_tokens": out.prefill_tokens}
         began = time.perf_counter()
+        if isinstance(out.kv, PinnedKV):  # (its checksum pass may still run: the sums follow the handle)
+            export_id, _ = exports.hold(out.kv)
+            meta["export_s"] = out.kv.read_s + time.perf_counter() - began
+            meta["pinned_at"] = out.kv.pinned_at  # (time.monotonic() as it began)
+            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type="application/x-ndjson",
+                                     headers={HEADER: json.dumps(meta)})
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
         else:
             if body.transfer == "p2p" and body.link not in links:
                 raise ValueError(f"link: {body.link!r} is no link of this prefill server (open one: /pd/p2p/open)")
-            export_id, handle = exports.hold(out.kv if body.transfer == "reference" else P2PExport(out.kv))
+            export_id, handle = exports.hold(P2PExport(out.kv))
             data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
         meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
-        meta["export_sums_s"] = getattr(out.kv, "sums_s", None)  # (by reference on a GPU: the checksum pass)
         return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
 
     @app.get("/pd/pool")
@@ -114,6 +119,18 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         return {"sent": True}
 
 
+async def _pinned_lines(export_id: str, kv: PinnedKV):
+    """A reference's answer body: the line of its handle, with its sums if its checksum pass is done; else at once
+    without them, then the line of its sums (`{"sums", "sums_s"}`) as the pass is done (waited for off the event
+    loop)."""
+    if kv.sums_ready():
+        yield json.dumps({"id": export_id, "kv": kv.handle, "sums_s": kv.sums_s}) + "\n"
+        return
+    yield json.dumps({"id": export_id, "kv": kv.head}) + "\n"
+    sums = await asyncio.to_thread(kv.sums_hex)
+    yield json.dumps({"sums": sums, "sums_s": kv.sums_s}) + "\n"
+
+
 class Exports:
     """A prefill server's KV held for decode servers to take by reference (`PinnedKV`: its pages pinned) or point to
     point (`P2PExport`), by export id: each until its decode server releases it or `RELEASE_TIMEOUT_S` (read as it
@@ -128,11 +145,12 @@ class Exports:
         return len(self._held)
 
     def hold(self, shared: PinnedKV | P2PExport) -> tuple[str, dict]:
-        """Hold `shared` (KV shared or to be sent): its export id and handle."""
+        """Hold `shared` (KV shared or to be sent): its export id and handle (of a `PinnedKV` its head: its sums
+        may not be known yet)."""
         export_id = uuid.uuid4().hex
         timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
         self._held[export_id] = (shared, timer)
-        return export_id, shared.handle
+        return export_id, shared.head if isinstance(shared, PinnedKV) else shared.handle
 
     def release(self, export_id: str) -> bool:
         """Free the export its decode server is done with; False if none is held by that id (freed already)."""
