@@ -13,9 +13,10 @@ and a staging tensor of its own, on the compute stream, in the step's order:
     into staging on the compute stream (`tier_gather`: after the compute that wrote them, before any that reuses
     them: the tier holds them while they are queued, and lets them go once gathered), then copies the staging to
     the host on the backup stream (`tier_backup`), which the step never waits for;
-  - a load copies its host pages into staging on the tier stream as soon as it is issued (`tier_load`: it touches
-    no pool page, so it waits for no compute and overlaps the step in flight), and the compute stream waits for
-    it and scatters the staging into the pool (`tier_join`, `before_compute`) before the step that reads them.
+  - loads are issued together too, by `before_compute` (which the scheduler runs once its admissions are done,
+    before anything reads their pages): one transfer of their host pages into staging on the tier stream
+    (`tier_load`: it touches no pool page, so it waits for no compute and overlaps the step in flight), and one
+    scatter of the staging into the pool on the compute stream, after the transfer (`tier_join`).
 A request waiting for admission whose cached prefix is on the host has it prefetched (`prefetch`, by the
 scheduler): the transfer into staging starts while the request waits, within a budget of staging pages, and its
 load at admission scatters from that staging instead of crossing the bus then. A prefetch holds its host pages
@@ -110,8 +111,8 @@ class HostTier(PageAllocator):
         self.pages_loaded = self.pages_backed_up = 0
         self.pages_from_backups = 0  # loaded pages taken from a backup's staging (rule 4)
         self.pages_prefetched = self.pages_from_prefetch = 0  # prefetched; loaded pages taken from a prefetch
-        # copies issued (a flushed batch of backups is one) and the bus transfers they took (one per run of
-        # consecutive host pages)
+        # copies issued (the backups of one flush are one, the loads of one `before_compute` one) and the bus
+        # transfers they took (one per run of consecutive host pages)
         self.num_backups = self.num_loads = self.num_prefetches = self.num_transfers = 0
         # host seconds: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
         # transfers), the loads' scatters (`before_compute`), and waiting for copies (reaps that had to block;
@@ -157,7 +158,8 @@ class HostTier(PageAllocator):
         self.seconds["backup"] += time.perf_counter() - t0
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy host pages into device pages. Call `before_compute` before anything reads them."""
+        """Copy host pages into device pages, at the next `before_compute` (which the caller runs before anything
+        reads them): the loads issued until then cross the bus as one transfer and are scattered as one copy."""
         self.flush()  # (rule 4 needs every backup of these host pages gathered)
         t0 = time.perf_counter()
         op = self._new_op(device_pages, host_pages, is_load=True)
@@ -170,15 +172,13 @@ class HostTier(PageAllocator):
                 op.from_staging.append((i, *src))
         taken = {i for i, _, _ in op.from_staging}
         op.own = [i for i in range(len(host_pages)) if i not in taken]
-        # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
-        with self.order.work("tier_load"):
-            op.staged = self._staging(len(op.own))
-            if op.own:
-                self._transfer(op, lambda: self._from_host(op))
         self._unjoined.append(op)
         self.pages_loaded += len(device_pages)
-        self.num_loads += 1
         self.seconds["load"] += time.perf_counter() - t0
+
+    def filling(self, page: int) -> bool:
+        """Whether a load not scattered yet fills pool page `page` (read it only after `before_compute`)."""
+        return any(page in op.device_pages for op in self._unjoined)
 
     def prefetching(self, key: str) -> bool:
         return key in self._prefetches
@@ -242,22 +242,38 @@ class HostTier(PageAllocator):
             self.retire(key)
 
     def before_compute(self) -> None:
-        """Scatter every load issued so far into its pool pages, on the compute stream after its transfer
-        (rule 2): whatever the compute stream runs next reads them loaded. The loads' references on the pool
-        pages go (rule 3: every later use of them runs on the compute stream, after the scatter)."""
+        """Issue every load since the last call as one copy: their host pages (those no prefetch or backup in
+        flight holds) into one staging tensor on the tier stream, then one scatter into their pool pages on the
+        compute stream after that transfer (rule 2): whatever the compute stream runs next reads them loaded. The
+        loads' references on the pool pages go (rule 3: every later use of them runs on the compute stream, after
+        the scatter)."""
         if not self._unjoined:
             return
         t0 = time.perf_counter()
         ops, self._unjoined = self._unjoined, []
-        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's transfer)
+        # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
+        with self.order.work("tier_load"):
+            staged = self._staging(sum(len(op.own) for op in ops))
+            at = 0
+            for op in ops:  # each load's own transfer, into its rows of the staging
+                op.staged = tuple(None if t is None else t[at:at + len(op.own)] for t in staged)
+                at += len(op.own)
+                if op.own:
+                    self._transfer(op, lambda op=op: self._from_host(op))
+        self.seconds["load"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the transfer)
             for op in ops:
                 self._await_transfer(op)
-                self._scatter(op)
+            self._scatter(ops, staged)
+            done = None
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record()
+            for op in ops:
                 self._drop_pool(op)
-                op.joined = True
-                if self.cuda:
-                    op.done = torch.cuda.Event()
-                    op.done.record()
+                op.joined, op.done = True, done
+        self.num_loads += 1
         self.seconds["scatter"] += time.perf_counter() - t0
 
     def _await_transfer(self, op: CopyOp) -> None:
@@ -359,19 +375,21 @@ class HostTier(PageAllocator):
                 routing[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
             self.num_transfers += 1
 
-    def _scatter(self, op: CopyOp) -> None:
-        """The load's pages into the pool (on the current stream: compute), one indexed copy per staging tensor
-        they come from: its own, and those of the prefetches and backups in flight it takes pages from (a backup's
-        gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream, which the join waited
-        for). Every index it needs is uploaded at once; rows of another copy's staging that form a run are a view
-        of it, others are selected first."""
-        sources = {id(op): (op.staged, list(range(len(op.own))), [op.device_pages[i] for i in op.own])}
-        for i, src, j in op.from_staging:
-            if src.prefetch:
-                self._await_transfer(src)
-            rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
-            rows.append(j)
-            pages.append(op.device_pages[i])
+    def _scatter(self, ops: list[CopyOp], staged: tuple) -> None:
+        """The loads' pages into the pool (on the current stream: compute), one indexed copy per staging tensor
+        they come from: `staged`, their own transfer's, and those of the prefetches and backups in flight they take
+        pages from (a backup's gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream,
+        which the join waited for). Every index is uploaded at once; rows of another copy's staging that form a
+        run are a view of it, others are selected first."""
+        own = [op.device_pages[i] for op in ops for i in op.own]
+        sources = {None: (staged, list(range(len(own))), own)}
+        for op in ops:
+            for i, src, j in op.from_staging:
+                if src.prefetch:
+                    self._await_transfer(src)
+                rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
+                rows.append(j)
+                pages.append(op.device_pages[i])
         sources = [s for s in sources.values() if s[2]]
         flat = [p for _, _, pages in sources for p in pages]
         picks = [rows for _, rows, _ in sources if not _is_run(rows)]
