@@ -77,9 +77,9 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
             "mean_batch": s.running_request_steps / max(1, s.num_steps),
-            "tier_s": dict(tier.seconds) if tier else {},
-            "issue_s": sum(tier.seconds[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
-            "join_s": tier.seconds["scatter"] if tier else 0.0, "wait_s": tier.seconds["wait"] if tier else 0.0,
+            "tier_s": tier.clock.as_dict() if tier else {}, "flush_s": tier.flush_clock.as_dict() if tier else {},
+            "issue_s": sum(tier.clock.wall[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
+            "join_s": tier.clock.wall["scatter"] if tier else 0.0, "wait_s": tier.clock.wall["wait"] if tier else 0.0,
             "copies": [tier.num_backups, tier.num_loads, tier.num_prefetches] if tier else [0, 0, 0],
             "transfers": tier.num_transfers if tier else 0,
             "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
@@ -138,8 +138,12 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
         print(f"{policy} copies: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
               f"{r['transfers']} bus transfers for {moved} pages moved (loaded, backed up, prefetched); host time "
               f"{(r['issue_s'] + r['join_s']) / max(1, moved) * 1e6:.1f} us a page, "
-              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter); "
-              f"host s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tier_s"].items()))
+              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter)")
+        print(f"{policy} host s, wall / engine thread's CPU (the rest: waiting, for a call or another thread's GIL): "
+              + ", ".join(f"{k} {v['wall_s']:.2f} / {v['cpu_s']:.2f}" for k, v in r["tier_s"].items()))
+        n = max(1, r["copies"][0])
+        print(f"{policy} a backup flush, us wall / CPU: " + ", ".join(
+            f"{k} {v['wall_s'] / n * 1e6:.0f} / {v['cpu_s'] / n * 1e6:.0f}" for k, v in r["flush_s"].items()))
     sys.stdout.flush()
     return {"model": model, "dtype": dtype, "context_scale": scale, "concurrency": concurrency, "episodes": episodes,
             "mean_len": mean_len, "working_set": working_set, "pool_tokens": pages * args.page_size,

@@ -382,7 +382,7 @@ def test_backups_batched_per_step_and_loads_of_scattered_host_pages_keep_outputs
     monkeypatch.setattr(HostTier, "backup", lambda self, d, h: (calls.append(len(h)), backup(self, d, h)))
     monkeypatch.setattr(HostTier, "load", lambda self, h, d: (loads.append(len(h)), load(self, h, d)))
     if mutant:
-        monkeypatch.setattr(HostTier, "_gather", lambda self, pages: gather(self, pages[1:] + pages[:1]))
+        monkeypatch.setattr(HostTier, "_gather", lambda self, pages, t: gather(self, pages[1:] + pages[:1], t))
     small = dict(page_size=4, num_pages=48, max_prefill_tokens=64)
     off, _ = agent_turns(EngineConfig(**small), episodes=8, turns=3)
     tiers = []

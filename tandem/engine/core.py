@@ -358,9 +358,9 @@ class EngineCore(DecodeImports):
     # ---- the step ------------------------------------------------------------------------------------------
     def _step(self, tier_ready: int) -> None:
         """Schedule and launch step n+1, then apply step n's tokens while the device runs n+1."""
-        if self.tier is not None:
-            self.tier.reap(tier_ready)
         t0 = time.perf_counter()
+        if self.tier is not None:
+            self.tier.reap(tier_ready)  # (and its queued backups go out: scheduling time)
         chunks = self._last_chunks = self.scheduler.schedule()
         if not chunks:
             self._drain()

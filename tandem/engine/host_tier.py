@@ -40,7 +40,6 @@ catch any broken rule, since a page freed too early or read too early then holds
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from typing import get_args
 import torch
 
 from tandem.config import HostCache
+from tandem.engine.host_clock import HostClock
 from tandem.engine.kv_pool import KVPool, PageAllocator
 from tandem.engine.streams import StreamRuntime, engine_placements
 
@@ -114,10 +114,12 @@ class HostTier(PageAllocator):
         # copies issued (the backups of one flush are one, the loads of one `before_compute` one) and the bus
         # transfers they took (one per run of consecutive host pages)
         self.num_backups = self.num_loads = self.num_prefetches = self.num_transfers = 0
-        # host seconds: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
+        # host time: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
         # transfers), the loads' scatters (`before_compute`), and waiting for copies (reaps that had to block;
-        # `waits` counts those copies)
-        self.seconds = dict.fromkeys(("backup", "load", "prefetch", "scatter", "wait"), 0.0)
+        # `waits` counts those copies); and a flush's time by part, in issue order
+        self.clock = HostClock(("backup", "load", "prefetch", "scatter", "wait"))
+        self.flush_clock = HostClock(("index", "staging", "gather", "gather_event", "to_backup_stream", "transfer",
+                                      "from_backup_stream"))
         self.waits = 0
 
     @property
@@ -128,7 +130,7 @@ class HostTier(PageAllocator):
     def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages into host pages (their tree references are the caller's business), at the next
         `flush`: until then the tier holds the device pages, so the caller may drop its references at once."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if self._queued is None:
             self._queued = self._new_op([], [], is_load=False)
         op = self._queued
@@ -137,7 +139,7 @@ class HostTier(PageAllocator):
         self._hold_pool(device_pages)
         self._hold(op, host_pages)
         self.pages_backed_up += len(host_pages)
-        self.seconds["backup"] += time.perf_counter() - t0
+        self.clock.lap("backup", t0)
 
     def flush(self) -> None:
         """Issue the queued backups as one copy: a gather of their device pages into staging on the compute stream
@@ -146,22 +148,26 @@ class HostTier(PageAllocator):
         op, self._queued = self._queued, None
         if op is None:
             return
-        t0 = time.perf_counter()
+        t0 = t = self.clock.now()
         with self.order.work("tier_gather"):
-            op.staged = self._gather(op.device_pages)
+            op.staged, t = self._gather(op.device_pages, t)
+        t = self.flush_clock.lap("gather_event", t)
         self._drop_pool(op)
         with self.order.work("tier_backup"):
+            t = self.flush_clock.lap("to_backup_stream", t)
             self._transfer(op, lambda: self._to_host(op))
+            t = self.flush_clock.lap("transfer", t)
+        self.flush_clock.lap("from_backup_stream", t)
         for i, h in enumerate(op.host_pages):
             self._backing[h] = (op, i)
         self.num_backups += 1
-        self.seconds["backup"] += time.perf_counter() - t0
+        self.clock.lap("backup", t0)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages, at the next `before_compute` (which the caller runs before anything
         reads them): the loads issued until then cross the bus as one transfer and are scattered as one copy."""
         self.flush()  # (rule 4 needs every backup of these host pages gathered)
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         op = self._new_op(device_pages, host_pages, is_load=True)
         for i, h in enumerate(host_pages):
             if (src := self._in_flight_backup(h)) is not None:
@@ -174,7 +180,7 @@ class HostTier(PageAllocator):
         op.own = [i for i in range(len(host_pages)) if i not in taken]
         self._unjoined.append(op)
         self.pages_loaded += len(device_pages)
-        self.seconds["load"] += time.perf_counter() - t0
+        self.clock.lap("load", t0)
 
     def filling(self, page: int) -> bool:
         """Whether a load not scattered yet fills pool page `page` (read it only after `before_compute`)."""
@@ -202,7 +208,7 @@ class HostTier(PageAllocator):
         pages = pages[:max(0, room if max_pages is None else min(room, max_pages))]
         if not pages:
             return 0
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.issued += 1  # (its id until it is retired, for `land`)
         op = CopyOp(self.issued, [], pages, is_load=True, prefetch=True)
         self._hold(op, pages)
@@ -215,7 +221,7 @@ class HostTier(PageAllocator):
         self._prefetch_held += len(pages)
         self.pages_prefetched += len(pages)
         self.num_prefetches += 1
-        self.seconds["prefetch"] += time.perf_counter() - t0
+        self.clock.lap("prefetch", t0)
         return len(pages)
 
     def _prefetchable(self, host_page: int) -> bool:
@@ -249,7 +255,7 @@ class HostTier(PageAllocator):
         the scatter)."""
         if not self._unjoined:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         ops, self._unjoined = self._unjoined, []
         # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
         with self.order.work("tier_load"):
@@ -260,8 +266,7 @@ class HostTier(PageAllocator):
                 at += len(op.own)
                 if op.own:
                     self._transfer(op, lambda op=op: self._from_host(op))
-        self.seconds["load"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
+        t0 = self.clock.lap("load", t0)
         with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the transfer)
             for op in ops:
                 self._await_transfer(op)
@@ -274,7 +279,7 @@ class HostTier(PageAllocator):
                 self._drop_pool(op)
                 op.joined, op.done = True, done
         self.num_loads += 1
-        self.seconds["scatter"] += time.perf_counter() - t0
+        self.clock.lap("scatter", t0)
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -346,16 +351,18 @@ class HostTier(PageAllocator):
             (n, *self.routing.shape[1:]), dtype=self.routing.dtype, device=self._k.device)
         return kv, routing
 
-    def _gather(self, device_pages: list[int]) -> tuple:
+    def _gather(self, device_pages: list[int], t: tuple[float, float]) -> tuple[tuple, tuple[float, float]]:
         """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream: one
-        indexed copy per tensor, straight into the staging."""
+        indexed copy per tensor, straight into the staging. (`t`: where the flush's clock is.)"""
         idx = self._index(device_pages)
+        t = self.flush_clock.lap("index", t)
         kv, routing = self._staging(len(device_pages))
+        t = self.flush_clock.lap("staging", t)
         torch.index_select(self._k, 0, idx, out=kv[:, 0])
         torch.index_select(self._v, 0, idx, out=kv[:, 1])
         if routing is not None:
             torch.index_select(self._routing, 0, idx, out=routing)
-        return kv, routing
+        return (kv, routing), self.flush_clock.lap("gather", t)
 
     def _to_host(self, op: CopyOp) -> None:
         kv, routing = op.staged
@@ -439,12 +446,12 @@ class HostTier(PageAllocator):
             op = self.ops[0]
             assert not op.is_load or op.joined, "a load is reaped before its scatter (call before_compute)"
             if op.pending is not None or (op.done is not None and not op.done.query()):
-                t0 = time.perf_counter()
+                t0 = self.clock.now()
                 self.land(op.id)
                 if op.done is not None:
                     op.done.synchronize()
                 self.waits += 1
-                self.seconds["wait"] += time.perf_counter() - t0
+                self.clock.lap("wait", t0)
             self.ops.popleft()
             self._release(op)
 
@@ -458,13 +465,10 @@ def _is_run(rows: list[int]) -> bool:
     return rows == list(range(rows[0], rows[0] + len(rows)))
 
 
-def _runs(pages: list[int], skip: set[int] = frozenset()):
-    """(index in `pages`, first page, length) of each run of consecutive page ids, leaving out the indices in
-    `skip`."""
-    start = None
-    for i in range(len(pages) + 1):
-        if start is not None and (i == len(pages) or i in skip or pages[i] != pages[i - 1] + 1):
+def _runs(pages: list[int]):
+    """(index in `pages`, first page, length) of each run of consecutive page ids."""
+    start = 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
             yield start, pages[start], i - start
-            start = None
-        if start is None and i < len(pages) and i not in skip:
             start = i
