@@ -379,6 +379,10 @@ class EngineCore(DecodeImports):
         self._inflight = launched
         if not self.config.overlap:
             self._drain()
+        if self.tier is not None:  # the step's backups (prefixes published, requests finished), while it runs
+            t3 = time.perf_counter()
+            self.tier.flush()
+            self.stats.busy_seconds += time.perf_counter() - t3
         if self.lockstep is not None and self.config.lockstep_sentinel:
             t_check = time.perf_counter()
             tier = (self.tier.num_free, self.tier.in_flight) if self.tier else None

@@ -7,9 +7,10 @@ each slot's routed experts (`KVPool.routing`) has them moved with the KV, in the
 
 Each copy is two halves: the bus transfer, on a side stream, and a device-side gather or scatter between the pool
 and a staging tensor of its own, on the compute stream, in the step's order:
-  - backups are queued (`backup`) and issued together as one copy by `flush`, which the tier's other calls, the
-    step's reap and device eviction run first: so the backups of one engine step (every request that published a
-    prefix or finished) cost one gather, one index upload and one transfer. The flush gathers their device pages
+  - backups are queued (`backup`) and issued together as one copy by `flush`, which the engine runs once a step is
+    launched (the device busy with it) and the tier's other calls and device eviction run first: so the backups of
+    one engine step (every request that published a prefix or finished) cost one gather, one index upload and one
+    transfer. The flush gathers their device pages
     into staging on the compute stream (`tier_gather`: after the compute that wrote them, before any that reuses
     them: the tier holds them while they are queued, and lets them go once gathered), then copies the staging to
     the host on the backup stream (`tier_backup`), which the step never waits for;
