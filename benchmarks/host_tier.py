@@ -66,13 +66,14 @@ async def play(engine: Engine, agent: RandomAgentConfig, episodes: int, concurre
 def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConfig, episodes: int,
             concurrency: int) -> dict:
     with Engine(model, config, dtype=dtype) as engine:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         eps = asyncio.run(play(engine, agent, episodes, concurrency, engine.model_config.vocab_size))
-        wall = time.perf_counter() - t0
+        wall, clients = time.perf_counter() - t0, time.thread_time() - c0
         s = asyncio.run(engine.get_stats())
         tier = engine.tier
     new = s.prompt_tokens - s.prompt_tokens_ideal  # what even an ideal cache computes
-    return {"episodes": eps, "wall_s": wall, "ideal": s.prompt_tokens_ideal, "cached": s.prompt_tokens_cached,
+    return {"episodes": eps, "wall_s": wall, "clients_cpu_s": clients, "ideal": s.prompt_tokens_ideal,
+            "cached": s.prompt_tokens_cached,
             "host": s.prefill_tokens_host, "computed": s.prefill_tokens_computed, "new": new,
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
@@ -128,6 +129,8 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
               f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['mean_batch']:.1f} | "
               f"{r['issue_s']:.2f} / {r['join_s']:.2f} / {r['wait_s']:.2f} "
               f"({r['waits']}) |")
+    print("\nthe clients' thread (the agents, on the engine's GIL), CPU s: "
+          + ", ".join(f"{name} {r['clients_cpu_s']:.2f}" for name, r in runs.items()))
     for policy in policies:
         r = runs[f"{fraction} + host tier ({policy})"]
         print(f"\n{policy}: wall {r['wall_s'] / off['wall_s']:.2f}x the run without the tier, "
