@@ -66,20 +66,21 @@ async def play(engine: Engine, agent: RandomAgentConfig, episodes: int, concurre
 def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConfig, episodes: int,
             concurrency: int) -> dict:
     with Engine(model, config, dtype=dtype) as engine:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         eps = asyncio.run(play(engine, agent, episodes, concurrency, engine.model_config.vocab_size))
-        wall = time.perf_counter() - t0
+        wall, clients = time.perf_counter() - t0, time.thread_time() - c0
         s = asyncio.run(engine.get_stats())
         tier = engine.tier
     new = s.prompt_tokens - s.prompt_tokens_ideal  # what even an ideal cache computes
-    return {"episodes": eps, "wall_s": wall, "ideal": s.prompt_tokens_ideal, "cached": s.prompt_tokens_cached,
+    return {"episodes": eps, "wall_s": wall, "clients_cpu_s": clients, "ideal": s.prompt_tokens_ideal,
+            "cached": s.prompt_tokens_cached,
             "host": s.prefill_tokens_host, "computed": s.prefill_tokens_computed, "new": new,
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
             "mean_batch": s.running_request_steps / max(1, s.num_steps),
-            "tier_s": dict(tier.seconds) if tier else {},
-            "issue_s": sum(tier.seconds[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
-            "join_s": tier.seconds["scatter"] if tier else 0.0, "wait_s": tier.seconds["wait"] if tier else 0.0,
+            "tier_s": tier.clock.as_dict() if tier else {}, "flush_s": tier.flush_clock.as_dict() if tier else {},
+            "issue_s": sum(tier.clock.wall[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
+            "join_s": tier.clock.wall["scatter"] if tier else 0.0, "wait_s": tier.clock.wall["wait"] if tier else 0.0,
             "copies": [tier.num_backups, tier.num_loads, tier.num_prefetches] if tier else [0, 0, 0],
             "transfers": tier.num_transfers if tier else 0,
             "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
@@ -128,6 +129,8 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
               f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['mean_batch']:.1f} | "
               f"{r['issue_s']:.2f} / {r['join_s']:.2f} / {r['wait_s']:.2f} "
               f"({r['waits']}) |")
+    print("\nthe clients' thread (the agents, on the engine's GIL), CPU s: "
+          + ", ".join(f"{name} {r['clients_cpu_s']:.2f}" for name, r in runs.items()))
     for policy in policies:
         r = runs[f"{fraction} + host tier ({policy})"]
         print(f"\n{policy}: wall {r['wall_s'] / off['wall_s']:.2f}x the run without the tier, "
@@ -138,8 +141,12 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
         print(f"{policy} copies: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
               f"{r['transfers']} bus transfers for {moved} pages moved (loaded, backed up, prefetched); host time "
               f"{(r['issue_s'] + r['join_s']) / max(1, moved) * 1e6:.1f} us a page, "
-              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter); "
-              f"host s: " + ", ".join(f"{k} {v:.2f}" for k, v in r["tier_s"].items()))
+              f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter)")
+        print(f"{policy} host s, wall / engine thread's CPU (the rest: waiting, for a call or another thread's GIL): "
+              + ", ".join(f"{k} {v['wall_s']:.2f} / {v['cpu_s']:.2f}" for k, v in r["tier_s"].items()))
+        n = max(1, r["copies"][0])
+        print(f"{policy} a backup flush, us wall / CPU: " + ", ".join(
+            f"{k} {v['wall_s'] / n * 1e6:.0f} / {v['cpu_s'] / n * 1e6:.0f}" for k, v in r["flush_s"].items()))
     sys.stdout.flush()
     return {"model": model, "dtype": dtype, "context_scale": scale, "concurrency": concurrency, "episodes": episodes,
             "mean_len": mean_len, "working_set": working_set, "pool_tokens": pages * args.page_size,

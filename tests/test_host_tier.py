@@ -86,6 +86,7 @@ class TierModel(RuleBasedStateMachine):
         table = m.pages
         if host:
             table = self.cache.load(m, fresh)
+            self.tier.before_compute()
             fresh = fresh[len(m.loads):]
         self.tier.decref(host)
         if m.partial_page is not None:
@@ -292,6 +293,14 @@ def test_a_prefetch_of_a_host_page_whose_backup_is_in_flight_is_caught(monkeypat
         run_random_scenarios(60, headroom_pages=0, host_pages=12, policy="write_back")
 
 
+def test_a_partial_page_copied_from_a_page_a_load_still_fills_is_caught(monkeypatch):
+    """A schedule's loads are scattered together at its end; an admission that copies a partially matched page an
+    earlier admission's load fills must have the loads scattered first (`HostTier.filling`)."""
+    monkeypatch.setattr(HostTier, "filling", lambda self, page: False)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        run_random_scenarios(60, headroom_pages=0, host_pages=12, policy="write_through")
+
+
 def test_the_scheduler_reading_a_load_before_it_completes_is_caught(monkeypatch):
     monkeypatch.setattr(HostTier, "_await_transfer", lambda self, op: None)  # scatter unlanded
     with pytest.raises(AssertionError, match="wrong KV"):
@@ -363,15 +372,17 @@ def test_greedy_multi_turn_episodes_are_identical_with_the_tier_on_and_off(polic
 
 @pytest.mark.parametrize("mutant", [False, True])
 def test_backups_batched_per_step_and_loads_of_scattered_host_pages_keep_outputs_identical(monkeypatch, mutant):
-    """Backups of several requests in one step go out as one copy (one gather, one transfer), and a host tier much
+    """Backups of several requests in one step go out as one copy (one gather, one transfer), so do the loads of
+    several admissions (one transfer, one scatter), and a host tier much
     smaller than the history is full, so host pages are evicted and reused and a load's pages are scattered runs:
     the outputs equal the tier off. The mutant gathers a batch's pages rotated by one (rows misaligned with their
     host pages), which must show."""
-    calls = []
-    backup, gather = HostTier.backup, HostTier._gather
+    calls, loads = [], []
+    backup, load, gather = HostTier.backup, HostTier.load, HostTier._gather
     monkeypatch.setattr(HostTier, "backup", lambda self, d, h: (calls.append(len(h)), backup(self, d, h)))
+    monkeypatch.setattr(HostTier, "load", lambda self, h, d: (loads.append(len(h)), load(self, h, d)))
     if mutant:
-        monkeypatch.setattr(HostTier, "_gather", lambda self, pages: gather(self, pages[1:] + pages[:1]))
+        monkeypatch.setattr(HostTier, "_gather", lambda self, pages, t: gather(self, pages[1:] + pages[:1], t))
     small = dict(page_size=4, num_pages=48, max_prefill_tokens=64)
     off, _ = agent_turns(EngineConfig(**small), episodes=8, turns=3)
     tiers = []
@@ -381,6 +392,7 @@ def test_backups_batched_per_step_and_loads_of_scattered_host_pages_keep_outputs
                             turns=3)
     tier = tiers[0]
     assert len(calls) > tier.num_backups + 5, "several requests' backups should share a flush"
+    assert len(loads) > tier.num_loads, "several admissions' loads should share a copy"
     assert tier.num_transfers > tier.num_loads + tier.num_prefetches + tier.num_backups + 10, \
         "copies should take several runs of host pages"
     assert stats.host_pages_loaded > 50 and sum(calls) > tier.num_pages  # the tier filled up and reused pages

@@ -363,9 +363,9 @@ class EngineCore(DecodeImports):
     # ---- the step ------------------------------------------------------------------------------------------
     def _step(self, tier_ready: int) -> None:
         """Schedule and launch step n+1, then apply step n's tokens while the device runs n+1."""
-        if self.tier is not None:
-            self.tier.reap(tier_ready)
         t0 = time.perf_counter()
+        if self.tier is not None:
+            self.tier.reap(tier_ready)  # (and its queued backups go out: scheduling time)
         chunks = self._last_chunks = self.scheduler.schedule()
         if not chunks:
             self._drain()
@@ -384,6 +384,10 @@ class EngineCore(DecodeImports):
         self._inflight = launched
         if not self.config.overlap:
             self._drain()
+        if self.tier is not None:  # the step's backups (prefixes published, requests finished), while it runs
+            t3 = time.perf_counter()
+            self.tier.flush()
+            self.stats.busy_seconds += time.perf_counter() - t3
         if self.lockstep is not None and self.config.lockstep_sentinel:
             t_check = time.perf_counter()
             tier = (self.tier.num_free, self.tier.in_flight) if self.tier else None

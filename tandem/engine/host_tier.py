@@ -7,15 +7,17 @@ each slot's routed experts (`KVPool.routing`) has them moved with the KV, in the
 
 Each copy is two halves: the bus transfer, on a side stream, and a device-side gather or scatter between the pool
 and a staging tensor of its own, on the compute stream, in the step's order:
-  - backups are queued (`backup`) and issued together as one copy by `flush`, which the tier's other calls, the
-    step's reap and device eviction run first: so the backups of one engine step (every request that published a
-    prefix or finished) cost one gather, one index upload and one transfer. The flush gathers their device pages
+  - backups are queued (`backup`) and issued together as one copy by `flush`, which the engine runs once a step is
+    launched (the device busy with it) and the tier's other calls and device eviction run first: so the backups of
+    one engine step (every request that published a prefix or finished) cost one gather, one index upload and one
+    transfer. The flush gathers their device pages
     into staging on the compute stream (`tier_gather`: after the compute that wrote them, before any that reuses
     them: the tier holds them while they are queued, and lets them go once gathered), then copies the staging to
     the host on the backup stream (`tier_backup`), which the step never waits for;
-  - a load copies its host pages into staging on the tier stream as soon as it is issued (`tier_load`: it touches
-    no pool page, so it waits for no compute and overlaps the step in flight), and the compute stream waits for
-    it and scatters the staging into the pool (`tier_join`, `before_compute`) before the step that reads them.
+  - loads are issued together too, by `before_compute` (which the scheduler runs once its admissions are done,
+    before anything reads their pages): one transfer of their host pages into staging on the tier stream
+    (`tier_load`: it touches no pool page, so it waits for no compute and overlaps the step in flight), and one
+    scatter of the staging into the pool on the compute stream, after the transfer (`tier_join`).
 A request waiting for admission whose cached prefix is on the host has it prefetched (`prefetch`, by the
 scheduler): the transfer into staging starts while the request waits, within a budget of staging pages, and its
 load at admission scatters from that staging instead of crossing the bus then. A prefetch holds its host pages
@@ -39,7 +41,6 @@ catch any broken rule, since a page freed too early or read too early then holds
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,6 +49,7 @@ from typing import get_args
 import torch
 
 from tandem.config import HostCache
+from tandem.engine.host_clock import HostClock
 from tandem.engine.kv_pool import KVPool, PageAllocator
 from tandem.engine.streams import StreamRuntime, engine_placements
 
@@ -110,13 +112,15 @@ class HostTier(PageAllocator):
         self.pages_loaded = self.pages_backed_up = 0
         self.pages_from_backups = 0  # loaded pages taken from a backup's staging (rule 4)
         self.pages_prefetched = self.pages_from_prefetch = 0  # prefetched; loaded pages taken from a prefetch
-        # copies issued (a flushed batch of backups is one) and the bus transfers they took (one per run of
-        # consecutive host pages)
+        # copies issued (the backups of one flush are one, the loads of one `before_compute` one) and the bus
+        # transfers they took (one per run of consecutive host pages)
         self.num_backups = self.num_loads = self.num_prefetches = self.num_transfers = 0
-        # host seconds: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
+        # host time: issuing backups (queueing, and the flush's gather and transfer), loads and prefetches (their
         # transfers), the loads' scatters (`before_compute`), and waiting for copies (reaps that had to block;
-        # `waits` counts those copies)
-        self.seconds = dict.fromkeys(("backup", "load", "prefetch", "scatter", "wait"), 0.0)
+        # `waits` counts those copies); and a flush's time by part, in issue order
+        self.clock = HostClock(("backup", "load", "prefetch", "scatter", "wait"))
+        self.flush_clock = HostClock(("index", "staging", "gather", "gather_event", "to_backup_stream", "transfer",
+                                      "from_backup_stream"))
         self.waits = 0
 
     @property
@@ -127,7 +131,7 @@ class HostTier(PageAllocator):
     def backup(self, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy device pages into host pages (their tree references are the caller's business), at the next
         `flush`: until then the tier holds the device pages, so the caller may drop its references at once."""
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         if self._queued is None:
             self._queued = self._new_op([], [], is_load=False)
         op = self._queued
@@ -136,7 +140,7 @@ class HostTier(PageAllocator):
         self._hold_pool(device_pages)
         self._hold(op, host_pages)
         self.pages_backed_up += len(host_pages)
-        self.seconds["backup"] += time.perf_counter() - t0
+        self.clock.lap("backup", t0)
 
     def flush(self) -> None:
         """Issue the queued backups as one copy: a gather of their device pages into staging on the compute stream
@@ -145,21 +149,26 @@ class HostTier(PageAllocator):
         op, self._queued = self._queued, None
         if op is None:
             return
-        t0 = time.perf_counter()
+        t0 = t = self.clock.now()
         with self.order.work("tier_gather"):
-            op.staged = self._gather(op.device_pages)
+            op.staged, t = self._gather(op.device_pages, t)
+        t = self.flush_clock.lap("gather_event", t)
         self._drop_pool(op)
         with self.order.work("tier_backup"):
+            t = self.flush_clock.lap("to_backup_stream", t)
             self._transfer(op, lambda: self._to_host(op))
+            t = self.flush_clock.lap("transfer", t)
+        self.flush_clock.lap("from_backup_stream", t)
         for i, h in enumerate(op.host_pages):
             self._backing[h] = (op, i)
         self.num_backups += 1
-        self.seconds["backup"] += time.perf_counter() - t0
+        self.clock.lap("backup", t0)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy host pages into device pages. Call `before_compute` before anything reads them."""
+        """Copy host pages into device pages, at the next `before_compute` (which the caller runs before anything
+        reads them): the loads issued until then cross the bus as one transfer and are scattered as one copy."""
         self.flush()  # (rule 4 needs every backup of these host pages gathered)
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         op = self._new_op(device_pages, host_pages, is_load=True)
         for i, h in enumerate(host_pages):
             if (src := self._in_flight_backup(h)) is not None:
@@ -170,15 +179,13 @@ class HostTier(PageAllocator):
                 op.from_staging.append((i, *src))
         taken = {i for i, _, _ in op.from_staging}
         op.own = [i for i in range(len(host_pages)) if i not in taken]
-        # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
-        with self.order.work("tier_load"):
-            op.staged = self._staging(len(op.own))
-            if op.own:
-                self._transfer(op, lambda: self._from_host(op))
         self._unjoined.append(op)
         self.pages_loaded += len(device_pages)
-        self.num_loads += 1
-        self.seconds["load"] += time.perf_counter() - t0
+        self.clock.lap("load", t0)
+
+    def filling(self, page: int) -> bool:
+        """Whether a load not scattered yet fills pool page `page` (read it only after `before_compute`)."""
+        return any(page in op.device_pages for op in self._unjoined)
 
     def prefetching(self, key: str) -> bool:
         return key in self._prefetches
@@ -202,7 +209,7 @@ class HostTier(PageAllocator):
         pages = pages[:max(0, room if max_pages is None else min(room, max_pages))]
         if not pages:
             return 0
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         self.issued += 1  # (its id until it is retired, for `land`)
         op = CopyOp(self.issued, [], pages, is_load=True, prefetch=True)
         self._hold(op, pages)
@@ -215,7 +222,7 @@ class HostTier(PageAllocator):
         self._prefetch_held += len(pages)
         self.pages_prefetched += len(pages)
         self.num_prefetches += 1
-        self.seconds["prefetch"] += time.perf_counter() - t0
+        self.clock.lap("prefetch", t0)
         return len(pages)
 
     def _prefetchable(self, host_page: int) -> bool:
@@ -242,23 +249,38 @@ class HostTier(PageAllocator):
             self.retire(key)
 
     def before_compute(self) -> None:
-        """Scatter every load issued so far into its pool pages, on the compute stream after its transfer
-        (rule 2): whatever the compute stream runs next reads them loaded. The loads' references on the pool
-        pages go (rule 3: every later use of them runs on the compute stream, after the scatter)."""
+        """Issue every load since the last call as one copy: their host pages (those no prefetch or backup in
+        flight holds) into one staging tensor on the tier stream, then one scatter into their pool pages on the
+        compute stream after that transfer (rule 2): whatever the compute stream runs next reads them loaded. The
+        loads' references on the pool pages go (rule 3: every later use of them runs on the compute stream, after
+        the scatter)."""
         if not self._unjoined:
             return
-        t0 = time.perf_counter()
+        t0 = self.clock.now()
         ops, self._unjoined = self._unjoined, []
-        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the last load's transfer)
+        # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
+        with self.order.work("tier_load"):
+            staged = self._staging(sum(len(op.own) for op in ops))
+            at = 0
+            for op in ops:  # each load's own transfer, into its rows of the staging
+                op.staged = tuple(None if t is None else t[at:at + len(op.own)] for t in staged)
+                at += len(op.own)
+                if op.own:
+                    self._transfer(op, lambda op=op: self._from_host(op))
+        t0 = self.clock.lap("load", t0)
+        with self.order.work("tier_join"):  # (on CUDA: the compute stream waits for the transfer)
             for op in ops:
                 self._await_transfer(op)
-                self._scatter(op)
+            self._scatter(ops, staged)
+            done = None
+            if self.cuda:
+                done = torch.cuda.Event()
+                done.record()
+            for op in ops:
                 self._drop_pool(op)
-                op.joined = True
-                if self.cuda:
-                    op.done = torch.cuda.Event()
-                    op.done.record()
-        self.seconds["scatter"] += time.perf_counter() - t0
+                op.joined, op.done = True, done
+        self.num_loads += 1
+        self.clock.lap("scatter", t0)
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -330,16 +352,18 @@ class HostTier(PageAllocator):
             (n, *self.routing.shape[1:]), dtype=self.routing.dtype, device=self._k.device)
         return kv, routing
 
-    def _gather(self, device_pages: list[int]) -> tuple:
+    def _gather(self, device_pages: list[int], t: tuple[float, float]) -> tuple[tuple, tuple[float, float]]:
         """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream: one
-        indexed copy per tensor, straight into the staging."""
+        indexed copy per tensor, straight into the staging. (`t`: where the flush's clock is.)"""
         idx = self._index(device_pages)
+        t = self.flush_clock.lap("index", t)
         kv, routing = self._staging(len(device_pages))
+        t = self.flush_clock.lap("staging", t)
         torch.index_select(self._k, 0, idx, out=kv[:, 0])
         torch.index_select(self._v, 0, idx, out=kv[:, 1])
         if routing is not None:
             torch.index_select(self._routing, 0, idx, out=routing)
-        return kv, routing
+        return (kv, routing), self.flush_clock.lap("gather", t)
 
     def _to_host(self, op: CopyOp) -> None:
         kv, routing = op.staged
@@ -359,19 +383,21 @@ class HostTier(PageAllocator):
                 routing[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
             self.num_transfers += 1
 
-    def _scatter(self, op: CopyOp) -> None:
-        """The load's pages into the pool (on the current stream: compute), one indexed copy per staging tensor
-        they come from: its own, and those of the prefetches and backups in flight it takes pages from (a backup's
-        gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream, which the join waited
-        for). Every index it needs is uploaded at once; rows of another copy's staging that form a run are a view
-        of it, others are selected first."""
-        sources = {id(op): (op.staged, list(range(len(op.own))), [op.device_pages[i] for i in op.own])}
-        for i, src, j in op.from_staging:
-            if src.prefetch:
-                self._await_transfer(src)
-            rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
-            rows.append(j)
-            pages.append(op.device_pages[i])
+    def _scatter(self, ops: list[CopyOp], staged: tuple) -> None:
+        """The loads' pages into the pool (on the current stream: compute), one indexed copy per staging tensor
+        they come from: `staged`, their own transfer's, and those of the prefetches and backups in flight they take
+        pages from (a backup's gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream,
+        which the join waited for). Every index is uploaded at once; rows of another copy's staging that form a
+        run are a view of it, others are selected first."""
+        own = [op.device_pages[i] for op in ops for i in op.own]
+        sources = {None: (staged, list(range(len(own))), own)}
+        for op in ops:
+            for i, src, j in op.from_staging:
+                if src.prefetch:
+                    self._await_transfer(src)
+                rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
+                rows.append(j)
+                pages.append(op.device_pages[i])
         sources = [s for s in sources.values() if s[2]]
         flat = [p for _, _, pages in sources for p in pages]
         picks = [rows for _, rows, _ in sources if not _is_run(rows)]
@@ -421,12 +447,12 @@ class HostTier(PageAllocator):
             op = self.ops[0]
             assert not op.is_load or op.joined, "a load is reaped before its scatter (call before_compute)"
             if op.pending is not None or (op.done is not None and not op.done.query()):
-                t0 = time.perf_counter()
+                t0 = self.clock.now()
                 self.land(op.id)
                 if op.done is not None:
                     op.done.synchronize()
                 self.waits += 1
-                self.seconds["wait"] += time.perf_counter() - t0
+                self.clock.lap("wait", t0)
             self.ops.popleft()
             self._release(op)
 
@@ -440,13 +466,10 @@ def _is_run(rows: list[int]) -> bool:
     return rows == list(range(rows[0], rows[0] + len(rows)))
 
 
-def _runs(pages: list[int], skip: set[int] = frozenset()):
-    """(index in `pages`, first page, length) of each run of consecutive page ids, leaving out the indices in
-    `skip`."""
-    start = None
-    for i in range(len(pages) + 1):
-        if start is not None and (i == len(pages) or i in skip or pages[i] != pages[i - 1] + 1):
+def _runs(pages: list[int]):
+    """(index in `pages`, first page, length) of each run of consecutive page ids."""
+    start = 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
             yield start, pages[start], i - start
-            start = None
-        if start is None and i < len(pages) and i not in skip:
             start = i

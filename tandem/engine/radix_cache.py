@@ -142,10 +142,10 @@ class RadixCache:
     def load(self, match: Match, fresh: list[int]) -> list[int]:
         """Bring the match's host-only pages back into the caller's fresh pages, in order: each full page into
         one the tree shares too, the partially matched one (if any) into the next, the caller's own. Returns
-        the match's page table with the full pages filled in."""
+        the match's page table with the full pages filled in. Nothing may read them before the tier's
+        `before_compute` (the loads' scatter)."""
         host = match.host_pages
-        self.tier.load(host, fresh[:len(host)])
-        self.tier.before_compute()  # whatever runs next on the device (a partial-page copy, the step) reads them
+        self.tier.load(host, fresh[:len(host)])  # (the caller runs `tier.before_compute` before reading them)
         shared = fresh[:len(match.loads)]
         self.pool.incref(shared)
         for (node, j), page in zip(match.loads, shared, strict=True):

@@ -85,6 +85,8 @@ class Scheduler:
                     budget -= n
             i += 1
         self._admit(chunks, budget)
+        if self.tier is not None:
+            self.tier.before_compute()  # the admissions' loads as one copy (before prefetches: it would wait for them)
         self._prefetch()
         return chunks
 
@@ -152,6 +154,8 @@ class Scheduler:
             if self.tier is not None:
                 self.tier.retire(req.rid)  # (its load took what it prefetched)
             if match.partial_page is not None:
+                if self.tier is not None and self.tier.filling(match.partial_page):
+                    self.tier.before_compute()  # (an earlier admission's load fills the page)
                 self.pool.copy_slots(match.partial_page, fresh[0], match.partial_len)
                 self.pool.decref([match.partial_page])
             req.pages = table + fresh
