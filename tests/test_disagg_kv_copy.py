@@ -136,7 +136,7 @@ def test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums_at_the_models_shape
 
 
 TILES = ["Tile(16, 1)", "Tile(1024, 2)", "Tile(16384, 16, stream=True)", "Tile(16, 1, defer=True)",
-         "Tile(1024, 4, defer=True)", "Tile(8192, 8, stream=True, defer=True)"]
+         "Tile(1024, 4, defer=True)", "Tile(8192, 8, stream=True, defer=True)", "COPY_TILE", "SUMS_TILE"]
 
 
 @pytest.mark.parametrize("tile", TILES)
@@ -146,7 +146,7 @@ def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
     chunk of a row (down to a row in many chunks, up to a page in one), the warps, the streaming hints or the
     reductions deferred to the end."""
     pytest.importorskip("triton")
-    from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
+    from tandem.kernels.kv_copy import COPY_TILE, SUMS_TILE, Tile  # noqa: F401 (eval'd below)
 
     monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
     layers, num_pages, P, heads, dim, dtype, n = case
@@ -166,10 +166,11 @@ def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile", ["Tile(1024, 2)", "Tile(4096, 4)", "Tile(8192, 8, stream=True)",
                                   "Tile(16384, 16, stream=True)", "Tile(4096, 4, defer=True)",
-                                  "Tile(8192, 8, stream=True, defer=True)"])
+                                  "Tile(8192, 8, stream=True, defer=True)", "COPY_TILE", "SUMS_TILE"])
 def test_on_the_gpu_every_tile_gives_the_cpus_checksums_at_the_models_shape(tile):
-    """qwen3-0.6b's layout, 1,000 positions, the sweep's corners: the same sums and pages as the CPU's torch path."""
-    from tandem.kernels.kv_copy import Tile  # noqa: F401 (eval'd below)
+    """qwen3-0.6b's layout, 1,000 positions, the sweep's corners and the defaults: the same sums and pages as the
+    CPU's torch path."""
+    from tandem.kernels.kv_copy import COPY_TILE, SUMS_TILE, Tile  # noqa: F401 (eval'd below)
 
     k, v = pool(28, 80, 16, 8, 128, torch.bfloat16)
     pages = torch.randperm(80, generator=torch.Generator().manual_seed(4))[:63].tolist()

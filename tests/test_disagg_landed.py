@@ -12,7 +12,7 @@ import time
 
 import httpx
 import torch
-from test_disagg_mapped import POOL, PREFILL, SEEDED, pinned, prompt
+from test_disagg_mapped import POOL, PREFILL, SEEDED, a_changed_page_is_named_and_nothing_of_it_kept, pinned, prompt
 
 from tandem.engine.core import EngineCore
 from tandem.engine.engine import Engine
@@ -175,19 +175,11 @@ def test_the_gate_falsifier_an_ungated_pause_or_abort_comes_back_while_the_pages
 
 
 def test_a_landed_write_of_a_changed_page_ends_the_request_naming_it_its_pages_freed():
-    async def go():
-        with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d:
-            ids = prompt(18)
-            first = await pinned(p, ids)
-            p.pool.v_cache[1, first.kv.pages[2] * 4 + 1, 0, 5] += 1.0  # position 9: the third page
-            landed, out, kv = await import_landed(p, d, first, ids)
-            assert landed and out.finish_reason.type == "abort", out.finish_reason
-            assert "page 2 (positions 8...)" in out.finish_reason.message and "prefill-here" in \
-                out.finish_reason.message
-            assert kv.settled.done() and (await d.get_stats()).pages_free == POOL.num_pages
-            assert await d.probe(ids) == 0  # nothing of it cached
-            first.kv.free(taken=True)
-    asyncio.run(go())
+    async def landed(p, d, first, ids):
+        ok, out, kv = await import_landed(p, d, first, ids)
+        assert ok
+        return out, kv
+    a_changed_page_is_named_and_nothing_of_it_kept(landed)
 
 
 def test_reservations_go_back_with_an_abort_need_free_pages_and_the_weights_they_were_made_under():

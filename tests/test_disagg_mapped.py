@@ -92,19 +92,27 @@ def test_the_pin_falsifier_unpinned_pages_are_reused_and_the_import_fails(monkey
     assert free == POOL.num_pages  # the pages it wrote are free, none cached
 
 
-def test_a_page_changed_after_the_export_is_named_and_nothing_of_it_is_kept():
+def a_changed_page_is_named_and_nothing_of_it_kept(importer) -> None:
+    """Export 18 positions, change position 9 (the third page) in the prefill pool, import them by `importer(p, d,
+    first, ids)` -> (output, MappedKV): an abort naming the page and the prefill server, the decode pages all free,
+    nothing cached, the import settled. (Shared with tests/test_disagg_landed.py.)"""
     async def go():
         with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d:
             ids = prompt(18)
             first = await pinned(p, ids)
             p.pool.v_cache[1, first.kv.pages[2] * 4 + 1, 0, 5] += 1.0  # position 9: the third page
-            out, kv = await import_mapped(p, d, first, ids, "r1")
+            out, kv = await importer(p, d, first, ids)
             assert out.finish_reason.type == "abort", out.finish_reason
             assert "page 2 (positions 8...)" in out.finish_reason.message and out.output_ids == first.output_ids
+            assert "prefill-here" in out.finish_reason.message
             assert kv.settled.done() and (await d.get_stats()).pages_free == POOL.num_pages
             assert await d.probe(ids) == 0  # nothing of it cached
             first.kv.free(taken=True)
     asyncio.run(go())
+
+
+def test_a_page_changed_after_the_export_is_named_and_nothing_of_it_is_kept():
+    a_changed_page_is_named_and_nothing_of_it_kept(lambda p, d, first, ids: import_mapped(p, d, first, ids, "r1"))
 
 
 def writes_while_paused(monkeypatch, gate_late: bool) -> bool:

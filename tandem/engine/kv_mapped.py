@@ -133,9 +133,11 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         rows = array.array("i", [page_size]) * num
         if num:
             rows[-1] = n - (num - 1) * page_size
-        index = torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages),
-                           _int32(rows)]).view(3, num)
-        index = index.to(device, non_blocking=True)  # (from pageable memory: staged before it returns, no sync)
+        # (staged in page-locked memory: a copy from pageable memory may wait for the stream or the driver's own
+        # staging; this one is a plain DMA behind the stream's work, the buffer kept until it is done)
+        index = torch.empty(3 * num, dtype=torch.int32, pin_memory=device.type == "cuda")
+        torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages), _int32(rows)], out=index)
+        index = index.to(device, non_blocking=True).view(3, num)
         layers = src_k.shape[0]
         if clock is not None:
             clock.mark("launch")

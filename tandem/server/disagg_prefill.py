@@ -25,6 +25,7 @@ from tandem.types import SamplingParams
 log = logging.getLogger(__name__)
 
 HEADER = "X-Tandem-Prefill"  # the answer's header: the first token and what the prefill server spent on it
+NDJSON = "application/x-ndjson"  # a reference's answer: lines of JSON (`_handle_line`, `_pinned_lines`)
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 
 
@@ -67,8 +68,10 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             export_id, _ = exports.hold(out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
             meta["pinned_at"] = out.kv.pinned_at  # (time.monotonic() as it began)
-            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type="application/x-ndjson",
-                                     headers={HEADER: json.dumps(meta)})
+            headers = {HEADER: json.dumps(meta)}
+            if out.kv.sums_ready():  # (one line at once: no streaming machinery on the way)
+                return Response(_handle_line(export_id, out.kv), media_type=NDJSON, headers=headers)
+            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type=NDJSON, headers=headers)
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
         else:
@@ -119,12 +122,17 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         return {"sent": True}
 
 
+def _handle_line(export_id: str, kv: PinnedKV) -> str:
+    """A reference's answer whose checksum pass is done: one line, the handle with its sums (and the pass's time)."""
+    return json.dumps({"id": export_id, "kv": kv.handle, "sums_s": kv.sums_s}) + "\n"
+
+
 async def _pinned_lines(export_id: str, kv: PinnedKV):
-    """A reference's answer body: the line of its handle, with its sums if its checksum pass is done; else at once
-    without them, then the line of its sums (`{"sums", "sums_s"}`) as the pass is done (waited for off the event
-    loop)."""
+    """A reference's answer body while its checksum pass runs: the line of its handle without the sums at once,
+    then the line of its sums (`{"sums", "sums_s"}`) as the pass is done (waited for off the event loop); one line
+    (`_handle_line`) if it is done by then."""
     if kv.sums_ready():
-        yield json.dumps({"id": export_id, "kv": kv.handle, "sums_s": kv.sums_s}) + "\n"
+        yield _handle_line(export_id, kv)
         return
     yield json.dumps({"id": export_id, "kv": kv.head}) + "\n"
     sums = await asyncio.to_thread(kv.sums_hex)
