@@ -75,6 +75,17 @@ def prefill_server(device: str, release_timeout_s: float = 60.0, own_process: bo
             proc.wait(timeout=60)
 
 
+async def chosen_transfer(engine: Engine, url: str, transfer: str | None) -> str:
+    """The transfer a decode server of `engine` chooses (or is refused, raising) when it pairs with the prefill
+    server at `url`, asked for `transfer` (None: its choice)."""
+    client = disagg.PrefillClient(engine, transfer=transfer)
+    try:
+        await client.pair(url)
+        return client.paired[url]
+    finally:
+        await client.close()
+
+
 @contextlib.contextmanager
 def decode_server(device: str, transfer: str | None):
     """A decode server whose `PrefillClient` takes KV by `transfer` (None: its own choice)."""
@@ -224,15 +235,10 @@ def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_ca
     (or on another kind of device, or on CUDA this very process) gives its KV point to point by default where it
     can (CPUs here), and a decode server told to take references refuses the request, naming why."""
     with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
-        async def chosen(transfer):
-            client = disagg.PrefillClient(d, transfer=transfer)
-            try:
-                await client.pair(p_url)
-                return client.paired[p_url]
-            finally:
-                await client.close()
+        def chosen(transfer):
+            return asyncio.run(chosen_transfer(d, p_url, transfer))
 
-        assert asyncio.run(chosen(None)) == "reference" and asyncio.run(chosen("bytes")) == "bytes"
+        assert chosen(None) == "reference" and chosen("bytes") == "bytes"
         here = kv_transfer.sharing_domain("cpu")
         assert why_not_shared(here, "cpu") is None
         assert "another host" in why_not_shared(here | {"host": "elsewhere/0"}, "cpu")
@@ -240,9 +246,9 @@ def test_the_decode_server_takes_kv_by_reference_where_it_can_and_says_why_it_ca
         assert "this very process" in why_not_shared(here | {"device": "cuda"}, "cuda")
         real = disagg.sharing_domain
         monkeypatch.setattr(disagg, "sharing_domain", lambda device: real(device) | {"host": "elsewhere/0"})
-        assert asyncio.run(chosen(None)) == "p2p"  # (gloo between CPUs: see test_disagg_p2p)
+        assert chosen(None) == "p2p"  # (gloo between CPUs: see test_disagg_p2p)
         with pytest.raises(ValueError, match="takes KV by reference, and cannot from .*another host"):
-            asyncio.run(chosen("reference"))
+            chosen("reference")
         with decode_server("cpu", "reference") as d_url:
             body = {"input_ids": prompt(9), "sampling_params": SAMPLING, "bootstrap": {"prefill_url": p_url}}
             r = httpx.post(f"{d_url}/generate", json=body, timeout=60)
@@ -273,14 +279,6 @@ def test_a_pool_that_cannot_be_mapped_falls_back_to_bytes_unless_reference_was_a
 
     monkeypatch.setattr(disagg, "MappedPool", unmappable)
     with prefill_server("cpu") as p_url, Engine("tiny", config("cpu", "decode")) as d:
-        async def chosen(transfer):
-            client = disagg.PrefillClient(d, transfer=transfer)
-            try:
-                await client.pair(p_url)
-                return client.paired[p_url]
-            finally:
-                await client.close()
-
-        assert asyncio.run(chosen(None)) == "bytes"
+        assert asyncio.run(chosen_transfer(d, p_url, None)) == "bytes"
         with pytest.raises(ValueError, match="cannot be mapped.*no mapping here"):
-            asyncio.run(chosen("reference"))
+            asyncio.run(chosen_transfer(d, p_url, "reference"))

@@ -302,17 +302,11 @@ def test_colocated_send_on_the_gpu_the_trainers_write_at_once_never_reaches_the_
     """The engine on its own stream, a push that returns before the load ran, the trainer's next write (on its
     own stream, after the fence, from its step's thread) issued at once: the engine generates exactly what a
     fresh engine on the pushed weights generates."""
-    from tandem.config import EngineConfig
-    from tandem.engine.engine import Engine
+    from test_placement import assert_pushed_versions_generate_as_fresh_engines, generate_greedy
 
     placement = place(RunConfig.load(None, ["engine.device=cuda:0", "engine.num_pages=512",
                                             "weight_sync_timeout_s=30"]))
     engine_stream = placement.engine.core.order.stream("compute")
-    prompts = [[3 + i, 17, 5 * i % 400 + 2, 9] for i in range(8)]
-    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-
-    async def generate(engine):
-        return [(await engine.generate(p, greedy)).output_ids for p in prompts]
 
     async def pushed():
         outputs = []
@@ -330,14 +324,7 @@ def test_colocated_send_on_the_gpu_the_trainers_write_at_once_never_reaches_the_
 
             await asyncio.wrap_future(in_thread(write))
             await pending.applied()
-            outputs.append(await generate(placement.engine))
+            outputs.append(await generate_greedy(placement.engine))
         return outputs
 
-    try:
-        outputs = asyncio.run(pushed())
-        assert placement.engine.weight_version == 2
-    finally:
-        placement.shutdown()
-    for version, output in zip((1, 2), outputs, strict=True):
-        with Engine(build_model("tiny", seed=version).to("cuda"), EngineConfig(device="cuda", num_pages=512)) as fresh:
-            assert asyncio.run(generate(fresh)) == output, version
+    assert_pushed_versions_generate_as_fresh_engines(placement, pushed)

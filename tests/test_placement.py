@@ -347,30 +347,18 @@ def test_the_engine_client_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-@pytest.mark.gpu
-def test_colocated_engine_on_its_stream_generates_as_a_fresh_engine_on_each_pushed_version():
-    """The engine on a stream of its own, the weights by reference: after each push (the trainer changing its
-    tensors at once, on its own stream) the engine generates exactly what a fresh engine on those weights does."""
+async def generate_greedy(engine) -> list[list[int]]:
+    """A few short greedy generations, one at a time (the same batch shapes in every engine)."""
+    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    return [(await engine.generate([3 + i, 17, 5 * i % 400 + 2, 9], greedy)).output_ids for i in range(8)]
+
+
+def assert_pushed_versions_generate_as_fresh_engines(placement, pushed) -> None:
+    """Run `pushed` (pushes of versions 1 and 2 of `build_model("tiny", seed=version)` on CUDA, `generate_greedy`
+    of the placement's engine after each, the outputs returned) and shut the placement down: the engine ended on
+    version 2, and each output is what a fresh engine on that version's weights generates."""
     from tandem.config import EngineConfig
     from tandem.engine.engine import Engine
-
-    config = ["engine.device=cuda:0", "engine.num_pages=512", "weight_sync_timeout_s=30"]
-    placement = place(RunConfig.load(None, config))
-    prompts = [[3 + i, 17, 5 * i % 400 + 2, 9] for i in range(8)]
-    greedy = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-
-    async def generate(engine):  # one at a time: the same batch shapes in both engines
-        return [(await engine.generate(p, greedy)).output_ids for p in prompts]
-
-    async def pushed():
-        outputs = []
-        for version in (1, 2):
-            trainer = build_model("tiny", seed=version).to("cuda")
-            await placement.push(trainer.named_parameters(), version)
-            with torch.no_grad():
-                torch._foreach_add_(list(trainer.parameters()), 0.5)  # the trainer's next step, at once
-            outputs.append(await generate(placement.engine))
-        return outputs
 
     try:
         outputs = asyncio.run(pushed())
@@ -379,4 +367,24 @@ def test_colocated_engine_on_its_stream_generates_as_a_fresh_engine_on_each_push
         placement.shutdown()
     for version, output in zip((1, 2), outputs, strict=True):
         with Engine(build_model("tiny", seed=version).to("cuda"), EngineConfig(device="cuda", num_pages=512)) as fresh:
-            assert asyncio.run(generate(fresh)) == output, version
+            assert asyncio.run(generate_greedy(fresh)) == output, version
+
+
+@pytest.mark.gpu
+def test_colocated_engine_on_its_stream_generates_as_a_fresh_engine_on_each_pushed_version():
+    """The engine on a stream of its own, the weights by reference: after each push (the trainer changing its
+    tensors at once, on its own stream) the engine generates exactly what a fresh engine on those weights does."""
+    config = ["engine.device=cuda:0", "engine.num_pages=512", "weight_sync_timeout_s=30"]
+    placement = place(RunConfig.load(None, config))
+
+    async def pushed():
+        outputs = []
+        for version in (1, 2):
+            trainer = build_model("tiny", seed=version).to("cuda")
+            await placement.push(trainer.named_parameters(), version)
+            with torch.no_grad():
+                torch._foreach_add_(list(trainer.parameters()), 0.5)  # the trainer's next step, at once
+            outputs.append(await generate_greedy(placement.engine))
+        return outputs
+
+    assert_pushed_versions_generate_as_fresh_engines(placement, pushed)

@@ -117,8 +117,9 @@ class Engine:
         return await self._call(commands.Probe(list(input_ids), rid, reserve))
 
     def write_reserved(self, rid: str, kv, version: int) -> bool:
-        """Write an import's KV by reference into the pages its probe set aside, from the calling thread, and check
-        it: `EngineCore.write_reserved` (thread-safe; blocks for the device pass)."""
+        """Write an import's KV by reference into the pages its probe set aside, from the calling thread (the caller
+        then compares its checksums, `MappedKV.check`): `EngineCore.write_reserved` (thread-safe; blocks for the
+        device pass)."""
         self._check_alive()
         return self.core.write_reserved(rid, kv, version)
 

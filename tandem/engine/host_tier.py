@@ -302,7 +302,7 @@ class HostTier(PageAllocator):
         return op
 
     def _hold(self, op: CopyOp, host_pages: list[int]) -> None:
-        """Rule 3: the host pages a copy touches (`op.host_pages`) stay allocated until it is reaped."""
+        """Rule 3: the host pages `op` touches (of its `host_pages`) stay allocated until it is reaped."""
         self.incref(host_pages)
 
     def _unhold(self, op: CopyOp) -> None:
@@ -407,8 +407,8 @@ class HostTier(PageAllocator):
             dst = idx[at:at + len(pages)]
             at += len(pages)
             if _is_run(rows):
-                kv, routing = kv[rows[0]:rows[0] + len(rows)], None if routing is None else \
-                    routing[rows[0]:rows[0] + len(rows)]
+                run = slice(rows[0], rows[0] + len(rows))
+                kv, routing = kv[run], None if routing is None else routing[run]
             else:
                 take = idx[picked:picked + len(rows)]
                 picked += len(rows)

@@ -172,8 +172,7 @@ def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     the host, a numpy array (int64)."""
     cols = sums[:, 1] & 0xFFFFFFFF
     cols = (cols ^ 0x80000000) - 0x80000000
-    return np.stack([sums[:, 0], cols], axis=1) if isinstance(sums, np.ndarray) else torch.stack([sums[:, 0], cols],
-                                                                                                    dim=1)
+    return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[:, 0], cols], 1)
 
 
 def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:

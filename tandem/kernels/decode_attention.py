@@ -34,8 +34,7 @@ from tandem.kernels.limits import attention_shape_error, head_block
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
 MAX_KV_SPLITS = 64
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
-# flight and leave no long tail of the longest contexts' programs (32 rather than 4 saved 8-13% at batches of 16-256
-# with contexts uniform in [100, 2048]; BENCHMARKS.md, "Decode attention").
+# flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
 PROGRAMS_PER_SM = 32
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

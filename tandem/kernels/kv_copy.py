@@ -43,7 +43,7 @@ class Tile:
                              f"got {self.words}, {self.num_warps}")
 
 
-# the best of `kv_copy_bench.py --sweep` on an H200 at qwen3-0.6b's layout (BENCHMARKS.md, 2026-12-02)
+# chosen by `kv_copy_bench.py --sweep` on an H200 at qwen3-0.6b's layout (BENCHMARKS.md has the sweep)
 COPY_TILE = Tile(16384, 2)  # the fused pass's (a decode server's import)
 SUMS_TILE = Tile(16384, 4)  # the checksum pass's (a prefill server's export)
 

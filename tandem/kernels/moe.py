@@ -148,8 +148,8 @@ def _tiles(local_ids_TK: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 # searches cost more than reading an expert twice when two of so few pairs share it.
 PAIR_TILES_UPTO = 32
 # Up to this many pairs (decode and small mixed steps) the grouping is one launch of one program
-# (`tandem.kernels.moe_routing.group_pairs`); a program loops over the pairs, so beyond it a sort of PyTorch's,
-# whose dozen kernels spread over the GPU, is faster.
+# (`tandem.kernels.moe_routing.group_pairs`), whose loop grows with the pairs; beyond it, PyTorch's sort, whose
+# kernels spread over the whole GPU.
 GROUP_IN_ONE_LAUNCH_UPTO = 4096
 
 

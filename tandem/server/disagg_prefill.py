@@ -65,7 +65,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
                 "prefill_tokens": out.prefill_tokens}
         began = time.perf_counter()
         if isinstance(out.kv, PinnedKV):  # (its checksum pass may still run: the sums follow the handle)
-            export_id, _ = exports.hold(out.kv)
+            export_id = exports.hold(out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
             meta["pinned_at"] = out.kv.pinned_at  # (time.monotonic() as it began)
             headers = {HEADER: json.dumps(meta)}
@@ -77,8 +77,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         else:
             if body.transfer == "p2p" and body.link not in links:
                 raise ValueError(f"link: {body.link!r} is no link of this prefill server (open one: /pd/p2p/open)")
-            export_id, handle = exports.hold(P2PExport(out.kv))
-            data, media = json.dumps({"id": export_id, "kv": handle}), "application/json"
+            export = P2PExport(out.kv)
+            data, media = json.dumps({"id": exports.hold(export), "kv": export.handle}), "application/json"
         meta["export_s"] = (out.kv.read_s if out.kv is not None else 0.0) + time.perf_counter() - began
         return Response(data, media_type=media, headers={HEADER: json.dumps(meta)})
 
@@ -129,11 +129,7 @@ def _handle_line(export_id: str, kv: PinnedKV) -> str:
 
 async def _pinned_lines(export_id: str, kv: PinnedKV):
     """A reference's answer body while its checksum pass runs: the line of its handle without the sums at once,
-    then the line of its sums (`{"sums", "sums_s"}`) as the pass is done (waited for off the event loop); one line
-    (`_handle_line`) if it is done by then."""
-    if kv.sums_ready():
-        yield _handle_line(export_id, kv)
-        return
+    then the line of its sums (`{"sums", "sums_s"}`) as the pass is done (waited for off the event loop)."""
     yield json.dumps({"id": export_id, "kv": kv.head}) + "\n"
     sums = await asyncio.to_thread(kv.sums_hex)
     yield json.dumps({"sums": sums, "sums_s": kv.sums_s}) + "\n"
@@ -152,13 +148,12 @@ class Exports:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, shared: PinnedKV | P2PExport) -> tuple[str, dict]:
-        """Hold `shared` (KV shared or to be sent): its export id and handle (of a `PinnedKV` its head: its sums
-        may not be known yet)."""
+    def hold(self, shared: PinnedKV | P2PExport) -> str:
+        """Hold `shared` (KV shared or to be sent); its export id."""
         export_id = uuid.uuid4().hex
         timer = asyncio.get_running_loop().call_later(RELEASE_TIMEOUT_S, self._expire, export_id)
         self._held[export_id] = (shared, timer)
-        return export_id, shared.head if isinstance(shared, PinnedKV) else shared.handle
+        return export_id
 
     def release(self, export_id: str) -> bool:
         """Free the export its decode server is done with; False if none is held by that id (freed already)."""
