@@ -125,21 +125,19 @@ def _split_kernel(
         count = arrived_ptr + b * tl.num_programs(1) + kv_head
         if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:  # the last split of this group to arrive
             offs_s = tl.arange(0, BLOCK_SPLITS)
-            lse_hs = tl.load(mid_lse_ptr + first[:, None] + offs_s[None, :],
-                             mask=mask_h[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"),
-                             cache_modifier=".cg")
-            m = tl.max(lse_hs, 1)
-            m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
-            w = tl.exp2(lse_hs - m[:, None])
-            acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-            for s in range(num_splits):
-                o_s = tl.load(mid_o_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_hd, other=0.0,
-                              cache_modifier=".cg")
-                acc += o_s * tl.sum(tl.where(offs_s[None, :] == s, w, 0.0), 1)[:, None]
-            total = tl.sum(w, 1)
-            o = acc / tl.where(total > 0, total, 1.0)[:, None]
-            tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
-                     o.to(o_ptr.dtype.element_ty), mask=mask_hd)
+            mask_s = offs_s < num_splits
+            for h in tl.static_range(GROUP):  # a head at a time, all its splits in one load, as `_merge_kernel`
+                row = (b * tl.num_programs(1) * GROUP + kv_head * GROUP + h) * num_splits + offs_s
+                lse_s = tl.load(mid_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+                o_sd = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                               mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+                m = tl.max(lse_s, 0)
+                m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
+                w = tl.exp2(lse_s - m)
+                total = tl.sum(w, 0)
+                o_d = tl.sum(o_sd * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+                tl.store(o_ptr + b * stride_ob + (kv_head * GROUP + h) * stride_oh + offs_d,
+                         o_d.to(o_ptr.dtype.element_ty), mask=mask_d)
             tl.atomic_xchg(count, 0)
 
 
