@@ -10,10 +10,9 @@ in L2 by the previous call, as in a real decode step where every layer reads ano
 Bandwidth = KV bytes read / time; the copy's bandwidth counts bytes read plus bytes written. `eager us` is
 `triton.testing.do_bench` of one launch from Python (launch overhead included). `--sweep` adds rows for other
 split counts and block sizes; `--splits` times those split counts; `--tiles` other block sizes, warps and pipeline
-stages; `--merge-ab` every row again with the splits merged by a second kernel. `--mixed LOW HIGH`: each request's
-context uniform in [LOW, HIGH] (seeded) instead of `--context`, as in a serving batch; `--table-tokens N`: block
-tables N tokens wide (the engine's CUDA graphs use the model's longest context, which sets the automatic split
-count).
+stages. `--mixed LOW HIGH`: each request's context uniform in [LOW, HIGH] (seeded) instead of `--context`, as in a
+serving batch; `--table-tokens N`: block tables N tokens wide (the engine's CUDA graphs use the model's longest
+context, which sets the automatic split count).
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from tandem.kernels.decode_attention import arrival_counts, choose_num_kv_splits, paged_decode_attention
+from tandem.kernels.decode_attention import choose_num_kv_splits, paged_decode_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
 
@@ -81,11 +80,10 @@ class Setup:
         self.seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
 
     def call(self, table: int, config: Config):
-        splits, block_n, warps, stages, merged = config
-        arrived = arrival_counts("cuda") if merged else None
+        splits, block_n, warps, stages = config
         return lambda: paged_decode_attention(self.q, self.k_cache, self.v_cache, self.tables[table], self.seq_lens,
-                                              self.page_size, HEAD_DIM ** -0.5, splits, block_n, arrived=arrived,
-                                              num_warps=warps, num_stages=stages)
+                                              self.page_size, HEAD_DIM ** -0.5, splits, block_n, num_warps=warps,
+                                              num_stages=stages)
 
 
 class Config(NamedTuple):
@@ -95,7 +93,6 @@ class Config(NamedTuple):
     block_n: int | None = None
     warps: int = 4
     stages: int = 2
-    merged: bool = True  # the splits merged in the first kernel (else by a second)
 
 
 def main() -> None:
@@ -108,7 +105,6 @@ def main() -> None:
     parser.add_argument("--splits", type=int, nargs="+", default=[], help="also time these split counts")
     parser.add_argument("--mixed", type=int, nargs=2, metavar=("LOW", "HIGH"), help="contexts uniform in [LOW, HIGH]")
     parser.add_argument("--table-tokens", type=int, help="block tables this many tokens wide")
-    parser.add_argument("--merge-ab", action="store_true", help="also time each row with the merge as a second kernel")
     parser.add_argument("--tiles", action="store_true", help="also time other block_n / warps / stages")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -123,9 +119,8 @@ def main() -> None:
     tables = args.table_tokens or "as wide as the longest context's"
     print(f"H={NUM_HEADS} K={NUM_KV_HEADS} D={HEAD_DIM} bf16, {contexts}, tables {tables} tokens; "
           f"device-to-device copy: {copy_bw / 1e12:.2f} TB/s (read + write)\n")
-    print("| page | batch | splits | block_n | warps | stages | merge | KV MiB | graph us | eager us | KV TB/s | "
-          "of copy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| page | batch | splits | block_n | warps | stages | KV MiB | graph us | eager us | KV TB/s | of copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for page_size in args.page_size:
         for batch in args.batch:
             gen = torch.Generator().manual_seed(batch)
@@ -141,15 +136,13 @@ def main() -> None:
             if args.tiles:
                 configs += [Config(block_n=n, warps=w, stages=st) for n in (32, 64) for w in (4, 8)
                             for st in (2, 3, 4) if (n, w, st) != (32, 4, 2)]
-            if args.merge_ab:
-                configs += [c._replace(merged=False) for c in configs]
             for config in configs:
                 seconds = graph_seconds_per_call([setup.call(t, config) for t in range(setup.num_tables)])
                 eager_ms = triton.testing.do_bench(setup.call(0, config))
                 bw = setup.kv_bytes / seconds
                 splits = f"{config.splits}" if config.splits else f"{auto} (auto)"
                 print(f"| {page_size} | {batch} | {splits} | {config.block_n or 'default'} | {config.warps} | "
-                      f"{config.stages} | {'in' if config.merged else 'kernel'} | {setup.kv_bytes / 2**20:.0f} | "
+                      f"{config.stages} | {setup.kv_bytes / 2**20:.0f} | "
                       f"{seconds * 1e6:.1f} | {eager_ms * 1e3:.1f} | {bw / 1e12:.2f} | {bw / copy_bw:.0%} |")
             del setup
             torch.cuda.empty_cache()

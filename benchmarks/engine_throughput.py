@@ -204,17 +204,14 @@ def main() -> None:
     parser.add_argument("--profile-workload", action="store_true", help="(a) a third time, under the profiler")
     parser.add_argument("--attention-programs-per-sm", type=int, help="decode attention's split choice (an A/B): "
                         f"programs per SM (default {decode_attention.PROGRAMS_PER_SM})")
-    parser.add_argument("--attention-merge-kernel", action="store_true",
-                        help="decode attention's splits merged by a second kernel, not inside the first (an A/B)")
     args = parser.parse_args()
     if args.attention_programs_per_sm:
         decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
-    decode_attention.MERGE_IN_SPLITS = not args.attention_merge_kernel
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
-          f"programs per SM, splits merged {'inside' if decode_attention.MERGE_IN_SPLITS else 'by a kernel'}\n")
+          "programs per SM\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]

@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
-#                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_merge] [attn_tiles] [disagg]
+#                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [disagg]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -35,11 +35,6 @@ for part in $parts; do
         attn_ab) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
                  for pps in 4 32; do timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b \
                      --attention-programs-per-sm $pps; done ;;
-        attn_merge) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
-                 timeout 200 python3 benchmarks/decode_attention_bench.py --mixed 100 2048 --table-tokens 40960 \
-                     --batch 1 16 64 128 256 --page-size 16 --merge-ab;
-                 for ab in "" --attention-merge-kernel; do timeout 200 python3 benchmarks/engine_throughput.py \
-                     --models qwen3-0.6b --batches 1 64 256 $ab; done ;;
         attn_tiles) timeout 200 python3 benchmarks/decode_attention_bench.py --mixed 100 2048 --table-tokens 40960 \
                      --batch 16 64 256 --page-size 16 --tiles ;;
         disagg) timeout 400 python3 benchmarks/disaggregation.py --model qwen3-0.6b --out "$OUT/disagg.json" ;;

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 pytest.importorskip("triton")
 
-from tandem.kernels.decode_attention import arrival_counts, choose_num_kv_splits, paged_decode_attention  # noqa: E402
+from tandem.kernels.decode_attention import choose_num_kv_splits, paged_decode_attention  # noqa: E402
 from tandem.model.attention import PagedAttention, paged_decode_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,15 +49,12 @@ def reference(q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, page_
     return out
 
 
-def check(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_splits=None, seed=0, merged=False):
-    """`merged`: the splits merged inside the first kernel (arrival counts), whose counts must end zeroed."""
+def check(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_splits=None, seed=0):
     q, k_cache, v_cache, block_table, lens = make_case(seq_lens, num_kv_heads, group, head_dim, page_size, dtype,
                                                        seed)
     scale = head_dim ** -0.5
-    arrived = arrival_counts(q.device) if merged else None
     out = paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale,
-                                 num_kv_splits=num_kv_splits, arrived=arrived)
-    assert arrived is None or not arrived.any(), "the counts must be left zeroed for the next launch"
+                                 num_kv_splits=num_kv_splits)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     want = reference(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale)
@@ -75,23 +72,9 @@ SMALL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("merged", [False, True], ids=["two-kernels", "merged"])
 @pytest.mark.parametrize("case", SMALL_CASES, ids=lambda c: f"lens{len(c[0])}-K{c[1]}-G{c[2]}-D{c[3]}-P{c[4]}")
-def test_matches_reference_small(case, merged):
-    check(*case, merged=merged)
-
-
-def test_merged_launches_reuse_their_counts():
-    """Launches sharing one set of counts (as a CUDA graph's layers do) each merge their own splits: a launch
-    that left a count standing would make the next one merge early, from partials not yet written, or never."""
-    q, k_cache, v_cache, block_table, lens = make_case([37, 3, 20], 2, 2, 64, 16, torch.float32)
-    arrived = arrival_counts(q.device, 8)
-    args = (q, k_cache[LAYER], v_cache[LAYER], block_table, lens, 16, 0.125)
-    for splits in (4, 2, 4):  # (the same arithmetic as the merge kernel's: the same bits)
-        want = paged_decode_attention(*args, num_kv_splits=splits)
-        assert torch.equal(paged_decode_attention(*args, num_kv_splits=splits, arrived=arrived), want)
-    with pytest.raises(AssertionError, match="arrival counts for 6"):
-        paged_decode_attention(*args, arrived=arrival_counts(q.device, 5))
+def test_matches_reference_small(case):
+    check(*case)
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
@@ -156,20 +139,6 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{len(c[0])}-K{c[1]}-G{c[2]}-D{c[3]}-P{c[4]}-{c[5]}")
 def test_matches_reference_gpu(case, num_kv_splits):
     check(*case, num_kv_splits=num_kv_splits)
-    check(*case, num_kv_splits=num_kv_splits, merged=True)
-
-
-@pytest.mark.gpu
-def test_merged_result_does_not_depend_on_which_split_arrives_last():
-    """The last split to arrive merges all in split order: launch after launch (the splits finishing in other
-    orders) gives the same bits."""
-    q, k_cache, v_cache, block_table, lens = make_case([int(n) for n in torch.randint(
-        1, 3000, (64,), generator=torch.Generator().manual_seed(2))], 8, 2, 128, 16, torch.bfloat16)
-    arrived = arrival_counts(q.device)
-    args = (q, k_cache[LAYER], v_cache[LAYER], block_table, lens, 16, 0.088)
-    outs = [paged_decode_attention(*args, num_kv_splits=16, arrived=arrived) for _ in range(20)]
-    assert all(torch.equal(out, outs[0]) for out in outs)
-    assert torch.equal(outs[0], paged_decode_attention(*args, num_kv_splits=16))  # the merge kernel's bits
 
 
 @pytest.mark.gpu
@@ -181,11 +150,8 @@ def test_cuda_graph_replay_follows_new_lengths_and_pages():
                                                              torch.bfloat16)
     q, block_table, lens = all_q[:4].clone(), all_table[:4].clone(), all_lens[:4].clone()
 
-    arrived = arrival_counts(q.device)
-
     def run():
-        return paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale,
-                                      arrived=arrived)
+        return paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale)
 
     run()  # compile outside the capture
     torch.cuda.synchronize()

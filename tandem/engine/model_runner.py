@@ -111,15 +111,12 @@ def _kernels(device: torch.device, enabled: bool):
     if device.type != "cuda" or not enabled:
         return paged_decode_reference, None
     try:
-        from tandem.kernels import decode_attention
+        from tandem.kernels.decode_attention import paged_decode_attention
         from tandem.kernels.prefill_attention import paged_prefill_attention
     except ImportError:  # no Triton: the references work on CUDA too, without graphs
         log.warning("Triton is not available: attention runs the PyTorch references, without CUDA graphs")
         return paged_decode_reference, None
-    decode = decode_attention.paged_decode_attention
-    if decode_attention.MERGE_IN_SPLITS:  # (counts of this runner's own: its launches are one stream's)
-        decode = functools.partial(decode, arrived=decode_attention.arrival_counts(device))
-    return decode, paged_prefill_attention
+    return paged_decode_attention, paged_prefill_attention
 
 
 class ModelRunner:

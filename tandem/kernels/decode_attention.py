@@ -6,10 +6,7 @@ Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
     once per group, not once per query head); writes the split's normalised partial output and its
     log-sum-exp.
   - stage 2, one program per (request, query head): merges the splits by their log-sum-exps.
-Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Given arrival counts
-(`arrival_counts`), stage 2 runs inside stage 1 instead of as a kernel of its own: each split counts itself done,
-and the last of a (request, kv head)'s splits to arrive merges them all, in split order (so the result does not
-depend on which split finished last), and sets the count back to zero for the next launch.
+Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`.
 
 CUDA-graph safe: everything the launch depends on (grid, compile-time constants, scratch shapes) comes from
 tensor shapes and arguments, never from tensor values; the per-request work follows `seq_lens_B` on the device,
@@ -36,8 +33,6 @@ from tandem.kernels.limits import attention_shape_error, head_block
 
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
 MAX_KV_SPLITS = 64
-MAX_GROUPS = 1 << 16  # (request, kv head) groups of one launch with the merge inside (`arrival_counts`)
-MERGE_IN_SPLITS = True  # whether the engine merges the splits inside the first kernel (an A/B knob for benchmarks)
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
 PROGRAMS_PER_SM = 32
@@ -65,10 +60,9 @@ def _num_sms(device: torch.device) -> int:
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
-    o_ptr, stride_ob, stride_oh, arrived_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, MERGE: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     if PDL:  # a dependent launch: nothing the kernels before wrote is read before they are done
         gdc_wait()
@@ -116,29 +110,9 @@ def _split_kernel(
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    first = (b * tl.num_programs(1) * GROUP + heads) * num_splits  # scratch is [B, H, N(, D)], contiguous
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    tl.store(mid_o_ptr + (first + split)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_hd)
-    tl.store(mid_lse_ptr + first + split, lse, mask=mask_h)
-    if MERGE:
-        tl.debug_barrier()  # every thread's partials stored before the count says so
-        count = arrived_ptr + b * tl.num_programs(1) + kv_head
-        if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:  # the last split of this group to arrive
-            offs_s = tl.arange(0, BLOCK_SPLITS)
-            mask_s = offs_s < num_splits
-            for h in tl.static_range(GROUP):  # a head at a time, all its splits in one load, as `_merge_kernel`
-                row = (b * tl.num_programs(1) * GROUP + kv_head * GROUP + h) * num_splits + offs_s
-                lse_s = tl.load(mid_lse_ptr + row, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-                o_sd = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                               mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-                m = tl.max(lse_s, 0)
-                m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
-                w = tl.exp2(lse_s - m)
-                total = tl.sum(w, 0)
-                o_d = tl.sum(o_sd * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-                tl.store(o_ptr + b * stride_ob + (kv_head * GROUP + h) * stride_oh + offs_d,
-                         o_d.to(o_ptr.dtype.element_ty), mask=mask_d)
-            tl.atomic_xchg(count, 0)
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + row, lse, mask=mask_h)
 
 
 @triton.jit
@@ -166,17 +140,9 @@ def _merge_kernel(
     tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
-def arrival_counts(device: torch.device | str, groups: int = MAX_GROUPS) -> torch.Tensor:
-    """Zeroed counts for `paged_decode_attention(arrived=...)` (one per request and kv head, so B * K <= groups),
-    for one stream of launches: launches that may run at the same time need counts of their own. Create it
-    outside CUDA-graph capture; every launch leaves it zeroed."""
-    return torch.zeros(groups, dtype=torch.int32, device=device)
-
-
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
                            block_table_BP: torch.Tensor, seq_lens_B: torch.Tensor, page_size: int, scale: float,
-                           num_kv_splits: int | None = None, block_n: int | None = None, *,
-                           arrived: torch.Tensor | None = None, num_warps: int = 4,
+                           num_kv_splits: int | None = None, block_n: int | None = None, *, num_warps: int = 4,
                            num_stages: int = 2) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens_B[b]` cached positions.
 
@@ -188,7 +154,6 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
       output is zeros. Requires seq_lens_B[b] <= P * page_size.
     num_kv_splits: splits of each context; default `choose_num_kv_splits` from B, K and P * page_size.
     block_n: tokens per inner iteration (a tuning knob; default by head dim), as are num_warps and num_stages.
-    arrived: `arrival_counts` on q's device: the splits merge in one kernel (else a second kernel merges them).
     Accumulates in fp32; reads only the KV of positions < seq_lens_B[b]; launches a fixed grid (graph safe).
     """
     B, H, D = q_BHD.shape
@@ -218,25 +183,20 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
-    if arrived is not None:
-        assert arrived.dtype == torch.int32 and arrived.device == q_BHD.device and arrived.numel() >= B * K, (
-            f"decode attention: arrival counts for {B * K} (request, kv head) groups, got {arrived.numel()} on "
-            f"{arrived.device}")
-    block_splits = triton.next_power_of_2(num_kv_splits)
     _split_kernel[(B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
         v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
-        scale * math.log2(math.e), o_BHD, o_BHD.stride(0), o_BHD.stride(1),
-        seq_lens_B if arrived is None else arrived,
+        scale * math.log2(math.e),
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=dot_precision, PDL=pdl, MERGE=arrived is not None, BLOCK_SPLITS=block_splits,
-        num_warps=num_warps, num_stages=num_stages, **launch,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, num_warps=num_warps,
+        num_stages=num_stages,
+        **launch,
     )
-    if arrived is None:
-        _merge_kernel[(B, H)](
-            mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-            HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=block_splits, PDL=pdl, num_warps=4, **launch,
-        )
+    _merge_kernel[(B, H)](
+        mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
+        num_warps=4, **launch,
+    )
     return o_BHD
