@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fused import gdc_launch_dependents, gdc_wait, pdl_supported
+from tandem.kernels.fused import gdc_launch_dependents, gdc_wait, pdl_supported, varying
 from tandem.kernels.limits import attention_shape_error, head_block
 
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
@@ -56,7 +56,7 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-@triton.jit
+@triton.jit(**varying("stride_bt", "num_splits"))
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
@@ -115,7 +115,7 @@ def _split_kernel(
     tl.store(mid_lse_ptr + row, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(**varying("num_splits"))
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,

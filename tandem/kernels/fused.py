@@ -17,6 +17,7 @@ Shapes: T tokens, E hidden size, H query heads, K kv heads, D head dim, I interm
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -42,6 +43,15 @@ def pdl_supported(device: torch.device) -> bool:
     Hopper or later, not under the interpreter, and TANDEM_PDL is not 0."""
     return (gdc_wait is not None and os.environ.get("TANDEM_PDL", "1") != "0" and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreted())
+
+
+def varying(*names: str) -> dict:
+    """`triton.jit` options for the arguments that change from launch to launch (counts, block-table widths,
+    views' offsets): Triton compiles no variant per value that is 1, divisible by 16 or aligned, so a value first
+    seen mid-run does not compile there, every request of the engine waiting (`benchmarks/jit_variants.py`).
+    Only for arguments whose divisibility no vectorised access relies on."""
+    params = inspect.signature(triton.jit).parameters
+    return {key: list(names) for key in ("do_not_specialize", "do_not_specialize_on_alignment") if key in params}
 
 
 def _row_warps(block: int) -> int:

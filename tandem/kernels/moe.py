@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fused import varying
 from tandem.kernels.moe_routing import group_pairs, pair_tiles
 
 
@@ -44,7 +45,7 @@ def _tile(tiles_ptr, num_tiles):
     return expert, tl.load(tiles_ptr + num_tiles + tile), tl.load(tiles_ptr + 2 * num_tiles + tile)
 
 
-@triton.jit
+@triton.jit(**varying("num_tiles"))
 def _gate_up_kernel(x_ptr, w_ptr, order_ptr, tiles_ptr, act_ptr, num_tiles, top_k, H, inter_size,
                     stride_xt, stride_we, stride_wn, stride_wh,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -82,7 +83,7 @@ def _gate_up_kernel(x_ptr, w_ptr, order_ptr, tiles_ptr, act_ptr, num_tiles, top_
              mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(**varying("num_tiles"))
 def _down_kernel(act_ptr, w_ptr, order_ptr, tiles_ptr, weights_ptr, y_ptr, num_tiles, H, inter_size,
                  stride_we, stride_wh, stride_wi,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

@@ -22,8 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fused import varying
 
-@triton.jit
+
+@triton.jit(**varying("T"))
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, T, E, stride_t, K: tl.constexpr, NORMALIZE: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -70,7 +72,7 @@ def route_topk(logits_TE: torch.Tensor, k: int, normalize: bool) -> tuple[torch.
     return weights, ids
 
 
-@triton.jit
+@triton.jit(**varying("M", "num_tiles"))
 def _group_kernel(ids_ptr, scratch_ptr, order_ptr, tiles_ptr, M, E, num_tiles, block_m,
                   BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_TILES: tl.constexpr):
     """scratch: [2 * BLOCK_E] int32, the histogram, then each expert's cursor (the next free row of `order`)."""
@@ -113,7 +115,7 @@ def _group_kernel(ids_ptr, scratch_ptr, order_ptr, tiles_ptr, M, E, num_tiles, b
         tl.store(tiles_ptr + 2 * num_tiles + tiles, zeros, mask=keep)
 
 
-@triton.jit
+@triton.jit(**varying("M"))
 def _pair_tiles_kernel(ids_ptr, order_ptr, tiles_ptr, M, E, BLOCK: tl.constexpr):
     pairs = tl.arange(0, BLOCK)
     mask = pairs < M

@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fused import varying
 from tandem.kernels.limits import attention_shape_error, head_block
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -59,7 +60,7 @@ def choose_blocks(group: int, head_dim: int, cache_dtype: torch.dtype, block_m: 
     return block_m, block_n, num_warps
 
 
-@triton.jit
+@triton.jit(**varying("stride_tiles", "stride_bt"))
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, block_table_ptr, q_starts_ptr, kv_lens_ptr, tiles_ptr, stride_tiles,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt,

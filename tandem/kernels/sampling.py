@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from tandem.kernels.fused import varying
+
 BLOCK_V = 2048
 MIN_VOCAB_PER_SPLIT = 4096
 PROGRAMS_PER_SM = 16  # the pass is ALU-bound (hash, two logf, an IEEE divide per logit): many programs per SM
@@ -58,7 +60,7 @@ def _log(x, INTERPRET: tl.constexpr):
     return tl.log(x) if INTERPRET else libdevice.log(x)
 
 
-@triton.jit
+@triton.jit(**varying("temps_ptr", "seeds_ptr", "positions_ptr", "num_splits"))
 def _split_kernel(logits_ptr, temps_ptr, seeds_ptr, positions_ptr, mid_m_ptr, mid_s_ptr, mid_key_ptr, mid_idx_ptr,
                   stride_lb, V, vocab_per_split, num_splits, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     b, split = tl.program_id(0), tl.program_id(1)
@@ -100,7 +102,7 @@ def _split_kernel(logits_ptr, temps_ptr, seeds_ptr, positions_ptr, mid_m_ptr, mi
     tl.store(mid_idx_ptr + out, best_idx)
 
 
-@triton.jit
+@triton.jit(**varying("temps_ptr", "tokens_ptr", "logprobs_ptr", "num_splits"))
 def _merge_kernel(logits_ptr, temps_ptr, mid_m_ptr, mid_s_ptr, mid_key_ptr, mid_idx_ptr, tokens_ptr, logprobs_ptr,
                   stride_lb, num_splits, BLOCK_SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
@@ -155,6 +157,6 @@ def sample_gumbel(logits_BV: torch.Tensor, temperatures_B: torch.Tensor, seeds_B
     )
     _merge_kernel[(B,)](
         logits_BV, temperatures_B, mid_m, mid_s, mid_key, mid_idx, tokens_B, logprobs_B, logits_BV.stride(0),
-        num_splits, BLOCK_SPLITS=triton.next_power_of_2(num_splits), INTERPRET=interpret, num_warps=1,
+        num_splits, BLOCK_SPLITS=triton.next_power_of_2(triton.cdiv(V, BLOCK_V)), INTERPRET=interpret, num_warps=1,
     )
     return tokens_B, logprobs_B
