@@ -3,7 +3,7 @@
 #   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
-#                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [disagg]
+#                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -37,6 +37,9 @@ for part in $parts; do
                      --attention-programs-per-sm $pps; done ;;
         attn_tiles) timeout 200 python3 benchmarks/decode_attention_bench.py --mixed 100 2048 --table-tokens 40960 \
                      --batch 16 64 256 --page-size 16 --tiles ;;
+        jit) timeout 200 python3 benchmarks/jit_variants.py --out "$OUT/jit.json";
+             timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_jit_variants.py \
+                 tests/test_engine_gpu.py tests/test_prefill_kernel.py tests/test_sampler.py ;;
         disagg) timeout 400 python3 benchmarks/disaggregation.py --model qwen3-0.6b --out "$OUT/disagg.json" ;;
         workload_profile) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 \
                    --profile-workload ;;

@@ -37,7 +37,7 @@ from tandem.distributed import collectives, faults
 from tandem.distributed.parallel import TPGroup, cdiv
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
-from tandem.engine.sampler import SamplingBatch, fused_sampler, sample, top_logprobs, with_requests
+from tandem.engine.sampler import SamplingBatch, sample, top_logprobs, with_requests
 from tandem.engine.scheduler import PENDING, Chunk
 from tandem.engine.streams import RaceGuard, StreamRuntime, engine_placements
 from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAttention, paged_decode_reference
@@ -345,19 +345,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_eager_kernels(self) -> None:
-        """Compile at start-up the Triton kernels that steps outside the graphs launch (a prefill step larger than
-        their sizes, the fused sampler), so that no request waits for a compile mid-run: one launch each on
-        scratch inputs (reading page 0, writing nothing the engine keeps). Their varying arguments compile no
-        variants of their own (`tandem.kernels.fused.varying`; `benchmarks/jit_variants.py` counts them)."""
+        """Compile (and load) at start-up the kernels that steps outside the graphs launch, so that no request
+        waits for that mid-run: the prefill kernel as a step larger than the graphs' sizes runs it, and the
+        sampler's paths (the fused Triton pass; filters, banned tokens and top logprobs through PyTorch), one
+        launch each on scratch inputs (reading page 0, writing nothing the engine keeps). Their varying arguments
+        compile no variants of their own (`tandem.kernels.fused.varying`; `benchmarks/jit_variants.py`)."""
         attn = self.model.model.layers[0].self_attn  # (this rank's heads)
         k, v = self.pool.k_cache[0], self.pool.v_cache[0]
         ints = functools.partial(torch.tensor, dtype=torch.int32, device=self.device)
         q = torch.zeros(1, attn.num_heads, attn.head_dim, dtype=k.dtype, device=self.device)
         self.prefill_kernel(q, k, v, ints([[0]]), ints([0, 1]), ints([1]), self.pool.page_size, 1.0, 1)
-        if (fused := fused_sampler()) is not None:
-            logits = torch.zeros(1, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
-            fused(logits, torch.zeros(1, device=self.device), torch.zeros(1, dtype=torch.long, device=self.device),
-                  torch.zeros(1, dtype=torch.long, device=self.device))
+        logits = torch.zeros(2, self.model.config.vocab_size, device=self.device)
+        zeros = functools.partial(torch.zeros, 2, device=self.device)
+        batch = SamplingBatch(zeros() + 1, zeros() + 0.9, zeros(dtype=torch.long) + 5, zeros() + 0.05,
+                              zeros(dtype=torch.long), zeros(dtype=torch.long), needs_filter=True,
+                              banned=(ints([0]).long(), ints([0]).long()), top_logprobs_num=2)
+        sample(logits, batch)
+        top_logprobs(logits, batch)
+        sample(logits, SamplingBatch(batch.temperatures, batch.top_ps, batch.top_ks, batch.min_ps, batch.seeds,
+                                     batch.positions, needs_filter=False))
 
     # ---- prefill and mixed steps: fixed shapes (graphs on CUDA) up to max_graph_tokens, else eager ---------
     def _flatten(self, chunks: list[Chunk]) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
