@@ -77,6 +77,7 @@ async def run(engine: Engine, requests) -> None:
 def measure(model: str, max_prefill_tokens: int, waves: int, per_wave: int) -> dict:
     slow = SlowSteps()
     logging.getLogger().addHandler(slow)
+    before = compiled()  # (what earlier engines of this process compiled)
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(device="cuda", num_pages=0, max_prefill_tokens=max_prefill_tokens),
                     dtype="bfloat16")
@@ -93,7 +94,7 @@ def measure(model: str, max_prefill_tokens: int, waves: int, per_wave: int) -> d
         phases[f"varied wave {wave + 1}"] = (time.perf_counter() - t0, compiled())
     engine.shutdown()
     logging.getLogger().removeHandler(slow)
-    rows, seen = [], {}
+    rows, seen = [], before
     for phase, (seconds, variants) in phases.items():
         new = {k: sorted(v - seen.get(k, set())) for k, v in variants.items() if v - seen.get(k, set())}
         rows.append({"phase": phase, "seconds": seconds, "new": new})
