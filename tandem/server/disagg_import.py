@@ -1,0 +1,197 @@
+"""A decode server's end of a KV transfer once the prefill server has answered (`tandem.server.disagg` states the
+protocol): the KV taken by reference (`_take`: the pages named in the mapped pool), received point to point
+(`_receive`) or verified as bytes (`_verify`); by reference written as the answer lands (`_write_landed`), compared
+with the prefill server's sums, and the export released once the engine is done with it (`_release_settled`);
+each transfer's times kept for `GET /pd/transfers` (`_record`, `records`). A part of `disagg.PrefillClient`, split
+out by concept (`KVImports`: its methods use the client's engine, pairings and HTTP session)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import weakref
+from collections import deque
+
+import aiohttp
+import torch
+
+from tandem.engine.engine import Engine
+from tandem.engine.kv_mapped import MappedKV
+from tandem.engine.kv_shared import transfer_stream
+from tandem.engine.kv_transfer import KVPages, TransferClock
+
+log = logging.getLogger("tandem.server.disagg")
+
+RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
+RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
+_RECORDS: weakref.WeakKeyDictionary[Engine, deque] = weakref.WeakKeyDictionary()  # a decode engine's transfers
+
+
+def records(engine: Engine) -> list[dict]:
+    """A decode engine's latest transfers, oldest first (`KVImports._record`)."""
+    return list(_RECORDS.get(engine, ()))
+
+
+def _verify(kv: KVPages) -> None:
+    """`kv.verify()` on the transfer stream (`transfer_stream`): its KV is complete, the host having waited for it,
+    so its checksums need not wait behind the engine's steps."""
+    with transfer_stream(kv.k.device):
+        kv.verify()
+
+
+class KVImports:
+    """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
+
+    @staticmethod
+    async def _sums_line(r: aiohttp.ClientResponse, kv: MappedKV, meta: dict, clock: TransferClock) -> None:
+        """Read the answer's line of sums into `kv` (its pass time into `meta`); ValueError if it does not come."""
+        try:
+            line = await r.content.readline()
+            answer = json.loads(line)
+            kv.take_sums(answer["sums"])
+            meta["export_sums_s"] = answer.get("sums_s")
+            clock.mark("sums", device=False)
+        except (ValueError, KeyError, TypeError, aiohttp.ClientError) as e:
+            raise ValueError(f"kv transfer: the prefill server's sums did not come ({type(e).__name__}: "
+                             f"{e})") from None
+        finally:
+            r.release()
+
+    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int, arriving) -> None:
+        """Write `kv` (of weight `version`) into the pages `rid`'s probe set aside, here, as the answer lands
+        (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this loop for the pass,
+        which may run beside the prefill server's own), then wait for the prefill server's sums (`arriving`) and
+        compare (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the engine
+        writes and checks it as it places the import. The export is released if this fails."""
+        try:
+            landed = self.engine.write_reserved(rid, kv, version)
+            if arriving is not None:
+                await arriving
+            if landed and not kv.checked:
+                kv.check()
+        except BaseException:
+            if arriving is not None:
+                arriving.cancel()
+            await asyncio.shield(self._release(url, kv.export_id))
+            raise
+
+    def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
+        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
+        `export_s` the prefill server's (pages read out or pinned, checksummed or its pass queued, shared or
+        serialised), `take_s` this server's from the answer to the KV verified on its device (`copy_s` until
+        copied or received, `verify_s` the checksums), `write_s` its write into the pool (device time; `pass_s`
+        from the kernels' launch), `import_s` from the answer to the pages written (device-synchronised; by
+        reference checked: with the engine's turn unless written as the answer landed, `landed`, then `handoff_s`
+        after it until the engine queued the request); null where not written. By reference `path_s`: from the
+        prefill server starting its export to the checksums compared here, on the host's one monotonic clock;
+        `sums_after_pass_s`: when the prefill server's sums came after this pass (negative: before)."""
+        clock, written = kv.clock, "written" in kv.clock.host
+        take_s = clock.host["verified"] - clock.host["import"]
+        mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
+        try:
+            write_s = clock.seconds("write", "written") if written else None
+            pass_s = clock.seconds("launch", "written") if written and "launch" in clock.host else None
+            if mapped:
+                import_s = clock.host["checked"] - clock.host["import"] if "checked" in clock.host else None
+            else:
+                import_s = take_s + clock.seconds("verified", "written") if written else None
+        except RuntimeError as e:  # (a measurement must not fail the request it measured)
+            log.warning("decode server: transfer of %s not timed: %s", rid, e)
+            write_s = import_s = pass_s = None
+        _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
+            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
+            "pages": len(kv.pages) if mapped else len(kv.checksums),
+            "kv_bytes": kv.kv_bytes if mapped else 2 * kv.k.numel() * kv.k.element_size(),
+            "export_s": meta.get("export_s"), "export_sums_s": meta.get("export_sums_s"), "take_s": take_s,
+            "copy_s": clock.host["taken"] - clock.host["import"],
+            "verify_s": clock.host["verified"] - clock.host["taken"],
+            "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
+            "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
+            "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
+            "landed": mapped and "placed" in clock.host,
+            "sums_after_pass_s": clock.host["sums"] - clock.host["passed"] if mapped and "sums" in clock.host
+            and "passed" in clock.host else None,
+            "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
+            "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
+            and meta.get("pinned_at") is not None else None})
+
+    async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
+        """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
+        pool mapped at pairing: nothing is read until the engine writes it (`MappedKV.write_into`, which checks its
+        checksums). The export is released once the engine is done with it (`_release_settled`); an answer that
+        does not parse is released at once, and breaks the pairing if it names another pool."""
+        try:
+            answer = json.loads(data)
+            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
+        if (source := self.pools.get(url)) is None:
+            await asyncio.shield(self._release(url, export_id))
+            raise RuntimeError("its pool's mapping was dropped while this request waited (another transfer failed)")
+        try:
+            kv = MappedKV(source, handle, url, export_id)
+        except ValueError:
+            self._unpair(url)  # (it may have restarted: map its pool anew)
+            await asyncio.shield(self._release(url, export_id))
+            raise
+        clock.mark("taken", device=False)
+        clock.mark("verified", device=False)  # (checked as the engine writes it)
+        return kv
+
+    async def _release_settled(self, url: str, kv: MappedKV, generating: asyncio.Future) -> None:
+        """Release `kv`'s export once the engine wrote or dropped it, or the request ended (whichever is first)."""
+        await asyncio.wait([asyncio.wrap_future(kv.settled), generating], return_when=asyncio.FIRST_COMPLETED)
+        await self._release(url, kv.export_id)
+
+    async def _receive(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
+        """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's
+        device, verified. The link's turn is held from the start of the receive to its end, so the prefill
+        server's sends on it come in this order; a failed or timed-out receive breaks the link."""
+        try:
+            answer = json.loads(data)
+            export_id, header = answer["id"], answer["kv"]
+            shape, dtype = [int(n) for n in header["shape"]], getattr(torch, str(header["dtype"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV header ({type(e).__name__}: {e})") from None
+        if (entry := self.links.get(url)) is None:
+            raise RuntimeError("its link broke while this request waited (another transfer failed)")
+        link_id, link, turn = entry
+        kv_2LTKD = torch.empty((2, *shape), dtype=dtype, device=self.engine.pool.k_cache.device)
+        if kv_2LTKD.numel() == 0:  # (nothing to send: only let it go)
+            await asyncio.shield(self._release(url, export_id))
+        else:
+            async with turn:
+                received = asyncio.ensure_future(asyncio.to_thread(link.recv, kv_2LTKD))
+                try:
+                    async with self._http().post(f"{url}/pd/p2p/send", json={"id": export_id, "link": link_id}) as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"/pd/p2p/send answered {r.status}: "
+                                               f"{(await r.read())[:300].decode(errors='replace')}")
+                except BaseException:
+                    self._unpair(url)  # (which ends the receive, or its timeout does)
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(received)
+                    raise
+                try:
+                    await asyncio.shield(received)  # (a receive cannot be cancelled halfway: it ends or times out)
+                except BaseException:  # (cancelled too: the turn must not pass while the receive runs on)
+                    self._unpair(url)
+                    raise
+        kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
+        clock.mark("taken")
+        await asyncio.to_thread(_verify, kv)
+        clock.mark("verified")
+        return kv
+
+    async def _release(self, url: str, export_id: str) -> None:
+        try:
+            async with self._http().post(f"{url}/pd/release", json={"id": export_id},
+                                         timeout=aiohttp.ClientTimeout(total=RELEASE_POST_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    log.warning("decode server: %s/pd/release of KV export %s answered %d: %s", url, export_id,
+                                r.status, (await r.read())[:300].decode(errors="replace"))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("decode server: could not release KV export %s at %s (it frees it after its timeout): %s: "
+                        "%s", export_id, url, type(e).__name__, e)
