@@ -61,8 +61,12 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
             **{f"{side}_{key}": med(key) for side, key in (("prefill", "export_sums_s"), ("decode", "queue_s"),
                                                             ("decode", "check_s"), ("decode", "pass_s"),
                                                             ("decode", "handoff_s"), ("decode", "path_s"),
-                                                            ("decode", "sums_after_pass_s"))
+                                                            ("decode", "sums_after_pass_s"),
+                                                            ("decode", "launch_host_s"), ("decode", "pass_wait_s"))
                if all(r.get(key) is not None for r in records)},
+            **({f"path_{key}": statistics.median(r["path_parts"][key] for r in records)
+                for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "import_s")}
+               if all(r.get("path_parts") for r in records) else {}),
             "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
@@ -108,7 +112,19 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
                        "the checksums compared (with the answer's way between the two, which (iii) leaves out)",
                        "decode_path_s"),
                       ("(vii') by reference: the prefill server's sums came after the decode server's pass by "
-                       "(host; below 0: before it)", "decode_sums_after_pass_s")):
+                       "(host; below 0: before it)", "decode_sums_after_pass_s"),
+                      ("(vii-1) of (vii): the prefill engine pinning the pages, its checksum pass queued (host)",
+                       "path_pin_s"),
+                      ("(vii-2) of (vii): then to the prefill server's handler having the output (the engine "
+                       "finishing the request, the hop between its threads)", "path_to_server_s"),
+                      ("(vii-3) of (vii): the answer built", "path_answer_s"),
+                      ("(vii-4) of (vii): the answer's way to the decode server's handler (HTTP)", "path_wire_s"),
+                      ("(vii-5) of (vii): the decode server, the answer in hand to the checksums compared",
+                       "path_import_s"),
+                      ("(v''b) by reference, of (v): the pass's first mark to its kernels' launch (host)",
+                       "decode_launch_host_s"),
+                      ("(v''c) by reference, of (v): its kernels' launch to their sums on the host (host)",
+                       "decode_pass_wait_s")):
         if key not in t or (key in ("decode_take_s", "decode_copy_s", "decode_verify_s") and "decode_queue_s" in t):
             continue  # (by reference nothing is taken before the engine's pass)
         if key == "decode_sums_after_pass_s":  # (a difference of two points: no share)

@@ -41,6 +41,16 @@ def _verify(kv: KVPages) -> None:
         kv.verify()
 
 
+def _path_parts(clock: TransferClock, meta: dict) -> dict | None:
+    """`_record`'s `path_parts` of a reference's whole way (None if the prefill server did not mark it)."""
+    try:
+        pinned_at, pin_s, output_at, sent_at = (float(meta[k]) for k in ("pinned_at", "pin_s", "output_at", "sent_at"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {"pin_s": pin_s, "to_server_s": output_at - pinned_at - pin_s, "answer_s": sent_at - output_at,
+            "wire_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
+
+
 class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
 
@@ -85,8 +95,13 @@ class KVImports:
         from the kernels' launch), `import_s` from the answer to the pages written (device-synchronised; by
         reference checked: with the engine's turn unless written as the answer landed, `landed`, then `handoff_s`
         after it until the engine queued the request); null where not written. By reference `path_s`: from the
-        prefill server starting its export to the checksums compared here, on the host's one monotonic clock;
-        `sums_after_pass_s`: when the prefill server's sums came after this pass (negative: before)."""
+        prefill server starting its export to the checksums compared here, on the host's one monotonic clock, and
+        its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages and queueing its
+        checksum pass, `to_server_s` from there to its server's handler having the output (the engine finishing
+        the request, the hop between the threads), `answer_s` the answer built, `wire_s` its way to this server's
+        handler, `import_s` here; `launch_host_s` the host's time from the pass's first mark to its kernels'
+        launch, `pass_wait_s` from that launch to the sums in hand (host); `sums_after_pass_s`: when the prefill
+        server's sums came after this pass (negative: before)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
@@ -115,7 +130,12 @@ class KVImports:
             and "passed" in clock.host else None,
             "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
             "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
-            and meta.get("pinned_at") is not None else None})
+            and meta.get("pinned_at") is not None else None,
+            "path_parts": _path_parts(clock, meta) if mapped and "checked" in clock.mono else None,
+            "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and "launch" in clock.host
+            and "write" in clock.host else None,
+            "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
+            and "passed" in clock.host else None})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the

@@ -59,6 +59,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
                                                                 export_pinned=body.transfer == "reference"))
         if out is None:
             return Response(status_code=499)
+        output_at = time.monotonic()  # (the handler has the output: the engine's part of the export is over)
         sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
@@ -67,11 +68,16 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if isinstance(out.kv, PinnedKV):  # (its checksum pass may still run: the sums follow the handle)
             export_id = exports.hold(out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
-            meta["pinned_at"] = out.kv.pinned_at  # (time.monotonic() as it began)
-            headers = {HEADER: json.dumps(meta)}
+            # (on the host's one monotonic clock, for the decode server's record of the whole way: the pinning's
+            # start, the handler having the output, the answer handed to the HTTP server)
+            meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "output_at": output_at}
             if out.kv.sums_ready():  # (one line at once: no streaming machinery on the way)
-                return Response(_handle_line(export_id, out.kv), media_type=NDJSON, headers=headers)
-            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type=NDJSON, headers=headers)
+                line = _handle_line(export_id, out.kv)
+                meta["sent_at"] = time.monotonic()
+                return Response(line, media_type=NDJSON, headers={HEADER: json.dumps(meta)})
+            meta["sent_at"] = time.monotonic()
+            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type=NDJSON,
+                                     headers={HEADER: json.dumps(meta)})
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
         else:
