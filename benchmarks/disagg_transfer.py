@@ -64,9 +64,10 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
                                                             ("decode", "sums_after_pass_s"),
                                                             ("decode", "launch_host_s"), ("decode", "pass_wait_s"))
                if all(r.get(key) is not None for r in records)},
-            **({f"path_{key}": statistics.median(r["path_parts"][key] for r in records)
-                for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "import_s")}
-               if all(r.get("path_parts") for r in records) else {}),
+            **{f"path_{key}": statistics.median(r["path_parts"][key] for r in records)
+               for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "to_mail_s", "mail_s", "import_s")
+               if all(key in (r.get("path_parts") or {}) for r in records)},
+            "mailed": sum(bool(r.get("mailed")) for r in records),
             "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
@@ -119,6 +120,10 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
                        "finishing the request, the hop between its threads)", "path_to_server_s"),
                       ("(vii-3) of (vii): the answer built", "path_answer_s"),
                       ("(vii-4) of (vii): the answer's way to the decode server's handler (HTTP)", "path_wire_s"),
+                      ("(vii-2m) of (vii), by mail: then the pages' mail sent (the prefill engine's thread)",
+                       "path_to_mail_s"),
+                      ("(vii-4m) of (vii), by mail: the pages' mail's way into the decode server's event loop",
+                       "path_mail_s"),
                       ("(vii-5) of (vii): the decode server, the answer in hand to the checksums compared",
                        "path_import_s"),
                       ("(v''b) by reference, of (v): the pass's first mark to its kernels' launch (host)",
@@ -135,7 +140,8 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
               f"{copy_time / seconds:.1%} | {copy_time / seconds / 2:.1%} |")
     if "landed" in t:
         print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
-              f"{len(t['records'])} timed transfers")
+              f"{len(t['records'])} timed transfers; of which came by mail (the prefill engine's side channel, "
+              f"before the answer): {t.get('mailed', 0)}")
     if "decode_write_s" in t and t.get("decode_import_s"):
         passes = t.get("decode_pass_s", t["decode_write_s"]) + t.get("prefill_export_sums_s", 0.0)
         print(f"\nhost-side overhead of (iii): (iii) minus the device passes (iv') and (v''a, else v''): "

@@ -340,7 +340,8 @@ class MappedKV:
     `verify` checks nothing. A handle may come without the sums (`PinnedKV.head`: the prefill server sends them as
     its checksum pass is done), which `take_sums` gives later; the pass may run before them (`pass_into`), its
     comparison (`check`) not. `settled` is done once the engine wrote it or dropped it (`settle`): its server may
-    then release the export."""
+    then release the export. The handle's pages and sums may also be numpy arrays (int32 [pages], int64
+    [pages, 2]: a mail's, `tandem.server.disagg_mailbox`)."""
 
     def __init__(self, source: MappedPool, handle: dict, origin: str = "", export_id: str = ""):
         try:
@@ -348,8 +349,14 @@ class MappedKV:
                 raise ValueError(f"it names pool {handle.get('pool')!r} ({handle['kind']}), the one mapped is "
                                  f"{source.id!r} (the prefill server restarted?)")
             self.start, self.end, self.page_size = int(handle["start"]), int(handle["end"]), int(handle["page_size"])
-            self.pages = np.frombuffer(bytes.fromhex(str(handle["pages"])), dtype="<i4")  # (as `PinnedKV.handle`)
-            self.sums = None if "sums" not in handle else _sums_of_hex(str(handle["sums"]), len(self.pages))
+            pages, sums = handle["pages"], handle.get("sums")
+            self.pages = pages if isinstance(pages, np.ndarray) else np.frombuffer(  # (as `PinnedKV.handle`)
+                bytes.fromhex(str(pages)), dtype="<i4")
+            self.sums = sums if sums is None or isinstance(sums, np.ndarray) else _sums_of_hex(str(sums),
+                                                                                               len(self.pages))
+            if self.pages.dtype != np.dtype("<i4") or self.sums is not None and (
+                    self.sums.shape != (len(self.pages), 2) or self.sums.dtype != np.dtype("<i8")):
+                raise ValueError("pages and sums must be int32 [pages] and int64 [pages, 2]")
             self.routing = None
             if (shared := handle.get("routing")) is not None:
                 self.routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(
@@ -368,6 +375,7 @@ class MappedKV:
         self.mine: np.ndarray | None = None  # (the sums of what `pass_into` read)
         self.failure: str | None = None  # (`check`'s difference, once checked)
         self.checked = False
+        self.mail: dict | None = None  # (the head of the mail it came by, `disagg_mailbox`; None: by the answer)
 
     def take_sums(self, text: str) -> None:
         """The prefill server's sums, sent after the handle (the hex of `PinnedKV.sums`' bytes); ValueError if they

@@ -40,10 +40,15 @@ point where it allows that, else bytes), each verified on the decode server's de
   come (`kv_mapped.MappedKV.check`); only then does its engine take the request, with the pages. Where none were
   set aside, or the engine is paused or holds other weights, its engine writes them as it places the import
   (`MappedKV.write_into`). On a difference the request ends with an abort naming the page and the pages written
-  are freed. Once the engine wrote the import or dropped it (or the request ended), the decode server
-  POSTs `/pd/release {"id": ...}`, which unpins the pages; an export nobody releases within
-  `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned then, and a decode
-  server that reads those pages later fails their checksums: it never keeps what it read.
+  are freed. Where the prefill server offers it (`/pd/info`'s `mailbox`), the decode server opens a mailbox
+  (`disagg_mailbox`: a Unix socket) and names it in its `/pd/prefill`; the prefill engine then mails the pages as it
+  pins them, and its server the sums once its checksum pass is done, so the decode server writes them (into the
+  pages set aside) and compares as the mail lands, before the answer has come; the answer must then name the same
+  pages under the same weight version (else an abort), and the rest goes as above. Once the engine wrote the import
+  or dropped it (or the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages;
+  an export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is
+  unpinned then, and a decode server that reads those pages later fails their checksums: it never keeps what it
+  read.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
   `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
@@ -66,6 +71,7 @@ import dataclasses
 import json
 import logging
 import random
+import uuid
 from typing import Literal
 from urllib.parse import urlparse
 
@@ -76,7 +82,8 @@ from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV, MappedPool
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PLink, join_store, why_not_p2p
 from tandem.engine.kv_transfer import KVPages, TransferClock, sharing_domain, why_not_shared, wire_meta
-from tandem.server.disagg_import import KVImports, _verify, records
+from tandem.server.disagg_import import KVImports, Mail, _verify, records
+from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, Mailbox
 from tandem.server.disagg_prefill import HEADER, Exports, add_prefill_routes, offered
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
@@ -115,10 +122,22 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
         if role != "prefill":
             return kv_layout(engine)
         return kv_layout(engine) | {"transfer": {"kinds": kinds, "sharing": sharing_domain(device),
-                                                 "held": len(exports)}}
+                                                 "held": len(exports), "mailbox": "reference" in kinds}}
 
     if role == "prefill":
         add_prefill_routes(app, engine, until_disconnected, kinds, exports)
+
+
+async def _first_sums(kv: MappedKV, mail: Mail, line: asyncio.Future) -> None:
+    """Wait for the prefill server's sums of `kv` by `mail` or in the answer's `line` (`_sums_line`), whichever
+    comes first, the other then cancelled; the line's ValueError if neither brings them."""
+    try:
+        await asyncio.wait([mail.task, line], return_when=asyncio.FIRST_COMPLETED)
+        if kv.sums is None:  # (the mail ended without them: the line's, or its error)
+            await line
+    finally:
+        mail.cancel()
+        line.cancel()
 
 
 class PrefillClient(KVImports):
@@ -132,11 +151,15 @@ class PrefillClient(KVImports):
         self.paired: dict[str, Transfer] = {}  # prefill server URL -> the transfer from it
         self.links: dict[str, tuple[str, P2PLink, asyncio.Lock]] = {}  # URL -> link id, this end, its turn
         self.pools: dict[str, MappedPool] = {}  # URL -> its KV pool, mapped while paired by reference
+        self.mailing: set[str] = set()  # URLs paired by reference that mail their exports (`disagg_mailbox`)
+        self.mailbox: Mailbox | None = None  # (started at the first such pairing)
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
         for url in list(self.links) + list(self.pools):
             self._unpair(url)
+        if self.mailbox is not None:
+            await self.mailbox.close()
         if self._session is not None:
             await self._session.close()
 
@@ -176,11 +199,28 @@ class PrefillClient(KVImports):
                     raise
                 log.warning("decode server: takes KV from %s as bytes: %s", url, e)
                 transfer = "bytes"
+            else:
+                if (theirs.get("transfer") or {}).get("mailbox") and await self._open_mailbox():
+                    self.mailing.add(url)
         self.paired[url] = transfer
+
+    async def _open_mailbox(self) -> bool:
+        """Whether this server's mailbox listens (started now if not yet; a failure is logged: no mail then)."""
+        if self.mailbox is None:
+            mailbox = Mailbox()
+            try:
+                await mailbox.start()
+            except OSError as e:
+                log.warning("decode server: no mailbox (%s: %s); KV by reference takes the answer's way",
+                            type(e).__name__, e)
+                return False
+            self.mailbox = mailbox
+        return True
 
     def _unpair(self, url: str) -> None:
         """Forget `url`'s pairing and break its link (after a failed transfer): the next request pairs anew."""
         self.paired.pop(url, None)
+        self.mailing.discard(url)
         self.pools.pop(url, None)  # (imports still on their way keep what they read mapped)
         if (link := self.links.pop(url, None)) is not None:
             link[1].close()
@@ -288,14 +328,27 @@ class PrefillClient(KVImports):
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
         """`/pd/prefill` at `url`: (first token, KV, the answer's meta, None or a task reading the sums that come
-        after a reference's handle into the KV: `_sums_line`, which owns the answer until then)."""
+        after a reference's handle into the KV: `_sums_line`, which owns the answer until then). By reference
+        with a mailbox, the KV may come by mail first, written as it lands and checked once the sums come by mail
+        or in the answer (`_mailed`), the answer confirming it (`_confirm`)."""
         if (transfer := self.paired.get(url)) is None or (transfer == "p2p" and url not in self.links):
             raise RuntimeError("its pairing broke while this request waited (another transfer failed)")
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
                 "prompt_len": prompt_len, "transfer": transfer}
         if transfer == "p2p":
             body["link"] = self.links[url][0]
-        r = await self._http().post(f"{url}/pd/prefill", json=body)
+        headers, mail = {}, None
+        if transfer == "reference" and url in self.mailing and self.mailbox is not None:
+            key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
+            headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
+            mail = Mail(self.mailbox.expect(key, "pages"), self.mailbox.expect(key, "sums"))
+            mail.task = asyncio.ensure_future(self._mailed(url, rid, mail))
+        try:
+            r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
+        except BaseException:
+            if mail is not None:
+                mail.cancel()
+            raise
         try:
             streamed = r.status == 200 and r.content_type == "application/x-ndjson"
             data = await (r.content.readline() if streamed else r.read())
@@ -315,6 +368,9 @@ class PrefillClient(KVImports):
                 clock.mark("verified")
             elif transfer == "p2p":
                 kv = await self._receive(url, data, clock)
+            elif mail is not None and (kv := mail.kv) is not None:  # (written as its mail landed)
+                await self._confirm(url, data, kv, meta)
+                clock = kv.clock
             else:
                 kv = await self._take(url, data, clock, meta)
             if kv.start != kv_from or kv.end != len(input_ids):
@@ -327,7 +383,11 @@ class PrefillClient(KVImports):
                     await asyncio.shield(self._release(url, kv.export_id))
                     raise ValueError("kv transfer: the answer named pages without their sums")
                 arriving, r = asyncio.ensure_future(self._sums_line(r, kv, meta, clock)), None
+                if kv.mail is not None:  # (the sums by mail or in the answer: whichever comes first)
+                    arriving, mail = asyncio.ensure_future(_first_sums(kv, mail, arriving)), None
             return meta["first"], kv.with_clock(clock), meta, arriving
         finally:
+            if mail is not None:
+                mail.cancel()  # (the answer's way was taken, or the sums are in hand: no mail is wanted now)
             if r is not None:
                 r.release()

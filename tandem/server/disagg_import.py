@@ -21,6 +21,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV
 from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages, TransferClock
+from tandem.server.disagg_mailbox import mapped_from_mail, sums_from_mail
 
 log = logging.getLogger("tandem.server.disagg")
 
@@ -41,8 +42,29 @@ def _verify(kv: KVPages) -> None:
         kv.verify()
 
 
-def _path_parts(clock: TransferClock, meta: dict) -> dict | None:
-    """`_record`'s `path_parts` of a reference's whole way (None if the prefill server did not mark it)."""
+class Mail:
+    """A request's mail as it comes (`disagg_mailbox`): futures for its pages' and its sums' frames
+    (`Mailbox.expect`), the task taking them (`KVImports._mailed`), and `kv` once its pages were written as their
+    mail landed."""
+
+    def __init__(self, pages: asyncio.Future, sums: asyncio.Future):
+        self.pages, self.sums = pages, sums
+        self.task: asyncio.Future | None = None
+        self.kv: MappedKV | None = None
+
+    def cancel(self) -> None:
+        for fut in (self.task, self.pages, self.sums):
+            if fut is not None:
+                fut.cancel()
+
+
+def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> dict | None:
+    """`_record`'s `path_parts` of a reference's whole way (None if the prefill server did not mark it); with
+    `mail` (the head of the mail that carried it), the mail's way instead of the answer's."""
+    if mail is not None:
+        pinned_at, pin_s, sent_at = (float(mail[k]) for k in ("pinned_at", "pin_s", "sent_at"))
+        return {"pin_s": pin_s, "to_mail_s": sent_at - pinned_at - pin_s, "mail_s": clock.mono["import"] - sent_at,
+                "import_s": clock.mono["checked"] - clock.mono["import"]}
     try:
         pinned_at, pin_s, output_at, sent_at = (float(meta[k]) for k in ("pinned_at", "pin_s", "output_at", "sent_at"))
     except (KeyError, TypeError, ValueError):
@@ -53,6 +75,59 @@ def _path_parts(clock: TransferClock, meta: dict) -> dict | None:
 
 class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
+
+    async def _mailed(self, url: str, rid: str, mail: Mail) -> None:
+        """`rid`'s KV as its mail (`disagg_mailbox`) lands: its pages written into those its probe set aside
+        (`Engine.write_reserved`; then `mail.kv`), then, once the sums' mail comes (unless the answer brought them
+        first), compared (`MappedKV.check`; a difference is kept as the import's failure, which ends the request).
+        Nothing where it cannot be written so (nothing set aside, a pause, other weights, a mail that does not
+        parse): the answer's way is taken."""
+        try:
+            head, payload = await mail.pages
+            if (source := self.pools.get(url)) is None:
+                return
+            clock = TransferClock(self.engine.pool.k_cache.device)
+            clock.mark("import", device=False)
+            kv = mapped_from_mail(source, head, payload, url)
+            kv.mail = head
+            kv.with_clock(clock)
+            clock.mark("taken", device=False)
+            clock.mark("verified", device=False)
+            if not self.engine.write_reserved(rid, kv, int(head["version"])):
+                return
+            mail.kv = kv
+            _, sums = await mail.sums
+            if kv.sums is None:
+                kv.sums = sums_from_mail(sums, len(kv.pages))
+                clock.mark("sums", device=False)
+            if not kv.checked:
+                kv.check()
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("decode server: the mail of %s from %s: %s; it takes the answer's way", rid, url, e)
+
+    async def _confirm(self, url: str, data: bytes, kv: MappedKV, meta: dict) -> None:
+        """The answer (`data`) to a request whose KV came by mail (`kv`, written): it must name the same export
+        (pool, positions, pages) under the same weight version; `kv` takes its export id, and its sums if they came
+        in the answer first. Else the export is released and ValueError raised (the request ends; the pages
+        written go back with it)."""
+        try:
+            answer = json.loads(data)
+            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
+        try:
+            same = (handle["pool"] == kv.source.id and (int(handle["start"]), int(handle["end"])) == (kv.start, kv.end)
+                    and bytes.fromhex(str(handle["pages"])) == kv.pages.tobytes()
+                    and int(kv.mail["version"]) == int(meta["first"][2]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            same = False
+        if not same:
+            await asyncio.shield(self._release(url, export_id))
+            raise ValueError("kv transfer: the answer names other KV than its mail did")
+        kv.export_id = export_id
+        if kv.sums is None and "sums" in handle:
+            kv.take_sums(handle["sums"])
+            kv.clock.mark("sums", device=False)
 
     @staticmethod
     async def _sums_line(r: aiohttp.ClientResponse, kv: MappedKV, meta: dict, clock: TransferClock) -> None:
@@ -76,7 +151,7 @@ class KVImports:
         compare (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the engine
         writes and checks it as it places the import. The export is released if this fails."""
         try:
-            landed = self.engine.write_reserved(rid, kv, version)
+            landed = kv.mail is not None or self.engine.write_reserved(rid, kv, version)  # (by mail: written)
             if arriving is not None:
                 await arriving
             if landed and not kv.checked:
@@ -131,7 +206,8 @@ class KVImports:
             "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
             "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
             and meta.get("pinned_at") is not None else None,
-            "path_parts": _path_parts(clock, meta) if mapped and "checked" in clock.mono else None,
+            "path_parts": _path_parts(clock, meta, kv.mail) if mapped and "checked" in clock.mono
+            else None, "mailed": mapped and kv.mail is not None,
             "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and "launch" in clock.host
             and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host

@@ -20,6 +20,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import PinnedKV, pool_handle
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store
 from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
+from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, MailSender
 from tandem.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
     client went away; `kinds`: the transfers it offers; `exports`: what it holds)."""
     device = engine.pool.k_cache.device
     links: dict[str, asyncio.Future] = {}  # link id -> this server's end (a P2PLink once its peer has joined)
+    mail: list[MailSender] = []  # (made on the first request that names a mailbox)
+
+    def sender() -> MailSender:
+        if not mail:
+            mail.append(MailSender())
+            weakref.finalize(app, mail[0].close)
+            engine.core.on_pinned = mail[0].pinned
+        return mail[0]
 
     @app.post("/pd/prefill")
     async def prefill(request: Request):
@@ -54,9 +63,16 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             raise ValueError("sampling_params.seed: required (the decode server samples on with it)")
         rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
         engine.validate(body.input_ids, sampling, rid)
-        out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
-                                                                body.prompt_len,
-                                                                export_pinned=body.transfer == "reference"))
+        if body.transfer == "reference" and (mailbox := request.headers.get(MAILBOX_HEADER)):
+            # (the pages and sums mailed as they are pinned and summed)
+            sender().expect(rid, request.headers.get(MAIL_KEY_HEADER) or body.rid, mailbox)
+        try:
+            out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
+                                                                    body.prompt_len,
+                                                                    export_pinned=body.transfer == "reference"))
+        finally:
+            if mail:
+                mail[0].forget(rid)
         if out is None:
             return Response(status_code=499)
         output_at = time.monotonic()  # (the handler has the output: the engine's part of the export is over)

@@ -1,0 +1,98 @@
+"""The KV transfer by reference's side channel (`tandem.server.disagg_mailbox`): a pinned export's pages mailed by the
+prefill engine as it pins them and their sums as its checksum pass is done, written by the decode server as the
+mail lands and compared before the pages are used; the HTTP answer confirms it. Real servers over HTTP (CPU, fp32;
+the GPU case with the prefill server in a process of its own). Falsifiers: a page changed after the prefill summed
+it (the comparison), an answer naming other pages than the mail (the confirmation)."""
+
+import time
+
+import httpx
+import pytest
+from disagg_helpers import no_mail
+from test_disagg_transfer import (
+    DEVICES,
+    POOL,
+    decode_server,
+    generate,
+    held,
+    pinned_free,
+    prefill_server,
+    prompt,
+    tokens,
+    wait_until,
+)
+
+from tandem.server import disagg_import, disagg_prefill
+
+
+def slow_answers(monkeypatch, seconds: float = 0.3) -> None:
+    """The prefill server (of this process) answers `seconds` late: its mail surely comes first."""
+    line = disagg_prefill._handle_line
+
+    def slow(export_id, kv):
+        time.sleep(seconds)
+        return line(export_id, kv)
+    monkeypatch.setattr(disagg_prefill, "_handle_line", slow)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_by_reference_comes_by_mail_and_generates_what_bytes_give(device):
+    prompts = [prompt(30, seed=3), prompt(21, seed=4)]
+    with prefill_server(device) as p_url, decode_server(device, "bytes") as d_url:
+        want = [tokens(generate(d_url, p_url, ids)) for ids in prompts]
+    with prefill_server(device) as p_url, decode_server(device, "reference") as d_url:
+        got = [tokens(generate(d_url, p_url, ids)) for ids in prompts]
+        records = httpx.get(f"{d_url}/pd/transfers").json()
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
+    assert got == want and len(records) == 2
+    assert all(r["mailed"] and r["landed"] and r["path_parts"]["mail_s"] >= 0 for r in records), records
+
+
+def test_without_a_mailbox_kv_by_reference_takes_the_answers_way(monkeypatch):
+    no_mail(monkeypatch)
+    ids = prompt(30, seed=3)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "bytes") as d_url:
+        want = tokens(generate(d_url, p_url, ids))
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        assert tokens(generate(d_url, p_url, ids)) == want
+        record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
+    assert record["landed"] and not record["mailed"] and record["path_parts"]["wire_s"] >= 0, record
+
+
+def test_a_page_changed_after_the_prefill_summed_it_ends_the_request_by_mail_too(monkeypatch):
+    """The prefill server's pool altered at page 2 as the mail lands (after the prefill summed it): the decode
+    server's comparison finds it, the request ends with an abort naming the page; the export is released, the
+    decode server's pages freed."""
+    slow_answers(monkeypatch)
+    mapped = disagg_import.mapped_from_mail
+    altered = []
+
+    def altering(source, head, payload, origin):
+        kv = mapped(source, head, payload, origin)
+        source.k[1, int(kv.pages[2]) * kv.page_size + 1, 0, 3] += 1.0
+        altered.append(kv)
+        return kv
+    monkeypatch.setattr(disagg_import, "mapped_from_mail", altering)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        assert altered and finish["type"] == "abort" and p_url in finish["message"], finish
+        assert "page 2 (positions 8...)" in finish["message"], finish
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
+        assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
+
+
+def test_an_answer_naming_other_pages_than_its_mail_ends_the_request(monkeypatch):
+    slow_answers(monkeypatch)
+    line = disagg_prefill._handle_line
+
+    def other(export_id, kv):
+        kv.head = kv.head | {"pages": kv.head["pages"][8:] + kv.head["pages"][:8]}  # (its first two pages swapped)
+        return line(export_id, kv)
+    monkeypatch.setattr(disagg_prefill, "_handle_line", other)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and "other KV than its mail" in finish["message"], finish
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
+        assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
