@@ -44,8 +44,9 @@ def test_kv_by_reference_comes_by_mail_and_generates_what_bytes_give(device):
         got = [tokens(generate(d_url, p_url, ids)) for ids in prompts]
         records = httpx.get(f"{d_url}/pd/transfers").json()
         assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
-    assert got == want and len(records) == 2
-    assert all(r["mailed"] and r["landed"] and r["path_parts"]["mail_s"] >= 0 for r in records), records
+    assert got == want and len(records) == 2 and all(r["landed"] for r in records), records
+    mailed = [r for r in records if r["mailed"]]  # (a mail later than the answer is not taken: none here on a CPU)
+    assert (len(mailed) == 2 if device == "cpu" else mailed) and all(r["path_parts"]["mail_s"] >= 0 for r in mailed)
 
 
 def test_without_a_mailbox_kv_by_reference_takes_the_answers_way(monkeypatch):

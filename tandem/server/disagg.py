@@ -338,7 +338,8 @@ class PrefillClient(KVImports):
         if transfer == "p2p":
             body["link"] = self.links[url][0]
         headers, mail = {}, None
-        if transfer == "reference" and url in self.mailing and self.mailbox is not None:
+        if transfer == "reference" and url in self.mailing and self.mailbox is not None \
+                and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
             key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
             mail = Mail(self.mailbox.expect(key, "pages"), self.mailbox.expect(key, "sums"))
