@@ -233,11 +233,17 @@ class PinnedKV:
         self._pending, self._clock, self._sums, self._staged = sums, clock, None, staged
         self._lock, self._freed = threading.Lock(), False
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
-        self.head = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
-                     "page_size": pool.page_size, "pages": np.asarray(pages, dtype="<i4").tobytes().hex()}
-        if routing is not None:
-            self.head["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
-                                    "shape": list(routing.shape)}
+        self.pool_id = pool.share_id
+
+    @functools.cached_property
+    def head(self) -> dict:
+        """(Built when first asked for, by the server's thread: not on the engine's way to the mail.)"""
+        head = {"kind": "pages", "pool": self.pool_id, "start": self.start, "end": self.end,
+                "page_size": self.page_size, "pages": np.asarray(self.pages, dtype="<i4").tobytes().hex()}
+        if self.routing is not None:
+            head["routing"] = {"data": _b64(self.routing.contiguous().numpy().tobytes()),
+                               "shape": list(self.routing.shape)}
+        return head
 
     @property
     def sums(self) -> np.ndarray:

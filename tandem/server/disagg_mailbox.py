@@ -153,7 +153,7 @@ class MailSender:
         if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None:
             return  # (routed experts come with the answer alone)
         rid, name = to
-        head = {"kind": "pages", "rid": rid, "pool": kv.head["pool"], "start": kv.start, "end": kv.end,
+        head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
         if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes(), block=False):
             self._queue.put((rid, name, kv))
