@@ -97,3 +97,44 @@ def test_an_answer_naming_other_pages_than_its_mail_ends_the_request(monkeypatch
         assert finish["type"] == "abort" and "other KV than its mail" in finish["message"], finish
         assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
         assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
+
+
+def mailed_while_paused(monkeypatch, check_pause: bool) -> tuple[bool, bool, bool]:
+    """The decode server paused (in place, acknowledged) before a request by reference whose mail then lands, and
+    continued 0.5 s later: whether its generation ended before the continue, whether it came by mail, and whether
+    it generated what bytes give. `check_pause=False`: a mutant `write_reserved` that does not see the pause."""
+    import concurrent.futures
+
+    from tandem.engine.core import EngineCore
+
+    if not check_pause:
+        real = EngineCore.write_reserved
+
+        def unpaused(self, rid, kv, version):
+            paused, self.paused = self.paused, None
+            try:
+                return real(self, rid, kv, version)
+            finally:
+                self.paused = paused
+        monkeypatch.setattr(EngineCore, "write_reserved", unpaused)
+    ids = prompt(26, seed=7)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "bytes") as d_url:
+        want = tokens(generate(d_url, p_url, ids))
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert httpx.post(f"{d_url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+        answer = pool.submit(generate, d_url, p_url, ids)
+        time.sleep(0.5)
+        early = answer.done()
+        assert httpx.post(f"{d_url}/continue_generation", json={}).status_code == 200
+        got = tokens(answer.result(timeout=60))
+        record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
+    return early, record["mailed"], got == want
+
+
+def test_a_pause_acknowledged_before_the_mail_lands_holds_its_write_until_continue(monkeypatch):
+    assert mailed_while_paused(monkeypatch, check_pause=True) == (False, False, True)
+
+
+def test_the_mail_pause_falsifier_a_write_that_does_not_see_the_pause_writes_by_mail(monkeypatch):
+    assert mailed_while_paused(monkeypatch, check_pause=False)[1]
