@@ -267,6 +267,10 @@ class PinnedKV:
             self._staged = self._pending = None
             stage.give(buf, after)
 
+    def wait_sums(self) -> None:
+        """Wait until `sums` would not wait (thread-safe; reads nothing)."""
+        self._clock.wait("summed")
+
     def sums_ready(self) -> bool:
         """Whether `sums` would not wait (the checksum pass and the sums' copy are done)."""
         return self._sums is not None or self._clock.reached("summed")

@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import queue
 import socket
 import struct
 import threading
@@ -124,19 +123,22 @@ class MailSender:
     """A prefill server's end: `expect(engine_rid, rid, name)` (its handler, in its event loop, before the engine
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
     request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
-    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail, and
-    this sender's thread the sums mail once the export's checksum pass is done. A send that fails or would block
-    drops that connection (logged): the answer's way remains. `forget(engine_rid)` once the handler is done."""
+    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail and
+    hands the sums mail to the event loop, which sends it once the export's checksum pass is done (waited for in
+    its executor), or as the handler has the output if the pass is done by then (`sums_now`). Sends never block (a
+    frame is sent whole or its connection dropped, logged): the answer's way remains. `forget(engine_rid)` once the
+    handler is done."""
 
     def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._sockets: dict[tuple[str, str], socket.socket] = {}  # (mailbox, kind) -> its connection
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
-        self._thread = threading.Thread(target=self._run, name="tandem-pd-mail", daemon=True)
-        self._thread.start()
+        self._sums_due: dict[str, tuple[str, str, PinnedKV]] = {}  # engine rid -> (rid, mailbox, export)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: set[asyncio.Task] = set()
 
     def expect(self, engine_rid: str, rid: str, name: str) -> None:
+        self._loop = asyncio.get_running_loop()
         try:
             for kind in ("pages", "sums"):
                 self._connect(name, kind)
@@ -155,28 +157,44 @@ class MailSender:
         rid, name = to
         head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
-        if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes(), block=False):
-            self._queue.put((rid, name, kv))
-
-    def close(self) -> None:
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            rid, name, kv = item
+        if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes()):
+            self._sums_due[engine_rid] = (rid, name, kv)
             try:
-                sums = np.ascontiguousarray(kv.sums, dtype="<i8").tobytes()  # (waits for the checksum pass)
-            except Exception as e:  # (freed before: nobody waits for them)
-                log.warning("prefill server: the sums of %s were not mailed (%s: %s)", rid, type(e).__name__, e)
-                continue
-            self._send(name, "sums", {"kind": "sums", "rid": rid}, sums, block=True)
-        with self._lock:
-            for sock in self._sockets.values():
-                sock.close()
+                self._loop.call_soon_threadsafe(self._sums_later, engine_rid)
+            except RuntimeError:  # (the loop closed: the server stops)
+                self._sums_due.pop(engine_rid, None)
 
-    def _send(self, name: str, kind: str, head: dict, payload: bytes, block: bool) -> bool:
-        """Send one frame on the (`name`, `kind`) connection; False (the connection dropped) if it fails or, not
-        `block`ing, would block: a frame is sent whole or the stream is closed."""
+    def sums_now(self, engine_rid: str) -> None:
+        """Mail the sums of `engine_rid`'s export now if its checksum pass is done and they were not mailed yet (in
+        the event loop)."""
+        if (due := self._sums_due.get(engine_rid)) is not None and due[2].sums_ready():
+            self._mail_sums(engine_rid)
+
+    def _sums_later(self, engine_rid: str) -> None:
+        task = asyncio.ensure_future(self._sums_when_ready(engine_rid))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _sums_when_ready(self, engine_rid: str) -> None:
+        if (due := self._sums_due.get(engine_rid)) is not None:
+            if not due[2].sums_ready():
+                await asyncio.to_thread(due[2].wait_sums)
+            self._mail_sums(engine_rid)
+
+    def _mail_sums(self, engine_rid: str) -> None:
+        if (due := self._sums_due.pop(engine_rid, None)) is None:
+            return  # (mailed already)
+        rid, name, kv = due
+        try:
+            sums = np.ascontiguousarray(kv.sums, dtype="<i8").tobytes()
+        except Exception as e:  # (freed before: nobody waits for them)
+            log.warning("prefill server: the sums of %s were not mailed (%s: %s)", rid, type(e).__name__, e)
+            return
+        self._send(name, "sums", {"kind": "sums", "rid": rid}, sums)
+
+    def _send(self, name: str, kind: str, head: dict, payload: bytes) -> bool:
+        """Send one frame on the (`name`, `kind`) connection, without blocking; False (the connection dropped) if it
+        fails or would block: a frame is sent whole or the stream is closed."""
         sock = self._sockets.get((name, kind))
         if sock is None:
             return False
@@ -184,9 +202,7 @@ class MailSender:
         data = json.dumps(head).encode()
         frame = _FRAME.pack(len(data), len(payload)) + data + payload
         try:
-            if block:
-                sock.sendall(frame)
-            elif sock.send(frame) != len(frame):  # (a non-blocking socket: BlockingIOError if full)
+            if sock.send(frame) != len(frame):  # (a non-blocking socket: BlockingIOError if full)
                 raise BlockingIOError("the mailbox's buffer is full")
             return True
         except OSError as e:
@@ -206,10 +222,14 @@ class MailSender:
             try:
                 sock.settimeout(1.0)
                 sock.connect(_address(name))
-                # (pages: from the engine's thread, never blocking; sums: blocking, but a decode server that
-                # stopped reading must not hold the sums' thread)
-                sock.settimeout(0.0 if kind == "pages" else 5.0)
+                sock.settimeout(0.0)  # (sends never block: the engine's thread and the event loop send)
             except OSError:
                 sock.close()
                 raise
             self._sockets[(name, kind)] = sock
+
+    def close(self) -> None:
+        with self._lock:
+            for sock in self._sockets.values():
+                sock.close()
+            self._sockets.clear()

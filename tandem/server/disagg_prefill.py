@@ -48,7 +48,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
     def sender() -> MailSender:
         if not mail:
             mail.append(MailSender())
-            weakref.finalize(app, mail[0].close)
+            weakref.finalize(app, mail[0].close)  # (its connections)
             engine.core.on_pinned = mail[0].pinned
         return mail[0]
 
@@ -76,6 +76,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if out is None:
             return Response(status_code=499)
         output_at = time.monotonic()  # (the handler has the output: the engine's part of the export is over)
+        if mail and isinstance(out.kv, PinnedKV):
+            mail[0].sums_now(rid)  # (if its sums' thread has not mailed them yet)
         sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
