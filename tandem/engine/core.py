@@ -144,8 +144,9 @@ class EngineCore(DecodeImports):
         self._reserved: dict[str, Reservation] = {}  # pages set aside for probed imports (`Probe(reserve=True)`)
         self._gate = threading.RLock()  # held by a write out of this thread, and to pause or drop a reservation
         # (a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned, before the
-        # request leaves the queues; quick, in this thread: `disagg_mailbox.MailSender.pinned`)
-        self.on_pinned = None
+        # request leaves the queues, and `after_apply()` after every command; quick, in this thread:
+        # `disagg_mailbox.MailSender.pinned`, `.after_apply`)
+        self.on_pinned = self.after_apply = None
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -224,6 +225,11 @@ class EngineCore(DecodeImports):
                 raise  # the command's own refusal
             self._engine_error(e)
         finally:
+            if self.after_apply is not None:
+                try:
+                    self.after_apply()
+                except Exception:  # (a side channel: the answer carries the export anyway)
+                    log.exception("engine: the after-command hook failed")
             if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
                 chunks = self._last_chunks
                 what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "

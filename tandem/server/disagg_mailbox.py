@@ -123,11 +123,12 @@ class MailSender:
     """A prefill server's end: `expect(engine_rid, rid, name)` (its handler, in its event loop, before the engine
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
     request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
-    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail and
-    hands the sums mail to the event loop, which sends it once the export's checksum pass is done (waited for in
-    its executor), or as the handler has the output if the pass is done by then (`sums_now`). Sends never block (a
-    frame is sent whole or its connection dropped, logged): the answer's way remains. `forget(engine_rid)` once the
-    handler is done."""
+    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail; the
+    sums mail goes once the export's checksum pass is done, by whichever comes first: the engine's thread after
+    the command that pinned it (`after_apply`: its pass is often done by then, and that thread holds the
+    interpreter's lock), the handler as it has the output (`sums_now`), or the event loop once its executor has
+    waited for the pass. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's
+    way remains. `forget(engine_rid)` once the handler is done."""
 
     def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
@@ -164,6 +165,13 @@ class MailSender:
             except RuntimeError:  # (the loop closed: the server stops)
                 self._sums_due.pop(engine_rid, None)
 
+    def after_apply(self) -> None:
+        """The engine's hook after each command (its thread): mail the sums whose pass is done (on the pages'
+        connection, which only that thread writes to)."""
+        for engine_rid, due in list(self._sums_due.items()):
+            if due[2].sums_ready():
+                self._mail_sums(engine_rid, "pages")
+
     def sums_now(self, engine_rid: str) -> None:
         """Mail the sums of `engine_rid`'s export now if its checksum pass is done and they were not mailed yet (in
         the event loop)."""
@@ -181,7 +189,9 @@ class MailSender:
                 await asyncio.to_thread(due[2].wait_sums)
             self._mail_sums(engine_rid)
 
-    def _mail_sums(self, engine_rid: str) -> None:
+    def _mail_sums(self, engine_rid: str, via: str = "sums") -> None:
+        """Mail `engine_rid`'s sums on the `via` connection ("pages" from the engine's thread, "sums" from the
+        event loop: one writer each), unless mailed already."""
         if (due := self._sums_due.pop(engine_rid, None)) is None:
             return  # (mailed already)
         rid, name, kv = due
@@ -190,7 +200,7 @@ class MailSender:
         except Exception as e:  # (freed before: nobody waits for them)
             log.warning("prefill server: the sums of %s were not mailed (%s: %s)", rid, type(e).__name__, e)
             return
-        self._send(name, "sums", {"kind": "sums", "rid": rid}, sums)
+        self._send(name, via, {"kind": "sums", "rid": rid}, sums)
 
     def _send(self, name: str, kind: str, head: dict, payload: bytes) -> bool:
         """Send one frame on the (`name`, `kind`) connection, without blocking; False (the connection dropped) if it

@@ -49,7 +49,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if not mail:
             mail.append(MailSender())
             weakref.finalize(app, mail[0].close)  # (its connections)
-            engine.core.on_pinned = mail[0].pinned
+            engine.core.on_pinned, engine.core.after_apply = mail[0].pinned, mail[0].after_apply
         return mail[0]
 
     @app.post("/pd/prefill")
