@@ -138,3 +138,44 @@ def test_a_pause_acknowledged_before_the_mail_lands_holds_its_write_until_contin
 
 def test_the_mail_pause_falsifier_a_write_that_does_not_see_the_pause_writes_by_mail(monkeypatch):
     assert mailed_while_paused(monkeypatch, check_pause=False)[1]
+
+
+def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_stream(monkeypatch):
+    """`Mailbox` and `MailSender` alone: frames reach the future of their key and kind; a frame nobody waits for is
+    dropped; a stream that does not parse is closed (the sender's next send fails and drops its connection: the
+    answer's way then)."""
+    import asyncio
+    import json
+    import socket
+    import struct
+    from types import SimpleNamespace
+
+    from tandem.server.disagg_mailbox import Mailbox, MailSender, _address
+
+    async def go():
+        box, sender = Mailbox(), MailSender()
+        await box.start()
+        try:
+            pages, sums = box.expect("k1", "pages"), box.expect("k1", "sums")
+            sender.expect("engine-1", "k1", box.name)
+            sender.expect("engine-2", "nobody", box.name)
+            kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
+                                 pages=[7, 3, 5], sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True)
+            sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
+            sender.pinned("engine-1", kv, 4)
+            head, payload = await asyncio.wait_for(pages, 5)
+            assert (head["rid"], head["version"], head["end"]) == ("k1", 4, 9)
+            assert payload == struct.pack("<3i", 7, 3, 5)
+            head, payload = await asyncio.wait_for(sums, 5)
+            assert head["kind"] == "sums" and payload == struct.pack("<6q", 1, 2, 3, 4, 5, 6)
+            bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bad.connect(_address(box.name))
+            bad.sendall(struct.pack("<II", 5, 0) + b"{oops")
+            await asyncio.sleep(0.2)
+            assert bad.recv(1) == b""  # (closed by the mailbox)
+            bad.close()
+            assert json.dumps(sorted(box._waiting)) == "[]"  # (the futures done, none left)
+        finally:
+            sender.close()
+            await box.close()
+    asyncio.run(go())
