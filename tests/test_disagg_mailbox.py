@@ -61,27 +61,18 @@ def test_without_a_mailbox_kv_by_reference_takes_the_answers_way(monkeypatch):
 
 
 def test_a_page_changed_after_the_prefill_summed_it_ends_the_request_by_mail_too(monkeypatch):
-    """The prefill server's pool altered at page 2 as the mail lands, once the prefill has summed it (the pages'
-    mail goes before its checksum pass: the two are not ordered, as on a GPU they never were): the decode server's
-    comparison finds it, the request ends with an abort naming the page; the export is released, the decode
-    server's pages freed."""
-    from tandem.server.disagg_mailbox import MailSender
-
+    """The prefill server's pool altered at page 2 as the mail lands (after the prefill summed it): the decode
+    server's comparison finds it, the request ends with an abort naming the page; the export is released, the
+    decode server's pages freed."""
     slow_answers(monkeypatch)
-    mapped, pinned, summed = disagg_import.mapped_from_mail, MailSender.pinned, []
+    mapped = disagg_import.mapped_from_mail
     altered = []
-
-    def keeping(self, engine_rid, kv):
-        summed.append(kv)
-        pinned(self, engine_rid, kv)
 
     def altering(source, head, payload, origin):
         kv = mapped(source, head, payload, origin)
-        assert wait_until(lambda: summed and summed[-1].sums_ready(), timeout_s=5.0)
         source.k[1, int(kv.pages[2]) * kv.page_size + 1, 0, 3] += 1.0
         altered.append(kv)
         return kv
-    monkeypatch.setattr(MailSender, "pinned", keeping)
     monkeypatch.setattr(disagg_import, "mapped_from_mail", altering)
     with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
         free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
@@ -168,10 +159,10 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
             pages, sums = box.expect("k1", "pages"), box.expect("k1", "sums")
             sender.expect("engine-1", "k1", box.name)
             sender.expect("engine-2", "nobody", box.name)
-            kv = SimpleNamespace(sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True)
-            for engine_rid, version in (("engine-2", 0), ("engine-1", 4)):  # (nobody waits for engine-2's: dropped)
-                sender.pages(engine_rid, "pool", [7, 3, 5], 0, 9, 4, version, 0.0, 0.0)
-                sender.pinned(engine_rid, kv)
+            kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
+                                 pages=[7, 3, 5], sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True)
+            sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
+            sender.pinned("engine-1", kv, 4)
             head, payload = await asyncio.wait_for(pages, 5)
             assert (head["rid"], head["version"], head["end"]) == ("k1", 4, 9)
             assert payload == struct.pack("<3i", 7, 3, 5)

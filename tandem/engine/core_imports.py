@@ -53,29 +53,7 @@ class Reservation:
 
 class DecodeImports:
     """`EngineCore`'s disaggregation methods (the core sets `_unpins`, `_held`, `_expected`, `_reserved`,
-    `_gate`, `export_hook`)."""
-
-    def _call_hook(self, name: str, *args) -> None:
-        """A prefill server's `export_hook` (`disagg_mailbox.MailSender`), told in this thread: `pages(rid, pool id,
-        pages, start, end, page_size, version, pinned_at, seconds)` as an export's pages are pinned (before its
-        checksum pass is queued), `pinned(rid, PinnedKV)` once it is, `after_apply()` after every command. Quick;
-        what it raises is logged (a side channel: the answer carries the export anyway)."""
-        if (hook := self.export_hook) is not None:
-            try:
-                getattr(hook, name)(*args)
-            except Exception:
-                log.exception("engine: the export hook's %s failed", name)
-
-    def _announcer(self, req: Request):
-        """`pin_pages`' `announce` for `req`'s export: the hook's `pages` (None without a hook)."""
-        if self.export_hook is None or not req.weight_versions:
-            return None
-        rid, version, start, end = req.rid, req.weight_versions[-1], req.export_kv_from, req.num_computed
-
-        def announce(pages: list[int], pinned_at: float, seconds: float) -> None:
-            self._call_hook("pages", rid, self.pool.share_id, pages, start, end, self.pool.page_size, version,
-                            pinned_at, seconds)
-        return announce
+    `_gate`)."""
 
     _unpins: collections.deque[list[int]]
     _reserved: dict[str, Reservation]

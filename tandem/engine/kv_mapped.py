@@ -295,23 +295,19 @@ class PinnedKV:
         self._unpin()
 
 
-def pin_pages(pool: KVPool, pages: list[int], start: int, end: int, unpin: Callable[[list[int]], None],
-              announce: Callable[[list[int], float, float], None] | None = None) -> PinnedKV:
+def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
+              unpin: Callable[[list[int]], None]) -> PinnedKV:
     """Pin the pages holding positions [start, end) (`start` page-aligned) of a sequence with page table `pages`
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and checksum them
     where they are: one pass on the device, its sums copied to the host behind it (`PinnedKV.sums` waits for
     them; the host does not wait here). Call in the engine's thread, between steps, once the step that computed
-    the KV has been waited for (its sampled tokens read): the pages are complete, whoever reads them when.
-    `announce(pages, pinned_at, seconds)`, if any, is called as soon as they are pinned, before the checksum pass
-    is queued (the pinned pages, `time.monotonic()` as the pinning began, the host's time so far)."""
+    the KV has been waited for (its sampled tokens read): the pages are complete, whoever reads them when."""
     P = pool.page_size
     assert start % P == 0, start
     began, pinned_at = time.perf_counter(), time.monotonic()
     held = list(pages[start // P:-(-end // P)])
     pool.incref(held)
     try:
-        if announce is not None:
-            announce(held, pinned_at, time.perf_counter() - began)
         clock, staged = TransferClock(pool.k_cache.device), None
         sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
         if sums.is_cuda:  # (into a kept page-locked buffer, behind the pass on this stream; the event says when)

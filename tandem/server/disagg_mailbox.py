@@ -122,28 +122,23 @@ def sums_from_mail(payload: bytes, pages: int) -> np.ndarray:
 class MailSender:
     """A prefill server's end: `expect(engine_rid, rid, name)` (its handler, in its event loop, before the engine
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
-    request `engine_rid` goes to that mailbox as decode request `rid`. The engine's hook (`EngineCore.export_hook`,
-    in its thread: quick, never blocks) then calls `pages(...)` as the export's pages are pinned, before its
-    checksum pass is queued, which sends the pages mail, and `pinned(engine_rid, kv)` once it is; the sums mail
-    goes once that pass is done, by whichever comes first: the engine's thread after the command that pinned it
-    (`after_apply`: its pass is often done by then, and that thread holds the interpreter's lock), the handler as
-    it has the output (`sums_now`), or the event loop once its executor has waited for the pass. Sends never block
-    (a frame is sent whole or its connection dropped, logged): the answer's way remains. `forget(engine_rid)` once
-    the handler is done. `routed`: the engine keeps routed experts (then nothing is mailed: they come with the
-    answer)."""
+    request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
+    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail; the
+    sums mail goes once the export's checksum pass is done, by whichever comes first: the engine's thread after
+    the command that pinned it (`after_apply`: its pass is often done by then, and that thread holds the
+    interpreter's lock), the handler as it has the output (`sums_now`), or the event loop once its executor has
+    waited for the pass. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's
+    way remains. `forget(engine_rid)` once the handler is done."""
 
-    def __init__(self, routed: bool = False):
-        self.routed = routed
+    def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
         self._sockets: dict[tuple[str, str], socket.socket] = {}  # (mailbox, kind) -> its connection
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
-        self._sums_due: dict[str, list] = {}  # engine rid -> [rid, mailbox, the export once pinned, or None]
+        self._sums_due: dict[str, tuple[str, str, PinnedKV]] = {}  # engine rid -> (rid, mailbox, export)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task] = set()
 
     def expect(self, engine_rid: str, rid: str, name: str) -> None:
-        if self.routed:
-            return
         self._loop = asyncio.get_running_loop()
         try:
             for kind in ("pages", "sums"):
@@ -156,39 +151,31 @@ class MailSender:
 
     def forget(self, engine_rid: str) -> None:
         self._expected.pop(engine_rid, None)
-        if (due := self._sums_due.get(engine_rid)) is not None and due[2] is None:  # (its pinning failed)
-            self._sums_due.pop(engine_rid, None)
 
-    def pages(self, engine_rid: str, pool_id: str, pages: list[int], start: int, end: int, page_size: int,
-              version: int, pinned_at: float, pin_s: float) -> None:
-        if (to := self._expected.pop(engine_rid, None)) is None:
-            return
+    def pinned(self, engine_rid: str, kv: PinnedKV, version: int) -> None:
+        if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None:
+            return  # (routed experts come with the answer alone)
         rid, name = to
-        head = {"kind": "pages", "rid": rid, "pool": pool_id, "start": start, "end": end, "page_size": page_size,
-                "version": version, "pinned_at": pinned_at, "pin_s": pin_s}
-        if self._send(name, "pages", head, np.asarray(pages, dtype="<i4").tobytes()):
-            self._sums_due[engine_rid] = [rid, name, None]
-
-    def pinned(self, engine_rid: str, kv: PinnedKV) -> None:
-        if (due := self._sums_due.get(engine_rid)) is None:
-            return
-        due[2] = kv
-        try:
-            self._loop.call_soon_threadsafe(self._sums_later, engine_rid)
-        except RuntimeError:  # (the loop closed: the server stops)
-            self._sums_due.pop(engine_rid, None)
+        head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
+                "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
+        if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes()):
+            self._sums_due[engine_rid] = (rid, name, kv)
+            try:
+                self._loop.call_soon_threadsafe(self._sums_later, engine_rid)
+            except RuntimeError:  # (the loop closed: the server stops)
+                self._sums_due.pop(engine_rid, None)
 
     def after_apply(self) -> None:
         """The engine's hook after each command (its thread): mail the sums whose pass is done (on the pages'
         connection, which only that thread writes to)."""
         for engine_rid, due in list(self._sums_due.items()):
-            if due[2] is not None and due[2].sums_ready():
+            if due[2].sums_ready():
                 self._mail_sums(engine_rid, "pages")
 
     def sums_now(self, engine_rid: str) -> None:
         """Mail the sums of `engine_rid`'s export now if its checksum pass is done and they were not mailed yet (in
         the event loop)."""
-        if (due := self._sums_due.get(engine_rid)) is not None and due[2] is not None and due[2].sums_ready():
+        if (due := self._sums_due.get(engine_rid)) is not None and due[2].sums_ready():
             self._mail_sums(engine_rid)
 
     def _sums_later(self, engine_rid: str) -> None:
@@ -197,7 +184,7 @@ class MailSender:
         task.add_done_callback(self._tasks.discard)
 
     async def _sums_when_ready(self, engine_rid: str) -> None:
-        if (due := self._sums_due.get(engine_rid)) is not None and due[2] is not None:
+        if (due := self._sums_due.get(engine_rid)) is not None:
             if not due[2].sums_ready():
                 await asyncio.to_thread(due[2].wait_sums)
             self._mail_sums(engine_rid)

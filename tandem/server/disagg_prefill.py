@@ -47,9 +47,9 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
 
     def sender() -> MailSender:
         if not mail:
-            mail.append(MailSender(routed=engine.pool.routing is not None))
+            mail.append(MailSender())
             weakref.finalize(app, mail[0].close)  # (its connections)
-            engine.core.export_hook = mail[0]
+            engine.core.on_pinned, engine.core.after_apply = mail[0].pinned, mail[0].after_apply
         return mail[0]
 
     @app.post("/pd/prefill")
