@@ -179,3 +179,21 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
             sender.close()
             await box.close()
     asyncio.run(go())
+
+
+def test_a_mail_that_would_block_drops_its_connection_and_never_blocks():
+    """The engine's thread sends the pages' mail: to a mailbox that stopped reading, a send that would block drops
+    the connection (False: the answer's way) instead of waiting (falsifier: a blocking socket would hang here)."""
+    import socket
+
+    from tandem.server.disagg_mailbox import MailSender
+
+    sender, (mine, theirs) = MailSender(), socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine.settimeout(0.0)  # (as `_connect` leaves it)
+    sender._sockets[("box", "pages")] = mine
+    began, sent = time.monotonic(), 0
+    while sender._send("box", "pages", {"kind": "pages"}, b"x" * (1 << 20)):  # (nobody reads `theirs`)
+        sent += 1
+        assert sent < 64, "the buffer never filled"
+    assert time.monotonic() - began < 1.0 and ("box", "pages") not in sender._sockets and mine.fileno() == -1
+    theirs.close()
