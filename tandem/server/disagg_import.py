@@ -61,11 +61,11 @@ class Mail:
 def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> dict | None:
     """`_record`'s `path_parts` of a reference's whole way (None if the prefill server did not mark it); with
     `mail` (the head of the mail that carried it), the mail's way instead of the answer's."""
-    if mail is not None:
-        pinned_at, pin_s, sent_at = (float(mail[k]) for k in ("pinned_at", "pin_s", "sent_at"))
-        return {"pin_s": pin_s, "to_mail_s": sent_at - pinned_at - pin_s, "mail_s": clock.mono["import"] - sent_at,
-                "import_s": clock.mono["checked"] - clock.mono["import"]}
     try:
+        if mail is not None:
+            pinned_at, pin_s, sent_at = (float(mail[k]) for k in ("pinned_at", "pin_s", "sent_at"))
+            return {"pin_s": pin_s, "to_mail_s": sent_at - pinned_at - pin_s,
+                    "mail_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
         pinned_at, pin_s, output_at, sent_at = (float(meta[k]) for k in ("pinned_at", "pin_s", "output_at", "sent_at"))
     except (KeyError, TypeError, ValueError):
         return None
@@ -174,9 +174,10 @@ class KVImports:
         its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages and queueing its
         checksum pass, `to_server_s` from there to its server's handler having the output (the engine finishing
         the request, the hop between the threads), `answer_s` the answer built, `wire_s` its way to this server's
-        handler, `import_s` here; `launch_host_s` the host's time from the pass's first mark to its kernels'
-        launch, `pass_wait_s` from that launch to the sums in hand (host); `sums_after_pass_s`: when the prefill
-        server's sums came after this pass (negative: before)."""
+        handler, `import_s` here (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way
+        here, `import_s`); `launch_host_s` the host's time from the pass's first mark to its kernels' launch,
+        `pass_wait_s` from that launch to the sums in hand (host); `sums_after_pass_s`: when the prefill server's
+        sums came after this pass (negative: before)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
