@@ -54,7 +54,7 @@ class Mailbox:
 
     def __init__(self):
         self.name = f"tandem-pd-{uuid.uuid4().hex}"
-        self._waiting: dict[str, asyncio.Future] = {}
+        self._waiting: dict[tuple[str, str], asyncio.Future] = {}  # (key, kind) -> the frame's future
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()  # (one a prefill server connected)
 
@@ -82,7 +82,7 @@ class Mailbox:
                     fut.set_result((head, payload))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # (the prefill server went away: its requests take the answer's way)
-        except (ValueError, struct.error) as e:
+        except (ValueError, AttributeError, struct.error) as e:  # (a head that is no JSON object too)
             log.warning("decode server: a mailbox frame did not parse (%s: %s); the connection is dropped",
                         type(e).__name__, e)
         finally:
