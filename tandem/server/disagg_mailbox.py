@@ -1,7 +1,7 @@
 """The side channel of the KV transfer by reference (`tandem.server.disagg` states the protocol): a pinned export's
-pages sent straight from the prefill engine's thread as it pins them, and their sums from a thread of the prefill
-server as its checksum pass is done, to the decode server that asked for the prompt, over Unix sockets of that
-decode server (`Mailbox`, in its event loop; `MailSender`, the prefill server's end). It takes off the transfer's way
+pages sent straight from the prefill engine's thread as it pins them, and their sums as its checksum pass is done
+(`MailSender` says by whom), to the decode server that asked for the prompt, over Unix sockets of that decode server
+(`Mailbox`, in its event loop; `MailSender`, the prefill server's end). It takes off the transfer's way
 what the HTTP answer has on it: the prefill engine finishing the request (its prefix-cache insert), the hop to its
 server's thread, the answer built, and its way through the two HTTP stacks. The decode server writes the KV as the
 pages' mail lands (into the pages its engine set aside, `Engine.write_reserved`) and compares both sides' sums when
@@ -15,10 +15,10 @@ A frame: two little-endian uint32 (the JSON head's length, the payload's), the h
 ("pages" or "sums"), `rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`),
 `sent_at` (`time.monotonic()` as it was sent); a pages mail also `pool`, `start`, `end`, `page_size`, `version` (the
 KV's weight version), `pinned_at`, `pin_s` (as the prefill engine began pinning, its time pinning); payload: the
-pages (int32) or the sums (int64 [pages, 2], `PinnedKV.sums`), little-endian. Each prefill server connects twice,
-once for each kind (so the engine's thread, which never blocks on a send, and the sums' thread never share a
-stream). Sockets are in Linux's abstract namespace (no file to clean up); both servers are on one host (a
-reference's pairing checks it)."""
+pages (int32) or the sums (int64 [pages, 2], `PinnedKV.sums`), little-endian. Each prefill server connects twice:
+one stream written by its engine's thread alone (pages, and sums it sends), one by its event loop alone (sums).
+Sockets are in Linux's abstract namespace (no file to clean up); both servers are on one host (a reference's pairing
+checks it)."""
 
 from __future__ import annotations
 

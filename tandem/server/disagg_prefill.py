@@ -77,7 +77,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             return Response(status_code=499)
         output_at = time.monotonic()  # (the handler has the output: the engine's part of the export is over)
         if mail and isinstance(out.kv, PinnedKV):
-            mail[0].sums_now(rid)  # (if its sums' thread has not mailed them yet)
+            mail[0].sums_now(rid)  # (if their pass is done and nobody has mailed them yet)
         sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
