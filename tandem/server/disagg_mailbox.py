@@ -123,12 +123,12 @@ class MailSender:
     """A prefill server's end: `expect(engine_rid, rid, name)` (its handler, in its event loop, before the engine
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
     request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
-    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail; the
-    sums mail goes once the export's checksum pass is done, by whichever comes first: the engine's thread after
-    the command that pinned it (`after_apply`: its pass is often done by then, and that thread holds the
-    interpreter's lock), the handler as it has the output (`sums_now`), or the event loop once its executor has
-    waited for the pass. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's
-    way remains. `forget(engine_rid)` once the handler is done."""
+    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail, and
+    the sums mail right behind it if the export's checksum pass is done by then; else once it is, by whichever
+    comes first: the engine's thread after the command that pinned it (`after_apply`: it holds the interpreter's
+    lock then), the handler as it has the output (`sums_now`), or the event loop once its executor has waited for
+    the pass. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's way
+    remains. `forget(engine_rid)` once the handler is done."""
 
     def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
@@ -160,6 +160,9 @@ class MailSender:
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
         if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes()):
             self._sums_due[engine_rid] = (rid, name, kv)
+            if kv.sums_ready():  # (its pass done already: right behind the pages, from this thread)
+                self._mail_sums(engine_rid, "pages")
+                return
             try:
                 self._loop.call_soon_threadsafe(self._sums_later, engine_rid)
             except RuntimeError:  # (the loop closed: the server stops)
