@@ -68,8 +68,15 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
                for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "to_mail_s", "mail_s", "import_s")
                if all(key in (r.get("path_parts") or {}) for r in records)},
             "mailed": sum(bool(r.get("mailed")) for r in records),
+            **{key: _parts(records, key) for key in ("launch_parts", "prefill_pin_parts")},
             "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
+
+
+def _parts(records: list[dict], key: str) -> dict:
+    """The median of each part of the records' `key` (a dict of seconds) that every record has."""
+    parts = [r.get(key) or {} for r in records]
+    return {name: statistics.median(p[name] for p in parts) for name in parts[0] if all(name in p for p in parts)}
 
 
 def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
@@ -142,6 +149,11 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
         print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
               f"{len(t['records'])} timed transfers; of which came by mail (the prefill engine's side channel, "
               f"before the answer): {t.get('mailed', 0)}")
+    for key, what in (("prefill_pin_parts", "the prefill's pinning (vii-1)"),
+                      ("launch_parts", "the decode's pass, first mark to launch (v''b)")):
+        if t.get(key):
+            print(f"\nhost time of {what} by part, ms: "
+                  + ", ".join(f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in t[key].items()))
     if "decode_write_s" in t and t.get("decode_import_s"):
         passes = t.get("decode_pass_s", t["decode_write_s"]) + t.get("prefill_export_sums_s", 0.0)
         print(f"\nhost-side overhead of (iii): (iii) minus the device passes (iv') and (v''a, else v''): "

@@ -160,7 +160,8 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
             sender.expect("engine-1", "k1", box.name)
             sender.expect("engine-2", "nobody", box.name)
             kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
-                                 pages=[7, 3, 5], sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True)
+                                 pages=[7, 3, 5], sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True,
+                                 pin_parts={})
             sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
             sender.pinned("engine-1", kv, 4)
             head, payload = await asyncio.wait_for(pages, 5)

@@ -129,8 +129,9 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
     same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
     Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
-    before the first kernel is launched (the device time from there is the pass's own). `tile`: the kernel's
-    (`kv_copy.Tile`; its default if None)."""
+    before the first kernel is launched (the device time from there is the pass's own), and on the host alone
+    "staged" (the page index built), "copied" (its copy to the device queued), "launched" (the kernels queued).
+    `tile`: the kernel's (`kv_copy.Tile`; its default if None)."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -149,8 +150,12 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         buf = stage.take(12 * num)
         host = buf.view(12 * num, torch.int32)
         torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages), _int32(rows)], out=host)
+        if clock is not None:
+            clock.mark("staged", device=False)
         index = host.to(device, non_blocking=True).view(3, num)
         copied = buf.record(device)
+        if clock is not None:
+            clock.mark("copied", device=False)
         layers = src_k.shape[0]
         if clock is not None:
             clock.mark("launch")
@@ -160,6 +165,8 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
                            index[1] if dst is not None else None, out=parts[:, which], tile=tile)
         stage.give(buf, copied)  # (after the launches: off a GPU `index` is `host` itself, read by them)
+        if clock is not None:
+            clock.mark("launched", device=False)
         return parts.view(num, 2 * layers, 2).sum(1)
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
@@ -267,6 +274,15 @@ class PinnedKV:
             self._staged = self._pending = None
             stage.give(buf, after)
 
+    @property
+    def pin_parts(self) -> dict:
+        """The pinning's host time by part (seconds): from its start to the page index staged, its copy queued,
+        the kernels' launch, them queued, the sums' copy queued (marks of `page_sums_by_index` and `pin_pages`;
+        those it has)."""
+        host, names = self._clock.host, ("pin", "staged", "copied", "launch", "launched", "summed")
+        at = [(name, host[name]) for name in names if name in host]
+        return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
+
     def wait_sums(self) -> None:
         """Wait until `sums` would not wait (thread-safe; reads nothing)."""
         self._clock.wait("summed")
@@ -309,6 +325,7 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     pool.incref(held)
     try:
         clock, staged = TransferClock(pool.k_cache.device), None
+        clock.mark("pin", device=False)
         sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
         if sums.is_cuda:  # (into a kept page-locked buffer, behind the pass on this stream; the event says when)
             stage = staging(sums.device)

@@ -73,6 +73,12 @@ def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> d
             "wire_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
 
 
+def _launch_parts(clock: TransferClock) -> dict:
+    """The host's time from a pass's first mark to its kernels' launch, by part (`_record`'s `launch_parts`)."""
+    at = [(name, clock.host[name]) for name in ("write", "staged", "copied", "launch") if name in clock.host]
+    return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
+
+
 class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
 
@@ -176,8 +182,10 @@ class KVImports:
         the request, the hop between the threads), `answer_s` the answer built, `wire_s` its way to this server's
         handler, `import_s` here (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way
         here, `import_s`); `launch_host_s` the host's time from the pass's first mark to its kernels' launch,
-        `pass_wait_s` from that launch to the sums in hand (host); `sums_after_pass_s`: when the prefill server's
-        sums came after this pass (negative: before)."""
+        `pass_wait_s` from that launch to the sums in hand (host), `launch_parts` the first by part (`write` to the
+        page index staged, its copy queued, the launch), `prefill_pin_parts` the prefill's pinning by part
+        (`PinnedKV.pin_parts`); `sums_after_pass_s`: when the prefill server's sums came after this pass
+        (negative: before)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
@@ -212,7 +220,9 @@ class KVImports:
             "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and "launch" in clock.host
             and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
-            and "passed" in clock.host else None})
+            and "passed" in clock.host else None,
+            "launch_parts": _launch_parts(clock) if mapped else None,
+            "prefill_pin_parts": ((kv.mail if mapped and kv.mail is not None else meta).get("pin_parts"))})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the

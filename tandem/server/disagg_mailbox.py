@@ -157,7 +157,8 @@ class MailSender:
             return  # (routed experts come with the answer alone)
         rid, name = to
         head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
-                "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
+                "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s,
+                "pin_parts": kv.pin_parts}
         if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes()):
             self._sums_due[engine_rid] = (rid, name, kv)
             if kv.sums_ready():  # (its pass done already: right behind the pages, from this thread)

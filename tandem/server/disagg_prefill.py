@@ -88,7 +88,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
             # (on the host's one monotonic clock, for the decode server's record of the whole way: the pinning's
             # start, the handler having the output, the answer handed to the HTTP server)
-            meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "output_at": output_at}
+            meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "output_at": output_at,
+                     "pin_parts": out.kv.pin_parts}
             if out.kv.sums_ready():  # (one line at once: no streaming machinery on the way)
                 line = _handle_line(export_id, out.kv)
                 meta["sent_at"] = time.monotonic()
