@@ -72,13 +72,13 @@ from collections import defaultdict
 
 import aiohttp
 import torch
+from disagg_transfer import call, kv_transfer, report_transfer
 from engine_throughput import copy_bandwidth, parse_with_quick
 from kv_copy_bench import kernel_times
 from kv_copy_bench import report as report_kernel
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
-from tandem.server.disagg import HEADER
 from tandem.server.http import ServerThread
 from tandem.server.router import build_router_app
 from tandem.server.router_config import RouterConfig
@@ -180,15 +180,6 @@ def workload(args, tag: str, seed: int, decode_output: int, num_long: int) -> li
                        args.delay + i / args.rate, 1000 + i, True) for i in range(num_long)]
 
 
-async def call(http: aiohttp.ClientSession, url: str, body: dict | None = None) -> bytes:
-    """POST `body` (GET without one); the answer's bytes, RuntimeError unless 200."""
-    async with http.request("GET" if body is None else "POST", url, json=body) as r:
-        data = await r.read()
-        if r.status != 200:
-            raise RuntimeError(f"{url} answered {r.status}: {data[:300].decode(errors='replace')}")
-    return data
-
-
 async def run_jobs(http: aiohttp.ClientSession, url: str, jobs: list[Job]) -> dict[str, tuple[float, float, int]]:
     """Each job at its time; rid -> (sent, answered, output tokens)."""
     t0 = time.monotonic()
@@ -225,51 +216,6 @@ def summarize(jobs: list[Job], answers: dict, times: dict[str, list[float]]) -> 
             "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_max_ms": 1e3 * max(ttft),
             "decoding_at_every_arrival": min(answers[j.rid][1] for j in decoders) >= max(answers[j.rid][0]
                                                                                         for j in longs)}
-
-
-async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url: str, ids: list[int],
-                      reps: int = 3) -> dict:
-    """(i) export and (ii) end to end of `ids`'s KV, and (iii) the transfer's own times that the servers report
-    (see the module docstring), median of `reps` each."""
-    info = json.loads(await call(http, f"{prefill_url}/pd/info"))
-    offered = (info.get("transfer") or {}).get("kinds", ["bytes"])  # (what the decode server may choose from)
-    itemsize = torch.empty(0, dtype=getattr(torch, info["kv_dtype"])).element_size()
-    per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * itemsize
-    sampling = {"max_new_tokens": 2, "temperature": 0.0, "seed": 0, "ignore_eos": True}
-    export, export_server, e2e = [], [], []
-    for i in range(reps + 1):  # the first computes the prompt: not timed
-        t0 = time.monotonic()
-        async with http.post(f"{prefill_url}/pd/prefill", json={"rid": f"xfer{i}", "input_ids": ids,
-                                                                "sampling_params": sampling, "kv_from": 0}) as r:
-            body = await r.read()
-            if r.status != 200:
-                raise RuntimeError(f"/pd/prefill answered {r.status}: {body[:300].decode(errors='replace')}")
-            export_server.append(json.loads(r.headers[HEADER])["export_s"])
-        export.append(time.monotonic() - t0)
-    for i in range(reps + 2):  # the first two warm the decode server's import (and compile its kernel): not timed
-        await call(http, f"{decode_url}/flush_cache", {})  # so that it holds none of the prompt
-        t0 = time.monotonic()
-        out = json.loads(await call(http, f"{decode_url}/generate", {
-            "rid": f"xfer-e2e{i}", "input_ids": ids, "sampling_params": sampling,
-            "bootstrap": {"prefill_url": prefill_url}}))
-        e2e.append(time.monotonic() - t0)
-        assert out["meta_info"]["finish_reason"]["type"] == "length", out["meta_info"]
-    records = json.loads(await call(http, f"{decode_url}/pd/transfers"))[-reps:]
-    assert len(records) == reps and all(r["start"] == 0 and r["import_s"] is not None for r in records), records
-    med = lambda key: statistics.median(r[key] for r in records)  # noqa: E731
-    return {"tokens": len(ids), "offered": offered, "chosen": sorted({r["transfer"] for r in records}),
-            "kv_bytes_per_token": per_token, "kv_bytes": len(ids) * per_token, "wire_bytes": len(body),
-            "export_s": statistics.median(export[1:]), "export_bytes_server_s": statistics.median(export_server[1:]),
-            "end_to_end_s": statistics.median(e2e[2:]), "prefill_export_s": med("export_s"),
-            "decode_take_s": med("take_s"), "decode_copy_s": med("copy_s"), "decode_verify_s": med("verify_s"),
-            "decode_write_s": med("write_s"), "decode_import_s": med("import_s"),
-            **{f"{side}_{key}": med(key) for side, key in (("prefill", "export_sums_s"), ("decode", "queue_s"),
-                                                            ("decode", "check_s"), ("decode", "pass_s"),
-                                                            ("decode", "handoff_s"), ("decode", "path_s"),
-                                                            ("decode", "sums_after_pass_s"))
-               if all(r.get(key) is not None for r in records)},
-            "landed": sum(bool(r.get("landed")) for r in records),
-            "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
 
 async def measure(servers: list[Server], router_url: str, args) -> dict:
@@ -430,60 +376,7 @@ def report(results: dict, args) -> None:
             print(f"\nthe kernel alone: failed ({results['kernel']['error']})")
         else:
             report_kernel(results["kernel"])
-    copy_time = 2 * t["kv_bytes"] / bw
-    print(f"\nShares: the {copy}'s time for the same bytes ({1e3 * copy_time:.3f} ms to read and write "
-          f"{t['kv_bytes'] / 1e6:,.1f} MB) / the row's time: 100% = as fast as a plain copy. Old convention "
-          "(KV bytes / time against the read + write bandwidth, up to 2026-12-02) = half of it.")
-    print(f"\n| KV transfer of {t['tokens']} tokens ({t['kv_bytes'] / 1e6:,.1f} MB of KV, {t['wire_bytes'] / 1e6:,.1f} "
-          f"MB as bytes), {', '.join(pd['servers'])} | ms | GB/s | copy time / time | old convention |\n"
-          "|---|---|---|---|---|")
-    chosen = f"{' / '.join(t['chosen'])}, of {' / '.join(t['offered'])} offered"
-    for what, key in (("(i) export as bytes: /pd/prefill from the client, read out of the pool, checksummed, sent",
-                       "export_s"),
-                      ("(i') of which the prefill server's own: read, checksummed, serialised",
-                       "export_bytes_server_s"),
-                      (f"(ii) end to end: /generate through the decode server, one decode step ({chosen})",
-                       "end_to_end_s"),
-                      ("(iii) the transfer itself: (iv) + (v)", "transfer_s"),
-                      ("(iv) prefill server: pages read out of its pool (or pinned), checksummed, shared",
-                       "prefill_export_s"),
-                      ("(v) decode server: from the answer to the pages written in its pool (synchronised)",
-                       "decode_import_s"),
-                      ("(v') of which: taken (mapped or received, copied, verified on its device)", "decode_take_s"),
-                      ("(v'1) of (v'): mapped or received, and copied onto its device", "decode_copy_s"),
-                      ("(v'2) of (v'): its page checksums computed and compared", "decode_verify_s"),
-                      ("(v'') of which: the write into the pool (device time; by reference the fused pass)",
-                       "decode_write_s"),
-                      ("(v''a) of (v''): from the kernels' launch (device; before it the host readies their inputs)",
-                       "decode_pass_s"),
-                      ("(v''') by reference, of (v): the answer to the pass starting (host; in the thread the answer "
-                       "landed in where it was written so, else the engine's)", "decode_queue_s"),
-                      ("(v'''') by reference, of (v): the pass queued to its checksums compared (host)",
-                       "decode_check_s"),
-                      ("(iv') by reference, of (iv): the checksum pass over the pinned pages (device, from its launch)",
-                       "prefill_export_sums_s"),
-                      ("(vi) by reference, after (v) where written as it landed: checked to the request queued in "
-                       "the engine (host)", "decode_handoff_s"),
-                      ("(vii) by reference, the whole way on one clock: the prefill server starting its export to "
-                       "the checksums compared (with the answer's way between the two, which (iii) leaves out)",
-                       "decode_path_s"),
-                      ("(vii') by reference: the prefill server's sums came after the decode server's pass by "
-                       "(host; below 0: before it)", "decode_sums_after_pass_s")):
-        if key not in t or (key in ("decode_take_s", "decode_copy_s", "decode_verify_s") and "decode_queue_s" in t):
-            continue  # (by reference nothing is taken before the engine's pass)
-        if key == "decode_sums_after_pass_s":  # (a difference of two points: no share)
-            print(f"| {what} | {1e3 * t[key]:,.3f} | - | - | - |")
-            continue
-        seconds = max(t[key], 1e-9)
-        print(f"| {what} | {1e3 * seconds:,.3f} | {t['kv_bytes'] / seconds / 1e9:,.2f} | "
-              f"{copy_time / seconds:.1%} | {copy_time / seconds / 2:.1%} |")
-    if "landed" in t:
-        print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
-              f"{len(t['records'])} timed transfers")
-    if "decode_write_s" in t and t.get("decode_import_s"):
-        passes = t.get("decode_pass_s", t["decode_write_s"]) + t.get("prefill_export_sums_s", 0.0)
-        print(f"\nhost-side overhead of (iii): (iii) minus the device passes (iv') and (v''a, else v''): "
-              f"{1e3 * (t['transfer_s'] - passes):.3f} ms")
+    report_transfer(t, bw, copy, pd["servers"])
     print("\n| target | wanted | measured | met |\n|---|---|---|---|")
     for row in results["targets"]:
         print(f"| {row['target']} | {row['wanted']} | {row['measured']} | {'yes' if row['met'] else 'no'} |")

@@ -1,6 +1,8 @@
-"""Shared by the disaggregation tests: the mutant that checks the pause gate of KV imports too late."""
+"""Shared by the disaggregation tests: the mutant that checks the pause gate of KV imports too late; a decode
+server without a mailbox (its KV by reference takes the answer's way)."""
 
 from tandem.engine.core import EngineCore
+from tandem.server.disagg_mailbox import Mailbox
 
 
 def gate_imports_late(monkeypatch) -> None:
@@ -15,3 +17,12 @@ def gate_imports_late(monkeypatch) -> None:
         finally:
             self.paused = paused
     monkeypatch.setattr(EngineCore, "_import_request", late)
+
+
+def no_mail(monkeypatch) -> None:
+    """Decode servers of this process open no mailbox (`disagg_mailbox`): their prefill servers mail nothing, and KV
+    by reference comes by the answer alone (what the tests of that way need, wherever the prefill server runs)."""
+
+    async def refused(self):
+        raise OSError("no mailbox (a test)")
+    monkeypatch.setattr(Mailbox, "start", refused)

@@ -209,7 +209,10 @@ def test_a_reference_that_changed_is_named_by_page_and_still_released(device, mo
     """The prefill server's pool altered at position 9 (page 2) after it answered, through the decode server's
     mapping (as memory reused under a transfer would be): the request ends with an abort naming the prefill server
     and the page, the export is released all the same (its pages unpinned), and the decode server's pages are as
-    they were (the pages it wrote freed, nothing cached)."""
+    they were (the pages it wrote freed, nothing cached). (By the answer: test_disagg_mailbox has the mail's.)"""
+    from disagg_helpers import no_mail
+
+    no_mail(monkeypatch)
     take = disagg.PrefillClient._take
 
     async def altered(self, url, data, clock, meta):

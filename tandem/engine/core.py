@@ -143,6 +143,10 @@ class EngineCore(DecodeImports):
         self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
         self._reserved: dict[str, Reservation] = {}  # pages set aside for probed imports (`Probe(reserve=True)`)
         self._gate = threading.RLock()  # held by a write out of this thread, and to pause or drop a reservation
+        # (a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned, before the
+        # request leaves the queues, and `after_apply()` after every command; quick, in this thread:
+        # `disagg_mailbox.MailSender.pinned`, `.after_apply`)
+        self.on_pinned = self.after_apply = None
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -221,6 +225,11 @@ class EngineCore(DecodeImports):
                 raise  # the command's own refusal
             self._engine_error(e)
         finally:
+            if self.after_apply is not None:
+                try:
+                    self.after_apply()
+                except Exception:  # (a side channel: the answer carries the export anyway)
+                    log.exception("engine: the after-command hook failed")
             if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
                 chunks = self._last_chunks
                 what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "
@@ -276,6 +285,11 @@ class EngineCore(DecodeImports):
                     kv = (pin_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.unpin) if pinned
                           else read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
                                           self.pool.k_cache.device))
+                if pinned and kv is not None and self.on_pinned is not None and req.weight_versions:
+                    try:
+                        self.on_pinned(req.rid, kv, req.weight_versions[-1])
+                    except Exception:  # (a side channel: the answer carries the export anyway)
+                        log.exception("engine: the pinned export hook of %s failed", req.rid)
             if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
                 known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
                 routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()

@@ -25,6 +25,7 @@ import contextlib
 import functools
 import math
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -34,7 +35,16 @@ import numpy as np
 import torch
 
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.kv_shared import _b64, _dtype, _gpu_uuid, _local_gpu, _unb64, ipc_describe, ipc_open
+from tandem.engine.kv_shared import (
+    _b64,
+    _dtype,
+    _gpu_uuid,
+    _local_gpu,
+    _unb64,
+    ipc_describe,
+    ipc_open,
+    staging,
+)
 from tandem.engine.kv_transfer import TransferClock, _hex, checksum_weights, page_sums
 
 __all__ = ["MappedKV", "MappedPool", "PinnedKV", "page_sums_by_index", "pin_pages", "pool_handle"]
@@ -119,8 +129,9 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
     same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
     Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
-    before the first kernel is launched (the device time from there is the pass's own). `tile`: the kernel's
-    (`kv_copy.Tile`; its default if None)."""
+    before the first kernel is launched (the device time from there is the pass's own), and on the host alone
+    "staged" (the page index built), "copied" (its copy to the device queued), "launched" (the kernels queued).
+    `tile`: the kernel's (`kv_copy.Tile`; its default if None)."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -133,11 +144,18 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         rows = array.array("i", [page_size]) * num
         if num:
             rows[-1] = n - (num - 1) * page_size
-        # (staged in page-locked memory: a copy from pageable memory may wait for the stream or the driver's own
-        # staging; this one is a plain DMA behind the stream's work, the buffer kept until it is done)
-        index = torch.empty(3 * num, dtype=torch.int32, pin_memory=device.type == "cuda")
-        torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages), _int32(rows)], out=index)
-        index = index.to(device, non_blocking=True).view(3, num)
+        # (staged in a kept page-locked buffer (`Staging`): a plain DMA behind the stream's work, no allocation that
+        # may synchronise the device; the buffer is reused once the device is past the copy)
+        stage = staging(device)
+        buf = stage.take(12 * num)
+        host = buf.view(12 * num, torch.int32)
+        torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages), _int32(rows)], out=host)
+        if clock is not None:
+            clock.mark("staged", device=False)
+        index = host.to(device, non_blocking=True).view(3, num)
+        copied = buf.record(device)
+        if clock is not None:
+            clock.mark("copied", device=False)
         layers = src_k.shape[0]
         if clock is not None:
             clock.mark("launch")
@@ -146,6 +164,9 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
                            index[1] if dst is not None else None, out=parts[:, which], tile=tile)
+        stage.give(buf, copied)  # (after the launches: off a GPU `index` is `host` itself, read by them)
+        if clock is not None:
+            clock.mark("launched", device=False)
         return parts.view(num, 2 * layers, 2).sum(1)
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
@@ -175,6 +196,23 @@ def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[:, 0], cols], 1)
 
 
+def host_sums(sums: torch.Tensor) -> np.ndarray:
+    """`canonical` of `page_sums_by_index`'s sums, on the host (int64 numpy [pages, 2]), the host waiting for them:
+    on a GPU copied into a kept page-locked buffer (`Staging`) and waited for by an event, not through pageable
+    memory."""
+    if not sums.is_cuda:
+        return canonical(sums.numpy())
+    stage, nbytes = staging(sums.device), sums.numel() * 8
+    buf = stage.take(nbytes)
+    host = buf.view(nbytes, torch.int64).view(sums.shape)
+    host.copy_(sums, non_blocking=True)
+    done = buf.record(sums.device)
+    done.synchronize()
+    out = canonical(host.numpy())  # (a new array: the buffer is free again)
+    stage.give(buf, done)
+    return out
+
+
 def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:
     """The slots of the first `n` positions held by `pages` in order."""
     pos = torch.arange(n)
@@ -191,20 +229,28 @@ class PinnedKV:
     the pass; thread-safe; `sums_ready()` says whether it would wait), `handle` both; `unpin(pages)` is called
     once, by `free` or when this is collected. `read_s`: the export's time on the host (pinned, its checksum pass
     queued); `sums_s`: that pass's device time from its launch (with the kernel, on a GPU; else None; known with
-    the sums); `pinned_at`: `time.monotonic()` as the pinning began."""
+    the sums); `pinned_at`: `time.monotonic()` as the pinning began. `staged`: the kept buffer (`Staging`'s,
+    with its staging) `sums` is copied into, given back once read, or by `free` (behind the copy)."""
 
     def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, sums: torch.Tensor,
                  routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float,
-                 clock: TransferClock, pinned_at: float | None = None):
+                 clock: TransferClock, pinned_at: float | None = None, staged: tuple | None = None):
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
         self.routing, self.read_s, self.pinned_at, self.sums_s = routing, read_s, pinned_at, None
-        self._pending, self._clock, self._sums = sums, clock, None
+        self._pending, self._clock, self._sums, self._staged = sums, clock, None, staged
+        self._lock, self._freed = threading.Lock(), False
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
-        self.head = {"kind": "pages", "pool": pool.share_id, "start": start, "end": end,
-                     "page_size": pool.page_size, "pages": np.asarray(pages, dtype="<i4").tobytes().hex()}
-        if routing is not None:
-            self.head["routing"] = {"data": _b64(routing.contiguous().numpy().tobytes()),
-                                    "shape": list(routing.shape)}
+        self.pool_id = pool.share_id
+
+    @functools.cached_property
+    def head(self) -> dict:
+        """(Built when first asked for, by the server's thread: not on the engine's way to the mail.)"""
+        head = {"kind": "pages", "pool": self.pool_id, "start": self.start, "end": self.end,
+                "page_size": self.page_size, "pages": np.asarray(self.pages, dtype="<i4").tobytes().hex()}
+        if self.routing is not None:
+            head["routing"] = {"data": _b64(self.routing.contiguous().numpy().tobytes()),
+                               "shape": list(self.routing.shape)}
+        return head
 
     @property
     def sums(self) -> np.ndarray:
@@ -213,8 +259,33 @@ class PinnedKV:
             clock.wait("summed")  # (for the pass and the sums' copy to the host)
             if "launch" in clock.host:
                 self.sums_s = clock.seconds("launch", "summed")
-            self._sums = canonical(self._pending.numpy())
+            with self._lock:
+                if self._sums is None:
+                    if self._freed and self._staged is None and self._pending is None:
+                        raise ValueError("kv transfer: the export was freed before its sums were read")
+                    self._sums = canonical(self._pending.numpy())  # (a copy: the buffer is not read again)
+                    self._give_back(None)
         return self._sums
+
+    def _give_back(self, after) -> None:
+        """The sums' kept buffer back to its staging, free once the device reaches `after` (under `_lock`)."""
+        if self._staged is not None:
+            stage, buf = self._staged
+            self._staged = self._pending = None
+            stage.give(buf, after)
+
+    @property
+    def pin_parts(self) -> dict:
+        """The pinning's host time by part (seconds): from its start to the page index staged, its copy queued,
+        the kernels' launch, them queued, the sums' copy queued (marks of `page_sums_by_index` and `pin_pages`;
+        those it has)."""
+        host, names = self._clock.host, ("pin", "staged", "copied", "launch", "launched", "summed")
+        at = [(name, host[name]) for name in names if name in host]
+        return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
+
+    def wait_sums(self) -> None:
+        """Wait until `sums` would not wait (thread-safe; reads nothing)."""
+        self._clock.wait("summed")
 
     def sums_ready(self) -> bool:
         """Whether `sums` would not wait (the checksum pass and the sums' copy are done)."""
@@ -234,6 +305,9 @@ class PinnedKV:
     def free(self, taken: bool) -> None:
         """Unpin the pages (once; `taken` is ignored: the decode server maps the pool, not this export). An export
         nobody frees unpins its pages when it is collected."""
+        with self._lock:
+            self._freed = True
+            self._give_back(self._clock.event("summed"))  # (unread: free once its copy is done)
         self._unpin()
 
 
@@ -250,18 +324,22 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     held = list(pages[start // P:-(-end // P)])
     pool.incref(held)
     try:
-        clock = TransferClock(pool.k_cache.device)
+        clock, staged = TransferClock(pool.k_cache.device), None
+        clock.mark("pin", device=False)
         sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
-        if sums.is_cuda:  # (into page-locked memory, behind the pass on this stream; the event says when)
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+        if sums.is_cuda:  # (into a kept page-locked buffer, behind the pass on this stream; the event says when)
+            stage = staging(sums.device)
+            buf = stage.take(sums.numel() * 8)
+            host = buf.view(sums.numel() * 8, torch.int64).view(sums.shape)
             host.copy_(sums, non_blocking=True)
-            sums = host
+            sums, staged = host, (stage, buf)
         clock.mark("summed")
         routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
     except BaseException:
         pool.decref(held)
         raise
-    return PinnedKV(pool, held, start, end, sums, routing, unpin, time.perf_counter() - began, clock, pinned_at)
+    return PinnedKV(pool, held, start, end, sums, routing, unpin, time.perf_counter() - began, clock, pinned_at,
+                    staged)
 
 
 def _hex_pairs(sums: np.ndarray) -> tuple[str, ...]:
@@ -289,7 +367,8 @@ class MappedKV:
     `verify` checks nothing. A handle may come without the sums (`PinnedKV.head`: the prefill server sends them as
     its checksum pass is done), which `take_sums` gives later; the pass may run before them (`pass_into`), its
     comparison (`check`) not. `settled` is done once the engine wrote it or dropped it (`settle`): its server may
-    then release the export."""
+    then release the export. The handle's pages and sums may also be numpy arrays (int32 [pages], int64
+    [pages, 2]: a mail's, `tandem.server.disagg_mailbox`)."""
 
     def __init__(self, source: MappedPool, handle: dict, origin: str = "", export_id: str = ""):
         try:
@@ -297,8 +376,14 @@ class MappedKV:
                 raise ValueError(f"it names pool {handle.get('pool')!r} ({handle['kind']}), the one mapped is "
                                  f"{source.id!r} (the prefill server restarted?)")
             self.start, self.end, self.page_size = int(handle["start"]), int(handle["end"]), int(handle["page_size"])
-            self.pages = np.frombuffer(bytes.fromhex(str(handle["pages"])), dtype="<i4")  # (as `PinnedKV.handle`)
-            self.sums = None if "sums" not in handle else _sums_of_hex(str(handle["sums"]), len(self.pages))
+            pages, sums = handle["pages"], handle.get("sums")
+            self.pages = pages if isinstance(pages, np.ndarray) else np.frombuffer(  # (as `PinnedKV.handle`)
+                bytes.fromhex(str(pages)), dtype="<i4")
+            self.sums = sums if sums is None or isinstance(sums, np.ndarray) else _sums_of_hex(str(sums),
+                                                                                               len(self.pages))
+            if self.pages.dtype != np.dtype("<i4") or self.sums is not None and (
+                    self.sums.shape != (len(self.pages), 2) or self.sums.dtype != np.dtype("<i8")):
+                raise ValueError("pages and sums must be int32 [pages] and int64 [pages, 2]")
             self.routing = None
             if (shared := handle.get("routing")) is not None:
                 self.routing = torch.frombuffer(bytearray(_unb64(shared["data"])), dtype=torch.int16).view(
@@ -317,6 +402,7 @@ class MappedKV:
         self.mine: np.ndarray | None = None  # (the sums of what `pass_into` read)
         self.failure: str | None = None  # (`check`'s difference, once checked)
         self.checked = False
+        self.mail: dict | None = None  # (the head of the mail it came by, `disagg_mailbox`; None: by the answer)
 
     def take_sums(self, text: str) -> None:
         """The prefill server's sums, sent after the handle (the hex of `PinnedKV.sums`' bytes); ValueError if they
@@ -374,7 +460,7 @@ class MappedKV:
         clock.mark("written")
         if pool.routing is not None:
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        self.mine = canonical(sums.cpu().numpy())  # (the host waits for the pass)
+        self.mine = host_sums(sums)  # (the host waits for the pass)
         clock.mark("passed", device=False)
 
     def check(self) -> str | None:

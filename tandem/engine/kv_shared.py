@@ -1,7 +1,8 @@
 """What the KV transfers between processes of one host share (`tandem.engine.kv_transfer`, `kv_mapped`, `kv_p2p`):
 a CUDA tensor described as JSON and mapped by another process (`ipc_describe`, `ipc_open`: how a decode server
-maps a prefill server's pool), a KV's header (`kv_header`), the receiver's transfer stream, and `sharing_domain` /
-`why_not_shared`, which tell a decode server whether it can take a prefill server's KV by reference."""
+maps a prefill server's pool), a KV's header (`kv_header`), the receiver's transfer stream, host buffers kept for
+the transfers' small copies between host and device (`Staging`), and `sharing_domain` / `why_not_shared`, which tell
+a decode server whether it can take a prefill server's KV by reference."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import base64
 import contextlib
 import os
 import socket
+import threading
 import uuid
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +38,72 @@ def transfer_stream(device: torch.device | str):
     stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
     with torch.cuda.stream(stream):
         yield stream
+
+
+@dataclass(eq=False)
+class StagingBuffer:
+    """A host buffer of `Staging` (`data`: uint8, page-locked where the staging is); `done`: what its staging waits
+    for before handing it out again (an event behind the last copy that read or wrote it; None: nothing)."""
+
+    data: torch.Tensor
+    done: object = field(default=None)
+    _event: object = field(default=None)
+
+    def view(self, nbytes: int, dtype: torch.dtype) -> torch.Tensor:
+        """Its first `nbytes` bytes as `dtype` (1-d)."""
+        return self.data[:nbytes].view(dtype)
+
+    def record(self, device: torch.device):
+        """An event of this buffer's own (made once) recorded on `device`'s current stream, behind the copy just
+        queued there: what `Staging.give` then waits for. None off a GPU (the copies there are synchronous)."""
+        if device.type != "cuda":
+            return None
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(device))
+        return self._event
+
+
+class Staging:
+    """Host buffers for a transfer's small copies between host and device (page indices up, sums down), kept and
+    reused instead of allocated per transfer: a page-locked allocation (`pin`) may synchronise the device, and
+    copies from pageable memory are staged by the driver. `take(nbytes)` hands out a buffer nobody uses (at least
+    `nbytes`; a new one if none is free), `give(buffer, after)` takes it back: it is handed out again only once the
+    device has reached `after` (an event recorded behind the last copy that reads or writes it; None: at once).
+    Thread-safe; at most `keep` free buffers are kept (more are dropped)."""
+
+    def __init__(self, pin: bool, keep: int = 8):
+        self.pin, self.keep = pin, keep
+        self._free: list[StagingBuffer] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # (buffers made: a test's way to see reuse)
+
+    def take(self, nbytes: int) -> StagingBuffer:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.data.numel() >= nbytes and (buf.done is None or buf.done.query()):
+                    return self._free.pop(i)
+            self.allocated += 1
+        size = max(4096, 1 << (max(nbytes, 1) - 1).bit_length())  # (a power of 2: reused by other sizes)
+        return StagingBuffer(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
+
+    def give(self, buf: StagingBuffer, after=None) -> None:
+        buf.done = after
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
+_STAGING: dict[torch.device, Staging] = {}
+
+
+def staging(device: torch.device | str) -> Staging:
+    """The process's `Staging` for copies to and from `device` (page-locked on a GPU; one a GPU, as the events its
+    buffers carry are that GPU's)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _STAGING.get(device) or _STAGING.setdefault(device, Staging(pin=device.type == "cuda"))
 
 
 def kv_header(kv: KVPages) -> dict:

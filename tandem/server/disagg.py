@@ -40,10 +40,15 @@ point where it allows that, else bytes), each verified on the decode server's de
   come (`kv_mapped.MappedKV.check`); only then does its engine take the request, with the pages. Where none were
   set aside, or the engine is paused or holds other weights, its engine writes them as it places the import
   (`MappedKV.write_into`). On a difference the request ends with an abort naming the page and the pages written
-  are freed. Once the engine wrote the import or dropped it (or the request ended), the decode server
-  POSTs `/pd/release {"id": ...}`, which unpins the pages; an export nobody releases within
-  `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned then, and a decode
-  server that reads those pages later fails their checksums: it never keeps what it read.
+  are freed. Where the prefill server offers it (`/pd/info`'s `mailbox`), the decode server opens a mailbox
+  (`disagg_mailbox`: a Unix socket) and names it in its `/pd/prefill`; the prefill engine then mails the pages as it
+  pins them, and its server the sums once its checksum pass is done, so the decode server writes them (into the
+  pages set aside) and compares as the mail lands, before the answer has come; the answer must then name the same
+  pages under the same weight version (else an abort), and the rest goes as above. Once the engine wrote the import
+  or dropped it (or the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages;
+  an export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is
+  unpinned then, and a decode server that reads those pages later fails their checksums: it never keeps what it
+  read.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
   `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
@@ -56,31 +61,29 @@ point where it allows that, else bytes), each verified on the decode server's de
 prefill server's export, the take (received, copied, verified; by reference nothing), the write into the pool
 (device time; by reference the one pass), and the whole import from the answer to the pages written (by reference
 checked too); by reference also the hop to the engine's thread (`queue_s`) and the wait for the pass and the
-comparison (`check_s`).
+comparison (`check_s`) (`disagg_import`: the decode server's end after the answer).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
 import random
-import weakref
-from collections import deque
+import uuid
 from typing import Literal
 from urllib.parse import urlparse
 
 import aiohttp
-import torch
 from fastapi import FastAPI
 
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV, MappedPool
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PLink, join_store, why_not_p2p
-from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages, TransferClock, sharing_domain, why_not_shared, wire_meta
+from tandem.server.disagg_import import KVImports, Mail, _verify, records
+from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, Mailbox
 from tandem.server.disagg_prefill import HEADER, Exports, add_prefill_routes, offered
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
@@ -88,10 +91,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["HEADER", "Exports", "PrefillClient", "add_routes", "kv_layout"]  # (a prefill server's end: disagg_prefill)
 PREFILL_TIMEOUT_S = 300.0  # a prefill server that has not answered a prompt by then has failed it
-RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
-RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
 Transfer = Literal["bytes", "reference", "p2p"]
-_RECORDS: weakref.WeakKeyDictionary[Engine, deque] = weakref.WeakKeyDictionary()  # a decode engine's transfers
 
 
 def kv_layout(engine: Engine, role: str | None = None) -> dict:
@@ -115,27 +115,32 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
     @app.get("/pd/transfers")
     async def transfers():
         """A decode server's latest KV transfers, oldest first (`PrefillClient`'s records)."""
-        return list(_RECORDS.get(engine, ()))
+        return records(engine)
 
     @app.get("/pd/info")
     async def info():
         if role != "prefill":
             return kv_layout(engine)
         return kv_layout(engine) | {"transfer": {"kinds": kinds, "sharing": sharing_domain(device),
-                                                 "held": len(exports)}}
+                                                 "held": len(exports), "mailbox": "reference" in kinds}}
 
     if role == "prefill":
         add_prefill_routes(app, engine, until_disconnected, kinds, exports)
 
 
-def _verify(kv: KVPages) -> None:
-    """`kv.verify()` on the transfer stream (`transfer_stream`): its KV is complete, the host having waited for it,
-    so its checksums need not wait behind the engine's steps."""
-    with transfer_stream(kv.k.device):
-        kv.verify()
+async def _first_sums(kv: MappedKV, mail: Mail, line: asyncio.Future) -> None:
+    """Wait for the prefill server's sums of `kv` by `mail` or in the answer's `line` (`_sums_line`), whichever
+    comes first, the other then cancelled; the line's ValueError if neither brings them."""
+    try:
+        await asyncio.wait([mail.task, line], return_when=asyncio.FIRST_COMPLETED)
+        if kv.sums is None:  # (the mail ended without them: the line's, or its error)
+            await line
+    finally:
+        mail.cancel()
+        line.cancel()
 
 
-class PrefillClient:
+class PrefillClient(KVImports):
     """A decode server's way through prefill servers (see the module docstring). `transfer`: how it takes their KV;
     None: by reference from a prefill server it can take it from so, else as bytes."""
 
@@ -146,11 +151,15 @@ class PrefillClient:
         self.paired: dict[str, Transfer] = {}  # prefill server URL -> the transfer from it
         self.links: dict[str, tuple[str, P2PLink, asyncio.Lock]] = {}  # URL -> link id, this end, its turn
         self.pools: dict[str, MappedPool] = {}  # URL -> its KV pool, mapped while paired by reference
+        self.mailing: set[str] = set()  # URLs paired by reference that mail their exports (`disagg_mailbox`)
+        self.mailbox: Mailbox | None = None  # (started at the first such pairing)
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
         for url in list(self.links) + list(self.pools):
             self._unpair(url)
+        if self.mailbox is not None:
+            await self.mailbox.close()
         if self._session is not None:
             await self._session.close()
 
@@ -190,11 +199,28 @@ class PrefillClient:
                     raise
                 log.warning("decode server: takes KV from %s as bytes: %s", url, e)
                 transfer = "bytes"
+            else:
+                if (theirs.get("transfer") or {}).get("mailbox") and await self._open_mailbox():
+                    self.mailing.add(url)
         self.paired[url] = transfer
+
+    async def _open_mailbox(self) -> bool:
+        """Whether this server's mailbox listens (started now if not yet; a failure is logged: no mail then)."""
+        if self.mailbox is None:
+            mailbox = Mailbox()
+            try:
+                await mailbox.start()
+            except OSError as e:
+                log.warning("decode server: no mailbox (%s: %s); KV by reference takes the answer's way",
+                            type(e).__name__, e)
+                return False
+            self.mailbox = mailbox
+        return True
 
     def _unpair(self, url: str) -> None:
         """Forget `url`'s pairing and break its link (after a failed transfer): the next request pairs anew."""
         self.paired.pop(url, None)
+        self.mailing.discard(url)
         self.pools.pop(url, None)  # (imports still on their way keep what they read mapped)
         if (link := self.links.pop(url, None)) is not None:
             link[1].close()
@@ -302,14 +328,28 @@ class PrefillClient:
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
         """`/pd/prefill` at `url`: (first token, KV, the answer's meta, None or a task reading the sums that come
-        after a reference's handle into the KV: `_sums_line`, which owns the answer until then)."""
+        after a reference's handle into the KV: `_sums_line`, which owns the answer until then). By reference
+        with a mailbox, the KV may come by mail first, written as it lands and checked once the sums come by mail
+        or in the answer (`_mailed`), the answer confirming it (`_confirm`)."""
         if (transfer := self.paired.get(url)) is None or (transfer == "p2p" and url not in self.links):
             raise RuntimeError("its pairing broke while this request waited (another transfer failed)")
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
                 "prompt_len": prompt_len, "transfer": transfer}
         if transfer == "p2p":
             body["link"] = self.links[url][0]
-        r = await self._http().post(f"{url}/pd/prefill", json=body)
+        headers, mail = {}, None
+        if transfer == "reference" and url in self.mailing and self.mailbox is not None \
+                and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
+            key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
+            headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
+            mail = Mail(self.mailbox.expect(key, "pages"), self.mailbox.expect(key, "sums"))
+            mail.task = asyncio.ensure_future(self._mailed(url, rid, mail))
+        try:
+            r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
+        except BaseException:
+            if mail is not None:
+                mail.cancel()
+            raise
         try:
             streamed = r.status == 200 and r.content_type == "application/x-ndjson"
             data = await (r.content.readline() if streamed else r.read())
@@ -329,6 +369,9 @@ class PrefillClient:
                 clock.mark("verified")
             elif transfer == "p2p":
                 kv = await self._receive(url, data, clock)
+            elif mail is not None and (kv := mail.kv) is not None:  # (written as its mail landed)
+                await self._confirm(url, data, kv, meta)
+                clock = kv.clock
             else:
                 kv = await self._take(url, data, clock, meta)
             if kv.start != kv_from or kv.end != len(input_ids):
@@ -341,159 +384,11 @@ class PrefillClient:
                     await asyncio.shield(self._release(url, kv.export_id))
                     raise ValueError("kv transfer: the answer named pages without their sums")
                 arriving, r = asyncio.ensure_future(self._sums_line(r, kv, meta, clock)), None
+                if kv.mail is not None:  # (the sums by mail or in the answer: whichever comes first)
+                    arriving, mail = asyncio.ensure_future(_first_sums(kv, mail, arriving)), None
             return meta["first"], kv.with_clock(clock), meta, arriving
         finally:
+            if mail is not None:
+                mail.cancel()  # (the answer's way was taken, or the sums are in hand: no mail is wanted now)
             if r is not None:
                 r.release()
-
-    @staticmethod
-    async def _sums_line(r: aiohttp.ClientResponse, kv: MappedKV, meta: dict, clock: TransferClock) -> None:
-        """Read the answer's line of sums into `kv` (its pass time into `meta`); ValueError if it does not come."""
-        try:
-            line = await r.content.readline()
-            answer = json.loads(line)
-            kv.take_sums(answer["sums"])
-            meta["export_sums_s"] = answer.get("sums_s")
-            clock.mark("sums", device=False)
-        except (ValueError, KeyError, TypeError, aiohttp.ClientError) as e:
-            raise ValueError(f"kv transfer: the prefill server's sums did not come ({type(e).__name__}: "
-                             f"{e})") from None
-        finally:
-            r.release()
-
-    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int, arriving) -> None:
-        """Write `kv` (of weight `version`) into the pages `rid`'s probe set aside, here, as the answer lands
-        (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this loop for the pass,
-        which may run beside the prefill server's own), then wait for the prefill server's sums (`arriving`) and
-        compare (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the engine
-        writes and checks it as it places the import. The export is released if this fails."""
-        try:
-            landed = self.engine.write_reserved(rid, kv, version)
-            if arriving is not None:
-                await arriving
-            if landed and not kv.checked:
-                kv.check()
-        except BaseException:
-            if arriving is not None:
-                arriving.cancel()
-            await asyncio.shield(self._release(url, kv.export_id))
-            raise
-
-    def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
-        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
-        `export_s` the prefill server's (pages read out or pinned, checksummed or its pass queued, shared or
-        serialised), `take_s` this server's from the answer to the KV verified on its device (`copy_s` until
-        copied or received, `verify_s` the checksums), `write_s` its write into the pool (device time; `pass_s`
-        from the kernels' launch), `import_s` from the answer to the pages written (device-synchronised; by
-        reference checked: with the engine's turn unless written as the answer landed, `landed`, then `handoff_s`
-        after it until the engine queued the request); null where not written. By reference `path_s`: from the
-        prefill server starting its export to the checksums compared here, on the host's one monotonic clock;
-        `sums_after_pass_s`: when the prefill server's sums came after this pass (negative: before)."""
-        clock, written = kv.clock, "written" in kv.clock.host
-        take_s = clock.host["verified"] - clock.host["import"]
-        mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
-        try:
-            write_s = clock.seconds("write", "written") if written else None
-            pass_s = clock.seconds("launch", "written") if written and "launch" in clock.host else None
-            if mapped:
-                import_s = clock.host["checked"] - clock.host["import"] if "checked" in clock.host else None
-            else:
-                import_s = take_s + clock.seconds("verified", "written") if written else None
-        except RuntimeError as e:  # (a measurement must not fail the request it measured)
-            log.warning("decode server: transfer of %s not timed: %s", rid, e)
-            write_s = import_s = pass_s = None
-        _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
-            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
-            "pages": len(kv.pages) if mapped else len(kv.checksums),
-            "kv_bytes": kv.kv_bytes if mapped else 2 * kv.k.numel() * kv.k.element_size(),
-            "export_s": meta.get("export_s"), "export_sums_s": meta.get("export_sums_s"), "take_s": take_s,
-            "copy_s": clock.host["taken"] - clock.host["import"],
-            "verify_s": clock.host["verified"] - clock.host["taken"],
-            "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
-            "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
-            "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
-            "landed": mapped and "placed" in clock.host,
-            "sums_after_pass_s": clock.host["sums"] - clock.host["passed"] if mapped and "sums" in clock.host
-            and "passed" in clock.host else None,
-            "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
-            "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
-            and meta.get("pinned_at") is not None else None})
-
-    async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
-        """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
-        pool mapped at pairing: nothing is read until the engine writes it (`MappedKV.write_into`, which checks its
-        checksums). The export is released once the engine is done with it (`_release_settled`); an answer that
-        does not parse is released at once, and breaks the pairing if it names another pool."""
-        try:
-            answer = json.loads(data)
-            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
-        if (source := self.pools.get(url)) is None:
-            await asyncio.shield(self._release(url, export_id))
-            raise RuntimeError("its pool's mapping was dropped while this request waited (another transfer failed)")
-        try:
-            kv = MappedKV(source, handle, url, export_id)
-        except ValueError:
-            self._unpair(url)  # (it may have restarted: map its pool anew)
-            await asyncio.shield(self._release(url, export_id))
-            raise
-        clock.mark("taken", device=False)
-        clock.mark("verified", device=False)  # (checked as the engine writes it)
-        return kv
-
-    async def _release_settled(self, url: str, kv: MappedKV, generating: asyncio.Future) -> None:
-        """Release `kv`'s export once the engine wrote or dropped it, or the request ended (whichever is first)."""
-        await asyncio.wait([asyncio.wrap_future(kv.settled), generating], return_when=asyncio.FIRST_COMPLETED)
-        await self._release(url, kv.export_id)
-
-    async def _receive(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
-        """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's
-        device, verified. The link's turn is held from the start of the receive to its end, so the prefill
-        server's sends on it come in this order; a failed or timed-out receive breaks the link."""
-        try:
-            answer = json.loads(data)
-            export_id, header = answer["id"], answer["kv"]
-            shape, dtype = [int(n) for n in header["shape"]], getattr(torch, str(header["dtype"]))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"kv transfer: the answer is not a KV header ({type(e).__name__}: {e})") from None
-        if (entry := self.links.get(url)) is None:
-            raise RuntimeError("its link broke while this request waited (another transfer failed)")
-        link_id, link, turn = entry
-        kv_2LTKD = torch.empty((2, *shape), dtype=dtype, device=self.engine.pool.k_cache.device)
-        if kv_2LTKD.numel() == 0:  # (nothing to send: only let it go)
-            await asyncio.shield(self._release(url, export_id))
-        else:
-            async with turn:
-                received = asyncio.ensure_future(asyncio.to_thread(link.recv, kv_2LTKD))
-                try:
-                    async with self._http().post(f"{url}/pd/p2p/send", json={"id": export_id, "link": link_id}) as r:
-                        if r.status != 200:
-                            raise RuntimeError(f"/pd/p2p/send answered {r.status}: "
-                                               f"{(await r.read())[:300].decode(errors='replace')}")
-                except BaseException:
-                    self._unpair(url)  # (which ends the receive, or its timeout does)
-                    with contextlib.suppress(BaseException):
-                        await asyncio.shield(received)
-                    raise
-                try:
-                    await asyncio.shield(received)  # (a receive cannot be cancelled halfway: it ends or times out)
-                except BaseException:  # (cancelled too: the turn must not pass while the receive runs on)
-                    self._unpair(url)
-                    raise
-        kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
-        clock.mark("taken")
-        await asyncio.to_thread(_verify, kv)
-        clock.mark("verified")
-        return kv
-
-    async def _release(self, url: str, export_id: str) -> None:
-        try:
-            async with self._http().post(f"{url}/pd/release", json={"id": export_id},
-                                         timeout=aiohttp.ClientTimeout(total=RELEASE_POST_TIMEOUT_S)) as r:
-                if r.status != 200:
-                    log.warning("decode server: %s/pd/release of KV export %s answered %d: %s", url, export_id,
-                                r.status, (await r.read())[:300].decode(errors="replace"))
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("decode server: could not release KV export %s at %s (it frees it after its timeout): %s: "
-                        "%s", export_id, url, type(e).__name__, e)

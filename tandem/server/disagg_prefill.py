@@ -20,6 +20,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import PinnedKV, pool_handle
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store
 from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
+from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, MailSender
 from tandem.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
     client went away; `kinds`: the transfers it offers; `exports`: what it holds)."""
     device = engine.pool.k_cache.device
     links: dict[str, asyncio.Future] = {}  # link id -> this server's end (a P2PLink once its peer has joined)
+    mail: list[MailSender] = []  # (made on the first request that names a mailbox)
+
+    def sender() -> MailSender:
+        if not mail:
+            mail.append(MailSender())
+            weakref.finalize(app, mail[0].close)  # (its connections)
+            engine.core.on_pinned, engine.core.after_apply = mail[0].pinned, mail[0].after_apply
+        return mail[0]
 
     @app.post("/pd/prefill")
     async def prefill(request: Request):
@@ -54,11 +63,21 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             raise ValueError("sampling_params.seed: required (the decode server samples on with it)")
         rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
         engine.validate(body.input_ids, sampling, rid)
-        out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
-                                                                body.prompt_len,
-                                                                export_pinned=body.transfer == "reference"))
+        if body.transfer == "reference" and (mailbox := request.headers.get(MAILBOX_HEADER)):
+            # (the pages and sums mailed as they are pinned and summed)
+            sender().expect(rid, request.headers.get(MAIL_KEY_HEADER) or body.rid, mailbox)
+        try:
+            out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
+                                                                    body.prompt_len,
+                                                                    export_pinned=body.transfer == "reference"))
+        finally:
+            if mail:
+                mail[0].forget(rid)
         if out is None:
             return Response(status_code=499)
+        output_at = time.monotonic()  # (the handler has the output: the engine's part of the export is over)
+        if mail and isinstance(out.kv, PinnedKV):
+            mail[0].sums_now(rid)  # (if their pass is done and nobody has mailed them yet)
         sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
@@ -67,11 +86,17 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if isinstance(out.kv, PinnedKV):  # (its checksum pass may still run: the sums follow the handle)
             export_id = exports.hold(out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
-            meta["pinned_at"] = out.kv.pinned_at  # (time.monotonic() as it began)
-            headers = {HEADER: json.dumps(meta)}
+            # (on the host's one monotonic clock, for the decode server's record of the whole way: the pinning's
+            # start, the handler having the output, the answer handed to the HTTP server)
+            meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "output_at": output_at,
+                     "pin_parts": out.kv.pin_parts}
             if out.kv.sums_ready():  # (one line at once: no streaming machinery on the way)
-                return Response(_handle_line(export_id, out.kv), media_type=NDJSON, headers=headers)
-            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type=NDJSON, headers=headers)
+                line = _handle_line(export_id, out.kv)
+                meta["sent_at"] = time.monotonic()
+                return Response(line, media_type=NDJSON, headers={HEADER: json.dumps(meta)})
+            meta["sent_at"] = time.monotonic()
+            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type=NDJSON,
+                                     headers={HEADER: json.dumps(meta)})
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
         else:

@@ -1,0 +1,304 @@
+"""A decode server's end of a KV transfer once the prefill server has answered (`tandem.server.disagg` states the
+protocol): the KV taken by reference (`_take`: the pages named in the mapped pool), received point to point
+(`_receive`) or verified as bytes (`_verify`); by reference written as the answer lands (`_write_landed`), compared
+with the prefill server's sums, and the export released once the engine is done with it (`_release_settled`);
+each transfer's times kept for `GET /pd/transfers` (`_record`, `records`). A part of `disagg.PrefillClient`, split
+out by concept (`KVImports`: its methods use the client's engine, pairings and HTTP session)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import weakref
+from collections import deque
+
+import aiohttp
+import torch
+
+from tandem.engine.engine import Engine
+from tandem.engine.kv_mapped import MappedKV
+from tandem.engine.kv_shared import transfer_stream
+from tandem.engine.kv_transfer import KVPages, TransferClock
+from tandem.server.disagg_mailbox import mapped_from_mail, sums_from_mail
+
+log = logging.getLogger("tandem.server.disagg")
+
+RELEASE_POST_TIMEOUT_S = 10.0  # a decode server's wait for its release to be heard (the timeout frees it anyway)
+RECORDS_KEPT = 64  # a decode server's latest transfers that `/pd/transfers` shows
+_RECORDS: weakref.WeakKeyDictionary[Engine, deque] = weakref.WeakKeyDictionary()  # a decode engine's transfers
+
+
+def records(engine: Engine) -> list[dict]:
+    """A decode engine's latest transfers, oldest first (`KVImports._record`)."""
+    return list(_RECORDS.get(engine, ()))
+
+
+def _verify(kv: KVPages) -> None:
+    """`kv.verify()` on the transfer stream (`transfer_stream`): its KV is complete, the host having waited for it,
+    so its checksums need not wait behind the engine's steps."""
+    with transfer_stream(kv.k.device):
+        kv.verify()
+
+
+class Mail:
+    """A request's mail as it comes (`disagg_mailbox`): futures for its pages' and its sums' frames
+    (`Mailbox.expect`), the task taking them (`KVImports._mailed`), and `kv` once its pages were written as their
+    mail landed."""
+
+    def __init__(self, pages: asyncio.Future, sums: asyncio.Future):
+        self.pages, self.sums = pages, sums
+        self.task: asyncio.Future | None = None
+        self.kv: MappedKV | None = None
+
+    def cancel(self) -> None:
+        for fut in (self.task, self.pages, self.sums):
+            if fut is not None:
+                fut.cancel()
+
+
+def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> dict | None:
+    """`_record`'s `path_parts` of a reference's whole way (None if the prefill server did not mark it); with
+    `mail` (the head of the mail that carried it), the mail's way instead of the answer's."""
+    try:
+        if mail is not None:
+            pinned_at, pin_s, sent_at = (float(mail[k]) for k in ("pinned_at", "pin_s", "sent_at"))
+            return {"pin_s": pin_s, "to_mail_s": sent_at - pinned_at - pin_s,
+                    "mail_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
+        pinned_at, pin_s, output_at, sent_at = (float(meta[k]) for k in ("pinned_at", "pin_s", "output_at", "sent_at"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return {"pin_s": pin_s, "to_server_s": output_at - pinned_at - pin_s, "answer_s": sent_at - output_at,
+            "wire_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
+
+
+def _launch_parts(clock: TransferClock) -> dict:
+    """The host's time from a pass's first mark to its kernels' launch, by part (`_record`'s `launch_parts`)."""
+    at = [(name, clock.host[name]) for name in ("write", "staged", "copied", "launch") if name in clock.host]
+    return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
+
+
+class KVImports:
+    """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
+
+    async def _mailed(self, url: str, rid: str, mail: Mail) -> None:
+        """`rid`'s KV as its mail (`disagg_mailbox`) lands: its pages written into those its probe set aside
+        (`Engine.write_reserved`; then `mail.kv`), then, once the sums' mail comes (unless the answer brought them
+        first), compared (`MappedKV.check`; a difference is kept as the import's failure, which ends the request).
+        Nothing where it cannot be written so (nothing set aside, a pause, other weights, a mail that does not
+        parse): the answer's way is taken."""
+        try:
+            head, payload = await mail.pages
+            if (source := self.pools.get(url)) is None:
+                return
+            clock = TransferClock(self.engine.pool.k_cache.device)
+            clock.mark("import", device=False)
+            kv = mapped_from_mail(source, head, payload, url)
+            kv.mail = head
+            kv.with_clock(clock)
+            clock.mark("taken", device=False)
+            clock.mark("verified", device=False)
+            if not self.engine.write_reserved(rid, kv, int(head["version"])):
+                return
+            mail.kv = kv
+            _, sums = await mail.sums
+            if kv.sums is None:
+                kv.sums = sums_from_mail(sums, len(kv.pages))
+                clock.mark("sums", device=False)
+            if not kv.checked:
+                kv.check()
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("decode server: the mail of %s from %s: %s; it takes the answer's way", rid, url, e)
+
+    async def _confirm(self, url: str, data: bytes, kv: MappedKV, meta: dict) -> None:
+        """The answer (`data`) to a request whose KV came by mail (`kv`, written): it must name the same export
+        (pool, positions, pages) under the same weight version; `kv` takes its export id, and its sums if they came
+        in the answer first. Else the export is released and ValueError raised (the request ends; the pages
+        written go back with it)."""
+        try:
+            answer = json.loads(data)
+            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
+        try:
+            same = (handle["pool"] == kv.source.id and (int(handle["start"]), int(handle["end"])) == (kv.start, kv.end)
+                    and bytes.fromhex(str(handle["pages"])) == kv.pages.tobytes()
+                    and int(kv.mail["version"]) == int(meta["first"][2]))
+        except (KeyError, TypeError, ValueError, IndexError):
+            same = False
+        if not same:
+            await asyncio.shield(self._release(url, export_id))
+            raise ValueError("kv transfer: the answer names other KV than its mail did")
+        kv.export_id = export_id
+        if kv.sums is None and "sums" in handle:
+            kv.take_sums(handle["sums"])
+            kv.clock.mark("sums", device=False)
+
+    @staticmethod
+    async def _sums_line(r: aiohttp.ClientResponse, kv: MappedKV, meta: dict, clock: TransferClock) -> None:
+        """Read the answer's line of sums into `kv` (its pass time into `meta`); ValueError if it does not come."""
+        try:
+            line = await r.content.readline()
+            answer = json.loads(line)
+            kv.take_sums(answer["sums"])
+            meta["export_sums_s"] = answer.get("sums_s")
+            clock.mark("sums", device=False)
+        except (ValueError, KeyError, TypeError, aiohttp.ClientError) as e:
+            raise ValueError(f"kv transfer: the prefill server's sums did not come ({type(e).__name__}: "
+                             f"{e})") from None
+        finally:
+            r.release()
+
+    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int, arriving) -> None:
+        """Write `kv` (of weight `version`) into the pages `rid`'s probe set aside, here, as the answer lands
+        (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this loop for the pass,
+        which may run beside the prefill server's own), then wait for the prefill server's sums (`arriving`) and
+        compare (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the engine
+        writes and checks it as it places the import. The export is released if this fails."""
+        try:
+            landed = kv.mail is not None or self.engine.write_reserved(rid, kv, version)  # (by mail: written)
+            if arriving is not None:
+                await arriving
+            if landed and not kv.checked:
+                kv.check()
+        except BaseException:
+            if arriving is not None:
+                arriving.cancel()
+            await asyncio.shield(self._release(url, kv.export_id))
+            raise
+
+    def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
+        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
+        `export_s` the prefill server's (pages read out or pinned, checksummed or its pass queued, shared or
+        serialised), `take_s` this server's from the answer to the KV verified on its device (`copy_s` until
+        copied or received, `verify_s` the checksums), `write_s` its write into the pool (device time; `pass_s`
+        from the kernels' launch), `import_s` from the answer to the pages written (device-synchronised; by
+        reference checked: with the engine's turn unless written as the answer landed, `landed`, then `handoff_s`
+        after it until the engine queued the request); null where not written. By reference `path_s`: from the
+        prefill server starting its export to the checksums compared here, on the host's one monotonic clock, and
+        its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages and queueing its
+        checksum pass, `to_server_s` from there to its server's handler having the output (the engine finishing
+        the request, the hop between the threads), `answer_s` the answer built, `wire_s` its way to this server's
+        handler, `import_s` here (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way
+        here, `import_s`); `launch_host_s` the host's time from the pass's first mark to its kernels' launch,
+        `pass_wait_s` from that launch to the sums in hand (host), `launch_parts` the first by part (`write` to the
+        page index staged, its copy queued, the launch), `prefill_pin_parts` the prefill's pinning by part
+        (`PinnedKV.pin_parts`); `sums_after_pass_s`: when the prefill server's sums came after this pass
+        (negative: before)."""
+        clock, written = kv.clock, "written" in kv.clock.host
+        take_s = clock.host["verified"] - clock.host["import"]
+        mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
+        try:
+            write_s = clock.seconds("write", "written") if written else None
+            pass_s = clock.seconds("launch", "written") if written and "launch" in clock.host else None
+            if mapped:
+                import_s = clock.host["checked"] - clock.host["import"] if "checked" in clock.host else None
+            else:
+                import_s = take_s + clock.seconds("verified", "written") if written else None
+        except RuntimeError as e:  # (a measurement must not fail the request it measured)
+            log.warning("decode server: transfer of %s not timed: %s", rid, e)
+            write_s = import_s = pass_s = None
+        _RECORDS.setdefault(self.engine, deque(maxlen=RECORDS_KEPT)).append({
+            "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
+            "pages": len(kv.pages) if mapped else len(kv.checksums),
+            "kv_bytes": kv.kv_bytes if mapped else 2 * kv.k.numel() * kv.k.element_size(),
+            "export_s": meta.get("export_s"), "export_sums_s": meta.get("export_sums_s"), "take_s": take_s,
+            "copy_s": clock.host["taken"] - clock.host["import"],
+            "verify_s": clock.host["verified"] - clock.host["taken"],
+            "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
+            "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
+            "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
+            "landed": mapped and "placed" in clock.host,
+            "sums_after_pass_s": clock.host["sums"] - clock.host["passed"] if mapped and "sums" in clock.host
+            and "passed" in clock.host else None,
+            "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
+            "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
+            and meta.get("pinned_at") is not None else None,
+            "path_parts": _path_parts(clock, meta, kv.mail) if mapped and "checked" in clock.mono
+            else None, "mailed": mapped and kv.mail is not None,
+            "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and "launch" in clock.host
+            and "write" in clock.host else None,
+            "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
+            and "passed" in clock.host else None,
+            "launch_parts": _launch_parts(clock) if mapped else None,
+            "prefill_pin_parts": ((kv.mail if mapped and kv.mail is not None else meta).get("pin_parts"))})
+
+    async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
+        """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
+        pool mapped at pairing: nothing is read until the engine writes it (`MappedKV.write_into`, which checks its
+        checksums). The export is released once the engine is done with it (`_release_settled`); an answer that
+        does not parse is released at once, and breaks the pairing if it names another pool."""
+        try:
+            answer = json.loads(data)
+            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
+        if (source := self.pools.get(url)) is None:
+            await asyncio.shield(self._release(url, export_id))
+            raise RuntimeError("its pool's mapping was dropped while this request waited (another transfer failed)")
+        try:
+            kv = MappedKV(source, handle, url, export_id)
+        except ValueError:
+            self._unpair(url)  # (it may have restarted: map its pool anew)
+            await asyncio.shield(self._release(url, export_id))
+            raise
+        clock.mark("taken", device=False)
+        clock.mark("verified", device=False)  # (checked as the engine writes it)
+        return kv
+
+    async def _release_settled(self, url: str, kv: MappedKV, generating: asyncio.Future) -> None:
+        """Release `kv`'s export once the engine wrote or dropped it, or the request ended (whichever is first)."""
+        await asyncio.wait([asyncio.wrap_future(kv.settled), generating], return_when=asyncio.FIRST_COMPLETED)
+        await self._release(url, kv.export_id)
+
+    async def _receive(self, url: str, data: bytes, clock: TransferClock) -> KVPages:
+        """The KV a prefill server holds for this one (`data`: its answer) received over the link, on this engine's
+        device, verified. The link's turn is held from the start of the receive to its end, so the prefill
+        server's sends on it come in this order; a failed or timed-out receive breaks the link."""
+        try:
+            answer = json.loads(data)
+            export_id, header = answer["id"], answer["kv"]
+            shape, dtype = [int(n) for n in header["shape"]], getattr(torch, str(header["dtype"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"kv transfer: the answer is not a KV header ({type(e).__name__}: {e})") from None
+        if (entry := self.links.get(url)) is None:
+            raise RuntimeError("its link broke while this request waited (another transfer failed)")
+        link_id, link, turn = entry
+        kv_2LTKD = torch.empty((2, *shape), dtype=dtype, device=self.engine.pool.k_cache.device)
+        if kv_2LTKD.numel() == 0:  # (nothing to send: only let it go)
+            await asyncio.shield(self._release(url, export_id))
+        else:
+            async with turn:
+                received = asyncio.ensure_future(asyncio.to_thread(link.recv, kv_2LTKD))
+                try:
+                    async with self._http().post(f"{url}/pd/p2p/send", json={"id": export_id, "link": link_id}) as r:
+                        if r.status != 200:
+                            raise RuntimeError(f"/pd/p2p/send answered {r.status}: "
+                                               f"{(await r.read())[:300].decode(errors='replace')}")
+                except BaseException:
+                    self._unpair(url)  # (which ends the receive, or its timeout does)
+                    with contextlib.suppress(BaseException):
+                        await asyncio.shield(received)
+                    raise
+                try:
+                    await asyncio.shield(received)  # (a receive cannot be cancelled halfway: it ends or times out)
+                except BaseException:  # (cancelled too: the turn must not pass while the receive runs on)
+                    self._unpair(url)
+                    raise
+        kv = KVPages.from_header(header, kv_2LTKD[0], kv_2LTKD[1])
+        clock.mark("taken")
+        await asyncio.to_thread(_verify, kv)
+        clock.mark("verified")
+        return kv
+
+    async def _release(self, url: str, export_id: str) -> None:
+        try:
+            async with self._http().post(f"{url}/pd/release", json={"id": export_id},
+                                         timeout=aiohttp.ClientTimeout(total=RELEASE_POST_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    log.warning("decode server: %s/pd/release of KV export %s answered %d: %s", url, export_id,
+                                r.status, (await r.read())[:300].decode(errors="replace"))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            log.warning("decode server: could not release KV export %s at %s (it frees it after its timeout): %s: "
+                        "%s", export_id, url, type(e).__name__, e)

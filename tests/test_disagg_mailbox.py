@@ -1,0 +1,200 @@
+"""The KV transfer by reference's side channel (`tandem.server.disagg_mailbox`): a pinned export's pages mailed by the
+prefill engine as it pins them and their sums as its checksum pass is done, written by the decode server as the
+mail lands and compared before the pages are used; the HTTP answer confirms it. Real servers over HTTP (CPU, fp32;
+the GPU case with the prefill server in a process of its own). Falsifiers: a page changed after the prefill summed
+it (the comparison), an answer naming other pages than the mail (the confirmation)."""
+
+import time
+
+import httpx
+import pytest
+from disagg_helpers import no_mail
+from test_disagg_transfer import (
+    DEVICES,
+    POOL,
+    decode_server,
+    generate,
+    held,
+    pinned_free,
+    prefill_server,
+    prompt,
+    tokens,
+    wait_until,
+)
+
+from tandem.server import disagg_import, disagg_prefill
+
+
+def slow_answers(monkeypatch, seconds: float = 0.3) -> None:
+    """The prefill server (of this process) answers `seconds` late: its mail surely comes first."""
+    line = disagg_prefill._handle_line
+
+    def slow(export_id, kv):
+        time.sleep(seconds)
+        return line(export_id, kv)
+    monkeypatch.setattr(disagg_prefill, "_handle_line", slow)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kv_by_reference_comes_by_mail_and_generates_what_bytes_give(device):
+    prompts = [prompt(30, seed=3), prompt(21, seed=4)]
+    with prefill_server(device) as p_url, decode_server(device, "bytes") as d_url:
+        want = [tokens(generate(d_url, p_url, ids)) for ids in prompts]
+    with prefill_server(device) as p_url, decode_server(device, "reference") as d_url:
+        got = [tokens(generate(d_url, p_url, ids)) for ids in prompts]
+        records = httpx.get(f"{d_url}/pd/transfers").json()
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
+    assert got == want and len(records) == 2 and all(r["landed"] for r in records), records
+    mailed = [r for r in records if r["mailed"]]  # (a mail later than the answer is not taken: none here on a CPU)
+    assert (len(mailed) == 2 if device == "cpu" else mailed) and all(r["path_parts"]["mail_s"] >= 0 for r in mailed)
+
+
+def test_without_a_mailbox_kv_by_reference_takes_the_answers_way(monkeypatch):
+    no_mail(monkeypatch)
+    ids = prompt(30, seed=3)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "bytes") as d_url:
+        want = tokens(generate(d_url, p_url, ids))
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        assert tokens(generate(d_url, p_url, ids)) == want
+        record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
+    assert record["landed"] and not record["mailed"] and record["path_parts"]["wire_s"] >= 0, record
+
+
+def test_a_page_changed_after_the_prefill_summed_it_ends_the_request_by_mail_too(monkeypatch):
+    """The prefill server's pool altered at page 2 as the mail lands (after the prefill summed it): the decode
+    server's comparison finds it, the request ends with an abort naming the page; the export is released, the
+    decode server's pages freed."""
+    slow_answers(monkeypatch)
+    mapped = disagg_import.mapped_from_mail
+    altered = []
+
+    def altering(source, head, payload, origin):
+        kv = mapped(source, head, payload, origin)
+        source.k[1, int(kv.pages[2]) * kv.page_size + 1, 0, 3] += 1.0
+        altered.append(kv)
+        return kv
+    monkeypatch.setattr(disagg_import, "mapped_from_mail", altering)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        assert altered and finish["type"] == "abort" and p_url in finish["message"], finish
+        assert "page 2 (positions 8...)" in finish["message"], finish
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
+        assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
+
+
+def test_an_answer_naming_other_pages_than_its_mail_ends_the_request(monkeypatch):
+    slow_answers(monkeypatch)
+    line = disagg_prefill._handle_line
+
+    def other(export_id, kv):
+        kv.head = kv.head | {"pages": kv.head["pages"][8:] + kv.head["pages"][:8]}  # (its first two pages swapped)
+        return line(export_id, kv)
+    monkeypatch.setattr(disagg_prefill, "_handle_line", other)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        assert finish["type"] == "abort" and "other KV than its mail" in finish["message"], finish
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
+        assert httpx.get(f"{d_url}/engine_stats").json()["pages_free"] == free
+
+
+def mailed_while_paused(monkeypatch, check_pause: bool) -> tuple[bool, bool, bool]:
+    """The decode server paused (in place, acknowledged) before a request by reference whose mail then lands, and
+    continued 0.5 s later: whether its generation ended before the continue, whether it came by mail, and whether
+    it generated what bytes give. `check_pause=False`: a mutant `write_reserved` that does not see the pause."""
+    import concurrent.futures
+
+    from tandem.engine.core import EngineCore
+
+    if not check_pause:
+        real = EngineCore.write_reserved
+
+        def unpaused(self, rid, kv, version):
+            paused, self.paused = self.paused, None
+            try:
+                return real(self, rid, kv, version)
+            finally:
+                self.paused = paused
+        monkeypatch.setattr(EngineCore, "write_reserved", unpaused)
+    ids = prompt(26, seed=7)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "bytes") as d_url:
+        want = tokens(generate(d_url, p_url, ids))
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert httpx.post(f"{d_url}/pause_generation", json={"mode": "in_place"}).status_code == 200
+        answer = pool.submit(generate, d_url, p_url, ids)
+        time.sleep(0.5)
+        early = answer.done()
+        assert httpx.post(f"{d_url}/continue_generation", json={}).status_code == 200
+        got = tokens(answer.result(timeout=60))
+        record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
+    return early, record["mailed"], got == want
+
+
+def test_a_pause_acknowledged_before_the_mail_lands_holds_its_write_until_continue(monkeypatch):
+    assert mailed_while_paused(monkeypatch, check_pause=True) == (False, False, True)
+
+
+def test_the_mail_pause_falsifier_a_write_that_does_not_see_the_pause_writes_by_mail(monkeypatch):
+    assert mailed_while_paused(monkeypatch, check_pause=False)[1]
+
+
+def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_stream(monkeypatch):
+    """`Mailbox` and `MailSender` alone: frames reach the future of their key and kind; a frame nobody waits for is
+    dropped; a stream that does not parse is closed (the sender's next send fails and drops its connection: the
+    answer's way then)."""
+    import asyncio
+    import json
+    import socket
+    import struct
+    from types import SimpleNamespace
+
+    from tandem.server.disagg_mailbox import Mailbox, MailSender, _address
+
+    async def go():
+        box, sender = Mailbox(), MailSender()
+        await box.start()
+        try:
+            pages, sums = box.expect("k1", "pages"), box.expect("k1", "sums")
+            sender.expect("engine-1", "k1", box.name)
+            sender.expect("engine-2", "nobody", box.name)
+            kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
+                                 pages=[7, 3, 5], sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True,
+                                 pin_parts={})
+            sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
+            sender.pinned("engine-1", kv, 4)
+            head, payload = await asyncio.wait_for(pages, 5)
+            assert (head["rid"], head["version"], head["end"]) == ("k1", 4, 9)
+            assert payload == struct.pack("<3i", 7, 3, 5)
+            head, payload = await asyncio.wait_for(sums, 5)
+            assert head["kind"] == "sums" and payload == struct.pack("<6q", 1, 2, 3, 4, 5, 6)
+            bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            bad.connect(_address(box.name))
+            bad.sendall(struct.pack("<II", 5, 0) + b"{oops")
+            await asyncio.sleep(0.2)
+            assert bad.recv(1) == b""  # (closed by the mailbox)
+            bad.close()
+            assert json.dumps(sorted(box._waiting)) == "[]"  # (the futures done, none left)
+        finally:
+            sender.close()
+            await box.close()
+    asyncio.run(go())
+
+
+def test_a_mail_that_would_block_drops_its_connection_and_never_blocks():
+    """The engine's thread sends the pages' mail: to a mailbox that stopped reading, a send that would block drops
+    the connection (False: the answer's way) instead of waiting (falsifier: a blocking socket would hang here)."""
+    import socket
+
+    from tandem.server.disagg_mailbox import MailSender
+
+    sender, (mine, theirs) = MailSender(), socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine.settimeout(0.0)  # (as `_connect` leaves it)
+    sender._sockets[("box", "pages")] = mine
+    began, sent = time.monotonic(), 0
+    while sender._send("box", "pages", {"kind": "pages"}, b"x" * (1 << 20)):  # (nobody reads `theirs`)
+        sent += 1
+        assert sent < 64, "the buffer never filled"
+    assert time.monotonic() - began < 1.0 and ("box", "pages") not in sender._sockets and mine.fileno() == -1
+    theirs.close()

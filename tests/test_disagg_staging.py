@@ -1,0 +1,118 @@
+"""The KV transfer's kept host buffers (`kv_shared.Staging`): handed out again only once the device is past the copy
+that used them (falsifier: a fake event not yet reached), none allocated per transfer on the kernel's path, a pinned
+export's sums read out of its buffer before it goes back and never read after it was freed; on the GPU the same
+through page-locked buffers and real events."""
+
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
+
+from tandem.engine import kv_mapped  # noqa: E402
+from tandem.engine.kv_mapped import PinnedKV, canonical, host_sums, page_sums_by_index  # noqa: E402
+from tandem.engine.kv_shared import Staging, staging  # noqa: E402
+from tandem.engine.kv_transfer import TransferClock  # noqa: E402
+
+
+class Event:
+    """A device event as `Staging` reads it: reached or not."""
+
+    def __init__(self, reached: bool = False):
+        self.reached = reached
+
+    def query(self) -> bool:
+        return self.reached
+
+
+def test_a_kept_buffer_is_handed_out_again_only_once_the_device_is_past_its_copy():
+    stage = Staging(pin=False)
+    a = stage.take(100)
+    copy = Event()
+    stage.give(a, copy)  # (a copy still reads or writes it)
+    b = stage.take(100)
+    assert b is not a and stage.allocated == 2  # falsifier: a buffer handed out under a copy in flight
+    stage.give(b)
+    copy.reached = True
+    assert stage.take(100) is a and stage.take(100) is b and stage.allocated == 2
+    assert stage.take(a.data.numel() + 1).data.numel() > a.data.numel()  # (too small: a new one)
+
+
+def test_at_most_keep_free_buffers_are_kept():
+    stage = Staging(pin=False, keep=2)
+    bufs = [stage.take(10) for _ in range(3)]
+    for buf in bufs:
+        stage.give(buf)
+    assert [stage.take(10) for _ in range(3)][2] not in bufs and stage.allocated == 4
+
+
+def test_the_kernels_path_allocates_no_host_buffer_per_transfer(monkeypatch):
+    """`page_sums_by_index` stages its page index in a kept buffer and gives it back: a second transfer of the same
+    size takes the same buffer (the kernel under the interpreter here)."""
+    pytest.importorskip("triton")
+    monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
+    k, v = torch.randn(2, 5 * 4, 2, 4), torch.randn(2, 5 * 4, 2, 4)
+    stage = staging("cpu")
+    first = page_sums_by_index(k, v, [1, 2, 3], 0, 10, 4)
+    made = stage.allocated
+    for _ in range(3):
+        assert torch.equal(page_sums_by_index(k, v, [1, 2, 3], 0, 10, 4), first)
+    assert stage.allocated == made  # falsifier: one buffer a transfer
+
+
+def _pinned(stage: Staging, sums: torch.Tensor) -> tuple[PinnedKV, object]:
+    """A pinned export whose sums sit in a kept buffer of `stage` (as `pin_pages` leaves them on a GPU)."""
+    pool = SimpleNamespace(page_size=4, share_id="pool")  # (what an export reads of its pool)
+    buf = stage.take(sums.numel() * 8)
+    host = buf.view(sums.numel() * 8, torch.int64).view(sums.shape)
+    host.copy_(sums)
+    unpinned = []
+    return PinnedKV(pool, [1, 2], 0, 8, host, None, unpinned.append, 0.0, TransferClock("cpu"), 0.0,
+                    (stage, buf)), buf
+
+
+def test_a_pinned_exports_sums_are_read_out_of_their_buffer_before_it_goes_back():
+    stage = Staging(pin=False)
+    sums = torch.tensor([[5, 2**33 + 7], [-3, 1]], dtype=torch.int64)
+    kv, buf = _pinned(stage, sums)
+    assert np.array_equal(kv.sums, canonical(sums.numpy()))
+    again = stage.take(32)
+    assert again is buf  # back once read
+    again.data.fill_(0xFF)  # (another export's sums now)
+    assert np.array_equal(kv.sums, canonical(sums.numpy()))
+    kv.free(taken=True)  # (its buffer went back already: nothing given twice)
+    assert stage.take(32) is not buf
+
+
+def test_a_pinned_export_freed_unread_gives_its_buffer_back_and_its_sums_are_not_read_then():
+    stage = Staging(pin=False)
+    kv, buf = _pinned(stage, torch.ones(2, 2, dtype=torch.int64))
+    kv.free(taken=False)
+    assert stage.take(32) is buf
+    with pytest.raises(ValueError, match="freed before its sums were read"):
+        _ = kv.sums
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_sums_come_back_through_kept_page_locked_buffers():
+    """`host_sums` on the device: the same values as `.cpu()`, through one page-locked buffer reused call after
+    call; `page_sums_by_index` with the kernel gives its buffer back behind a real event."""
+    sums = torch.randint(-2**40, 2**40, (512, 2), dtype=torch.int64, device="cuda")
+    stage = staging(sums.device)
+    want = canonical(sums.cpu().numpy())
+    assert np.array_equal(host_sums(sums), want)
+    made = stage.allocated
+    for _ in range(3):
+        assert np.array_equal(host_sums(sums), want)
+    assert stage.allocated == made and stage._free[0].data.is_pinned()
+    k, v = torch.randn(28, 80 * 16, 8, 128, device="cuda").bfloat16(), torch.randn(28, 80 * 16, 8, 128,
+                                                                                 device="cuda").bfloat16()
+    first = host_sums(page_sums_by_index(k, v, list(range(40)), 0, 630, 16))
+    made = stage.allocated
+    for _ in range(3):
+        assert np.array_equal(host_sums(page_sums_by_index(k, v, list(range(40)), 0, 630, 16)), first)
+    assert stage.allocated == made
