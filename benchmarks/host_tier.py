@@ -2,7 +2,7 @@
 host tier, against the ideal. Same episodes for every configuration of a point.
 
     python benchmarks/host_tier.py [--model tiny] [--device cpu] [--concurrency 32] [--episodes 96] [--out r.json]
-    python benchmarks/host_tier.py --sweep [--quick] [--out sweep.json]
+    python benchmarks/host_tier.py --sweep [--quick] [--budget-s 240] [--out sweep.json]
 
 The random agent's multi-turn episodes (every turn resubmits the whole history) run `--concurrency` at a time
 through one engine. The working set is the KV of every in-flight episode at its longest (concurrency x mean
@@ -16,7 +16,8 @@ consecutive host pages) they took and their host time per page moved and per cop
 
 `--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
 prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
-the tier should matter most: see SWEEP (`--quick`: tiny models on CPU).
+the tier should matter most: see SWEEP (`--quick`: tiny models on CPU), cheapest first; it starts no point once
+`--budget-s` seconds have passed (each point is one engine per configuration, plus a warm-up for a model's first).
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from tandem.types import Episode
 
 AGENT = RandomAgentConfig(prompt_len_min=64, prompt_len_max=256, turns_min=3, turns_max=8, response_len_median=24,
                           response_len_max=256, obs_ratio=2.0, obs_len_max=256, max_context=2048)
-# (model, context scale, concurrency, episodes) per point, write_through only (qwen3-0.6b at x1 is the default run)
-SWEEP = [("qwen3-0.6b", 4, 32, 64), ("qwen3-1.7b", 1, 64, 128), ("qwen3-4b", 1, 64, 128), ("qwen3-4b", 4, 32, 48)]
+# (model, context scale, concurrency, episodes) per point, write_through only (qwen3-0.6b at x1 is the default run);
+# contexts up to 4,096 (x2) and 8,192 tokens (x4)
+SWEEP = [("qwen3-0.6b", 2, 32, 64), ("qwen3-1.7b", 2, 32, 64), ("qwen3-4b", 2, 32, 64), ("qwen3-4b", 4, 16, 32)]
 QUICK_SWEEP = [("tiny", 1, 8, 16), ("tiny", 4, 8, 16), ("small", 1, 8, 16)]
 
 
@@ -99,7 +101,9 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
     def run(**config) -> dict:
         return measure(model, dtype, EngineConfig(**base, **config), agent, episodes, concurrency)
 
-    measure(model, dtype, EngineConfig(**base, num_pages=pages_for_all), agent, 4, 4)  # warm-up: kernels, allocator
+    if model not in args.warmed:  # warm-up: kernels, allocator (once a model)
+        measure(model, dtype, EngineConfig(**base, num_pages=pages_for_all), agent, 4, 4)
+        args.warmed.add(model)
     ideal = run(num_pages=pages_for_all)
     mean_len = sum(len(e.tokens) for e in ideal["episodes"]) / len(ideal["episodes"])
     working_set = int(concurrency * mean_len)
@@ -137,6 +141,10 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
               f"{r['wall_s'] / ideal['wall_s']:.2f}x the run whose pool holds everything (target: below 1.00x and at "
               f"most 1.30x); pages loaded {r['loaded']}: {r['from_prefetch']} from prefetches ({r['prefetched']} "
               f"prefetched), {r['from_backups']} from backups in flight")
+        for name, same in runs.items():
+            if name.startswith("pool holds everything, at most"):
+                print(f"{policy}: wall {r['wall_s'] / same['wall_s']:.2f}x the run whose pool holds everything at the "
+                      f"small pool's batch ({name}: the pool's smaller batch left out)")
         moved = r["loaded"] + r["backed_up"] + r["prefetched"]
         print(f"{policy} copies: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
               f"{r['transfers']} bus transfers for {moved} pages moved (loaded, backed up, prefetched); host time "
@@ -169,11 +177,14 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="over model sizes and context lengths (SWEEP)")
     ap.add_argument("--quick", action="store_true", help="with --sweep: tiny models (QUICK_SWEEP), for CPU")
     ap.add_argument("--points", default=None, help="with --sweep: the indices of the points to run, e.g. 0,2")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="with --sweep: start no point after this many seconds (those left are listed)")
     ap.add_argument("--out", default=None, help="JSON results, rewritten after every point")
     ap.add_argument("--same-batch", action="store_true",
                     help="also run the pool that holds everything with at most as many requests running as the small "
                          "pool ran on average (what is left of the gap is the copies', not the pool size's)")
     args = ap.parse_args()
+    args.warmed = set()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "CPU"
     print(f"# host tier benchmark, {datetime.date.today()}, {gpu}\n\n`python {' '.join(sys.argv)}`")
     if args.sweep:
@@ -183,12 +194,23 @@ def main() -> None:
         todo = [(*p, ["write_through"]) for p in grid]
     else:
         todo = [(args.model, args.context_scale, args.concurrency, args.episodes, args.policies.split(","))]
-    results = []
+    results, skipped, began = [], [], time.perf_counter()
     for model, scale, concurrency, episodes, policies in todo:
+        if args.sweep and time.perf_counter() - began > args.budget_s:
+            skipped.append([model, scale, concurrency, episodes])
+            continue
+        t0 = time.perf_counter()
         results.append(point(args, model, scale, concurrency, episodes, policies))
+        results[-1]["point_s"] = time.perf_counter() - t0
+        print(f"\n(point {model} x{scale}: {results[-1]['point_s']:.0f} s)")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"device": gpu, "argv": sys.argv, "points": results}, f, indent=1)
+                json.dump({"device": gpu, "argv": sys.argv, "points": results, "skipped": skipped}, f, indent=1)
+    if skipped:
+        print(f"\nnot run (past --budget-s {args.budget_s:.0f}): {skipped}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": gpu, "argv": sys.argv, "points": results, "skipped": skipped}, f, indent=1)
 
 
 if __name__ == "__main__":
