@@ -79,6 +79,7 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "host": s.prefill_tokens_host, "computed": s.prefill_tokens_computed, "new": new,
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
             "generated": s.generated_tokens, "busy_s": s.busy_seconds, "steps": s.num_steps,
+            "schedule_s": s.schedule_seconds, "prepare_s": s.prepare_seconds, "forward_s": s.forward_seconds,
             "mean_batch": s.running_request_steps / max(1, s.num_steps),
             "tier_s": tier.clock.as_dict() if tier else {}, "flush_s": tier.flush_clock.as_dict() if tier else {},
             "issue_s": sum(tier.clock.wall[k] for k in ("backup", "load", "prefetch")) if tier else 0.0,
@@ -133,6 +134,10 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
               f"{r['wall_s']:.1f} | {r['steps']} | {r['busy_s']:.1f} | {r['mean_batch']:.1f} | "
               f"{r['issue_s']:.2f} / {r['join_s']:.2f} / {r['wait_s']:.2f} "
               f"({r['waits']}) |")
+    parts = ", ".join(f"{name} {r['schedule_s']:.2f} / {r['prepare_s']:.2f} / {r['forward_s']:.2f}"
+                      for name, r in runs.items())
+    print("\nthe engine thread's busy s by part, schedule (with reaps, evictions, the tier's loads and prefetches) / "
+          f"prepare (step inputs) / launch and drain (waiting for the device included): {parts}")
     print("\nthe clients' thread (the agents, on the engine's GIL), CPU s: "
           + ", ".join(f"{name} {r['clients_cpu_s']:.2f}" for name, r in runs.items()))
     for policy in policies:
