@@ -120,20 +120,20 @@ class RadixCache:
             if node is None:
                 break
             node.last_access = now
-            for j, page in enumerate(node.pages):
-                c = lcp(node.tokens[j * P:(j + 1) * P], tokens[i:i + P])
-                if c == P:
-                    if page is None:
-                        m.loads.append((node, j))
-                    m.pages.append(page)
-                    i += P
-                    continue
-                if c:
-                    m.partial_len = c
-                    if page is not None:
-                        m.partial_page = page
+            # the node's tokens against the query at once (one comparison, not one a page: under a host tier a
+            # match runs the whole history, dozens of pages); only a leaf's last page may be shorter than P
+            c = lcp(node.tokens, tokens[i:i + len(node.tokens)])
+            full = c // P
+            m.loads += [(node, j) for j in range(full) if node.pages[j] is None]
+            m.pages += node.pages[:full]
+            i += full * P
+            if full < len(node.pages):  # it stops inside this node: a partial page, if any of it matches
+                m.partial_len = c - full * P
+                if m.partial_len:
+                    if node.pages[full] is not None:
+                        m.partial_page = node.pages[full]
                     else:
-                        m.partial_host = node.host[j]
+                        m.partial_host = node.host[full]
                 m.num_tokens = len(m.pages) * P + m.partial_len
                 return m
         m.num_tokens = len(m.pages) * P
@@ -169,7 +169,16 @@ class RadixCache:
                 self._add_child(node, tokens[i:], pages[i // P:], now)
                 return held
             child.last_access = now
-            for j in range(len(child.pages)):
+            # its leading full pages equal to the query's, found by one comparison (a host tier keeps whole
+            # histories in the tree: an insert walks dozens of pages); the page where they part goes below
+            same = lcp(child.tokens, tokens[i:i + len(child.tokens)]) // P
+            for j in range(same):
+                if child.pages[j] is None:  # only on the host: the caller's page is its device copy
+                    child.pages[j] = pages[i // P]
+                    self.pool.incref([child.pages[j]])
+                held.append(child.pages[j])
+                i += P
+            for j in range(same, len(child.pages)):
                 seg, q = child.tokens[j * P:(j + 1) * P], tokens[i:i + P]
                 c = lcp(seg, q)
                 if c == len(seg) == len(q):
