@@ -395,8 +395,12 @@ class RadixCache:
                 out.append(node)
             else:
                 stack.append((node, True))
-                stack.extend((c, False) for c in node.children if not on_device or c.pages[0] is not None)
-        return out[:-1]
+                if on_device:  # (a list, not a generator: under a host tier most children are skipped here)
+                    stack += [(c, False) for c in node.children if c.pages[0] is not None]
+                else:
+                    stack += [(c, False) for c in node.children]
+        out.pop()  # the root
+        return out
 
     @property
     def num_pages(self) -> int:
