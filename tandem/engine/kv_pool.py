@@ -27,6 +27,9 @@ class PageAllocator:
     def __init__(self, num_pages: int, page_size: int):
         self.num_pages, self.page_size = num_pages, page_size
         self.refcount = [0] * num_pages
+        # decrefs that left a page with one reference or none: the only way a page becomes free or evictable (held
+        # by the cache alone), so while it stands still an eviction that ran out of pages would find none again
+        self.releases = 0
         self._free = list(range(num_pages - 1, -1, -1))  # pop() hands out low page ids first
 
     @property
@@ -51,8 +54,10 @@ class PageAllocator:
         for p in pages:
             assert self.refcount[p] > 0, f"decref of free page {p}"
             self.refcount[p] -= 1
-            if self.refcount[p] == 0:
-                self._free.append(p)
+            if self.refcount[p] <= 1:
+                self.releases += 1
+                if self.refcount[p] == 0:
+                    self._free.append(p)
 
 
 class KVPool(PageAllocator):

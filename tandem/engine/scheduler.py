@@ -55,6 +55,7 @@ class Scheduler:
         self.page_size = pool.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last is the newest
+        self._fruitless_at: int | None = None  # `pool.releases` after the last eviction, if it freed nothing
         self.num_retractions = 0
         self.num_cached_tokens = 0  # tokens served from the prefix cache, over all admissions
         self.num_host_tokens = 0  # of which loaded back from the host tier
@@ -208,8 +209,11 @@ class Scheduler:
         host-tier copy holds pool pages only until its gather, which eviction issues first, or its scatter, which
         admission issues: none is waited for.)"""
         short = n + reserve - self.pool.num_free
-        if short > 0 and self.cache is not None:
-            self.cache.evict(short)
+        # (no eviction while no page has been released since one that freed nothing: it would free nothing again,
+        # and a waiting request that does not fit would walk the whole cache every step for it)
+        if short > 0 and self.cache is not None and self._fruitless_at != self.pool.releases \
+                and self.cache.evict(short) == 0:
+            self._fruitless_at = self.pool.releases
         if self.pool.num_free - reserve < n:
             return None
         return self.pool.alloc(n)
