@@ -1,5 +1,5 @@
-"""Shared by the disaggregation tests: the mutant that checks the pause gate of KV imports too late; a decode
-server without a mailbox (its KV by reference takes the answer's way)."""
+"""Shared by the disaggregation tests: the mutants that check the pause gate of KV imports too late or not at
+all; a decode server without a mailbox (its KV by reference takes the answer's way)."""
 
 from tandem.engine.core import EngineCore
 from tandem.server.disagg_mailbox import Mailbox
@@ -26,3 +26,17 @@ def no_mail(monkeypatch) -> None:
     async def refused(self):
         raise OSError("no mailbox (a test)")
     monkeypatch.setattr(Mailbox, "start", refused)
+
+
+def write_reserved_blind_to_pause(monkeypatch) -> None:
+    """A mutant `EngineCore.write_reserved` that does not see a pause (the falsifier of the pause gate on writes
+    that land outside the engine's thread)."""
+    real = EngineCore.write_reserved
+
+    def unpaused(self, rid, kv, version):
+        paused, self.paused = self.paused, None
+        try:
+            return real(self, rid, kv, version)
+        finally:
+            self.paused = paused
+    monkeypatch.setattr(EngineCore, "write_reserved", unpaused)

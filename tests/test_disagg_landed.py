@@ -12,9 +12,9 @@ import time
 
 import httpx
 import torch
+from disagg_helpers import write_reserved_blind_to_pause
 from test_disagg_mapped import POOL, PREFILL, SEEDED, a_changed_page_is_named_and_nothing_of_it_kept, pinned, prompt
 
-from tandem.engine.core import EngineCore
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV, MappedPool, pool_handle
 from tandem.engine.kv_transfer import TransferClock
@@ -76,15 +76,7 @@ def landed_while_paused(monkeypatch, check_pause: bool) -> tuple[bool, bool]:
     whether the pool changed before the continue. `check_pause=False`: a mutant `write_reserved` that does not see
     the pause."""
     if not check_pause:
-        real = EngineCore.write_reserved
-
-        def unpaused(self, rid, kv, version):
-            paused, self.paused = self.paused, None
-            try:
-                return real(self, rid, kv, version)
-            finally:
-                self.paused = paused
-        monkeypatch.setattr(EngineCore, "write_reserved", unpaused)
+        write_reserved_blind_to_pause(monkeypatch)
 
     async def go():
         with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d, Engine("tiny", POOL) as unified:

@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from disagg_helpers import no_mail
+from disagg_helpers import no_mail, write_reserved_blind_to_pause
 from test_disagg_transfer import (
     DEVICES,
     POOL,
@@ -105,18 +105,8 @@ def mailed_while_paused(monkeypatch, check_pause: bool) -> tuple[bool, bool, boo
     it generated what bytes give. `check_pause=False`: a mutant `write_reserved` that does not see the pause."""
     import concurrent.futures
 
-    from tandem.engine.core import EngineCore
-
     if not check_pause:
-        real = EngineCore.write_reserved
-
-        def unpaused(self, rid, kv, version):
-            paused, self.paused = self.paused, None
-            try:
-                return real(self, rid, kv, version)
-            finally:
-                self.paused = paused
-        monkeypatch.setattr(EngineCore, "write_reserved", unpaused)
+        write_reserved_blind_to_pause(monkeypatch)
     ids = prompt(26, seed=7)
     with prefill_server("cpu") as p_url, decode_server("cpu", "bytes") as d_url:
         want = tokens(generate(d_url, p_url, ids))
