@@ -3,10 +3,11 @@
 Triton compiles a variant of a kernel per signature, which by default includes whether each integer argument is 1
 or divisible by 16 and whether each pointer is 16-byte aligned. The engine launches some kernels outside its CUDA
 graphs with arguments that change every step (the sampler's batch and its split count, the prefill kernel's
-block-table width and tile count): each of those is declared varying (`tandem.kernels.fused.varying`), so a value
-first seen mid-run compiles nothing while every request waits. Each test launches a kernel once, then with the
-varying arguments at other values (1, a multiple of 16, neither; views that start 8 bytes into their storage) and
-asserts that no new variant was compiled. Without the declarations each fails.
+block-table width and tile count, the KV transfer's page index: three rows of one staged tensor, 16-byte aligned or
+not with the page count): each of those is declared varying (`tandem.kernels.fused.varying`), so a value first seen
+mid-run compiles nothing while every request waits. Each test launches a kernel once, then with the varying
+arguments at other values (1, a multiple of 16, neither; views that start 8 bytes into their storage) and asserts
+that no new variant was compiled. Without the declarations each fails.
 """
 
 import pytest
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from tandem.kernels import prefill_attention, sampling  # noqa: E402
+from tandem.engine.kv_mapped import page_sums_by_index  # noqa: E402
+from tandem.kernels import kv_copy, prefill_attention, sampling  # noqa: E402
 
 
 def variants(kernel) -> int:
@@ -66,4 +68,22 @@ def test_prefill_compiles_once_for_any_width_and_tile_count():
 
     first = launch(3, 3)
     later = [launch(width, num_tiles) for width in (1, 16, 17) for num_tiles in (1, 16, 33)]
+    assert all(c == first for c in later), (first, later)
+
+
+def test_kv_transfer_compiles_once_for_any_page_count():
+    """The transfer's page index is one staged [3, pages] tensor whose rows start 4 * pages bytes apart."""
+    L, P, K, D = 2, 16, 2, 64
+    src_k, src_v, dst_k, dst_v = (torch.randn(L, 64 * P, K, D, device="cuda", dtype=torch.bfloat16)
+                                  for _ in range(4))
+
+    def launch(pages):
+        n = pages * P - 5
+        page_sums_by_index(src_k, src_v, list(range(pages)), 0, n, P)
+        page_sums_by_index(src_k, src_v, list(range(pages)), 0, n, P, dst_k, dst_v, list(range(8, 8 + pages)))
+        torch.cuda.synchronize()
+        return variants(kv_copy._copy_page_sums_kernel)
+
+    first = launch(3)
+    later = [launch(pages) for pages in (1, 2, 4, 5, 6, 16, 17)]
     assert all(c == first for c in later), (first, later)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tandem.kernels.fused import varying
+
 __all__ = ["COPY_TILE", "SUMS_TILE", "Tile", "copy_page_sums", "supports"]
 
 
@@ -48,7 +50,7 @@ COPY_TILE = Tile(16384, 2)  # the fused pass's (a decode server's import)
 SUMS_TILE = Tile(16384, 4)  # the checksum pass's (a prefill server's export)
 
 
-@triton.jit
+@triton.jit(**varying("src_pages_ptr", "dst_pages_ptr", "rows_ptr", "out_ptr"))  # (rows of one staged index)
 def _copy_page_sums_kernel(src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr, rows_ptr, row_w_ptr, col_w_ptr, out_ptr,
                            src_slots, dst_slots, out_stride, words: tl.constexpr, page_size: tl.constexpr,
                            WRITE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
