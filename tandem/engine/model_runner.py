@@ -357,9 +357,9 @@ class ModelRunner:
         self.prefill_kernel(q, k, v, ints([[0]]), ints([0, 1]), ints([1]), self.pool.page_size, 1.0, 1)
         logits = torch.zeros(2, self.model.config.vocab_size, device=self.device)
         zeros = functools.partial(torch.zeros, 2, device=self.device)
-        batch = SamplingBatch(zeros() + 1, zeros() + 0.9, zeros(dtype=torch.long) + 5, zeros() + 0.05,
-                              zeros(dtype=torch.long), zeros(dtype=torch.long), needs_filter=True,
-                              banned=(ints([0]).long(), ints([0]).long()), top_logprobs_num=2)
+        longs = functools.partial(zeros, dtype=torch.long)
+        batch = SamplingBatch(zeros() + 1, zeros() + 0.9, longs() + 5, zeros() + 0.05, longs(), longs(),
+                              needs_filter=True, banned=(longs()[:1], longs()[:1]), top_logprobs_num=2)
         sample(logits, batch)
         top_logprobs(logits, batch)
         sample(logits, SamplingBatch(batch.temperatures, batch.top_ps, batch.top_ks, batch.min_ps, batch.seeds,

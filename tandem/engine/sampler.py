@@ -43,8 +43,7 @@ def hash_uniform(seeds_B: torch.Tensor, positions_B: torch.Tensor, vocab_size: i
 
 
 @functools.cache
-def fused_sampler():
-    """`tandem.kernels.sampling.sample_gumbel`, or None without Triton."""
+def _fused_sampler():
     try:
         from tandem.kernels.sampling import sample_gumbel
     except ImportError:  # no Triton
@@ -91,8 +90,8 @@ def sample(logits_BV: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor,
     """Returns (token ids [B] int64, logprobs [B] float32). On CUDA, batches without truncation go through one
     fused Triton pass over the logits (`tandem.kernels.sampling`, the same tokens)."""
     logits_BV = _ban(logits_BV, batch)
-    if logits_BV.is_cuda and not batch.needs_filter and fused_sampler() is not None:
-        return fused_sampler()(logits_BV, batch.temperatures, batch.seeds, batch.positions)
+    if logits_BV.is_cuda and not batch.needs_filter and _fused_sampler() is not None:
+        return _fused_sampler()(logits_BV, batch.temperatures, batch.seeds, batch.positions)
     logits_BV = logits_BV.float()
     greedy = batch.temperatures == 0
     temps = torch.where(greedy, torch.ones_like(batch.temperatures), batch.temperatures)

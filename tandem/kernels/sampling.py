@@ -102,7 +102,7 @@ def _split_kernel(logits_ptr, temps_ptr, seeds_ptr, positions_ptr, mid_m_ptr, mi
     tl.store(mid_idx_ptr + out, best_idx)
 
 
-@triton.jit(**varying("temps_ptr", "tokens_ptr", "logprobs_ptr", "num_splits"))
+@triton.jit(**varying("temps_ptr", "num_splits"))
 def _merge_kernel(logits_ptr, temps_ptr, mid_m_ptr, mid_s_ptr, mid_key_ptr, mid_idx_ptr, tokens_ptr, logprobs_ptr,
                   stride_lb, num_splits, BLOCK_SPLITS: tl.constexpr, INTERPRET: tl.constexpr):
     b = tl.program_id(0)
@@ -155,6 +155,7 @@ def sample_gumbel(logits_BV: torch.Tensor, temperatures_B: torch.Tensor, seeds_B
         logits_BV, temperatures_B, seeds_B, positions_B, mid_m, mid_s, mid_key, mid_idx,
         logits_BV.stride(0), V, vocab_per_split, num_splits, BLOCK=BLOCK_V, INTERPRET=interpret, num_warps=4,
     )
+    # (the merge's block from the vocabulary, not the split count: one compiled variant for every batch size)
     _merge_kernel[(B,)](
         logits_BV, temperatures_B, mid_m, mid_s, mid_key, mid_idx, tokens_B, logprobs_B, logits_BV.stride(0),
         num_splits, BLOCK_SPLITS=triton.next_power_of_2(triton.cdiv(V, BLOCK_V)), INTERPRET=interpret, num_warps=1,
