@@ -104,9 +104,12 @@ class EngineCore(DecodeImports):
             raise ValueError("engine.enable_return_routed_experts: the model has no mixture-of-experts layers")
         self.pool = KVPool(self.model_config, num_pages, config.page_size, param.dtype, param.device,
                            num_kv_heads=self.model.model.layers[0].self_attn.num_kv_heads,
-                           routing=config.enable_return_routed_experts, shared=config.role == "prefill")
+                           routing=config.enable_return_routed_experts, shared=config.role == "prefill",
+                           slot_sums=config.role == "prefill")
         if self.pool.routing is not None:
             self.model.capture_routing(self.pool.routing)
+        if self.pool.sums is not None:  # (an export's checksums without a pass over its KV: `pin_pages`)
+            self.model.capture_kv_sums(self.pool.record_sums)
         self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
         self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache,
                              order=self.order) if config.host_cache != "off" else None

@@ -315,8 +315,9 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
               unpin: Callable[[list[int]], None]) -> PinnedKV:
     """Pin the pages holding positions [start, end) (`start` page-aligned) of a sequence with page table `pages`
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and checksum them
-    where they are: one pass on the device, its sums copied to the host behind it (`PinnedKV.sums` waits for
-    them; the host does not wait here). Call in the engine's thread, between steps, once the step that computed
+    where they are: from the checksum records the forward left where the pool keeps them and every page is
+    `summed` (`KVPool.page_sums`: a few small kernels), else one pass over the pages on the device; the sums are
+    copied to the host behind it (`PinnedKV.sums` waits for them; the host does not wait here). Call in the engine's thread, between steps, once the step that computed
     the KV has been waited for (its sampled tokens read): the pages are complete, whoever reads them when."""
     P = pool.page_size
     assert start % P == 0, start
@@ -326,7 +327,11 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     try:
         clock, staged = TransferClock(pool.k_cache.device), None
         clock.mark("pin", device=False)
-        sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
+        if pool.sums is not None and pool.summed[held].all():  # (recorded as the forward wrote them: no pass)
+            clock.mark("launch")
+            sums = pool.page_sums(pages, start, end)
+        else:
+            sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
         if sums.is_cuda:  # (into a kept page-locked buffer, behind the pass on this stream; the event says when)
             stage = staging(sums.device)
             buf = stage.take(sums.numel() * 8)
@@ -455,6 +460,7 @@ class MappedKV:
             raise ValueError(f"kv transfer: pages of {P} positions, this pool's of {pool.page_size}")
         clock = self.clock = self.clock or TransferClock(pool.k_cache.device)
         clock.mark("write")
+        pool.mark_unsummed(pages[self.start // P:-(-self.end // P)])
         sums = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
                                   pool.k_cache, pool.v_cache, pages[self.start // P:-(-self.end // P)], clock)
         clock.mark("written")

@@ -8,12 +8,14 @@ free list when its last reference is dropped.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
 import tempfile
 import uuid
 
+import numpy as np
 import torch
 
 from tandem.config import EngineConfig, ModelConfig
@@ -62,13 +64,19 @@ class PageAllocator:
 
 class KVPool(PageAllocator):
     def __init__(self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype, device,
-                 num_kv_heads: int | None = None, routing: bool = False, shared: bool = False):
+                 num_kv_heads: int | None = None, routing: bool = False, shared: bool = False,
+                 slot_sums: bool = False):
         """`num_kv_heads`: the KV heads this rank holds (fewer than the model's under tensor parallelism).
         `routing`: also keep, slot by slot beside the KV, the top-k expert ids every layer of a mixture-of-experts
         model routed the slot's token to (`routing` [S, num_hidden_layers, num_experts_per_tok] int16; -1 where a
         layer is dense or nothing was written). `shared` (a prefill server's pool on a CPU): keys and values in one
         shared-memory file that other processes of the host map by `shm_path` (`kv_mapped`); on a GPU the pool is
-        mapped by CUDA IPC and this changes nothing. `share_id`: this pool's identity, for whoever maps it."""
+        mapped by CUDA IPC and this changes nothing. `share_id`: this pool's identity, for whoever maps it.
+        `slot_sums` (a prefill server's pool): also keep, slot by slot, each layer's share of its page's checksum
+        (`kv_transfer.page_sums`) as the forward wrote it (`sums` [S, L, 2] int64, stored by `record_sums`), so
+        that `page_sums` gives an export's checksums without a pass over its KV; `summed` [num_pages] (on the host)
+        says which pages hold only positions the forward wrote since the page was handed out (a page filled another
+        way, loaded from the host tier or imported, is marked by `mark_unsummed`)."""
         super().__init__(num_pages, page_size)
         # one extra page, never handed out: padding rows of fixed-shape decode batches write there
         self.scratch_slot = num_pages * page_size
@@ -86,6 +94,52 @@ class KVPool(PageAllocator):
             self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.routing = torch.full((shape[1], config.num_hidden_layers, config.num_experts_per_tok), -1,
                                   dtype=torch.int16, device=device) if routing else None
+        self.sums = torch.zeros((shape[1], shape[0], 2), dtype=torch.int64, device=device) if slot_sums else None
+        self.summed = np.zeros(num_pages, dtype=bool) if slot_sums else None
+
+    def alloc(self, n: int) -> list[int] | None:
+        pages = super().alloc(n)
+        if pages and self.summed is not None:
+            self.summed[pages] = True  # (what the forward writes into them is recorded as it is written)
+        return pages
+
+    def mark_unsummed(self, pages: list[int]) -> None:
+        """Pages whose KV was written other than by the forward: their `sums` records are not theirs."""
+        if self.summed is not None:
+            self.summed[pages] = False
+
+    def record_sums(self, layer: int, slots: torch.Tensor) -> None:
+        """Record layer `layer`'s checksum shares of the keys and values just written at `slots` (into `sums`;
+        asynchronous on a GPU). Called by the model, layer by layer (`Qwen3ForCausalLM.capture_kv_sums`)."""
+        k, v, out = self.k_cache[layer], self.v_cache[layer], self.sums[:, layer]
+        weights = _sum_weights(self.k_cache.shape[0], self.page_size, _words_per_position(k), k.device)[layer]
+        if k.is_cuda:
+            from tandem.kernels.kv_sums import record_slot_sums, supports
+
+            if supports(k) and supports(v):
+                record_slot_sums(k, v, slots, out, weights, self.page_size)
+                return
+        from tandem.engine.kv_transfer import _words
+
+        row_k, col_k, row_v, col_v = weights
+        slots = slots.long()
+        offsets = slots % self.page_size
+        row_part = torch.zeros(slots.numel(), dtype=torch.int64, device=slots.device)
+        col_part = torch.zeros(slots.numel(), dtype=torch.int32, device=slots.device)
+        for cache, row_w, col_w in ((k, row_k, col_k), (v, row_v, col_v)):
+            words_TM = _words(cache.index_select(0, slots)[None])[0]
+            row_part += words_TM.sum(1, dtype=torch.int32).long() * row_w[offsets]
+            col_part += (words_TM * col_w.to(torch.int32)).sum(1, dtype=torch.int32)
+        out[slots] = torch.stack([row_part, col_part.long()], 1)
+
+    def page_sums(self, pages: list[int], start: int, end: int) -> torch.Tensor:
+        """`kv_transfer.page_sums` of token positions [start, end) (`start` page-aligned) of a sequence with page
+        table `pages`, from the `sums` records: [pages, 2] int64 on the pool's device, not synchronised (the
+        column parts hold their value in the low 32 bits: `kv_mapped.canonical`). The pages must be `summed`."""
+        P, n = self.page_size, end - start
+        shares = self.sums[self.slots(pages, start, end)].sum(1)  # [n, 2]: the layers' shares, wrapping
+        padded = torch.nn.functional.pad(shares, (0, 0, 0, -n % P))
+        return padded.view(-1, P, 2).sum(1)
 
     def copy_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` positions of one page into another (all layers): how a request
@@ -96,6 +150,9 @@ class KVPool(PageAllocator):
         self.v_cache[:, dst] = self.v_cache[:, src]
         if self.routing is not None:
             self.routing[dst] = self.routing[src]
+        if self.sums is not None:
+            self.sums[dst] = self.sums[src]
+            self.summed[dst_page] = self.summed[src_page]
 
     def slots(self, pages: list[int], start: int, end: int, device=None) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with page table `pages`."""
@@ -103,6 +160,22 @@ class KVPool(PageAllocator):
         table = torch.tensor(pages, dtype=torch.long)
         slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
         return slots.to(device or self.k_cache.device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _sum_weights(layers: int, page_size: int, words: int, device: torch.device) -> list[tuple]:
+    """Per layer, `kv_transfer.checksum_weights`'s (keys' row, keys' column, values' row, values' column)."""
+    from tandem.engine.kv_transfer import checksum_weights
+
+    (row_k, col_k), (row_v, col_v) = (checksum_weights(which, layers, page_size, words, device) for which in (0, 1))
+    return [(row_k[i], col_k[i], row_v[i], col_v[i]) for i in range(layers)]
+
+
+def _words_per_position(cache_SKD: torch.Tensor) -> int:
+    """32-bit words a position of one layer holds (`kv_transfer._words` widens int16 or bytes where they do not
+    divide into 4)."""
+    nbytes = cache_SKD[0].numel() * cache_SKD.element_size()
+    return next(nbytes // w for w in (4, 2, 1) if nbytes % w == 0)
 
 
 def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:

@@ -258,6 +258,7 @@ def write_pages(pool: KVPool, pages: list[int], kv: KVPages) -> None:
     if kv.k.device.type == "cuda":  # (made on another stream, perhaps: not reused before this stream has read it)
         kv.k.record_stream(torch.cuda.current_stream(kv.k.device))
         kv.v.record_stream(torch.cuda.current_stream(kv.v.device))
+    pool.mark_unsummed(pages[kv.start // pool.page_size:-(-kv.end // pool.page_size)])
     pool.k_cache.index_copy_(1, slots, kv.k.to(pool.k_cache.device, pool.k_cache.dtype))
     pool.v_cache.index_copy_(1, slots, kv.v.to(pool.v_cache.device, pool.v_cache.dtype))
     if pool.routing is not None:

@@ -146,6 +146,7 @@ class RadixCache:
         `before_compute` (the loads' scatter)."""
         host = match.host_pages
         self.tier.load(host, fresh[:len(host)])  # (the caller runs `tier.before_compute` before reading them)
+        self.pool.mark_unsummed(fresh[:len(host)])  # (no checksum records came with them)
         shared = fresh[:len(match.loads)]
         self.pool.incref(shared)
         for (node, j), page in zip(match.loads, shared, strict=True):

@@ -168,6 +168,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.moe_blocks = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, Qwen3SparseMoeBlock)]
         self.routing_checksum: torch.Tensor | None = None  # see `keep_routing_checksum`
         self.routing_store: torch.Tensor | None = None  # see `capture_routing`
+        self.kv_sums = None  # see `capture_kv_sums`
         self.lm_head = VocabParallelHead(config.hidden_size, config.vocab_size, tp)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -179,6 +180,14 @@ class Qwen3ForCausalLM(nn.Module):
         """Have every forward over a KV cache write each token's expert ids, per MoE layer, into `store`
         [S, num_hidden_layers, k] at the token's cache slot (`AttentionContext.token_slots`)."""
         self.routing_store = store
+
+    def capture_kv_sums(self, record) -> None:
+        """Have every forward over a KV cache call `record(layer, slots)` once each layer's keys and values are
+        in the cache (`slots`: the step's, `AttentionContext.token_slots`): `KVPool.record_sums`."""
+        self.kv_sums = record
+
+    def _sums_slots(self, ctx: AttentionContext) -> torch.Tensor | None:
+        return ctx.token_slots() if self.kv_sums is not None else None
 
     def _set_capture(self, ctx: AttentionContext) -> None:
         slots = ctx.token_slots() if self.routing_store is not None else None
@@ -268,8 +277,11 @@ class Qwen3ForCausalLM(nn.Module):
             return self._forward_fused(input_ids_T, positions_T, ctx)
         cos, sin = rope_cos_sin(positions_T, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids_T)
+        slots = self._sums_slots(ctx)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
+            if slots is not None:
+                self.kv_sums(layer.self_attn.layer, slots)
         return self.model.norm(x)
 
     def _forward_fused(self, input_ids_T, positions_T, ctx):
@@ -279,10 +291,13 @@ class Qwen3ForCausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids_T)
         layers = self.model.layers
         h = f.rmsnorm(residual, layers[0].input_layernorm.weight, eps)
+        slots = self._sums_slots(ctx)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             q, k, v = self._attention_qkv(attn, F.linear(h, attn.qkv_weight), positions_T, ctx)
             o = attn.o_proj(ctx.attend(attn.layer, q, k, v).reshape(h.shape[0], -1))
+            if slots is not None:
+                self.kv_sums(attn.layer, slots)
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
             if isinstance(mlp, Qwen3SparseMoeBlock):
@@ -315,7 +330,7 @@ class Qwen3ForCausalLM(nn.Module):
         f, eps = self.fused, self.config.rms_norm_eps
         s = functools.partial(self.small.small_linear, arrived=self.small_arrived)
         residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
-        T = residual.shape[0]
+        T, slots = residual.shape[0], self._sums_slots(ctx)
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             dest = ctx.kv_destination(attn.layer)
@@ -327,6 +342,8 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
                 o = ctx.attend(attn.layer, *self._attention_qkv(attn, qkv, positions_T, ctx)).reshape(T, -1)
+            if slots is not None:
+                self.kv_sums(attn.layer, slots)
             s(o, attn.o_proj.weight, out=residual)
             if isinstance(mlp, Qwen3SparseMoeBlock):
                 residual += mlp(f.rmsnorm(residual, layer.post_attention_layernorm.weight, eps))

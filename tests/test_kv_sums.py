@@ -1,0 +1,163 @@
+"""Checksum records kept as the forward writes the KV (`KVPool(slot_sums=True)`, `tandem.kernels.kv_sums`): a page's
+checksum from its slots' records is `kv_transfer.page_sums` of its bytes, whatever the order and chunking of the
+writes and when a slot is written again; the Triton kernel's records are the torch path's bit for bit (under the
+interpreter here, on the device in the `gpu` case); a prefill engine's export takes its checksums from the records
+(chunked prompts, prefix hits, a partially matched page copied) and from a pass where a page came from the host tier
+(falsifier: without `mark_unsummed` the export's checksums are not its bytes')."""
+
+import asyncio
+import dataclasses
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
+
+from tandem.config import EngineConfig  # noqa: E402
+from tandem.engine.engine import Engine  # noqa: E402
+from tandem.engine.kv_mapped import canonical, host_sums, page_sums_by_index  # noqa: E402
+from tandem.engine.kv_pool import KVPool, _sum_weights, _words_per_position  # noqa: E402
+from tandem.engine.kv_transfer import page_sums  # noqa: E402
+from tandem.types import SamplingParams  # noqa: E402
+
+CASES = [  # layers, KV heads, head dim, dtype (a position's words: int32, int32 of fp32, int16 widened)
+    (2, 2, 8, torch.bfloat16),
+    (3, 1, 4, torch.float32),
+    (2, 1, 3, torch.bfloat16),
+]
+
+
+def sums_pool(layers, heads, dim, dtype, pages=10, page_size=4, device="cpu") -> KVPool:
+    config = SimpleNamespace(num_hidden_layers=layers, num_key_value_heads=heads, head_dim=dim, num_experts_per_tok=1)
+    return KVPool(config, pages, page_size, dtype, device, slot_sums=True)
+
+
+def write(pool: KVPool, slots: list[int], gen: torch.Generator) -> None:
+    """Random keys and values at `slots` in every layer, each layer's records taken as a forward would."""
+    index = torch.tensor(slots, device=pool.k_cache.device)
+    for layer in range(pool.k_cache.shape[0]):
+        for cache in (pool.k_cache, pool.v_cache):
+            cache[layer, index] = torch.randn(len(slots), *cache.shape[2:], generator=gen).to(cache)
+        pool.record_sums(layer, index)
+
+
+@pytest.mark.parametrize("layers,heads,dim,dtype", CASES, ids=["bf16", "fp32", "bf16 int16 words"])
+def test_a_pages_records_sum_to_its_checksum_however_it_was_written(layers, heads, dim, dtype):
+    pool, gen, P = sums_pool(layers, heads, dim, dtype), torch.Generator().manual_seed(0), 4
+    table, n = [7, 2, 5, 0], 14  # (the last page short)
+    slots = [table[t // P] * P + t % P for t in range(n)]
+    write(pool, slots[:5], gen)  # chunks that start and end inside pages
+    write(pool, slots[5:11], gen)
+    write(pool, slots[3:6] + slots[11:], gen)  # positions written again: their records replaced
+    expected = page_sums(pool.k_cache[:, slots], pool.v_cache[:, slots], P)
+    assert torch.equal(canonical(pool.page_sums(table, 0, n)), expected)
+    assert torch.equal(canonical(pool.page_sums(table, 8, n)), expected[2:])  # (from a later page on)
+
+
+def test_a_record_not_taken_leaves_the_checksum_wrong():
+    """The falsifier of the records' completeness: a write whose records are not taken."""
+    pool, gen, P = sums_pool(2, 2, 8, torch.bfloat16), torch.Generator().manual_seed(1), 4
+    write(pool, list(range(8)), gen)
+    pool.k_cache[1, 5] += 1  # (written, not recorded)
+    assert not torch.equal(canonical(pool.page_sums([0, 1], 0, 8))[1], page_sums(pool.k_cache[:, :8],
+                                                                                   pool.v_cache[:, :8], P)[1])
+
+
+@pytest.mark.parametrize("layers,heads,dim,dtype", [c for c in CASES if c[2] * c[1] * c[3].itemsize % 4 == 0]
+                         + [(1, 8, 128, torch.bfloat16)], ids=["bf16", "fp32", "qwen3-0.6b position"])
+def test_the_kernels_records_are_the_torch_paths(layers, heads, dim, dtype):
+    from tandem.kernels.kv_sums import record_slot_sums
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pool, gen = sums_pool(layers, heads, dim, dtype, device=device), torch.Generator().manual_seed(2)
+    write(pool, [1, 9, 10, 30, 17, 3], gen)  # (the torch path's records)
+    slots = torch.tensor([1, 9, 10, 30, 17, 3], dtype=torch.int32, device=device)
+    for layer in range(layers):
+        out = torch.zeros_like(pool.sums[:, layer])
+        weights = _sum_weights(layers, 4, _words_per_position(pool.k_cache[layer]), pool.k_cache.device)[layer]
+        record_slot_sums(pool.k_cache[layer], pool.v_cache[layer], slots, out, weights, 4)
+        # (the column part: the kernel keeps its 32 bits sign-extended, as torch's)
+        assert torch.equal(out[slots.long()], pool.sums[slots.long(), layer]), layer
+        assert not out[[0, 2]].any()  # nothing written elsewhere
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_gpu_pool_records_through_the_kernel_what_the_cpu_records():
+    cpu, gpu = (sums_pool(2, 8, 128, torch.bfloat16, device=d) for d in ("cpu", "cuda"))
+    for pool in (cpu, gpu):
+        write(pool, list(range(3, 40)), torch.Generator().manual_seed(3))
+    assert torch.equal(cpu.sums, gpu.sums.cpu())
+
+
+PREFILL = EngineConfig(page_size=4, num_pages=24, role="prefill", max_prefill_tokens=16)
+ONE = SamplingParams(max_new_tokens=1, temperature=0.0)
+
+
+def prompt(n, seed):
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+async def export_checked(p: Engine, ids: list[int]) -> np.ndarray:
+    """Export `ids`' KV pinned; assert its checksums are those of a pass over its pages; free it. The sums."""
+    out = await p.generate(ids, ONE, export_kv_from=0, export_pinned=True)
+    kv, pool = out.kv, p.pool
+    try:
+        passed = host_sums(page_sums_by_index(pool.k_cache, pool.v_cache, kv.pages, kv.start, kv.end, pool.page_size))
+        assert np.array_equal(kv.sums, passed)
+        return kv.sums
+    finally:
+        kv.free(True)
+
+
+def test_a_prefill_engines_exports_take_the_records_checksums(monkeypatch):
+    """Chunked prompts (16 tokens a step), a prefix hit, a partially matched page copied: every export's checksums
+    come from the records (no pass is run) and are its pages' bytes'."""
+    def no_pass(*args, **kwargs):
+        raise AssertionError("a checksum pass ran")
+
+    async def go():
+        with Engine("tiny", PREFILL) as p:
+            assert p.pool.sums is not None
+            a = prompt(37, 0)
+            monkeypatch.setattr("tandem.engine.kv_mapped.page_sums_by_index", no_pass)
+            first = await export_checked(p, a)
+            again = await export_checked(p, a)  # (all but the last token from the cache, whose page is recomputed,
+            assert np.array_equal(first[:-1], again[:-1])  # in another step shape: not always the same bytes)
+            await export_checked(p, a[:30] + prompt(9, 1))  # (page 7 matched in part: copied, then written on)
+
+    asyncio.run(go())
+
+
+def exports_after_host_loads(monkeypatch, mark: bool) -> int:
+    """A prefill engine whose pool holds 96 positions and whose host tier the rest: a prompt exported, the pool
+    churned by others (its pages evicted to the host and reused), then the prompt again (its pages loaded from the
+    host tier) and exported, each export checked against a pass. `mark`: False for a mutant pool that does not
+    mark loaded pages. Returns the pages the tier loaded."""
+    if not mark:
+        monkeypatch.setattr(KVPool, "mark_unsummed", lambda self, pages: None)
+    config = dataclasses.replace(PREFILL, host_cache="write_through", enable_prefix_cache=True)
+
+    async def go():
+        with Engine("tiny", config) as p:
+            a = prompt(40, 0)
+            await export_checked(p, a)
+            for seed in range(1, 4):
+                await export_checked(p, prompt(40, seed))
+            await export_checked(p, a + prompt(4, 9))
+            return p.core.tier.pages_loaded
+
+    return asyncio.run(go())
+
+
+def test_pages_loaded_from_the_host_tier_are_checksummed_by_a_pass(monkeypatch):
+    assert exports_after_host_loads(monkeypatch, mark=True) > 0
+
+
+def test_the_loaded_pages_falsifier_records_of_other_bytes_fail_the_export_check(monkeypatch):
+    with pytest.raises(AssertionError):
+        exports_after_host_loads(monkeypatch, mark=False)
