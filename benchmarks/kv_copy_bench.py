@@ -10,8 +10,9 @@ timed with CUDA events, median of `reps` after a warm-up: (1) the fused pass (re
 destination pages, checksums of what it read; `page_sums_by_index` with a destination: both launches, keys and
 values, and the sums over layers), (2) the checksum pass alone (what a prefill server's export costs), (3)
 `torch` copy of the same bytes, contiguous (the reference: `copy_time(B)`), (4) a torch gather by index of the same
-pages (what the previous transfer did, three times). Each row: ms, and the copy's time over it (100% = as fast as
-the plain copy of the same bytes).
+pages (what the previous transfer did, three times); (5) a prefill server's forward recording the same positions'
+checksum shares in every layer, and (6) its export's checksums from those records. Each row: ms, and the copy's
+time over it (100% = as fast as the plain copy of the same bytes).
 
 `--sweep`: (1) and (2) again for each kernel tile of a grid (`kv_copy.Tile`: words a program holds at once, warps,
 streaming loads and stores), each checked against the default tile's sums and written pages bit for bit, sorted
@@ -77,8 +78,30 @@ def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int =
            "copy_s": _time(lambda: t["flat_dst"].copy_(t["flat_src"]), reps),
            "gather_s": _time(lambda: (t["src_k"].index_select(1, slots), t["src_v"].index_select(1, slots)), reps)}
     t.clear()
+    out |= record_times(model, tokens, page_size, reps, device)
     torch.cuda.empty_cache()
     return out
+
+
+def record_times(model: str, tokens: int, page_size: int, reps: int, device: str) -> dict:
+    """A prefill server's checksum records (`KVPool(slot_sums=True)`): the device time its forward spends recording
+    `tokens` positions in every layer (`records_s`: one launch a layer, as the forward makes them), and its export's
+    sums from them (`page_sums_s`: what replaces the checksum pass)."""
+    from tandem.engine.kv_pool import KVPool
+
+    cfg = PRESETS[model]
+    pages = -(-tokens // page_size)
+    pool = KVPool(cfg, 2 * pages, page_size, torch.bfloat16, device, slot_sums=True)
+    for cache in (pool.k_cache, pool.v_cache):
+        cache.copy_(torch.randn(cache.shape, device=device))
+    table = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(1))[:pages].tolist()
+    slots = pool.slots(table, 0, tokens)
+
+    def record():
+        for layer in range(cfg.num_hidden_layers):
+            pool.record_sums(layer, slots)
+
+    return {"records_s": _time(record, reps), "page_sums_s": _time(lambda: pool.page_sums(table, 0, tokens), reps)}
 
 
 SWEEP_WORDS = (1024, 2048, 4096, 8192, 16384)
@@ -169,6 +192,12 @@ def report(times: dict) -> None:
                       ("torch copy of the same bytes, contiguous (the reference)", "copy_s"),
                       ("torch gather by index of the same pages (keys and values)", "gather_s")):
         print(f"| {what} | {1e3 * times[key]:.3f} | {copy / times[key]:.0%} |")
+    for what, key in (("a prefill's forward recording every layer's checksum shares (`KVPool.record_sums`)",
+                       "records_s"),
+                      ("the export's checksums from the records (`KVPool.page_sums`: replaces the pass)",
+                       "page_sums_s")):
+        if key in times:
+            print(f"| {what} | {1e3 * times[key]:.3f} | |")
 
 
 def main() -> None:

@@ -85,6 +85,19 @@ def test_the_kernels_records_are_the_torch_paths(layers, heads, dim, dtype):
         assert not out[[0, 2]].any()  # nothing written elsewhere
 
 
+def test_the_kernels_page_sums_of_records_are_the_torch_paths():
+    from tandem.kernels import kv_sums
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pool = sums_pool(3, 2, 8, torch.bfloat16, pages=12, device=device)
+    pool.sums.random_(-2**62, 2**62, generator=torch.Generator(device).manual_seed(4))  # (any records)
+    pages, n = [9, 0, 4, 11], 14  # (the last page short)
+    index = torch.tensor([pages, [4, 4, 4, 2]], dtype=torch.int32, device=device)
+    got = kv_sums.page_sums(pool.sums, index[0], index[1], 4)
+    assert torch.equal(canonical(got), canonical(pool.page_sums(pages, 0, n)))
+    assert torch.equal(canonical(got[1:]), canonical(pool.page_sums([0] + pages[1:], 4, n)))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_gpu_pool_records_through_the_kernel_what_the_cpu_records():

@@ -47,7 +47,8 @@ from tandem.engine.kv_shared import (
 )
 from tandem.engine.kv_transfer import TransferClock, _hex, checksum_weights, page_sums
 
-__all__ = ["MappedKV", "MappedPool", "PinnedKV", "page_sums_by_index", "pin_pages", "pool_handle"]
+__all__ = ["MappedKV", "MappedPool", "PinnedKV", "page_sums_by_index", "pin_pages", "pool_handle",
+           "record_sums_by_index"]
 
 
 def pool_handle(pool: KVPool) -> dict:
@@ -141,21 +142,8 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     if _kernel_ok(*caches):
         from tandem.kernels.kv_copy import copy_page_sums
 
-        rows = array.array("i", [page_size]) * num
-        if num:
-            rows[-1] = n - (num - 1) * page_size
-        # (staged in a kept page-locked buffer (`Staging`): a plain DMA behind the stream's work, no allocation that
-        # may synchronise the device; the buffer is reused once the device is past the copy)
-        stage = staging(device)
-        buf = stage.take(12 * num)
-        host = buf.view(12 * num, torch.int32)
-        torch.cat([_int32(src_pages), _int32(src_pages if dst_pages is None else dst_pages), _int32(rows)], out=host)
-        if clock is not None:
-            clock.mark("staged", device=False)
-        index = host.to(device, non_blocking=True).view(3, num)
-        copied = buf.record(device)
-        if clock is not None:
-            clock.mark("copied", device=False)
+        index, staged = _stage_index(device, (src_pages, src_pages if dst_pages is None else dst_pages,
+                                               _rows(num, n, page_size)), clock)
         layers = src_k.shape[0]
         if clock is not None:
             clock.mark("launch")
@@ -164,7 +152,7 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
                            index[1] if dst is not None else None, out=parts[:, which], tile=tile)
-        stage.give(buf, copied)  # (after the launches: off a GPU `index` is `host` itself, read by them)
+        staged()  # (after the launches: off a GPU `index` is the staging buffer itself, read by them)
         if clock is not None:
             clock.mark("launched", device=False)
         return parts.view(num, 2 * layers, 2).sum(1)
@@ -176,6 +164,55 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         dst_k.index_copy_(1, dst_slots, k.to(dst_k.dtype))
         dst_v.index_copy_(1, dst_slots, v.to(dst_v.dtype))
     return sums
+
+
+def record_sums_by_index(pool: KVPool, pages, start: int, end: int,
+                         clock: TransferClock | None = None) -> torch.Tensor:
+    """`page_sums_by_index`'s sums of positions [start, end) held in `pages` (from `start`'s on) of `pool`, from the
+    checksum records its forward left (`KVPool.sums`; the pages must be `summed`): one small kernel on a GPU
+    (`tandem.kernels.kv_sums.page_sums`), else `KVPool.page_sums`. Not synchronised; `clock` marked as by
+    `page_sums_by_index`."""
+    P, num, n = pool.page_size, len(pages), end - start
+    device = pool.sums.device
+    if not pool.sums.is_cuda:
+        return pool.page_sums([0] * (start // P) + list(pages), start, end)
+    from tandem.kernels import kv_sums
+
+    index, staged = _stage_index(device, (pages, _rows(num, n, P)), clock)
+    if clock is not None:
+        clock.mark("launch")
+    sums = kv_sums.page_sums(pool.sums, index[0], index[1], P)
+    staged()
+    if clock is not None:
+        clock.mark("launched", device=False)
+    return sums
+
+
+def _rows(num: int, n: int, page_size: int) -> array.array:
+    """The positions each of `num` pages holds of `n` (full pages, the last maybe short)."""
+    rows = array.array("i", [page_size]) * num
+    if num:
+        rows[-1] = n - (num - 1) * page_size
+    return rows
+
+
+def _stage_index(device: torch.device, columns: tuple, clock: TransferClock | None) -> tuple[torch.Tensor, Callable]:
+    """`columns` (int sequences of one length n) as one int32 tensor [len(columns), n] on `device`, staged in a kept
+    page-locked buffer (`Staging`): a plain DMA behind the stream's work, no allocation that may synchronise the
+    device. Returns it and `done()`, to call once its readers are queued (the buffer is reused once the device is
+    past the copy). Marks `clock` "staged" and "copied" (host)."""
+    num = len(columns[0])
+    stage = staging(device)
+    buf = stage.take(4 * len(columns) * num)
+    host = buf.view(len(columns) * num, torch.int32)
+    torch.cat([_int32(c) for c in columns], out=host)
+    if clock is not None:
+        clock.mark("staged", device=False)
+    index = host.to(device, non_blocking=True).view(len(columns), num)
+    copied = buf.record(device)
+    if clock is not None:
+        clock.mark("copied", device=False)
+    return index, functools.partial(stage.give, buf, copied)
 
 
 def _int32(values) -> torch.Tensor:
@@ -317,8 +354,9 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and checksum them
     where they are: from the checksum records the forward left where the pool keeps them and every page is
     `summed` (`KVPool.page_sums`: a few small kernels), else one pass over the pages on the device; the sums are
-    copied to the host behind it (`PinnedKV.sums` waits for them; the host does not wait here). Call in the engine's thread, between steps, once the step that computed
-    the KV has been waited for (its sampled tokens read): the pages are complete, whoever reads them when."""
+    copied to the host behind it (`PinnedKV.sums` waits for them; the host does not wait here). Call in the
+    engine's thread, between steps, once the step that computed the KV has been waited for (its sampled tokens
+    read): the pages are complete, whoever reads them when."""
     P = pool.page_size
     assert start % P == 0, start
     began, pinned_at = time.perf_counter(), time.monotonic()
@@ -328,8 +366,7 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
         clock, staged = TransferClock(pool.k_cache.device), None
         clock.mark("pin", device=False)
         if pool.sums is not None and pool.summed[held].all():  # (recorded as the forward wrote them: no pass)
-            clock.mark("launch")
-            sums = pool.page_sums(pages, start, end)
+            sums = record_sums_by_index(pool, held, start, end, clock)
         else:
             sums = page_sums_by_index(pool.k_cache, pool.v_cache, held, start, end, P, clock=clock)
         if sums.is_cuda:  # (into a kept page-locked buffer, behind the pass on this stream; the event says when)

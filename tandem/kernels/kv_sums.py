@@ -18,28 +18,51 @@ import triton.language as tl
 
 from tandem.kernels.fused import varying
 
-__all__ = ["record_slot_sums", "supports"]
+__all__ = ["page_sums", "record_slot_sums", "supports"]
+
+RECORD_WORDS = 4096  # 32-bit words of keys (and as many of values) a program of the recording holds at once
 
 
-@triton.jit(**varying("slots_ptr"))
-def _record_kernel(k_ptr, v_ptr, slots_ptr, out_ptr, row_k_ptr, row_v_ptr, col_k_ptr, col_v_ptr, out_stride,
-                   words: tl.constexpr, page_size: tl.constexpr, BLOCK_M: tl.constexpr):
-    """One program: the step's token `t`, whose keys and values (`words` int32 words each) are at `slots[t]`."""
-    t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    offs = tl.arange(0, BLOCK_M)
-    ok = offs < words
-    k = tl.load(k_ptr + slot * words + offs, mask=ok, other=0)
-    v = tl.load(v_ptr + slot * words + offs, mask=ok, other=0)
-    col_k = tl.load(col_k_ptr + offs, mask=ok, other=0).to(tl.int32)
-    col_v = tl.load(col_v_ptr + offs, mask=ok, other=0).to(tl.int32)
+@triton.jit(**varying("slots_ptr", "num_tokens"))
+def _record_kernel(k_ptr, v_ptr, slots_ptr, out_ptr, row_k_ptr, row_v_ptr, col_k_ptr, col_v_ptr, num_tokens,
+                   out_stride, words: tl.constexpr, page_size: tl.constexpr, BLOCK_T: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """One program: tokens [BLOCK_T * i, BLOCK_T * (i + 1)) of the step, whose keys and values (`words` int32
+    words each) are at their `slots` (the column weights loaded once for them all)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = offs_t < num_tokens
+    slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < words
+    ok = t_ok[:, None] & m_ok[None, :]
+    at = slot[:, None] * words + offs_m[None, :]
+    k = tl.load(k_ptr + at, mask=ok, other=0)
+    v = tl.load(v_ptr + at, mask=ok, other=0)
+    col_k = tl.load(col_k_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
+    col_v = tl.load(col_v_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
     # (int32 arithmetic wraps: the row sums and the column part are modulo 2**32)
-    col_part = tl.sum(k * col_k + v * col_v, axis=0).to(tl.int32).to(tl.int64)
+    col_part = tl.sum(k * col_k[None, :] + v * col_v[None, :], axis=1).to(tl.int32).to(tl.int64)
     offset = slot % page_size
-    row_part = (tl.sum(k, axis=0).to(tl.int32).to(tl.int64) * tl.load(row_k_ptr + offset)
-                + tl.sum(v, axis=0).to(tl.int32).to(tl.int64) * tl.load(row_v_ptr + offset))
-    tl.store(out_ptr + slot * out_stride, row_part)
-    tl.store(out_ptr + slot * out_stride + 1, col_part)
+    row_part = (tl.sum(k, axis=1).to(tl.int32).to(tl.int64) * tl.load(row_k_ptr + offset, mask=t_ok, other=0)
+                + tl.sum(v, axis=1).to(tl.int32).to(tl.int64) * tl.load(row_v_ptr + offset, mask=t_ok, other=0))
+    tl.store(out_ptr + slot * out_stride, row_part, mask=t_ok)
+    tl.store(out_ptr + slot * out_stride + 1, col_part, mask=t_ok)
+
+
+@triton.jit(**varying("pages_ptr", "rows_ptr", "out_ptr"))
+def _page_sums_kernel(records_ptr, pages_ptr, rows_ptr, out_ptr, page_size: tl.constexpr, parts: tl.constexpr,
+                      BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One program: page `pages[i]`'s first `rows[i]` slots' records (`parts` int64 each: row and column parts,
+    layer after layer), summed into out[i] (row part, column part)."""
+    i = tl.program_id(0)
+    page = tl.load(pages_ptr + i).to(tl.int64)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_r = tl.arange(0, BLOCK_R)
+    ok = (offs_p < tl.load(rows_ptr + i))[:, None] & (offs_r < parts)[None, :]
+    records = tl.load(records_ptr + (page * page_size + offs_p)[:, None] * parts + offs_r[None, :], mask=ok, other=0)
+    by_part = tl.sum(records, axis=0)  # (int64, wrapping)
+    tl.store(out_ptr + 2 * i, tl.sum(tl.where(offs_r % 2 == 0, by_part, 0), axis=0))
+    tl.store(out_ptr + 2 * i + 1, tl.sum(tl.where(offs_r % 2 == 1, by_part, 0), axis=0))
 
 
 def supports(cache: torch.Tensor) -> bool:
@@ -57,6 +80,21 @@ def record_slot_sums(k_SKD: torch.Tensor, v_SKD: torch.Tensor, slots_T: torch.Te
     row_k, col_k, row_v, col_v = weights
     if T := slots_T.numel():
         words = k_SKD[0].numel() * k_SKD.element_size() // 4
-        _record_kernel[(T,)](k_SKD.view(torch.int32), v_SKD.view(torch.int32), slots_T, out_S2, row_k, row_v,
-                             col_k, col_v, out_S2.stride(0), words, page_size,
-                             BLOCK_M=triton.next_power_of_2(words), num_warps=4 if words >= 512 else 1)
+        block_m = triton.next_power_of_2(words)
+        block_t = max(1, min(RECORD_WORDS // block_m, triton.next_power_of_2(T)))
+        _record_kernel[(triton.cdiv(T, block_t),)](
+            k_SKD.view(torch.int32), v_SKD.view(torch.int32), slots_T, out_S2, row_k, row_v, col_k, col_v, T,
+            out_S2.stride(0), words, page_size, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4)
+
+
+def page_sums(records_SL2: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, page_size: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """The checksums [pages, 2] (int64: row part, column part in its low 32 bits) of page `pages[i]`'s first `rows[i]`
+    positions, from their records (`KVPool.sums` [S, L, 2], contiguous): one program a page. `pages`, `rows`: int32
+    on the records' device. Asynchronous."""
+    num, parts = pages.numel(), records_SL2.shape[1] * 2
+    out = torch.empty((num, 2), dtype=torch.int64, device=records_SL2.device) if out is None else out
+    if num:
+        _page_sums_kernel[(num,)](records_SL2, pages, rows, out, page_size, parts,
+                                  BLOCK_P=triton.next_power_of_2(page_size), BLOCK_R=triton.next_power_of_2(parts))
+    return out
