@@ -3,10 +3,12 @@
 At pairing the decode server maps the prefill server's whole KV pool (`pool_handle` -> `MappedPool`: CUDA IPC on a
 GPU, the pool's shared-memory file on a CPU, `KVPool(shared=True)`) and keeps the mapping until it unpairs. For each
 request the prefill engine *pins* the pages holding the KV to send (`pin_pages`: a reference in its allocator, so no
-page is freed or reused while the transfer is in flight) and checksums them in place, one pass over the pages on the
-device (`page_sums_by_index`); its answer names the pages and their checksums (`PinnedKV.handle`). The decode
-engine writes the transfer in one pass too (`MappedKV.write_into`, in its own thread, between steps, gated by a
-pause as any import): it reads the mapped pages, writes them into its own pages and checksums what it read, then
+page is freed or reused while the transfer is in flight) and takes their checksums: from the records its forward
+left as it wrote the KV (`KVPool(slot_sums=True)`, a prefill server's pool: `record_sums_by_index`, a small kernel
+over the pages' records), or, for pages the forward did not fill (loaded from the host tier), one pass over the
+pages on the device (`page_sums_by_index`); its answer names the pages and their checksums (`PinnedKV.handle`). The
+decode engine writes the transfer in one pass too (`MappedKV.write_into`, in its own thread, between steps, gated by
+a pause as any import): it reads the mapped pages, writes them into its own pages and checksums what it read, then
 compares the checksums with the prefill server's (one host read); on a difference it raises ValueError naming the
 first page that differs, and the engine frees the pages it wrote and ends the request (nothing of it is seen). Then
 it settles the import (`MappedKV.settle`): its server tells the prefill server, which unpins the pages

@@ -32,7 +32,8 @@ point where it allows that, else bytes), each verified on the decode server's de
   server's GPU visible to the decode server; a prefill server of one rank, its pool on a GPU or, on a CPU, in
   shared memory): at pairing the decode server maps the prefill server's whole KV pool once (`GET /pd/pool`,
   `kv_mapped.MappedPool`: CUDA IPC, or the pool's shared-memory file) and keeps it until it unpairs. The prefill
-  engine pins the request's pages (no page is freed or reused while they are pinned) and checksums them in place;
+  engine pins the request's pages (no page is freed or reused while they are pinned) and takes their checksums
+  from the records its forward kept (`KVPool(slot_sums=True)`; a pass over them where it has none);
   the body is two lines of JSON (application/x-ndjson): `{"id": ..., "kv": head}` naming the pages at once, then
   `{"sums": ...}` their checksums once its checksum pass is done (`kv_mapped.PinnedKV`). The decode server writes
   them into pages its engine set aside for the request when it was probed, in one pass from the mapping as the
