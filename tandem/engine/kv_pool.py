@@ -206,6 +206,8 @@ def plan_kv_pages(config: ModelConfig, engine_config: EngineConfig, dtype: torch
     free, _ = torch.cuda.mem_get_info(torch.device(engine_config.device))
     per_page = (2 * config.num_hidden_layers * engine_config.page_size * config.num_key_value_heads
                 * config.head_dim * dtype.itemsize)
+    if engine_config.role == "prefill":  # (its checksum records: `KVPool(slot_sums=True)`)
+        per_page += config.num_hidden_layers * engine_config.page_size * 2 * 8
     num_pages = int(free * engine_config.kv_memory_fraction) // per_page - 1  # minus the scratch page
     log.info("KV pool: %d pages of %d tokens (%.1f GiB of %.1f GiB free)", num_pages, engine_config.page_size,
              num_pages * per_page / 2**30, free / 2**30)

@@ -81,7 +81,7 @@ def record_slot_sums(k_SKD: torch.Tensor, v_SKD: torch.Tensor, slots_T: torch.Te
     if T := slots_T.numel():
         words = k_SKD[0].numel() * k_SKD.element_size() // 4
         block_m = triton.next_power_of_2(words)
-        block_t = max(1, min(RECORD_WORDS // block_m, triton.next_power_of_2(T)))
+        block_t = max(1, RECORD_WORDS // block_m)  # (one tile for any step: no compile for a new step size)
         _record_kernel[(triton.cdiv(T, block_t),)](
             k_SKD.view(torch.int32), v_SKD.view(torch.int32), slots_T, out_S2, row_k, row_v, col_k, col_v, T,
             out_S2.stride(0), words, page_size, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4)
