@@ -51,7 +51,7 @@ from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.engine import commands
 from tandem.engine.core_imports import DecodeImports, Reservation
 from tandem.engine.host_tier import HostTier
-from tandem.engine.kv_mapped import MappedKV, pin_pages
+from tandem.engine.kv_mapped import MappedKV, pin_pages, record_sums_by_index
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
 from tandem.engine.kv_transfer import KVPages, read_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
@@ -110,6 +110,7 @@ class EngineCore(DecodeImports):
             self.model.capture_routing(self.pool.routing)
         if self.pool.sums is not None:  # (an export's checksums without a pass over its KV: `pin_pages`)
             self.model.capture_kv_sums(self.pool.record_sums)
+            record_sums_by_index(self.pool, [0], 0, 1)  # (its kernel compiled now, not at the first export)
         self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
         self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache,
                              order=self.order) if config.host_cache != "off" else None
