@@ -98,6 +98,16 @@ def test_the_kernels_page_sums_of_records_are_the_torch_paths():
     assert torch.equal(canonical(got[1:]), canonical(pool.page_sums([0] + pages[1:], 4, n)))
 
 
+def test_a_staged_index_is_its_columns():
+    from tandem.engine.kv_mapped import _stage_index
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    for columns in (([5], [1]), ([3, 1, 4], np.array([1, 5, 9], dtype=np.int32), [2, 6, 5])):
+        index, done = _stage_index(device, columns, None)
+        assert index.tolist() == [list(map(int, c)) for c in columns]
+        done()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_gpu_pool_records_through_the_kernel_what_the_cpu_records():

@@ -205,8 +205,9 @@ def _stage_index(device: torch.device, columns: tuple, clock: TransferClock | No
     past the copy). Marks `clock` "staged" and "copied" (host)."""
     num = len(columns[0])
     stage = staging(device)
-    buf = stage.take(4 * len(columns) * num)
-    host = buf.view(len(columns) * num, torch.int32)
+    nbytes = 4 * len(columns) * num
+    buf = stage.take(nbytes)
+    host = buf.view(nbytes, torch.int32)
     torch.cat([_int32(c) for c in columns], out=host)
     if clock is not None:
         clock.mark("staged", device=False)
