@@ -48,14 +48,16 @@ from typing import get_args
 
 import torch
 
-from tandem.config import HostCache
+from tandem.config import HostCache, HostCacheCopy
 from tandem.engine.host_clock import HostClock
+from tandem.engine.host_direct import DirectCopies
 from tandem.engine.kv_pool import KVPool, PageAllocator
 from tandem.engine.streams import StreamRuntime, engine_placements
 
 log = logging.getLogger(__name__)
 
 POLICIES = get_args(HostCache)  # ("off", "write_through", "write_back")
+COPIES = get_args(HostCacheCopy)  # ("staged", "direct")
 
 
 @dataclass(eq=False)
@@ -80,11 +82,15 @@ class CopyOp:
 
 class HostTier(PageAllocator):
     def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False,
-                 order: StreamRuntime | None = None, prefetch_pages: int | None = None):
+                 order: StreamRuntime | None = None, prefetch_pages: int | None = None, copy: str = "staged"):
         """`prefetch_pages`: the staging (device memory outside the pool) prefetches may hold at once; default an
-        eighth of the pool, 0 for none."""
+        eighth of the pool, 0 for none. `copy`: "staged" (the halves above) or "direct" (`host_direct`: each copy
+        one kernel launch straight between pool and host pages; on a CPU pool under Triton's interpreter, which
+        only the tests want)."""
         if policy not in POLICIES[1:]:
             raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
+        if copy not in COPIES:
+            raise ValueError(f"engine.host_cache_copy: one of {COPIES}, got {copy!r}")
         super().__init__(num_pages, pool.page_size)
         self.pool, self.policy, self.deferred = pool, policy, deferred
         L, _, K, D = pool.k_cache.shape
@@ -97,6 +103,7 @@ class HostTier(PageAllocator):
         self._k = pool.k_cache.view(L, -1, P, K, D).transpose(0, 1)
         self._v = pool.v_cache.view(L, -1, P, K, D).transpose(0, 1)
         self._routing = None if pool.routing is None else pool.routing.view(-1, P, *pool.routing.shape[1:])
+        self.direct = DirectCopies(pool, self.kv, self.routing) if copy == "direct" else None
         # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load, tier_join and
         # tier_prefetch of `tandem.engine.step_order`; shared with the model runner by the engine core
         self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
@@ -150,6 +157,20 @@ class HostTier(PageAllocator):
         if op is None:
             return
         t0 = t = self.clock.now()
+        if self.direct is not None:  # one launch, pool pages to host pages, in the step's order (rule 1)
+            with self.order.work("tier_backup_direct"):
+                self._move_out(op)
+                op.done = self.direct.done()
+            t = self.flush_clock.lap("transfer", t)
+            self._drop_pool(op)
+        else:
+            t = self._flush_staged(op, t)
+        for i, h in enumerate(op.host_pages):  # (in flight: a prefetch must not read it; a staged load neither)
+            self._backing[h] = (op, i)
+        self.num_backups += 1
+        self.clock.lap("backup", t0)
+
+    def _flush_staged(self, op: CopyOp, t: tuple[float, float]) -> tuple[float, float]:
         with self.order.work("tier_gather"):
             op.staged, t = self._gather(op.device_pages, t)
         t = self.flush_clock.lap("gather_event", t)
@@ -158,11 +179,7 @@ class HostTier(PageAllocator):
             t = self.flush_clock.lap("to_backup_stream", t)
             self._transfer(op, lambda: self._to_host(op))
             t = self.flush_clock.lap("transfer", t)
-        self.flush_clock.lap("from_backup_stream", t)
-        for i, h in enumerate(op.host_pages):
-            self._backing[h] = (op, i)
-        self.num_backups += 1
-        self.clock.lap("backup", t0)
+        return self.flush_clock.lap("from_backup_stream", t)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages, at the next `before_compute` (which the caller runs before anything
@@ -170,8 +187,8 @@ class HostTier(PageAllocator):
         self.flush()  # (rule 4 needs every backup of these host pages gathered)
         t0 = self.clock.now()
         op = self._new_op(device_pages, host_pages, is_load=True)
-        for i, h in enumerate(host_pages):
-            if (src := self._in_flight_backup(h)) is not None:
+        for i, h in enumerate(host_pages):  # (direct: a backup in flight runs before it on the compute stream)
+            if self.direct is None and (src := self._in_flight_backup(h)) is not None:
                 self.pages_from_backups += 1
             elif (src := self._prefetched.get(h)) is not None:
                 self.pages_from_prefetch += 1
@@ -215,7 +232,8 @@ class HostTier(PageAllocator):
         self._hold(op, pages)
         with self.order.work("tier_prefetch"):
             op.staged = self._staging(len(pages))
-            self._transfer(op, lambda: self._from_host(op))
+            self._transfer(op, lambda: self._from_host(op) if self.direct is None else self._move_in(
+                self.direct.staging(op.staged), pages, list(range(len(pages)))))
         self._prefetches[key] = op
         for i, h in enumerate(pages):
             self._prefetched[h] = (op, i)
@@ -258,6 +276,11 @@ class HostTier(PageAllocator):
             return
         t0 = self.clock.now()
         ops, self._unjoined = self._unjoined, []
+        if self.direct is not None:
+            self._load_direct(ops)
+            self.num_loads += 1
+            self.clock.lap("scatter", t0)
+            return
         # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
         with self.order.work("tier_load"):
             staged = self._staging(sum(len(op.own) for op in ops))
@@ -281,6 +304,40 @@ class HostTier(PageAllocator):
                 op.joined, op.done = True, done
         self.num_loads += 1
         self.clock.lap("scatter", t0)
+
+    def _load_direct(self, ops: list[CopyOp]) -> None:
+        """The loads' own host pages straight into their pool pages, one launch, then the pages they take from
+        prefetches' staging, one launch a prefetch, after the tier stream (which ran the prefetches): all on the
+        compute stream, so whatever it runs next reads them loaded; the ring is sealed behind them."""
+        with self.order.work("tier_load_direct"):
+            self._move_in(self.direct.pool, [op.host_pages[i] for op in ops for i in op.own],
+                          [op.device_pages[i] for op in ops for i in op.own])
+        taken: dict[int, tuple[CopyOp, list[int], list[int]]] = {}
+        for op in ops:
+            for i, src, j in op.from_staging:
+                _, rows, pages = taken.setdefault(id(src), (src, [], []))
+                rows.append(j)
+                pages.append(op.device_pages[i])
+        if taken:
+            with self.order.work("tier_take_prefetch"):
+                for src, rows, pages in taken.values():
+                    self._await_transfer(src)
+                    self.direct.move(self.direct.staging(src.staged), self.direct.pool, rows, pages)
+        done = self.direct.done()
+        for op in ops:
+            self._drop_pool(op)
+            op.joined, op.done = True, done
+
+    def _move_out(self, op: CopyOp) -> None:
+        """Direct: a backup's pool pages into its host pages, one launch."""
+        self.direct.move(self.direct.pool, self.direct.host, op.device_pages, op.host_pages)
+        self.num_transfers += 1
+
+    def _move_in(self, dst, host_pages: list[int], pages: list[int]) -> None:
+        """Direct: host pages into pages of store `dst` (the pool or a staging), one launch (none for no pages)."""
+        if host_pages:
+            self.direct.move(self.direct.host, dst, host_pages, pages)
+            self.num_transfers += 1
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -331,8 +388,11 @@ class HostTier(PageAllocator):
         if self.cuda:
             run()
             if not op.is_load or op.prefetch:  # (a load's completion is its scatter's, on the compute stream)
-                op.done = torch.cuda.Event()
-                op.done.record()
+                if self.direct is not None:
+                    op.done = self.direct.done()  # (which seals the ring's regions the launch reads)
+                else:
+                    op.done = torch.cuda.Event()
+                    op.done.record()
         elif self.deferred:
             op.pending = run
         else:
