@@ -72,7 +72,7 @@ def test_a_load_of_a_page_whose_backup_is_in_flight_reads_the_host_page_after_it
     """Rule 4, direct (write_back): the backup is a launch on the compute stream, so a load behind it reads the host
     page it filled; no staging is kept for it. The mutant (a backup that never lands) is caught."""
     if mutant:
-        monkeypatch.setattr(HostTier, "_move_out", lambda self, op: None)
+        monkeypatch.setattr(HostTier, "_move_out", lambda self, op, t: t)
     pool = KVPool(PRESETS["tiny"], 6, P, torch.float32, "cpu")
     tier = HostTier(pool, 10, "write_back", deferred=True, copy="direct")
     cache = RadixCache(pool, tier)

@@ -38,10 +38,13 @@ class DirectCopies:
     def move(self, src, dst, src_pages: list[int], dst_pages: list[int]) -> None:
         """Pages `src_pages` of store `src` into pages `dst_pages` of `dst`: one launch on the current stream.
         Seal (`done`) before the ring comes round."""
+        self.launch(src, dst, len(src_pages), self.ring.put(src_pages + dst_pages))
+
+    def launch(self, src, dst, num_pages: int, at: int) -> None:
+        """`move` of the pages whose indices are at `at` of the ring (`ring.put`: sources, then destinations)."""
         from tandem.kernels.page_move import move_pages
 
-        at = self.ring.put(src_pages + dst_pages)
-        move_pages(src, dst, self.ring.buffer, len(src_pages), at)
+        move_pages(src, dst, self.ring.buffer, num_pages, at)
 
     def done(self) -> torch.cuda.Event | None:
         """An event after the moves issued so far on the current stream (CUDA), which seals their ring regions."""

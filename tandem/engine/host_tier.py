@@ -133,7 +133,7 @@ class HostTier(StagedHalves, PageAllocator):
         # `waits` counts those copies); and a flush's time by part, in issue order
         self.clock = HostClock(("backup", "load", "prefetch", "scatter", "wait"))
         self.flush_clock = HostClock(("index", "staging", "gather", "gather_event", "to_backup_stream", "transfer",
-                                      "from_backup_stream"))
+                                      "from_backup_stream", "done_event"))
         self.waits = 0
 
     @property
@@ -165,9 +165,9 @@ class HostTier(StagedHalves, PageAllocator):
         t0 = t = self.clock.now()
         if self.direct is not None:  # one launch, pool pages to host pages, in the step's order (rule 1)
             with self.order.work("tier_backup_direct"):
-                self._move_out(op)
+                t = self._move_out(op, t)
                 op.done = self.direct.done()
-            t = self.flush_clock.lap("transfer", t)
+            t = self.flush_clock.lap("done_event", t)
             self._drop_pool(op)
         else:
             t = self._flush_staged(op, t)
@@ -334,10 +334,13 @@ class HostTier(StagedHalves, PageAllocator):
             self._drop_pool(op)
             op.joined, op.done = True, done
 
-    def _move_out(self, op: CopyOp) -> None:
-        """Direct: a backup's pool pages into its host pages, one launch."""
-        self.direct.move(self.direct.pool, self.direct.host, op.device_pages, op.host_pages)
+    def _move_out(self, op: CopyOp, t: tuple[float, float]) -> tuple[float, float]:
+        """Direct: a backup's pool pages into its host pages, one launch (`t`: where the flush's clock is)."""
+        at = self.direct.ring.put(op.device_pages + op.host_pages)
+        t = self.flush_clock.lap("index", t)
+        self.direct.launch(self.direct.pool, self.direct.host, len(op.host_pages), at)
         self.num_transfers += 1
+        return self.flush_clock.lap("transfer", t)
 
     def _move_in(self, dst, host_pages: list[int], pages: list[int]) -> None:
         """Direct: host pages into pages of store `dst` (the pool or a staging), one launch (none for no pages)."""
