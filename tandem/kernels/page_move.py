@@ -19,6 +19,7 @@ indexed copies (`HostTier`).
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -53,7 +54,7 @@ class PageStore:
     routing_chunk: int = 0
     routing_stride: int = 0
 
-    @property
+    @functools.cached_property
     def mappable(self) -> bool:
         """Whether a CUDA kernel can reach it: on the device, or page-locked host memory."""
         return self.k.is_cuda or self.k.is_pinned()
