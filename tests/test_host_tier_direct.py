@@ -20,7 +20,7 @@ from tandem.engine.host_tier import HostTier  # noqa: E402
 from tandem.engine.kv_pool import KVPool  # noqa: E402
 from tandem.engine.radix_cache import RadixCache  # noqa: E402
 from tandem.engine.step_order import TIER, TIER_DIRECT  # noqa: E402
-from tandem.engine.streams import StreamRuntime, engine_placements  # noqa: E402
+from tandem.engine.streams import MUTANT_ENV, StreamRuntime, engine_placements  # noqa: E402
 
 
 class DirectModel(TierModel):
@@ -100,6 +100,17 @@ def test_gpu_direct_copies_overlapping_compute_keep_every_kv_right(monkeypatch, 
         slow_transfers(monkeypatch)
     totals = run_random_scenarios(40, headroom_pages=0, host_pages=12, policy=policy, copy="direct", **STALL)
     assert totals["host_tokens"] > 200 and totals["from_prefetch"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mutant", ["direct_before_compute", "direct_take_not_joined"])
+def test_gpu_direct_copies_not_ordered_with_compute_are_caught(monkeypatch, mutant):
+    """Backups and loads off the compute stream waiting for no compute; pages taken from a prefetch's staging
+    before its (slowed) transfer landed."""
+    monkeypatch.setenv(MUTANT_ENV, mutant)
+    slow_transfers(monkeypatch)
+    with pytest.raises(AssertionError, match="wrong KV"):
+        run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_through", copy="direct", **STALL)
 
 
 @pytest.mark.gpu

@@ -209,6 +209,9 @@ def mutants() -> dict[str, tuple[str, Placement]]:
         "prefetch_on_another_stream": ("race", DECODE.replaced("tier_prefetch", stream="backup")),
         # a direct load taking pages from a prefetch's staging without waiting for the tier stream
         "direct_take_not_joined": ("race", DECODE_DIRECT.replaced("tier_take_prefetch", after=())),
+        # direct copies off the compute stream, waiting for no compute (as copies_before_compute)
+        "direct_before_compute": ("race", DECODE_DIRECT.replaced("tier_backup_direct", stream="backup")
+                                  .replaced("tier_load_direct", stream="tier")),
         # a load that reads a host page whose backup is still in flight (not from the backup's staging)
         "load_reads_backup_in_flight": ("race", DECODE.replaced("tier_backup", unread=())),
         # parameters overwritten while the transport still receives them
