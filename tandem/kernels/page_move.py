@@ -121,6 +121,11 @@ def _move_pages_kernel(src_k, src_v, src_r, dst_k, dst_v, dst_r, index_ptr, src_
                     tl.store(dst_r + dst_page * DST_R_PAGE + offs, values, mask=mask)
 
 
+def _pow2(n: int) -> int:
+    """The least power of 2 >= n (>= 1). (`triton.next_power_of_2` costs microseconds a call, being jit-callable.)"""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def _check_mapped(src: PageStore, dst: PageStore, index: torch.Tensor) -> None:
     """A launch with any CUDA tensor reaches its CPU tensors through their device mapping: they must be pinned."""
     if src.k.is_cuda or dst.k.is_cuda or index.is_cuda:
@@ -152,8 +157,8 @@ def move_pages(src: PageStore, dst: PageStore, index: torch.Tensor, num_pages: i
     _check_mapped(src, dst, index)
     if num_pages == 0:
         return
-    block = min(triton.next_power_of_2(src.chunk), 4096)
-    r_block = min(triton.next_power_of_2(max(src.routing_chunk, 1)), 4096)
+    block = min(_pow2(src.chunk), 4096)
+    r_block = min(_pow2(src.routing_chunk), 4096)
     grid = (max(1, min(programs, num_pages * src.layers)),)
     _move_pages_kernel[grid](
         src.k, src.v, src.routing if routing else src.k, dst.k, dst.v, dst.routing if routing else dst.k,
