@@ -2,7 +2,7 @@
 host tier, against the ideal. Same episodes for every configuration of a point.
 
     python benchmarks/host_tier.py [--model tiny] [--device cpu] [--concurrency 32] [--episodes 96] [--out r.json]
-        [--copies staged,direct]
+        [--copies staged,staged_kernels,direct]
     python benchmarks/host_tier.py --sweep [--quick] [--budget-s 240] [--out sweep.json]
 
 The random agent's multi-turn episodes (every turn resubmits the whole history) run `--concurrency` at a time
@@ -15,7 +15,7 @@ engine steps, and the host time the tier's copies took (issuing, their scatters 
 to wait: `waits` copies); under the table, per policy, how many copies and bus transfers (one per run of
 consecutive host pages; a direct copy's launches count as its transfers) they took and their host time per page
 moved and per copy. Each tier runs with each way of copying (`--copies`; the rows name it): staged, and on CUDA
-direct (`engine.host_cache_copy`).
+staged_kernels and direct (`engine.host_cache_copy`).
 
 `--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
 prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
@@ -76,7 +76,7 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
         wall, clients = time.perf_counter() - t0, time.thread_time() - c0
         s = asyncio.run(engine.get_stats())
         tier = engine.tier
-        copy = "off" if tier is None else "direct" if tier.direct is not None else "staged"
+        copy = tier.copy if tier is not None else "off"
     new = s.prompt_tokens - s.prompt_tokens_ideal  # what even an ideal cache computes
     return {"episodes": eps, "copy": copy, "wall_s": wall, "clients_cpu_s": clients, "ideal": s.prompt_tokens_ideal,
             "cached": s.prompt_tokens_cached,
@@ -188,7 +188,7 @@ def main() -> None:
     ap.add_argument("--policies", default="write_through,write_back")
     ap.add_argument("--copies", default=None,
                     help="how the tier's copies move pages (engine.host_cache_copy), e.g. staged,direct; default: "
-                         "both on CUDA, staged on CPU (a CPU pool's tier always copies with torch)")
+                         "all three on CUDA, staged on CPU (a CPU pool's tier always copies with torch)")
     ap.add_argument("--sweep", action="store_true", help="over model sizes and context lengths (SWEEP)")
     ap.add_argument("--quick", action="store_true", help="with --sweep: tiny models (QUICK_SWEEP), for CPU")
     ap.add_argument("--points", default=None, help="with --sweep: the indices of the points to run, e.g. 0,2")
@@ -209,11 +209,12 @@ def main() -> None:
         todo = [(*p, ["write_through"]) for p in grid]
     else:
         todo = [(args.model, args.context_scale, args.concurrency, args.episodes, args.policies.split(","))]
-    copies = args.copies.split(",") if args.copies else ["staged", "direct"] if args.device.startswith("cuda") \
-        else ["staged"]
+    copies = args.copies.split(",") if args.copies else ["staged", "staged_kernels", "direct"] \
+        if args.device.startswith("cuda") else ["staged"]
     results, skipped, began = [], [], time.perf_counter()
     print(f"\nthe tier's copies: {', '.join(copies)} (staged: device gather or scatter and a bus transfer per run of "
-          "host pages; direct: one kernel a copy, straight between pool and pinned host pages)")
+          "host pages; staged_kernels: the same halves, one kernel each; direct: one kernel a copy, straight between "
+          "pool and pinned host pages)")
     for model, scale, concurrency, episodes, policies in todo:
         if args.sweep and time.perf_counter() - began > args.budget_s:
             skipped.append([model, scale, concurrency, episodes])

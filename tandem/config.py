@@ -35,7 +35,7 @@ Advantage = Literal["grpo", "rloo"]
 BehavMode = Literal["truncate", "mask"]
 Aggregation = Literal["token_mean", "seq_mean"]
 HostCache = Literal["off", "write_through", "write_back"]
-HostCacheCopy = Literal["staged", "direct"]
+HostCacheCopy = Literal["staged", "staged_kernels", "direct"]
 WatchdogAction = Literal["wait", "abort"]
 Role = Literal["unified", "prefill", "decode"]
 RunDtype = Literal["float32", "bfloat16"]  # what an RL run computes in (float16 would need loss scaling)
@@ -61,8 +61,9 @@ class EngineConfig:
     host_cache: HostCache = "off"
     host_cache_pages: NonNegativeInt = 0
     # how the tier's copies move pages on CUDA: "staged" (a gather or scatter on the device, a bus transfer per run
-    # of host pages between staging and the host) or "direct" (one kernel launch a copy, straight between pool and
-    # pinned host pages: `tandem.engine.host_direct`); a CPU pool always copies with torch
+    # of host pages between staging and the host), "staged_kernels" (the same halves, each one kernel launch) or
+    # "direct" (one kernel launch a copy, straight between pool and pinned host pages on the compute stream):
+    # `tandem.engine.host_moves`; a CPU pool always copies with torch
     host_cache_copy: HostCacheCopy = "staged"
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)

@@ -1,5 +1,6 @@
-"""The host tier with direct copies (`host_cache_copy: direct`, each copy one `move_pages` launch): the same
-stateful model and random scheduler workloads as the staged tier's (under Triton's CPU interpreter here, on the
+"""The host tier's copies by kernel launches: direct (`host_cache_copy: direct`, each copy one `move_pages` launch)
+and staged_kernels (the staged halves, each one launch): the same stateful model and random scheduler workloads as
+the staged tier's (under Triton's CPU interpreter here, on the
 device in the `gpu` cases, with steps that stall so copies overlap compute), the traced work against the
 placement, the mutants each protection exists for, and the engine's outputs unchanged."""
 
@@ -22,24 +23,22 @@ from tandem.engine.radix_cache import RadixCache  # noqa: E402
 from tandem.engine.step_order import TIER, TIER_DIRECT  # noqa: E402
 from tandem.engine.streams import MUTANT_ENV, StreamRuntime, engine_placements  # noqa: E402
 
-
-class DirectModel(TierModel):
-    copy = "direct"
+KERNEL_COPIES = ["staged_kernels", "direct"]
 
 
-class DirectWriteBackModel(DirectModel):
-    policy = "write_back"
-
-
-@pytest.mark.parametrize("model", [DirectModel, DirectWriteBackModel])
-def test_random_event_sequences_keep_pools_tree_and_kv_consistent(model):
+@pytest.mark.parametrize("copy", KERNEL_COPIES)
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_random_event_sequences_keep_pools_tree_and_kv_consistent(policy, copy):
+    model = type("Model", (TierModel,), {"policy": policy, "copy": copy})
     assert run_model(model, max_examples=60) >= 10
 
 
+@pytest.mark.parametrize("copy", KERNEL_COPIES)
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_random_workloads_load_back_and_keep_pages_and_kv_consistent(policy):
-    totals = run_random_scenarios(20, headroom_pages=0, host_pages=12, policy=policy, copy="direct")
-    assert totals["host_tokens"] > 50 and totals["from_prefetch"] > 0 and totals["from_backups"] == 0
+def test_random_workloads_load_back_and_keep_pages_and_kv_consistent(policy, copy):
+    totals = run_random_scenarios(20, headroom_pages=0, host_pages=12, policy=policy, copy=copy)
+    assert totals["host_tokens"] > 50 and totals["from_prefetch"] > 0
+    assert (totals["from_backups"] == 0) == (copy == "direct")  # (no staging kept for a direct backup)
 
 
 def test_the_direct_tier_issues_only_its_described_work():
@@ -61,10 +60,19 @@ def test_the_direct_tier_issues_only_its_described_work():
     assert not seen & ({w.name for w in TIER} - {w.name for w in TIER_DIRECT})
 
 
-def test_a_load_taking_pages_from_a_prefetch_before_it_landed_is_caught(monkeypatch):
+@pytest.mark.parametrize("copy", KERNEL_COPIES)
+def test_a_load_taking_pages_from_a_prefetch_before_it_landed_is_caught(monkeypatch, copy):
     monkeypatch.setattr(HostTier, "_await_transfer", lambda self, op: None)
     with pytest.raises(AssertionError, match="wrong KV"):
-        run_random_scenarios(20, headroom_pages=0, host_pages=12, policy="write_through", copy="direct")
+        run_random_scenarios(20, headroom_pages=0, host_pages=12, policy="write_through", copy=copy)
+
+
+def test_a_staged_kernels_load_reading_a_host_page_its_backup_has_not_filled_is_caught(monkeypatch):
+    """Rule 4 with the staged halves as launches: the load must take the page from the backup's staging."""
+    monkeypatch.setattr(HostTier, "_in_flight_backup", lambda self, h: None)
+    with pytest.raises(AssertionError, match="reads KV before its load landed|wrong"):
+        run_model(type("Model", (TierModel,), {"policy": "write_back", "copy": "staged_kernels"}), max_examples=300,
+                  shrink=False)
 
 
 @pytest.mark.parametrize("mutant", [False, True])
@@ -91,14 +99,15 @@ def test_a_load_of_a_page_whose_backup_is_in_flight_reads_the_host_page_after_it
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy", KERNEL_COPIES)
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 @pytest.mark.parametrize("slow", [False, True])
-def test_gpu_direct_copies_overlapping_compute_keep_every_kv_right(monkeypatch, policy, slow):
+def test_gpu_kernel_copies_overlapping_compute_keep_every_kv_right(monkeypatch, policy, slow, copy):
     """Steps that stall on the device, so a backup's launch runs after the host has moved on, and (`slow`)
-    prefetches that land late."""
+    transfers on the side streams that land late."""
     if slow:
         slow_transfers(monkeypatch)
-    totals = run_random_scenarios(40, headroom_pages=0, host_pages=12, policy=policy, copy="direct", **STALL)
+    totals = run_random_scenarios(40, headroom_pages=0, host_pages=12, policy=policy, copy=copy, **STALL)
     assert totals["host_tokens"] > 200 and totals["from_prefetch"] > 0
 
 
@@ -123,10 +132,11 @@ def test_gpu_a_prefetch_of_a_host_page_whose_direct_backup_is_in_flight_is_caugh
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("copy", KERNEL_COPIES)
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_gpu_greedy_multi_turn_episodes_are_identical_with_direct_copies(policy):
+def test_gpu_greedy_multi_turn_episodes_are_identical_with_kernel_copies(policy, copy):
     small = dict(page_size=4, num_pages=48, max_prefill_tokens=64, device="cuda")
     off, _ = agent_turns(EngineConfig(**small))
-    on, stats = agent_turns(EngineConfig(**small, host_cache=policy, host_cache_pages=256, host_cache_copy="direct"))
+    on, stats = agent_turns(EngineConfig(**small, host_cache=policy, host_cache_pages=256, host_cache_copy=copy))
     assert stats.host_pages_loaded > 0
     assert [o.output_ids for o in on] == [o.output_ids for o in off]

@@ -1,7 +1,9 @@
-"""The staged copies' halves (`engine.host_cache_copy: staged`, a CPU pool's always): a backup gathers its pool
-pages into device staging and crosses the bus from there, one `copy_` per run of consecutive host pages; a load
-crosses into staging and is scattered into the pool. `HostTier` issues them where its placement says (the works
-tier_gather, tier_backup, tier_load, tier_join, tier_prefetch) and keeps their ordering rules.
+"""The staged copies' halves (`engine.host_cache_copy: staged`, a CPU pool's always, or `staged_kernels`): a backup
+gathers its pool pages into device staging and crosses the bus from there, one `copy_` per run of consecutive host
+pages; a load crosses into staging and is scattered into the pool. With `staged_kernels` (`moves`) each half is one
+`move_pages` launch instead (the gather, the crossing, the scatter from each staging tensor). `HostTier` issues
+them where its placement says (the works tier_gather, tier_backup, tier_load, tier_join, tier_prefetch) and keeps
+their ordering rules.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ class StagedHalves:
 
     def _gather(self, device_pages: list[int], t: tuple[float, float]) -> tuple[tuple, tuple[float, float]]:
         """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream: one
-        indexed copy per tensor, straight into the staging. (`t`: where the flush's clock is.)"""
+        indexed copy per tensor, straight into the staging (or one launch). (`t`: where the flush's clock is.)"""
+        if self.moves is not None:
+            staged = self._staging(len(device_pages))
+            t = self.flush_clock.lap("staging", t)
+            self.moves.move(self.moves.pool, self.moves.staging(staged), device_pages, list(range(len(device_pages))))
+            return staged, self.flush_clock.lap("gather", t)
         idx = self._index(device_pages)
         t = self.flush_clock.lap("index", t)
         kv, routing = self._staging(len(device_pages))
@@ -45,6 +52,11 @@ class StagedHalves:
         return (kv, routing), self.flush_clock.lap("gather", t)
 
     def _to_host(self, op: CopyOp) -> None:
+        if self.moves is not None:
+            self.moves.move(self.moves.staging(op.staged), self.moves.host, list(range(len(op.host_pages))),
+                            op.host_pages)
+            self.num_transfers += 1
+            return
         kv, routing = op.staged
         for i, h, n in _runs(op.host_pages):
             self.kv[h:h + n].copy_(kv[i:i + n], non_blocking=True)
@@ -56,6 +68,10 @@ class StagedHalves:
         """The host pages of the copy's own transfer (`own`) into its staging, in that order."""
         kv, routing = op.staged
         pages = op.host_pages if op.own is None else [op.host_pages[i] for i in op.own]
+        if self.moves is not None:
+            self.moves.move(self.moves.host, self.moves.staging(op.staged), pages, list(range(len(pages))))
+            self.num_transfers += 1
+            return
         for i, h, n in _runs(pages):
             kv[i:i + n].copy_(self.kv[h:h + n], non_blocking=True)
             if routing is not None:
@@ -78,6 +94,10 @@ class StagedHalves:
                 rows.append(j)
                 pages.append(op.device_pages[i])
         sources = [s for s in sources.values() if s[2]]
+        if self.moves is not None:  # one launch a staging tensor, rows by index
+            for staged_, rows, pages in sources:
+                self.moves.move(self.moves.staging(staged_), self.moves.pool, rows, pages)
+            return
         flat = [p for _, _, pages in sources for p in pages]
         picks = [rows for _, rows, _ in sources if not _is_run(rows)]
         idx = self._index(flat + [j for rows in picks for j in rows])

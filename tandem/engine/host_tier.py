@@ -33,11 +33,13 @@ The ordering rules, each enforced here (docs/streams.md has them as edges, `tand
      staging instead (on the device, already gathered);
   5. copies are reaped in issue order up to a point rank 0 decides (`ready`) and every rank applies, so under
      tensor parallelism all ranks free the same pages at the same step and take the same decisions.
-Direct copies (`copy="direct"`, `tandem.engine.host_direct`): a backup is one launch that moves its pool pages
-straight into its host pages on the compute stream, in the step's order (rule 1; no staging, so rule 4 holds by that
-order: a load behind it reads the host page it filled; a prefetch, on the tier stream, still leaves such pages
-out), a load one launch from host pages straight into its pool pages on the compute stream (plus one per prefetch
-it takes pages from, after the tier stream: rule 2), a prefetch one launch into its staging on the tier stream.
+With `copy="staged_kernels"` each half above is one `tandem.kernels.page_move` launch (`tandem.engine.host_moves`):
+no index upload, no copy per run of host pages, no select before a scatter. With `copy="direct"` a backup is one
+launch that moves its pool pages straight into its host pages on the compute stream, in the step's order (rule 1;
+no staging, so rule 4 holds by that order: a load behind it reads the host page it filled; a prefetch, on the tier
+stream, still leaves such pages out), a load one launch from host pages straight into its pool pages on the compute
+stream (plus one per prefetch it takes pages from, after the tier stream: rule 2), a prefetch one launch into its
+staging on the tier stream.
 On CPU a transfer lands as it is issued (the same state machine, synchronous). With `deferred=True` a transfer
 lands only when `land` runs it, when it is reaped, or (a load's) when its scatter needs it: the tests use this to
 catch any broken rule, since a page freed too early or read too early then holds the wrong values.
@@ -55,7 +57,7 @@ import torch
 
 from tandem.config import HostCache, HostCacheCopy
 from tandem.engine.host_clock import HostClock
-from tandem.engine.host_direct import DirectCopies
+from tandem.engine.host_moves import PageMoves
 from tandem.engine.host_staged import StagedHalves
 from tandem.engine.kv_pool import KVPool, PageAllocator
 from tandem.engine.streams import StreamRuntime, engine_placements
@@ -90,9 +92,9 @@ class HostTier(StagedHalves, PageAllocator):
     def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False,
                  order: StreamRuntime | None = None, prefetch_pages: int | None = None, copy: str = "staged"):
         """`prefetch_pages`: the staging (device memory outside the pool) prefetches may hold at once; default an
-        eighth of the pool, 0 for none. `copy`: "staged" (the halves above) or "direct" (`host_direct`: each copy
-        one kernel launch straight between pool and host pages; on a CPU pool under Triton's interpreter, which
-        only the tests want)."""
+        eighth of the pool, 0 for none. `copy`: "staged" (the halves above, torch's ops), "staged_kernels" (the same
+        halves, each one `move_pages` launch) or "direct" (each copy one launch straight between pool and host
+        pages, below); the last two on a CPU pool under Triton's interpreter, which only the tests want."""
         if policy not in POLICIES[1:]:
             raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
         if copy not in COPIES:
@@ -109,7 +111,8 @@ class HostTier(StagedHalves, PageAllocator):
         self._k = pool.k_cache.view(L, -1, P, K, D).transpose(0, 1)
         self._v = pool.v_cache.view(L, -1, P, K, D).transpose(0, 1)
         self._routing = None if pool.routing is None else pool.routing.view(-1, P, *pool.routing.shape[1:])
-        self.direct = DirectCopies(pool, self.kv, self.routing) if copy == "direct" else None
+        self.copy = copy
+        self.moves = PageMoves(pool, self.kv, self.routing) if copy != "staged" else None  # (kernel launches)
         # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load, tier_join and
         # tier_prefetch of `tandem.engine.step_order`; shared with the model runner by the engine core
         self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
@@ -163,10 +166,10 @@ class HostTier(StagedHalves, PageAllocator):
         if op is None:
             return
         t0 = t = self.clock.now()
-        if self.direct is not None:  # one launch, pool pages to host pages, in the step's order (rule 1)
+        if self.copy == "direct":  # one launch, pool pages to host pages, in the step's order (rule 1)
             with self.order.work("tier_backup_direct"):
                 t = self._move_out(op, t)
-                op.done = self.direct.done()
+                op.done = self.moves.done()
             t = self.flush_clock.lap("done_event", t)
             self._drop_pool(op)
         else:
@@ -194,7 +197,7 @@ class HostTier(StagedHalves, PageAllocator):
         t0 = self.clock.now()
         op = self._new_op(device_pages, host_pages, is_load=True)
         for i, h in enumerate(host_pages):  # (direct: a backup in flight runs before it on the compute stream)
-            if self.direct is None and (src := self._in_flight_backup(h)) is not None:
+            if self.copy != "direct" and (src := self._in_flight_backup(h)) is not None:
                 self.pages_from_backups += 1
             elif (src := self._prefetched.get(h)) is not None:
                 self.pages_from_prefetch += 1
@@ -238,8 +241,7 @@ class HostTier(StagedHalves, PageAllocator):
         self._hold(op, pages)
         with self.order.work("tier_prefetch"):
             op.staged = self._staging(len(pages))
-            self._transfer(op, lambda: self._from_host(op) if self.direct is None else self._move_in(
-                self.direct.staging(op.staged), pages, list(range(len(pages)))))
+            self._transfer(op, lambda: self._from_host(op))
         self._prefetches[key] = op
         for i, h in enumerate(pages):
             self._prefetched[h] = (op, i)
@@ -282,7 +284,7 @@ class HostTier(StagedHalves, PageAllocator):
             return
         t0 = self.clock.now()
         ops, self._unjoined = self._unjoined, []
-        if self.direct is not None:
+        if self.copy == "direct":
             self._load_direct(ops)
             self.num_loads += 1
             self.clock.lap("scatter", t0)
@@ -301,10 +303,7 @@ class HostTier(StagedHalves, PageAllocator):
             for op in ops:
                 self._await_transfer(op)
             self._scatter(ops, staged)
-            done = None
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record()
+            done = self._done()
             for op in ops:
                 self._drop_pool(op)
                 op.joined, op.done = True, done
@@ -316,7 +315,7 @@ class HostTier(StagedHalves, PageAllocator):
         prefetches' staging, one launch a prefetch, after the tier stream (which ran the prefetches): all on the
         compute stream, so whatever it runs next reads them loaded; the ring is sealed behind them."""
         with self.order.work("tier_load_direct"):
-            self._move_in(self.direct.pool, [op.host_pages[i] for op in ops for i in op.own],
+            self._move_in(self.moves.pool, [op.host_pages[i] for op in ops for i in op.own],
                           [op.device_pages[i] for op in ops for i in op.own])
         taken: dict[int, tuple[CopyOp, list[int], list[int]]] = {}
         for op in ops:
@@ -328,25 +327,36 @@ class HostTier(StagedHalves, PageAllocator):
             with self.order.work("tier_take_prefetch"):
                 for src, rows, pages in taken.values():
                     self._await_transfer(src)
-                    self.direct.move(self.direct.staging(src.staged), self.direct.pool, rows, pages)
-        done = self.direct.done()
+                    self.moves.move(self.moves.staging(src.staged), self.moves.pool, rows, pages)
+        done = self.moves.done()
         for op in ops:
             self._drop_pool(op)
             op.joined, op.done = True, done
 
     def _move_out(self, op: CopyOp, t: tuple[float, float]) -> tuple[float, float]:
         """Direct: a backup's pool pages into its host pages, one launch (`t`: where the flush's clock is)."""
-        at = self.direct.ring.put(op.device_pages + op.host_pages)
+        at = self.moves.ring.put(op.device_pages + op.host_pages)
         t = self.flush_clock.lap("index", t)
-        self.direct.launch(self.direct.pool, self.direct.host, len(op.host_pages), at)
+        self.moves.launch(self.moves.pool, self.moves.host, len(op.host_pages), at)
         self.num_transfers += 1
         return self.flush_clock.lap("transfer", t)
 
     def _move_in(self, dst, host_pages: list[int], pages: list[int]) -> None:
         """Direct: host pages into pages of store `dst` (the pool or a staging), one launch (none for no pages)."""
         if host_pages:
-            self.direct.move(self.direct.host, dst, host_pages, pages)
+            self.moves.move(self.moves.host, dst, host_pages, pages)
             self.num_transfers += 1
+
+    def _done(self) -> torch.cuda.Event | None:
+        """An event after the work issued so far on the current stream (CUDA); with kernel launches, it seals the
+        index ring's regions they read (their work precedes it: on this stream, or on one this stream waited for)."""
+        if self.moves is not None:
+            return self.moves.done()
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -397,11 +407,7 @@ class HostTier(StagedHalves, PageAllocator):
         if self.cuda:
             run()
             if not op.is_load or op.prefetch:  # (a load's completion is its scatter's, on the compute stream)
-                if self.direct is not None:
-                    op.done = self.direct.done()  # (which seals the ring's regions the launch reads)
-                else:
-                    op.done = torch.cuda.Event()
-                    op.done.record()
+                op.done = self._done()
         elif self.deferred:
             op.pending = run
         else:

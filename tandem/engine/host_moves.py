@@ -16,7 +16,7 @@ import torch
 from tandem.engine.kv_pool import KVPool
 
 
-class DirectCopies:
+class PageMoves:
     def __init__(self, pool: KVPool, kv: torch.Tensor, routing: torch.Tensor | None):
         """`kv` [host pages, 2, L, P, K, D] and `routing` [host pages, P, layers, k] (or None): the tier's host
         pages (pinned where the pool is on CUDA)."""
