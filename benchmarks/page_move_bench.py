@@ -6,7 +6,8 @@ between a device pool and pinned host pages of the model's KV layout. Needs CUDA
 A pool of `--pool-pages` device pages and `--host-pages` pinned host pages (bf16, pages of 16); each copy moves n
 pages between scattered pool pages and scattered host pages (as most of the tier's copies: runs of one page). Per
 n and direction, for (a) direct: one `move_pages` launch, its indices written into a pinned ring the kernel reads,
-and (b) staged: the tier's halves (index upload, gather into staging, a `copy_` per run of host pages; for a load
+(b) staged_kernels: the staged halves as two launches (pool and staging, staging and host), on one stream here,
+and (c) staged: the tier's halves (index upload, gather into staging, a `copy_` per run of host pages; for a load
 the reverse and a scatter): host microseconds to issue one copy (mean of `reps` issued back to back, the stream
 synchronised after) and device milliseconds for it (CUDA events, median), with the bus rate that gives. Then the
 direct move's rate over the number of programs a launch runs (`page_move.PROGRAMS` is the default), and one
@@ -76,14 +77,26 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(f"# page moves, {torch.cuda.get_device_name()}, {args.model}: a page {page_bytes / 2**20:.2f} MiB "
           f"(L {L}, P {P}, K {K}, D {D}, bf16)\n")
-    print("| pages | direction | direct: host us / device ms / GB/s | staged: host us / device ms / GB/s |")
-    print("|---|---|---|---|")
+    print("| pages | direction | direct: host us / device ms / GB/s | staged_kernels: the same | staged: the same |")
+    print("|---|---|---|---|---|")
     rows = []
 
     def direct(out: bool, dpages: list[int], hpages: list[int]) -> None:
         src, dst = (pool, hstore) if out else (hstore, pool)
         at = ring.put(dpages + hpages if out else hpages + dpages)
         move_pages(src, dst, ring.buffer, len(dpages), at)
+        ev = torch.cuda.Event()
+        ev.record()
+        ring.seal(ev)
+
+    def kernels(out: bool, dpages: list[int], hpages: list[int]) -> None:
+        """The staged halves as launches (`staged_kernels`): pool <-> staging, staging <-> host."""
+        n = len(dpages)
+        stage = paged_store(torch.empty((n, 2, L, P, K, D), dtype=dtype, device=dev))
+        rows = list(range(n))
+        for src, dst, a, b in (((pool, stage, dpages, rows), (stage, hstore, rows, hpages)) if out
+                               else ((hstore, stage, hpages, rows), (stage, pool, rows, dpages))):
+            move_pages(src, dst, ring.buffer, n, ring.put(a + b))
         ev = torch.cuda.Event()
         ev.record()
         ring.seal(ev)
@@ -108,7 +121,7 @@ def main() -> None:
         hpages = sorted(torch.randperm(args.host_pages // 2, generator=gen)[:n].mul(2).tolist())  # (runs of 1)
         for out in (True, False):
             got = {}
-            for name, fn in (("staged", staged), ("direct", direct)):  # (direct last: its pages are checked)
+            for name, fn in (("staged", staged), ("staged_kernels", kernels), ("direct", direct)):  # (checked: last)
                 call = functools.partial(fn, out, dpages, hpages)
                 us, ms = host_us(call, args.reps), device_ms(call, args.reps)
                 got[name] = (us, ms, n * page_bytes / ms / 1e6)
@@ -116,7 +129,7 @@ def main() -> None:
             have = host[hpages] if out else torch.stack([kp[dpages], vp[dpages]], 1).cpu()
             assert torch.equal(want.view(torch.int16), have.view(torch.int16)), "the direct move's pages are wrong"
             direction = "backup (device -> host)" if out else "load (host -> device)"
-            cells = ["{:.0f} / {:.3f} / {:.1f}".format(*got[name]) for name in ("direct", "staged")]
+            cells = ["{:.0f} / {:.3f} / {:.1f}".format(*got[name]) for name in ("direct", "staged_kernels", "staged")]
             print(f"| {n} | {direction} | {' | '.join(cells)} |")
             rows.append({"pages": n, "out": out, **{name: list(r) for name, r in got.items()}})
     n = max(int(x) for x in args.pages.split(","))
