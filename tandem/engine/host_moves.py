@@ -1,12 +1,13 @@
-"""The host tier's copies as one kernel launch each (`engine.host_cache_copy: direct`): a backup moves pool pages
-straight into pinned host pages, a load host pages (or a prefetch's device staging) straight into pool pages, a
-prefetch host pages into its staging, each by `tandem.kernels.page_move.move_pages` (zero-copy: the kernel loads
-and stores page-locked host memory over the bus), its page indices in a kept pinned ring the kernel reads in
-place. No staging for backups and loads, no index upload, no copy per run of host pages.
+"""The host tier's copies by kernel launches (`tandem.kernels.page_move.move_pages`; zero-copy: the kernel loads
+and stores page-locked host memory over the bus), their page indices in a kept pinned ring the kernel reads in
+place: no index upload, no copy per run of host pages. `engine.host_cache_copy: direct`: a backup moves pool pages
+straight into host pages, a load host pages (or a prefetch's device staging) straight into pool pages, a prefetch
+host pages into its staging, one launch each; `staged_kernels`: the staged halves (gather, crossing, scatter), one
+launch each.
 
-Where each runs (`tandem.engine.step_order`: tier_backup_direct, tier_load_direct, tier_take_prefetch,
-tier_prefetch) is the `HostTier`'s business; this holds the stores and the ring, and seals the ring's regions
-behind the event the tier records after its launches.
+Where each runs (`tandem.engine.step_order`) is the `HostTier`'s business; this holds the stores and the ring,
+compiles the kernel's variants at start-up, and seals the ring's regions behind the events the tier records after
+its launches.
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ class PageMoves:
         self.host = paged_store(kv, routing)
         # (a move puts twice its pages, at most a pool's: the ring holds several of the largest)
         self.ring = IndexRing(max(1 << 16, 8 * (pool.num_pages + 1)), pinned=self.cuda)
+        if self.cuda:
+            self._compile(pool.num_pages, kv.shape[1:], None if routing is None else routing.shape[1:])
+
+    def _compile(self, scratch: int, page: tuple, routing_page: tuple | None) -> None:
+        """Launch every pair of stores the tier moves between once, now (the pool's scratch page, host page 0 and a
+        staging page: nothing anyone holds yet), so that no copy compiles a kernel mid-run."""
+        staging = self.staging((torch.empty((1, *page), dtype=self.host.k.dtype, device=self.pool.k.device),
+                                None if routing_page is None else torch.empty(
+                                    (1, *routing_page), dtype=self.host.routing.dtype, device=self.pool.k.device)))
+        for src, dst, a, b in ((self.pool, self.host, scratch, 0), (self.host, self.pool, 0, scratch),
+                               (self.pool, staging, scratch, 0), (staging, self.host, 0, 0),
+                               (self.host, staging, 0, 0), (staging, self.pool, 0, scratch)):
+            self.move(src, dst, [a], [b])
+        self.done()
+        torch.cuda.current_stream().synchronize()  # (the staging page goes)
 
     @staticmethod
     def staging(staged: tuple):
