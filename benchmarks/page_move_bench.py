@@ -93,9 +93,9 @@ def main() -> None:
         """The staged halves as launches (`staged_kernels`): pool <-> staging, staging <-> host."""
         n = len(dpages)
         stage = paged_store(torch.empty((n, 2, L, P, K, D), dtype=dtype, device=dev))
-        rows = list(range(n))
-        for src, dst, a, b in (((pool, stage, dpages, rows), (stage, hstore, rows, hpages)) if out
-                               else ((hstore, stage, hpages, rows), (stage, pool, rows, dpages))):
+        staged_rows = list(range(n))
+        for src, dst, a, b in (((pool, stage, dpages, staged_rows), (stage, hstore, staged_rows, hpages)) if out
+                               else ((hstore, stage, hpages, staged_rows), (stage, pool, staged_rows, dpages))):
             move_pages(src, dst, ring.buffer, n, ring.put(a + b))
         ev = torch.cuda.Event()
         ev.record()
