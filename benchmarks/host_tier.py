@@ -2,6 +2,7 @@
 host tier, against the ideal. Same episodes for every configuration of a point.
 
     python benchmarks/host_tier.py [--model tiny] [--device cpu] [--concurrency 32] [--episodes 96] [--out r.json]
+        [--copies staged,staged_kernels,direct]
     python benchmarks/host_tier.py --sweep [--quick] [--budget-s 240] [--out sweep.json]
 
 The random agent's multi-turn episodes (every turn resubmits the whole history) run `--concurrency` at a time
@@ -12,7 +13,9 @@ prefix the engine had ever computed, per request), what was served from the devi
 tokens actually computed, and their ratio to the ideal ("only new tokens": prompt minus ideal reuse), wall time,
 engine steps, and the host time the tier's copies took (issuing, their scatters into the pool, and reaps that had
 to wait: `waits` copies); under the table, per policy, how many copies and bus transfers (one per run of
-consecutive host pages) they took and their host time per page moved and per copy.
+consecutive host pages; a direct copy's launches count as its transfers) they took and their host time per page
+moved and per copy. Each tier runs with each way of copying (`--copies`; the rows name it): staged, and on CUDA
+staged_kernels and direct (`engine.host_cache_copy`).
 
 `--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
 prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
@@ -73,8 +76,9 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
         wall, clients = time.perf_counter() - t0, time.thread_time() - c0
         s = asyncio.run(engine.get_stats())
         tier = engine.tier
+        copy = tier.copy if tier is not None else "off"
     new = s.prompt_tokens - s.prompt_tokens_ideal  # what even an ideal cache computes
-    return {"episodes": eps, "wall_s": wall, "clients_cpu_s": clients, "ideal": s.prompt_tokens_ideal,
+    return {"episodes": eps, "copy": copy, "wall_s": wall, "clients_cpu_s": clients, "ideal": s.prompt_tokens_ideal,
             "cached": s.prompt_tokens_cached,
             "host": s.prefill_tokens_host, "computed": s.prefill_tokens_computed, "new": new,
             "retractions": s.num_retractions, "loaded": s.host_pages_loaded, "backed_up": s.host_pages_backed_up,
@@ -91,7 +95,8 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "from_prefetch": tier.pages_from_prefetch if tier else 0}
 
 
-def point(args, model: str, scale: int, concurrency: int, episodes: int, policies: list[str]) -> dict:
+def point(args, model: str, scale: int, concurrency: int, episodes: int, policies: list[str],
+          copies: list[str]) -> dict:
     """One table: the pool that holds everything, the small pool without the tier, with it under each policy."""
     agent = scaled(scale)
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
@@ -118,9 +123,11 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
         runs[f"pool holds everything, at most {cap} running"] = measure(
             model, dtype, EngineConfig(**{**base, "max_running_requests": cap}, num_pages=pages_for_all), agent,
             episodes, concurrency)
-    for policy in policies:
-        runs[f"{fraction} + host tier ({policy})"] = run(num_pages=pages, host_cache=policy,
-                                                         host_cache_pages=host_pages)
+    tiers = {f"{policy}, {copy} copies": (policy, copy) for copy in copies for policy in policies}
+    for tier, (policy, copy) in tiers.items():
+        runs[f"{fraction} + host tier ({tier})"] = r = run(num_pages=pages, host_cache=policy,
+                                                           host_cache_pages=host_pages, host_cache_copy=copy)
+        assert r["copy"] == copy, f"asked for {copy} copies, the engine's tier made {r['copy']}"
     print(f"\n## {model} {dtype}, context x{scale}: {episodes} random-agent episodes, {concurrency} at a time, mean "
           f"length {mean_len:.0f} tokens: working set {working_set} tokens; device pool {pages * args.page_size} "
           f"tokens ({pages * args.page_size / working_set:.0%}), host tier {host_pages * args.page_size} tokens\n")
@@ -140,7 +147,7 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
           f"prepare (step inputs) / launch and drain (waiting for the device included): {parts}")
     print("\nthe clients' thread (the agents, on the engine's GIL), CPU s: "
           + ", ".join(f"{name} {r['clients_cpu_s']:.2f}" for name, r in runs.items()))
-    for policy in policies:
+    for policy in tiers:  # (the policy and how its copies moved)
         r = runs[f"{fraction} + host tier ({policy})"]
         print(f"\n{policy}: wall {r['wall_s'] / off['wall_s']:.2f}x the run without the tier, "
               f"{r['wall_s'] / ideal['wall_s']:.2f}x the run whose pool holds everything (target: below 1.00x and at "
@@ -151,7 +158,7 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
                 print(f"{policy}: wall {r['wall_s'] / same['wall_s']:.2f}x the run whose pool holds everything at the "
                       f"small pool's batch ({name}: the pool's smaller batch left out)")
         moved = r["loaded"] + r["backed_up"] + r["prefetched"]
-        print(f"{policy} copies: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
+        print(f"{policy}: {r['copies'][0]} backups, {r['copies'][1]} loads, {r['copies'][2]} prefetches; "
               f"{r['transfers']} bus transfers for {moved} pages moved (loaded, backed up, prefetched); host time "
               f"{(r['issue_s'] + r['join_s']) / max(1, moved) * 1e6:.1f} us a page, "
               f"{(r['issue_s'] + r['join_s']) / max(1, sum(r['copies'])) * 1e6:.0f} us a copy (issue + scatter)")
@@ -179,6 +186,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-prefill-tokens", type=int, default=2048)
     ap.add_argument("--policies", default="write_through,write_back")
+    ap.add_argument("--copies", default=None,
+                    help="how the tier's copies move pages (engine.host_cache_copy), e.g. staged,direct; default: "
+                         "all three on CUDA, staged on CPU (a CPU pool's tier always copies with torch)")
     ap.add_argument("--sweep", action="store_true", help="over model sizes and context lengths (SWEEP)")
     ap.add_argument("--quick", action="store_true", help="with --sweep: tiny models (QUICK_SWEEP), for CPU")
     ap.add_argument("--points", default=None, help="with --sweep: the indices of the points to run, e.g. 0,2")
@@ -199,13 +209,18 @@ def main() -> None:
         todo = [(*p, ["write_through"]) for p in grid]
     else:
         todo = [(args.model, args.context_scale, args.concurrency, args.episodes, args.policies.split(","))]
+    copies = args.copies.split(",") if args.copies else ["staged", "staged_kernels", "direct"] \
+        if args.device.startswith("cuda") else ["staged"]
     results, skipped, began = [], [], time.perf_counter()
+    print(f"\nthe tier's copies: {', '.join(copies)} (staged: device gather or scatter and a bus transfer per run of "
+          "host pages; staged_kernels: the same halves, one kernel each; direct: one kernel a copy, straight between "
+          "pool and pinned host pages)")
     for model, scale, concurrency, episodes, policies in todo:
         if args.sweep and time.perf_counter() - began > args.budget_s:
             skipped.append([model, scale, concurrency, episodes])
             continue
         t0 = time.perf_counter()
-        results.append(point(args, model, scale, concurrency, episodes, policies))
+        results.append(point(args, model, scale, concurrency, episodes, policies, copies))
         results[-1]["point_s"] = time.perf_counter() - t0
         print(f"\n(point {model} x{scale}: {results[-1]['point_s']:.0f} s)")
         if args.out:

@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import get_args
 
-from tandem.config import Dtype, HostCache
+from tandem.config import Dtype, HostCache, HostCacheCopy
 
 
 def _serve(args) -> None:
@@ -30,6 +30,7 @@ def _serve(args) -> None:
                           max_prefill_tokens=args.max_prefill_tokens, device=args.device,
                           enable_prefix_cache=not args.disable_prefix_cache, seed=args.seed,
                           host_cache=args.host_cache, host_cache_pages=args.host_cache_pages,
+                          host_cache_copy=args.host_cache_copy,
                           token_broadcast=not args.no_token_broadcast, dump_dir=args.dump_dir,
                           watchdog_timeout_s=args.watchdog_timeout, role=args.role)
     if args.role != "unified" and args.tp * args.ep > 1:
@@ -171,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host-cache", default="off", choices=get_args(HostCache),
                        help="a host-memory tier under the prefix cache")
     serve.add_argument("--host-cache-pages", type=int, default=0, help="its size in pages (0: twice the device pool)")
+    serve.add_argument("--host-cache-copy", default="staged", choices=get_args(HostCacheCopy),
+                       help="how its copies move pages on CUDA (engine.host_cache_copy)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     serve.add_argument("--ep", type=int, default=1,

@@ -35,6 +35,7 @@ Advantage = Literal["grpo", "rloo"]
 BehavMode = Literal["truncate", "mask"]
 Aggregation = Literal["token_mean", "seq_mean"]
 HostCache = Literal["off", "write_through", "write_back"]
+HostCacheCopy = Literal["staged", "staged_kernels", "direct"]
 WatchdogAction = Literal["wait", "abort"]
 Role = Literal["unified", "prefill", "decode"]
 RunDtype = Literal["float32", "bfloat16"]  # what an RL run computes in (float16 would need loss scaling)
@@ -59,6 +60,11 @@ class EngineConfig:
     # "write_back" (back up as they are evicted); host_cache_pages 0: twice the device pool
     host_cache: HostCache = "off"
     host_cache_pages: NonNegativeInt = 0
+    # how the tier's copies move pages on CUDA: "staged" (a gather or scatter on the device, a bus transfer per run
+    # of host pages between staging and the host), "staged_kernels" (the same halves, each one kernel launch) or
+    # "direct" (one kernel launch a copy, straight between pool and pinned host pages on the compute stream):
+    # `tandem.engine.host_moves`; a CPU pool always copies with torch
+    host_cache_copy: HostCacheCopy = "staged"
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     # steps that prefill replay CUDA graphs too, up to this many tokens (padded up a ladder of sizes; eager, such

@@ -48,12 +48,13 @@ class TierModel(RuleBasedStateMachine):
     evicts from both tiers; copies land and are reaped at arbitrary points; the cache resets."""
 
     policy = "write_through"
+    copy = "staged"
 
     @initialize()
     def start(self):
         self.num_loads = 0
         self.pool = KVPool(PRESETS["tiny"], NUM_PAGES, P, torch.float32, "cpu")
-        self.tier = HostTier(self.pool, HOST_PAGES, self.policy, deferred=True)
+        self.tier = HostTier(self.pool, HOST_PAGES, self.policy, deferred=True, copy=self.copy)
         self.cache = RadixCache(self.pool, self.tier)
         self.requests: list[Req] = []
         self.seen: list[list[int]] = []  # sequences given to the cache: hits on them exercise loads

@@ -28,12 +28,12 @@ from tandem.types import SamplingParams
 class Sim:
     def __init__(self, num_pages=8, page_size=4, max_prefill_tokens=8, max_running_requests=4, prefix_cache=True,
                  seed=0, alphabet=4, host_pages=0, policy="write_through", device="cpu", stall_cycles=0,
-                 prefetch_pages=None):
+                 prefetch_pages=None, copy="staged"):
         """`stall_cycles` (CUDA): the device sleeps this long at the start of every step, so that copies the
         host issues while it sleeps overlap compute that has not run yet."""
         self.pool = KVPool(PRESETS["tiny"], num_pages, page_size, torch.float32, device)
         self.stall_cycles = stall_cycles
-        self.tier = HostTier(self.pool, host_pages, policy, deferred=True,
+        self.tier = HostTier(self.pool, host_pages, policy, deferred=True, copy=copy,
                              prefetch_pages=num_pages if prefetch_pages is None else prefetch_pages) \
             if host_pages else None
         self.cache = RadixCache(self.pool, self.tier) if prefix_cache else None

@@ -11,7 +11,18 @@ from tandem.config import EngineConfig
 from tandem.engine import step_order
 from tandem.engine.engine import Engine
 from tandem.engine.model_runner import ModelRunner
-from tandem.engine.step_order import DECODE, EAGER, IN_USE, PREP, UPDATE, check, check_all, mutants
+from tandem.engine.step_order import (
+    DECODE,
+    EAGER,
+    IN_USE,
+    PREP,
+    TIER,
+    TIER_DIRECT,
+    UPDATE,
+    check,
+    check_all,
+    mutants,
+)
 from tandem.engine.streams import MUTANT_ENV, RaceGuard, StreamRuntime, engine_placements
 from tandem.types import SamplingParams
 
@@ -67,7 +78,8 @@ def test_the_mutant_switch(monkeypatch):
     monkeypatch.setenv(MUTANT_ENV, "prep_without_war")
     changed = [p for p, q in zip(engine_placements(), IN_USE, strict=True) if p != q]
     assert changed and all(p["step_inputs"].stream == "prep" for p in changed)
-    assert {p.name for p in IN_USE} - {p.name for p in changed} == {"eager", "weights"}  # (no step_inputs there)
+    # (no step_inputs there)
+    assert {p.name for p in IN_USE} - {p.name for p in changed} == {"eager", "eager_direct", "weights"}
     monkeypatch.setenv(MUTANT_ENV, "copies_before_compute")  # every placement that holds the work gets the mutant's
     assert [p["tier_gather"].stream for p in engine_placements()[:2]] == ["backup", "backup"]
     StreamRuntime(engine_placements(), torch.device("cpu"))
@@ -109,6 +121,7 @@ def test_the_engine_issues_exactly_the_described_work_in_the_described_order():
     issued = set(trace)
     described = {w.name for p in IN_USE for w in p.works if not w.tp_only and w.stream != "transport"}
     described -= {"kv_import", "kv_export"}  # (prefill/decode servers: traced in the next test)
+    described -= {w.name for w in TIER_DIRECT} - {w.name for w in TIER}  # (a CPU tier's are staged; see below)
     cpu_only_absent = {"copy_out", "weights_land"}  # the copy to pinned memory is CUDA's; the land the transport's
     assert issued == described - cpu_only_absent, (issued ^ (described - cpu_only_absent))
     steps, current = [], []

@@ -113,7 +113,8 @@ class EngineCore(DecodeImports):
             record_sums_by_index(self.pool, [0], 0, 1)  # (its kernel compiled now, not at the first export)
         self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
         self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache,
-                             order=self.order) if config.host_cache != "off" else None
+                             order=self.order, copy=config.host_cache_copy if param.is_cuda else "staged"
+                             ) if config.host_cache != "off" else None
         self.cache = RadixCache(self.pool, self.tier) if config.enable_prefix_cache else None
         self.ideal = None  # what the cache is measured against: every prefix computed, up to 4x what both tiers hold
         if config.measure_ideal_reuse:

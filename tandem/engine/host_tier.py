@@ -33,6 +33,13 @@ The ordering rules, each enforced here (docs/streams.md has them as edges, `tand
      staging instead (on the device, already gathered);
   5. copies are reaped in issue order up to a point rank 0 decides (`ready`) and every rank applies, so under
      tensor parallelism all ranks free the same pages at the same step and take the same decisions.
+With `copy="staged_kernels"` each half above is one `tandem.kernels.page_move` launch (`tandem.engine.host_moves`):
+no index upload, no copy per run of host pages, no select before a scatter. With `copy="direct"` a backup is one
+launch that moves its pool pages straight into its host pages on the compute stream, in the step's order (rule 1;
+no staging, so rule 4 holds by that order: a load behind it reads the host page it filled; a prefetch, on the tier
+stream, still leaves such pages out), a load one launch from host pages straight into its pool pages on the compute
+stream (plus one per prefetch it takes pages from, after the tier stream: rule 2), a prefetch one launch into its
+staging on the tier stream.
 On CPU a transfer lands as it is issued (the same state machine, synchronous). With `deferred=True` a transfer
 lands only when `land` runs it, when it is reaped, or (a load's) when its scatter needs it: the tests use this to
 catch any broken rule, since a page freed too early or read too early then holds the wrong values.
@@ -48,14 +55,17 @@ from typing import get_args
 
 import torch
 
-from tandem.config import HostCache
+from tandem.config import HostCache, HostCacheCopy
 from tandem.engine.host_clock import HostClock
+from tandem.engine.host_moves import PageMoves
+from tandem.engine.host_staged import StagedHalves
 from tandem.engine.kv_pool import KVPool, PageAllocator
 from tandem.engine.streams import StreamRuntime, engine_placements
 
 log = logging.getLogger(__name__)
 
 POLICIES = get_args(HostCache)  # ("off", "write_through", "write_back")
+COPIES = get_args(HostCacheCopy)  # ("staged", "direct")
 
 
 @dataclass(eq=False)
@@ -78,13 +88,17 @@ class CopyOp:
     prefetch: bool = False
 
 
-class HostTier(PageAllocator):
+class HostTier(StagedHalves, PageAllocator):
     def __init__(self, pool: KVPool, num_pages: int, policy: str = "write_through", deferred: bool = False,
-                 order: StreamRuntime | None = None, prefetch_pages: int | None = None):
+                 order: StreamRuntime | None = None, prefetch_pages: int | None = None, copy: str = "staged"):
         """`prefetch_pages`: the staging (device memory outside the pool) prefetches may hold at once; default an
-        eighth of the pool, 0 for none."""
+        eighth of the pool, 0 for none. `copy`: "staged" (the halves above, torch's ops), "staged_kernels" (the same
+        halves, each one `move_pages` launch) or "direct" (each copy one launch straight between pool and host
+        pages, below); the last two on a CPU pool under Triton's interpreter, which only the tests want."""
         if policy not in POLICIES[1:]:
             raise ValueError(f"engine.host_cache: a tier's policy is one of {POLICIES[1:]}, got {policy!r}")
+        if copy not in COPIES:
+            raise ValueError(f"engine.host_cache_copy: one of {COPIES}, got {copy!r}")
         super().__init__(num_pages, pool.page_size)
         self.pool, self.policy, self.deferred = pool, policy, deferred
         L, _, K, D = pool.k_cache.shape
@@ -97,6 +111,8 @@ class HostTier(PageAllocator):
         self._k = pool.k_cache.view(L, -1, P, K, D).transpose(0, 1)
         self._v = pool.v_cache.view(L, -1, P, K, D).transpose(0, 1)
         self._routing = None if pool.routing is None else pool.routing.view(-1, P, *pool.routing.shape[1:])
+        self.copy = copy
+        self.moves = PageMoves(pool, self.kv, self.routing) if copy != "staged" else None  # (kernel launches)
         # where the copies run and what they wait for: the works tier_gather, tier_backup, tier_load, tier_join and
         # tier_prefetch of `tandem.engine.step_order`; shared with the model runner by the engine core
         self.order = order or StreamRuntime(engine_placements(), pool.k_cache.device)
@@ -120,7 +136,7 @@ class HostTier(PageAllocator):
         # `waits` counts those copies); and a flush's time by part, in issue order
         self.clock = HostClock(("backup", "load", "prefetch", "scatter", "wait"))
         self.flush_clock = HostClock(("index", "staging", "gather", "gather_event", "to_backup_stream", "transfer",
-                                      "from_backup_stream"))
+                                      "from_backup_stream", "done_event"))
         self.waits = 0
 
     @property
@@ -150,6 +166,20 @@ class HostTier(PageAllocator):
         if op is None:
             return
         t0 = t = self.clock.now()
+        if self.copy == "direct":  # one launch, pool pages to host pages, in the step's order (rule 1)
+            with self.order.work("tier_backup_direct"):
+                t = self._move_out(op, t)
+                op.done = self.moves.done()
+            t = self.flush_clock.lap("done_event", t)
+            self._drop_pool(op)
+        else:
+            t = self._flush_staged(op, t)
+        for i, h in enumerate(op.host_pages):  # (in flight: a prefetch must not read it; a staged load neither)
+            self._backing[h] = (op, i)
+        self.num_backups += 1
+        self.clock.lap("backup", t0)
+
+    def _flush_staged(self, op: CopyOp, t: tuple[float, float]) -> tuple[float, float]:
         with self.order.work("tier_gather"):
             op.staged, t = self._gather(op.device_pages, t)
         t = self.flush_clock.lap("gather_event", t)
@@ -158,11 +188,7 @@ class HostTier(PageAllocator):
             t = self.flush_clock.lap("to_backup_stream", t)
             self._transfer(op, lambda: self._to_host(op))
             t = self.flush_clock.lap("transfer", t)
-        self.flush_clock.lap("from_backup_stream", t)
-        for i, h in enumerate(op.host_pages):
-            self._backing[h] = (op, i)
-        self.num_backups += 1
-        self.clock.lap("backup", t0)
+        return self.flush_clock.lap("from_backup_stream", t)
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy host pages into device pages, at the next `before_compute` (which the caller runs before anything
@@ -170,8 +196,8 @@ class HostTier(PageAllocator):
         self.flush()  # (rule 4 needs every backup of these host pages gathered)
         t0 = self.clock.now()
         op = self._new_op(device_pages, host_pages, is_load=True)
-        for i, h in enumerate(host_pages):
-            if (src := self._in_flight_backup(h)) is not None:
+        for i, h in enumerate(host_pages):  # (direct: a backup in flight runs before it on the compute stream)
+            if self.copy != "direct" and (src := self._in_flight_backup(h)) is not None:
                 self.pages_from_backups += 1
             elif (src := self._prefetched.get(h)) is not None:
                 self.pages_from_prefetch += 1
@@ -258,6 +284,11 @@ class HostTier(PageAllocator):
             return
         t0 = self.clock.now()
         ops, self._unjoined = self._unjoined, []
+        if self.copy == "direct":
+            self._load_direct(ops)
+            self.num_loads += 1
+            self.clock.lap("scatter", t0)
+            return
         # (entered even with nothing to transfer: the join waits for it, so for every prefetch before it too)
         with self.order.work("tier_load"):
             staged = self._staging(sum(len(op.own) for op in ops))
@@ -272,15 +303,60 @@ class HostTier(PageAllocator):
             for op in ops:
                 self._await_transfer(op)
             self._scatter(ops, staged)
-            done = None
-            if self.cuda:
-                done = torch.cuda.Event()
-                done.record()
+            done = self._done()
             for op in ops:
                 self._drop_pool(op)
                 op.joined, op.done = True, done
         self.num_loads += 1
         self.clock.lap("scatter", t0)
+
+    def _load_direct(self, ops: list[CopyOp]) -> None:
+        """The loads' own host pages straight into their pool pages, one launch, then the pages they take from
+        prefetches' staging, one launch a prefetch, after the tier stream (which ran the prefetches): all on the
+        compute stream, so whatever it runs next reads them loaded; the ring is sealed behind them."""
+        with self.order.work("tier_load_direct"):
+            self._move_in(self.moves.pool, [op.host_pages[i] for op in ops for i in op.own],
+                          [op.device_pages[i] for op in ops for i in op.own])
+        taken: dict[int, tuple[CopyOp, list[int], list[int]]] = {}
+        for op in ops:
+            for i, src, j in op.from_staging:
+                _, rows, pages = taken.setdefault(id(src), (src, [], []))
+                rows.append(j)
+                pages.append(op.device_pages[i])
+        if taken:
+            with self.order.work("tier_take_prefetch"):
+                for src, rows, pages in taken.values():
+                    self._await_transfer(src)
+                    self.moves.move(self.moves.staging(src.staged), self.moves.pool, rows, pages)
+        done = self.moves.done()
+        for op in ops:
+            self._drop_pool(op)
+            op.joined, op.done = True, done
+
+    def _move_out(self, op: CopyOp, t: tuple[float, float]) -> tuple[float, float]:
+        """Direct: a backup's pool pages into its host pages, one launch (`t`: where the flush's clock is)."""
+        at = self.moves.ring.put(op.device_pages + op.host_pages)
+        t = self.flush_clock.lap("index", t)
+        self.moves.launch(self.moves.pool, self.moves.host, len(op.host_pages), at)
+        self.num_transfers += 1
+        return self.flush_clock.lap("transfer", t)
+
+    def _move_in(self, dst, host_pages: list[int], pages: list[int]) -> None:
+        """Direct: host pages into pages of store `dst` (the pool or a staging), one launch (none for no pages)."""
+        if host_pages:
+            self.moves.move(self.moves.host, dst, host_pages, pages)
+            self.num_transfers += 1
+
+    def _done(self) -> torch.cuda.Event | None:
+        """An event after the work issued so far on the current stream (CUDA); with kernel launches, it seals the
+        index ring's regions they read (their work precedes it: on this stream, or on one this stream waited for)."""
+        if self.moves is not None:
+            return self.moves.done()
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def _await_transfer(self, op: CopyOp) -> None:
         """Deferred mode: the load's transfer lands before its scatter (on CUDA the join's edge does this)."""
@@ -331,92 +407,11 @@ class HostTier(PageAllocator):
         if self.cuda:
             run()
             if not op.is_load or op.prefetch:  # (a load's completion is its scatter's, on the compute stream)
-                op.done = torch.cuda.Event()
-                op.done.record()
+                op.done = self._done()
         elif self.deferred:
             op.pending = run
         else:
             run()
-
-    # ---- the copies' halves ------------------------------------------------------------------------------
-    def _index(self, pages: list[int]) -> torch.Tensor:
-        """`pages` as a long tensor on the pool's device, uploaded from pinned memory (pageable memory would sync
-        the stream)."""
-        if not self.cuda:
-            return torch.tensor(pages, dtype=torch.long)
-        return torch.tensor(pages, dtype=torch.long, pin_memory=True).to(self._k.device, non_blocking=True)
-
-    def _staging(self, n: int) -> tuple:
-        kv = torch.empty((n, *self.kv.shape[1:]), dtype=self.kv.dtype, device=self._k.device)
-        routing = None if self.routing is None else torch.empty(
-            (n, *self.routing.shape[1:]), dtype=self.routing.dtype, device=self._k.device)
-        return kv, routing
-
-    def _gather(self, device_pages: list[int], t: tuple[float, float]) -> tuple[tuple, tuple[float, float]]:
-        """Staging [n, 2, L, P, K, D] (and routing) holding the pool pages, read on the current stream: one
-        indexed copy per tensor, straight into the staging. (`t`: where the flush's clock is.)"""
-        idx = self._index(device_pages)
-        t = self.flush_clock.lap("index", t)
-        kv, routing = self._staging(len(device_pages))
-        t = self.flush_clock.lap("staging", t)
-        torch.index_select(self._k, 0, idx, out=kv[:, 0])
-        torch.index_select(self._v, 0, idx, out=kv[:, 1])
-        if routing is not None:
-            torch.index_select(self._routing, 0, idx, out=routing)
-        return (kv, routing), self.flush_clock.lap("gather", t)
-
-    def _to_host(self, op: CopyOp) -> None:
-        kv, routing = op.staged
-        for i, h, n in _runs(op.host_pages):
-            self.kv[h:h + n].copy_(kv[i:i + n], non_blocking=True)
-            if routing is not None:
-                self.routing[h:h + n].copy_(routing[i:i + n], non_blocking=True)
-            self.num_transfers += 1
-
-    def _from_host(self, op: CopyOp) -> None:
-        """The host pages of the copy's own transfer (`own`) into its staging, in that order."""
-        kv, routing = op.staged
-        pages = op.host_pages if op.own is None else [op.host_pages[i] for i in op.own]
-        for i, h, n in _runs(pages):
-            kv[i:i + n].copy_(self.kv[h:h + n], non_blocking=True)
-            if routing is not None:
-                routing[i:i + n].copy_(self.routing[h:h + n], non_blocking=True)
-            self.num_transfers += 1
-
-    def _scatter(self, ops: list[CopyOp], staged: tuple) -> None:
-        """The loads' pages into the pool (on the current stream: compute), one indexed copy per staging tensor
-        they come from: `staged`, their own transfer's, and those of the prefetches and backups in flight they take
-        pages from (a backup's gather ran earlier on this stream; a prefetch's transfer earlier on the tier stream,
-        which the join waited for). Every index is uploaded at once; rows of another copy's staging that form a
-        run are a view of it, others are selected first."""
-        own = [op.device_pages[i] for op in ops for i in op.own]
-        sources = {None: (staged, list(range(len(own))), own)}
-        for op in ops:
-            for i, src, j in op.from_staging:
-                if src.prefetch:
-                    self._await_transfer(src)
-                rows, pages = sources.setdefault(id(src), (src.staged, [], []))[1:]
-                rows.append(j)
-                pages.append(op.device_pages[i])
-        sources = [s for s in sources.values() if s[2]]
-        flat = [p for _, _, pages in sources for p in pages]
-        picks = [rows for _, rows, _ in sources if not _is_run(rows)]
-        idx = self._index(flat + [j for rows in picks for j in rows])
-        at, picked = 0, len(flat)
-        for (kv, routing), rows, pages in sources:
-            dst = idx[at:at + len(pages)]
-            at += len(pages)
-            if _is_run(rows):
-                run = slice(rows[0], rows[0] + len(rows))
-                kv, routing = kv[run], None if routing is None else routing[run]
-            else:
-                take = idx[picked:picked + len(rows)]
-                picked += len(rows)
-                kv, routing = kv.index_select(0, take), None if routing is None else routing.index_select(0, take)
-            self._k[dst] = kv[:, 0]
-            self._v[dst] = kv[:, 1]
-            if routing is not None:
-                self._routing[dst] = routing
 
     # ---- completion ------------------------------------------------------------------------------------
     def land(self, upto: int, stream: str | None = None) -> None:
@@ -459,17 +454,3 @@ class HostTier(PageAllocator):
     @property
     def in_flight(self) -> int:
         return len(self.ops)
-
-
-def _is_run(rows: list[int]) -> bool:
-    """Whether `rows` are consecutive ascending indices."""
-    return rows == list(range(rows[0], rows[0] + len(rows)))
-
-
-def _runs(pages: list[int]):
-    """(index in `pages`, first page, length) of each run of consecutive page ids."""
-    start = 0
-    for i in range(1, len(pages) + 1):
-        if i == len(pages) or pages[i] != pages[i - 1] + 1:
-            yield start, pages[start], i - start
-            start = i

@@ -116,6 +116,17 @@ TIER = (
     Work("tier_prefetch", "tier", "copy", "schedule", reads=("host_kv",), writes=("prefetch_staged",),
          held=("host_kv",)),
 )
+# The same copies direct (`engine.host_cache_copy: direct`): a backup straight from pool pages into host pages and
+# a load straight from host pages into pool pages, each one kernel on the compute stream; the pages a load takes
+# from prefetches' staging after the tier stream (which ran the prefetches, as above).
+TIER_DIRECT = (
+    Work("tier_backup_direct", "compute", "copy", "schedule", reads=("kv",), writes=("host_kv",), held=("host_kv",),
+         unread=("host_kv",)),
+    Work("tier_load_direct", "compute", "copy", "schedule", reads=("host_kv",), writes=("kv",), held=("host_kv",)),
+    Work("tier_take_prefetch", "compute", "copy", "schedule", reads=("prefetch_staged@-1",), writes=("kv",),
+         after=("tier",)),
+    TIER[-1],
+)
 # A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs copied
 # there from pinned memory (no host sync), sampled ids copied to pinned memory behind an event the host reads
 # after launching the next step.
@@ -160,8 +171,14 @@ EAGER = Placement("eager", (*TIER, *EAGER_STEP), _FRESH)
 UPDATE = Placement("weights", WEIGHTS, _FRESH)
 DECODE_SERVER = Placement("decode_server", (*TIER, KV_IMPORT, *STEP), _FRESH)
 PREFILL_SERVER = Placement("prefill_server", (*TIER, *STEP, KV_EXPORT), _FRESH)
-IN_USE = (DECODE, EAGER, UPDATE, DECODE_SERVER, PREFILL_SERVER)  # the iteration kinds the engine runs
-SINGLE_RANK = {DECODE_SERVER, PREFILL_SERVER}  # kinds only one-rank engines run (`--role` refuses --tp and --ep)
+# the iteration kinds with a direct tier
+DECODE_DIRECT, EAGER_DIRECT, DECODE_SERVER_DIRECT, PREFILL_SERVER_DIRECT = (
+    Placement(f"{p.name}_direct", (*TIER_DIRECT, *p.works[len(TIER):]), p.fresh)
+    for p in (DECODE, EAGER, DECODE_SERVER, PREFILL_SERVER))
+IN_USE = (DECODE, EAGER, UPDATE, DECODE_SERVER, PREFILL_SERVER, DECODE_DIRECT, EAGER_DIRECT, DECODE_SERVER_DIRECT,
+          PREFILL_SERVER_DIRECT)  # the iteration kinds the engine runs
+# kinds only one-rank engines run (`--role` refuses --tp and --ep)
+SINGLE_RANK = {DECODE_SERVER, PREFILL_SERVER, DECODE_SERVER_DIRECT, PREFILL_SERVER_DIRECT}
 # The graph's inputs copied on a stream of their own, done right: the copies wait for the replay before (write
 # after read), the replay waits for them (read after write). Accepted, not used (it buys nothing measurable:
 # the copies are a few microseconds); the race guard's mutant arm runs it without its first edge.
@@ -190,6 +207,11 @@ def mutants() -> dict[str, tuple[str, Placement]]:
         "load_not_joined": ("race", DECODE.replaced("tier_join", after=())),
         # a prefetch on a stream the load's join does not wait for
         "prefetch_on_another_stream": ("race", DECODE.replaced("tier_prefetch", stream="backup")),
+        # a direct load taking pages from a prefetch's staging without waiting for the tier stream
+        "direct_take_not_joined": ("race", DECODE_DIRECT.replaced("tier_take_prefetch", after=())),
+        # direct copies off the compute stream, waiting for no compute (as copies_before_compute)
+        "direct_before_compute": ("race", DECODE_DIRECT.replaced("tier_backup_direct", stream="backup")
+                                  .replaced("tier_load_direct", stream="tier")),
         # a load that reads a host page whose backup is still in flight (not from the backup's staging)
         "load_reads_backup_in_flight": ("race", DECODE.replaced("tier_backup", unread=())),
         # parameters overwritten while the transport still receives them
