@@ -104,6 +104,8 @@ def test_the_dispatch_gives_the_definitions_checksums_and_copies(case, kernel, m
     interpreter here), keys and values into one buffer of parts: the same values (`canonical`) and pages."""
     if kernel:
         pytest.importorskip("triton")
+        if torch.cuda.is_available():  # (CPU tensors take the kernel under the interpreter only, off a GPU machine)
+            pytest.skip("the kernel on the device: test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums...")
         monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
     layers, num_pages, P, heads, dim, dtype, n = case
     k, v = pool(layers, num_pages, P, heads, dim, dtype)

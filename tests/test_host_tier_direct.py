@@ -123,15 +123,6 @@ def test_gpu_direct_copies_not_ordered_with_compute_are_caught(monkeypatch, muta
 
 
 @pytest.mark.gpu
-def test_gpu_a_prefetch_of_a_host_page_whose_direct_backup_is_in_flight_is_caught(monkeypatch):
-    """A prefetch leaves out host pages a backup still fills (its launch waits behind a stalled step on the compute
-    stream; the prefetch runs on the tier stream): without, it reads the page first."""
-    monkeypatch.setattr(HostTier, "_prefetchable", lambda self, h: h not in self._prefetched)
-    with pytest.raises(AssertionError, match="wrong KV"):
-        run_random_scenarios(40, headroom_pages=0, host_pages=12, policy="write_back", copy="direct", **STALL)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("copy", KERNEL_COPIES)
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_gpu_greedy_multi_turn_episodes_are_identical_with_kernel_copies(policy, copy):

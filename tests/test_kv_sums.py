@@ -39,10 +39,9 @@ def sums_pool(layers, heads, dim, dtype, pages=10, page_size=4, device="cpu") ->
 def write(pool: KVPool, slots: list[int], gen: torch.Generator) -> None:
     """Random keys and values at `slots` in every layer, each layer's records taken as a forward would."""
     index = torch.tensor(slots, device=pool.k_cache.device)
-    for layer in range(pool.k_cache.shape[0]):
-        for cache in (pool.k_cache, pool.v_cache):
-            cache[layer, index] = torch.randn(len(slots), *cache.shape[2:], generator=gen).to(cache)
-        pool.record_sums(layer, index)
+    for cache in (pool.k_cache, pool.v_cache):
+        cache[:, index] = torch.randn(cache.shape[0], len(slots), *cache.shape[2:], generator=gen).to(cache)
+    pool.record_sums(index)
 
 
 @pytest.mark.parametrize("layers,heads,dim,dtype", CASES, ids=["bf16", "fp32", "bf16 int16 words"])
@@ -76,13 +75,12 @@ def test_the_kernels_records_are_the_torch_paths(layers, heads, dim, dtype):
     pool, gen = sums_pool(layers, heads, dim, dtype, device=device), torch.Generator().manual_seed(2)
     write(pool, [1, 9, 10, 30, 17, 3], gen)  # (the torch path's records)
     slots = torch.tensor([1, 9, 10, 30, 17, 3], dtype=torch.int32, device=device)
-    for layer in range(layers):
-        out = torch.zeros_like(pool.sums[:, layer])
-        weights = _sum_weights(layers, 4, _words_per_position(pool.k_cache[layer]), pool.k_cache.device)[layer]
-        record_slot_sums(pool.k_cache[layer], pool.v_cache[layer], slots, out, weights, 4)
-        # (the column part: the kernel keeps its 32 bits sign-extended, as torch's)
-        assert torch.equal(out[slots.long()], pool.sums[slots.long(), layer]), layer
-        assert not out[[0, 2]].any()  # nothing written elsewhere
+    out = torch.zeros_like(pool.sums)
+    weights = _sum_weights(layers, 4, _words_per_position(pool.k_cache[0]), pool.k_cache.device)
+    record_slot_sums(pool.k_cache, pool.v_cache, slots, out, weights, 4)
+    # (the column part: the kernel keeps its 32 bits sign-extended, as torch's)
+    assert torch.equal(out[slots.long()], pool.sums[slots.long()])
+    assert not out[[0, 2]].any()  # nothing written elsewhere
 
 
 def test_the_kernels_page_sums_of_records_are_the_torch_paths():

@@ -108,29 +108,30 @@ class KVPool(PageAllocator):
         if self.summed is not None:
             self.summed[pages] = False
 
-    def record_sums(self, layer: int, slots: torch.Tensor) -> None:
-        """Record layer `layer`'s checksum shares of the keys and values just written at `slots` (into `sums`;
-        asynchronous on a GPU). Called by the model, layer by layer (`Qwen3ForCausalLM.capture_kv_sums`)."""
-        k, v, out = self.k_cache[layer], self.v_cache[layer], self.sums[:, layer]
-        weights = _sum_weights(self.k_cache.shape[0], self.page_size, _words_per_position(k), k.device)[layer]
+    def record_sums(self, slots: torch.Tensor) -> None:
+        """Record every layer's checksum shares of the keys and values just written at `slots` (into `sums`; one
+        launch, asynchronous, on a GPU). Called by the model after each forward (`Qwen3ForCausalLM.capture_kv_sums`)."""
+        k, v = self.k_cache, self.v_cache
+        weights = _sum_weights(k.shape[0], self.page_size, _words_per_position(k[0]), k.device)
         if k.is_cuda:
             from tandem.kernels.kv_sums import record_slot_sums, supports
 
             if supports(k) and supports(v):
-                record_slot_sums(k, v, slots, out, weights, self.page_size)
+                record_slot_sums(k, v, slots, self.sums, weights, self.page_size)
                 return
         from tandem.engine.kv_transfer import _words
 
-        row_k, col_k, row_v, col_v = weights
         slots = slots.long()
         offsets = slots % self.page_size
-        row_part = torch.zeros(slots.numel(), dtype=torch.int64, device=slots.device)
-        col_part = torch.zeros(slots.numel(), dtype=torch.int32, device=slots.device)
-        for cache, row_w, col_w in ((k, row_k, col_k), (v, row_v, col_v)):
-            words_TM = _words(cache.index_select(0, slots)[None])[0]
-            row_part += words_TM.sum(1, dtype=torch.int32).long() * row_w[offsets]
-            col_part += (words_TM * col_w.to(torch.int32)).sum(1, dtype=torch.int32)
-        out[slots] = torch.stack([row_part, col_part.long()], 1)
+        for layer in range(k.shape[0]):
+            row_k, col_k, row_v, col_v = (w[layer] for w in weights)
+            row_part = torch.zeros(slots.numel(), dtype=torch.int64, device=slots.device)
+            col_part = torch.zeros(slots.numel(), dtype=torch.int32, device=slots.device)
+            for cache, row_w, col_w in ((k[layer], row_k, col_k), (v[layer], row_v, col_v)):
+                words_TM = _words(cache.index_select(0, slots)[None])[0]
+                row_part += words_TM.sum(1, dtype=torch.int32).long() * row_w[offsets]
+                col_part += (words_TM * col_w.to(torch.int32)).sum(1, dtype=torch.int32)
+            self.sums[slots, layer] = torch.stack([row_part, col_part.long()], 1)
 
     def page_sums(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """`kv_transfer.page_sums` of token positions [start, end) (`start` page-aligned) of a sequence with page
@@ -163,12 +164,12 @@ class KVPool(PageAllocator):
 
 
 @functools.lru_cache(maxsize=8)
-def _sum_weights(layers: int, page_size: int, words: int, device: torch.device) -> list[tuple]:
-    """Per layer, `kv_transfer.checksum_weights`'s (keys' row, keys' column, values' row, values' column)."""
+def _sum_weights(layers: int, page_size: int, words: int, device: torch.device) -> tuple:
+    """`kv_transfer.checksum_weights`'s (keys' row [L, P], keys' column [L, M], values' row, values' column)."""
     from tandem.engine.kv_transfer import checksum_weights
 
     (row_k, col_k), (row_v, col_v) = (checksum_weights(which, layers, page_size, words, device) for which in (0, 1))
-    return [(row_k[i], col_k[i], row_v[i], col_v[i]) for i in range(layers)]
+    return row_k, col_k, row_v, col_v
 
 
 def _words_per_position(cache_SKD: torch.Tensor) -> int:

@@ -1,8 +1,8 @@
 """Each written KV position's part of its page's checksum, recorded as the forward writes it (a prefill server's
 export then needs no checksum pass: `KVPool.page_sums`).
 
-`record_slot_sums` takes one layer's keys and values as the forward left them in the pool and stores, per slot
-written, that position's share of `tandem.engine.kv_transfer.page_sums` for this layer: the row part (its keys' and
+`record_slot_sums` takes the keys and values the forward left in the pool and stores, per slot written and per
+layer, that position's share of `tandem.engine.kv_transfer.page_sums`: the row part (its keys' and
 values' row sums modulo 2**32, sign-extended, times their odd weights of (tensor, layer, offset in the page), summed
 modulo 2**64) and the column part (its words times their odd weights of (tensor, layer, column), summed modulo
 2**32). Both parts of `page_sums` are sums over a page's positions of these shares, so a page's checksum is the sum
@@ -25,28 +25,31 @@ RECORD_WORDS = 4096  # 32-bit words of keys (and as many of values) a program of
 
 @triton.jit(**varying("slots_ptr", "num_tokens"))
 def _record_kernel(k_ptr, v_ptr, slots_ptr, out_ptr, row_k_ptr, row_v_ptr, col_k_ptr, col_v_ptr, num_tokens,
-                   out_stride, words: tl.constexpr, page_size: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_M: tl.constexpr):
-    """One program: tokens [BLOCK_T * i, BLOCK_T * (i + 1)) of the step, whose keys and values (`words` int32
-    words each) are at their `slots` (the column weights loaded once for them all)."""
+                   layer_words, words: tl.constexpr, page_size: tl.constexpr, layers: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr):
+    """One program: layer `program_id(1)` of tokens [BLOCK_T * i, BLOCK_T * (i + 1)) of the step, whose keys and
+    values (`words` int32 words each; a layer `layer_words` words apart) are at their `slots` (the layer's column
+    weights loaded once for them all)."""
+    layer = tl.program_id(1).to(tl.int64)
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = offs_t < num_tokens
     slot = tl.load(slots_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < words
     ok = t_ok[:, None] & m_ok[None, :]
-    at = slot[:, None] * words + offs_m[None, :]
+    at = layer * layer_words + slot[:, None] * words + offs_m[None, :]
     k = tl.load(k_ptr + at, mask=ok, other=0)
     v = tl.load(v_ptr + at, mask=ok, other=0)
-    col_k = tl.load(col_k_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
-    col_v = tl.load(col_v_ptr + offs_m, mask=m_ok, other=0).to(tl.int32)
+    col_k = tl.load(col_k_ptr + layer * words + offs_m, mask=m_ok, other=0).to(tl.int32)
+    col_v = tl.load(col_v_ptr + layer * words + offs_m, mask=m_ok, other=0).to(tl.int32)
     # (int32 arithmetic wraps: the row sums and the column part are modulo 2**32)
     col_part = tl.sum(k * col_k[None, :] + v * col_v[None, :], axis=1).to(tl.int32).to(tl.int64)
-    offset = slot % page_size
+    offset = layer * page_size + slot % page_size
     row_part = (tl.sum(k, axis=1).to(tl.int32).to(tl.int64) * tl.load(row_k_ptr + offset, mask=t_ok, other=0)
                 + tl.sum(v, axis=1).to(tl.int32).to(tl.int64) * tl.load(row_v_ptr + offset, mask=t_ok, other=0))
-    tl.store(out_ptr + slot * out_stride, row_part, mask=t_ok)
-    tl.store(out_ptr + slot * out_stride + 1, col_part, mask=t_ok)
+    out = out_ptr + (slot * layers + layer) * 2
+    tl.store(out, row_part, mask=t_ok)
+    tl.store(out + 1, col_part, mask=t_ok)
 
 
 @triton.jit(**varying("pages_ptr", "rows_ptr", "out_ptr"))
@@ -66,25 +69,26 @@ def _page_sums_kernel(records_ptr, pages_ptr, rows_ptr, out_ptr, page_size: tl.c
 
 
 def supports(cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this layer of a pool ([S, K, D], contiguous, a position's bytes in 4-byte words)."""
-    return cache.is_contiguous() and (cache.shape[1] * cache.shape[2] * cache.element_size()) % 4 == 0
+    """Whether the kernel takes this pool tensor ([L, S, K, D], contiguous, a position's bytes in 4-byte words)."""
+    return cache.is_contiguous() and (cache.shape[2] * cache.shape[3] * cache.element_size()) % 4 == 0
 
 
-def record_slot_sums(k_SKD: torch.Tensor, v_SKD: torch.Tensor, slots_T: torch.Tensor, out_S2: torch.Tensor,
+def record_slot_sums(k_LSKD: torch.Tensor, v_LSKD: torch.Tensor, slots_T: torch.Tensor, out_SL2: torch.Tensor,
                      weights: tuple, page_size: int) -> None:
-    """Store at `out_S2[slot]` (int64 [S, 2] rows, the last dimension contiguous: one layer of `KVPool.sums`) the
-    row and column parts of the keys and values at each slot of `slots_T` (one layer of a pool, [S, K, D], which
-    both pass `supports`). `weights`: this layer's (keys' row weights [page_size], keys' column weights [M], values'
-    row weights, values' column weights), int64, from `kv_transfer.checksum_weights`. Asynchronous (queued on the
-    current stream); a slot that appears twice gets either position's record."""
+    """Store at `out_SL2[slot]` (`KVPool.sums` [S, L, 2] int64, contiguous) the row and column parts, every layer,
+    of the keys and values at each slot of `slots_T` (of pool tensors [L, S, K, D], which both pass `supports`).
+    `weights`: (keys' row weights [L, page_size], keys' column weights [L, M], values' row weights, values' column
+    weights), int64, from `kv_transfer.checksum_weights`. One launch, asynchronous (queued on the current stream); a
+    slot that appears twice gets either position's record."""
     row_k, col_k, row_v, col_v = weights
     if T := slots_T.numel():
-        words = k_SKD[0].numel() * k_SKD.element_size() // 4
+        layers, slots = k_LSKD.shape[:2]
+        words = k_LSKD[0, 0].numel() * k_LSKD.element_size() // 4
         block_m = triton.next_power_of_2(words)
         block_t = max(1, RECORD_WORDS // block_m)  # (one tile for any step: no compile for a new step size)
-        _record_kernel[(triton.cdiv(T, block_t),)](
-            k_SKD.view(torch.int32), v_SKD.view(torch.int32), slots_T, out_S2, row_k, row_v, col_k, col_v, T,
-            out_S2.stride(0), words, page_size, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4)
+        _record_kernel[(triton.cdiv(T, block_t), layers)](
+            k_LSKD.view(torch.int32), v_LSKD.view(torch.int32), slots_T, out_SL2, row_k, row_v, col_k, col_v, T,
+            slots * words, words, page_size, layers, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4)
 
 
 def page_sums(records_SL2: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, page_size: int,

@@ -182,12 +182,9 @@ class Qwen3ForCausalLM(nn.Module):
         self.routing_store = store
 
     def capture_kv_sums(self, record) -> None:
-        """Have every forward over a KV cache call `record(layer, slots)` once each layer's keys and values are
-        in the cache (`slots`: the step's, `AttentionContext.token_slots`): `KVPool.record_sums`."""
+        """Have every forward over a KV cache call `record(slots)` once every layer's keys and values are in the
+        cache (`slots`: the step's, `AttentionContext.token_slots`): `KVPool.record_sums`."""
         self.kv_sums = record
-
-    def _sums_slots(self, ctx: AttentionContext) -> torch.Tensor | None:
-        return ctx.token_slots() if self.kv_sums is not None else None
 
     def _set_capture(self, ctx: AttentionContext) -> None:
         slots = ctx.token_slots() if self.routing_store is not None else None
@@ -271,17 +268,20 @@ class Qwen3ForCausalLM(nn.Module):
         """Final hidden states [T, E] (after the last norm); `compute_logits` turns rows into logits."""
         if self.moe_blocks:
             self._set_capture(ctx)
+        hidden = self._forward(input_ids_T, positions_T, ctx)
+        if self.kv_sums is not None and (slots := ctx.token_slots()) is not None:
+            self.kv_sums(slots)
+        return hidden
+
+    def _forward(self, input_ids_T, positions_T, ctx):
         if self.small is not None and input_ids_T.shape[0] <= self.small.MAX_ROWS:
             return self._forward_small(input_ids_T, positions_T, ctx)
         if self.fused is not None:
             return self._forward_fused(input_ids_T, positions_T, ctx)
         cos, sin = rope_cos_sin(positions_T, self.config.head_dim, self.config.rope_theta)
         x = self.model.embed_tokens(input_ids_T)
-        slots = self._sums_slots(ctx)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx)
-            if slots is not None:
-                self.kv_sums(layer.self_attn.layer, slots)
         return self.model.norm(x)
 
     def _forward_fused(self, input_ids_T, positions_T, ctx):
@@ -291,13 +291,10 @@ class Qwen3ForCausalLM(nn.Module):
         residual = self.model.embed_tokens(input_ids_T)
         layers = self.model.layers
         h = f.rmsnorm(residual, layers[0].input_layernorm.weight, eps)
-        slots = self._sums_slots(ctx)
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             q, k, v = self._attention_qkv(attn, F.linear(h, attn.qkv_weight), positions_T, ctx)
             o = attn.o_proj(ctx.attend(attn.layer, q, k, v).reshape(h.shape[0], -1))
-            if slots is not None:
-                self.kv_sums(attn.layer, slots)
             h, residual = f.fused_add_rmsnorm(o, residual, layer.post_attention_layernorm.weight, eps)
             mlp = layer.mlp
             if isinstance(mlp, Qwen3SparseMoeBlock):
@@ -330,7 +327,7 @@ class Qwen3ForCausalLM(nn.Module):
         f, eps = self.fused, self.config.rms_norm_eps
         s = functools.partial(self.small.small_linear, arrived=self.small_arrived)
         residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
-        T, slots = residual.shape[0], self._sums_slots(ctx)
+        T = residual.shape[0]
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             dest = ctx.kv_destination(attn.layer)
@@ -342,8 +339,6 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
                 o = ctx.attend(attn.layer, *self._attention_qkv(attn, qkv, positions_T, ctx)).reshape(T, -1)
-            if slots is not None:
-                self.kv_sums(attn.layer, slots)
             s(o, attn.o_proj.weight, out=residual)
             if isinstance(mlp, Qwen3SparseMoeBlock):
                 residual += mlp(f.rmsnorm(residual, layer.post_attention_layernorm.weight, eps))
