@@ -13,11 +13,11 @@ import socket
 import sys
 from typing import get_args
 
-from tandem.config import Dtype, HostCache, HostCacheCopy
+from tandem.config import Dtype, EngineConfig, HostCache, HostCacheCopy
 
 
 def _serve(args) -> None:
-    from tandem.config import EngineConfig, resolve_model
+    from tandem.config import resolve_model
     from tandem.distributed.parallel import SINGLE
     from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host-cache", default="off", choices=get_args(HostCache),
                        help="a host-memory tier under the prefix cache")
     serve.add_argument("--host-cache-pages", type=int, default=0, help="its size in pages (0: twice the device pool)")
-    serve.add_argument("--host-cache-copy", default="staged", choices=get_args(HostCacheCopy),
+    serve.add_argument("--host-cache-copy", default=EngineConfig().host_cache_copy, choices=get_args(HostCacheCopy),
                        help="how its copies move pages on CUDA (engine.host_cache_copy)")
     serve.add_argument("--seed", type=int, default=0)
     serve.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")

@@ -60,11 +60,11 @@ class EngineConfig:
     # "write_back" (back up as they are evicted); host_cache_pages 0: twice the device pool
     host_cache: HostCache = "off"
     host_cache_pages: NonNegativeInt = 0
-    # how the tier's copies move pages on CUDA: "staged" (a gather or scatter on the device, a bus transfer per run
-    # of host pages between staging and the host), "staged_kernels" (the same halves, each one kernel launch) or
-    # "direct" (one kernel launch a copy, straight between pool and pinned host pages on the compute stream):
-    # `tandem.engine.host_moves`; a CPU pool always copies with torch
-    host_cache_copy: HostCacheCopy = "staged"
+    # how the tier's copies move pages on CUDA: "direct" (one kernel launch a copy, straight between pool and pinned
+    # host pages on the compute stream: the fastest on an H200, BENCHMARKS.md), "staged" (a gather or scatter on
+    # the device, a bus transfer per run of host pages between staging and the host) or "staged_kernels" (the same
+    # halves, each one kernel launch): `tandem.engine.host_moves`; a CPU pool always copies with torch
+    host_cache_copy: HostCacheCopy = "direct"
     device: str = "cpu"
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA only; captured at start-up)
     # steps that prefill replay CUDA graphs too, up to this many tokens (padded up a ladder of sizes; eager, such

@@ -65,7 +65,7 @@ from tandem.engine.streams import StreamRuntime, engine_placements
 log = logging.getLogger(__name__)
 
 POLICIES = get_args(HostCache)  # ("off", "write_through", "write_back")
-COPIES = get_args(HostCacheCopy)  # ("staged", "direct")
+COPIES = get_args(HostCacheCopy)  # ("staged", "staged_kernels", "direct")
 
 
 @dataclass(eq=False)
