@@ -1,4 +1,4 @@
-"""The one-pass KV transfer's kernel alone (`tandem.kernels.kv_copy` through `kv_mapped.page_sums_by_index`),
+"""The one-pass KV transfer's kernel alone (`tandem.kernels.kv_copy` through `kv_index_sums.page_sums_by_index`),
 device time, against a plain copy of the same bytes: what the KV transfer by reference costs on the device, so that
 `disaggregation.py --transfer-only` can tell it from the host's part.
 
@@ -63,7 +63,7 @@ def _pools(model: str, tokens: int, page_size: int, device: str) -> tuple[dict, 
 def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, reps: int = 20,
                  device: str = "cuda") -> dict:
     """The four device times above, in seconds, with the KV bytes moved; pools freed before it returns."""
-    from tandem.engine.kv_mapped import _kernel_ok, page_sums_by_index
+    from tandem.engine.kv_index_sums import _kernel_ok, page_sums_by_index
 
     t, src_pages, dst_pages, kv_bytes = _pools(model, tokens, page_size, device)
     t["flat_src"] = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
@@ -87,7 +87,7 @@ def record_times(model: str, tokens: int, page_size: int, reps: int, device: str
     """A prefill server's checksum records (`KVPool(slot_sums=True)`): the device time its forward spends recording
     `tokens` positions in every layer (`records_s`: one launch, as the forward makes it), and its export's sums
     from them (`page_sums_s`: what replaces the checksum pass)."""
-    from tandem.engine.kv_mapped import record_sums_by_index
+    from tandem.engine.kv_index_sums import record_sums_by_index
     from tandem.engine.kv_pool import KVPool
 
     cfg = PRESETS[model]
@@ -112,7 +112,7 @@ def sweep(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int = 16, re
     `SWEEP_WARPS`, plain; and at 2,048-8,192 words and 4 or 8 warps, streaming, deferred, and both), each checked
     against the default tile's output bit for bit (a tile that differs or fails is reported, never chosen), with
     the plain copy's time of the same bytes."""
-    from tandem.engine.kv_mapped import _kernel_ok, canonical, page_sums_by_index
+    from tandem.engine.kv_index_sums import _kernel_ok, canonical, page_sums_by_index
     from tandem.kernels.kv_copy import COPY_TILE, SUMS_TILE, Tile
 
     t, src_pages, dst_pages, kv_bytes = _pools(model, tokens, page_size, device)

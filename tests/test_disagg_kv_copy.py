@@ -1,4 +1,4 @@
-"""The one-pass KV transfer's checksums and copy (`tandem.kernels.kv_copy`, `kv_mapped.page_sums_by_index`): the
+"""The one-pass KV transfer's checksums and copy (`tandem.kernels.kv_copy`, `kv_index_sums.page_sums_by_index`): the
 Triton kernel against `kv_transfer.page_sums` over the same positions gathered by torch, bit for bit (under Triton's
 CPU interpreter here, on the device in the `gpu` cases), the pages it writes equal to those it read and nothing
 else written; the torch path (a CPU's) against the same definition; falsifiers: a changed word or a page read from
@@ -12,8 +12,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 
-from tandem.engine import kv_mapped  # noqa: E402
-from tandem.engine.kv_mapped import _weights, _words_per_position, canonical, page_sums_by_index  # noqa: E402
+from tandem.engine import kv_index_sums  # noqa: E402
+from tandem.engine.kv_index_sums import _weights, _words_per_position, canonical, page_sums_by_index  # noqa: E402
 from tandem.engine.kv_transfer import page_sums  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -106,7 +106,7 @@ def test_the_dispatch_gives_the_definitions_checksums_and_copies(case, kernel, m
         pytest.importorskip("triton")
         if torch.cuda.is_available():  # (CPU tensors take the kernel under the interpreter only, off a GPU machine)
             pytest.skip("the kernel on the device: test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums...")
-        monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
+        monkeypatch.setattr(kv_index_sums, "_kernel_ok", lambda *caches: True)
     layers, num_pages, P, heads, dim, dtype, n = case
     k, v = pool(layers, num_pages, P, heads, dim, dtype)
     num = -(-n // P)
@@ -150,7 +150,7 @@ def test_every_tile_gives_the_same_checksums_and_pages(case, tile, monkeypatch):
     pytest.importorskip("triton")
     from tandem.kernels.kv_copy import COPY_TILE, SUMS_TILE, Tile  # noqa: F401 (eval'd below)
 
-    monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
+    monkeypatch.setattr(kv_index_sums, "_kernel_ok", lambda *caches: True)
     layers, num_pages, P, heads, dim, dtype, n = case
     k, v = pool(layers, num_pages, P, heads, dim, dtype, device=DEVICE)
     num = -(-n // P)

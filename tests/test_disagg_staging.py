@@ -13,8 +13,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 
-from tandem.engine import kv_mapped  # noqa: E402
-from tandem.engine.kv_mapped import PinnedKV, canonical, host_sums, page_sums_by_index  # noqa: E402
+from tandem.engine import kv_index_sums  # noqa: E402
+from tandem.engine.kv_index_sums import canonical, host_sums, page_sums_by_index  # noqa: E402
+from tandem.engine.kv_mapped import PinnedKV  # noqa: E402
 from tandem.engine.kv_shared import Staging, staging  # noqa: E402
 from tandem.engine.kv_transfer import TransferClock  # noqa: E402
 
@@ -54,7 +55,7 @@ def test_the_kernels_path_allocates_no_host_buffer_per_transfer(monkeypatch):
     """`page_sums_by_index` stages its page index in a kept buffer and gives it back: a second transfer of the same
     size takes the same buffer (the kernel under the interpreter here)."""
     pytest.importorskip("triton")
-    monkeypatch.setattr(kv_mapped, "_kernel_ok", lambda *caches: True)
+    monkeypatch.setattr(kv_index_sums, "_kernel_ok", lambda *caches: True)
     k, v = torch.randn(2, 5 * 4, 2, 4), torch.randn(2, 5 * 4, 2, 4)
     stage = staging("cpu")
     first = page_sums_by_index(k, v, [1, 2, 3], 0, 10, 4)

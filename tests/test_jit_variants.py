@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
-from tandem.engine.kv_mapped import page_sums_by_index  # noqa: E402
+from tandem.engine.kv_index_sums import page_sums_by_index  # noqa: E402
 from tandem.kernels import kv_copy, prefill_attention, sampling  # noqa: E402
 
 

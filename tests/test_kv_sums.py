@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
-from tandem.engine.kv_mapped import canonical, host_sums, page_sums_by_index  # noqa: E402
+from tandem.engine.kv_index_sums import canonical, host_sums, page_sums_by_index  # noqa: E402
 from tandem.engine.kv_pool import KVPool, _sum_weights, _words_per_position  # noqa: E402
 from tandem.engine.kv_transfer import page_sums  # noqa: E402
 from tandem.types import SamplingParams  # noqa: E402
@@ -97,7 +97,7 @@ def test_the_kernels_page_sums_of_records_are_the_torch_paths():
 
 
 def test_a_staged_index_is_its_columns():
-    from tandem.engine.kv_mapped import _stage_index
+    from tandem.engine.kv_index_sums import _stage_index
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     for columns in (([5], [1]), ([3, 1, 4], np.array([1, 5, 9], dtype=np.int32), [2, 6, 5])):

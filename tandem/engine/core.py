@@ -51,7 +51,8 @@ from tandem.distributed.parallel import SINGLE, TPGroup
 from tandem.engine import commands
 from tandem.engine.core_imports import DecodeImports, Reservation
 from tandem.engine.host_tier import HostTier
-from tandem.engine.kv_mapped import MappedKV, pin_pages, record_sums_by_index
+from tandem.engine.kv_index_sums import record_sums_by_index
+from tandem.engine.kv_mapped import MappedKV, pin_pages
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
 from tandem.engine.kv_transfer import KVPages, read_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest

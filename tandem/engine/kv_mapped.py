@@ -15,14 +15,13 @@ it settles the import (`MappedKV.settle`): its server tells the prefill server, 
 (`PinnedKV.free`); if it never does (a decode server that died), the prefill server unpins them after its timeout,
 and a decode server that reads them later reads other bytes and fails its checksums: it never keeps them.
 
-The checksums are `kv_transfer.page_sums`'s, computed from the pool by index (no gather buffer): on a GPU by the
-Triton kernel of `tandem.kernels.kv_copy` (which copies in the same pass), elsewhere by torch (a gather, the sums,
-and a scatter).
+The checksums are `kv_transfer.page_sums`'s, computed from the pool by index, no gather buffer
+(`tandem.engine.kv_index_sums`): on a GPU by the Triton kernel of `tandem.kernels.kv_copy` (which copies in the same
+pass), elsewhere by torch (a gather, the sums, and a scatter).
 """
 
 from __future__ import annotations
 
-import array
 import contextlib
 import functools
 import math
@@ -36,6 +35,12 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
+from tandem.engine.kv_index_sums import (
+    canonical,
+    host_sums,
+    page_sums_by_index,
+    record_sums_by_index,
+)
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.kv_shared import (
     _b64,
@@ -47,10 +52,9 @@ from tandem.engine.kv_shared import (
     ipc_open,
     staging,
 )
-from tandem.engine.kv_transfer import TransferClock, _hex, checksum_weights, page_sums
+from tandem.engine.kv_transfer import TransferClock, _hex
 
-__all__ = ["MappedKV", "MappedPool", "PinnedKV", "page_sums_by_index", "pin_pages", "pool_handle",
-           "record_sums_by_index"]
+__all__ = ["MappedKV", "MappedPool", "PinnedKV", "pin_pages", "pool_handle"]
 
 
 def pool_handle(pool: KVPool) -> dict:
@@ -100,163 +104,6 @@ class MappedPool:
                 from None
         if list(self.k.shape) != shape or self.k.dtype != dtype:
             raise ValueError(f"kv transfer: the mapped pool is {tuple(self.k.shape)} {self.k.dtype}, not {shape}")
-
-
-@functools.lru_cache(maxsize=16)
-def _weights(layers: int, page_size: int, words: int, device: torch.device):
-    """`checksum_weights` of keys and values, made once per shape and device."""
-    return tuple(checksum_weights(which, layers, page_size, words, device) for which in (0, 1))
-
-
-def _words_per_position(cache: torch.Tensor) -> int:
-    return cache.shape[2] * cache.shape[3] * cache.element_size() // 4
-
-
-def _kernel_ok(*caches: torch.Tensor) -> bool:
-    """Whether the Triton kernel takes these pools (on one GPU, laid out in words)."""
-    if not all(c.is_cuda and c.device == caches[0].device for c in caches):
-        return False
-    try:
-        from tandem.kernels.kv_copy import supports
-    except ImportError:  # (no Triton)
-        return False
-    return all(supports(c) for c in caches)
-
-
-def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, start: int, end: int,
-                       page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
-                       dst_pages=None, clock: TransferClock | None = None, tile=None) -> torch.Tensor:
-    """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
-    host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
-    page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
-    [L, S, K, D]; with `dst_*`, those positions also written into pages `dst_pages` of those pool tensors, in the
-    same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
-    Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
-    before the first kernel is launched (the device time from there is the pass's own), and on the host alone
-    "staged" (the page index built), "copied" (its copy to the device queued), "launched" (the kernels queued).
-    `tile`: the kernel's (`kv_copy.Tile`; its default if None)."""
-    num, n = len(src_pages), end - start
-    if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
-        raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
-                         f"do not hold positions [{start}, {end}) in pages of {page_size}")
-    caches = (src_k, src_v) + ((dst_k, dst_v) if dst_k is not None else ())
-    device = src_k.device
-    if _kernel_ok(*caches):
-        from tandem.kernels.kv_copy import copy_page_sums
-
-        index, staged = _stage_index(device, (src_pages, src_pages if dst_pages is None else dst_pages,
-                                               _rows(num, n, page_size)), clock)
-        layers = src_k.shape[0]
-        if clock is not None:
-            clock.mark("launch")
-        parts = torch.empty((num, 2, layers, 2), dtype=torch.int64, device=device)  # page, keys/values, layer
-        for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
-            row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
-            copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
-                           index[1] if dst is not None else None, out=parts[:, which], tile=tile)
-        staged()  # (after the launches: off a GPU `index` is the staging buffer itself, read by them)
-        if clock is not None:
-            clock.mark("launched", device=False)
-        return parts.view(num, 2 * layers, 2).sum(1)
-    slots = _slots(src_pages, page_size, n, device)
-    k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
-    sums = page_sums(k, v, page_size)
-    if dst_k is not None:
-        dst_slots = _slots(dst_pages, page_size, n, dst_k.device)
-        dst_k.index_copy_(1, dst_slots, k.to(dst_k.dtype))
-        dst_v.index_copy_(1, dst_slots, v.to(dst_v.dtype))
-    return sums
-
-
-def record_sums_by_index(pool: KVPool, pages, start: int, end: int,
-                         clock: TransferClock | None = None) -> torch.Tensor:
-    """`page_sums_by_index`'s sums of positions [start, end) held in `pages` (from `start`'s on) of `pool`, from the
-    checksum records its forward left (`KVPool.sums`; the pages must be `summed`): one small kernel on a GPU
-    (`tandem.kernels.kv_sums.page_sums`), else `KVPool.page_sums`. Not synchronised; `clock` marked as by
-    `page_sums_by_index`."""
-    P, num, n = pool.page_size, len(pages), end - start
-    device = pool.sums.device
-    if not pool.sums.is_cuda:
-        return pool.page_sums([0] * (start // P) + list(pages), start, end)
-    from tandem.kernels import kv_sums
-
-    index, staged = _stage_index(device, (pages, _rows(num, n, P)), clock)
-    if clock is not None:
-        clock.mark("launch")
-    sums = kv_sums.page_sums(pool.sums, index[0], index[1], P)
-    staged()
-    if clock is not None:
-        clock.mark("launched", device=False)
-    return sums
-
-
-def _rows(num: int, n: int, page_size: int) -> array.array:
-    """The positions each of `num` pages holds of `n` (full pages, the last maybe short)."""
-    rows = array.array("i", [page_size]) * num
-    if num:
-        rows[-1] = n - (num - 1) * page_size
-    return rows
-
-
-def _stage_index(device: torch.device, columns: tuple, clock: TransferClock | None) -> tuple[torch.Tensor, Callable]:
-    """`columns` (int sequences of one length n) as one int32 tensor [len(columns), n] on `device`, staged in a kept
-    page-locked buffer (`Staging`): a plain DMA behind the stream's work, no allocation that may synchronise the
-    device. Returns it and `done()`, to call once its readers are queued (the buffer is reused once the device is
-    past the copy). Marks `clock` "staged" and "copied" (host)."""
-    num = len(columns[0])
-    stage = staging(device)
-    nbytes = 4 * len(columns) * num
-    buf = stage.take(nbytes)
-    host = buf.view(nbytes, torch.int32)
-    torch.cat([_int32(c) for c in columns], out=host)
-    if clock is not None:
-        clock.mark("staged", device=False)
-    index = host.to(device, non_blocking=True).view(len(columns), num)
-    copied = buf.record(device)
-    if clock is not None:
-        clock.mark("copied", device=False)
-    return index, functools.partial(stage.give, buf, copied)
-
-
-def _int32(values) -> torch.Tensor:
-    """Ints (a list, an `array`, an int32 numpy array) as an int32 tensor on the host, quicker than `torch.tensor`
-    of a list."""
-    if isinstance(values, np.ndarray):
-        return torch.from_numpy(np.array(values, dtype=np.int32))  # (a copy: a handle's pages are read-only)
-    values = values if isinstance(values, array.array) else array.array("i", values)
-    return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
-
-
-def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    """Sums [pages, 2] as `page_sums` has them: the column parts' low 32 bits as a signed 32-bit value (the
-    kernel's parts summed over layers keep higher bits too; `page_sums`'s are unchanged). A tensor or, quicker on
-    the host, a numpy array (int64)."""
-    cols = sums[:, 1] & 0xFFFFFFFF
-    cols = (cols ^ 0x80000000) - 0x80000000
-    return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[:, 0], cols], 1)
-
-
-def host_sums(sums: torch.Tensor) -> np.ndarray:
-    """`canonical` of `page_sums_by_index`'s sums, on the host (int64 numpy [pages, 2]), the host waiting for them:
-    on a GPU copied into a kept page-locked buffer (`Staging`) and waited for by an event, not through pageable
-    memory."""
-    if not sums.is_cuda:
-        return canonical(sums.numpy())
-    stage, nbytes = staging(sums.device), sums.numel() * 8
-    buf = stage.take(nbytes)
-    host = buf.view(nbytes, torch.int64).view(sums.shape)
-    host.copy_(sums, non_blocking=True)
-    done = buf.record(sums.device)
-    done.synchronize()
-    out = canonical(host.numpy())  # (a new array: the buffer is free again)
-    stage.give(buf, done)
-    return out
-
-
-def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:
-    """The slots of the first `n` positions held by `pages` in order."""
-    pos = torch.arange(n)
-    return (torch.tensor(pages, dtype=torch.long)[pos // page_size] * page_size + pos % page_size).to(device)
 
 
 class PinnedKV:

@@ -136,7 +136,7 @@ class KVPool(PageAllocator):
     def page_sums(self, pages: list[int], start: int, end: int) -> torch.Tensor:
         """`kv_transfer.page_sums` of token positions [start, end) (`start` page-aligned) of a sequence with page
         table `pages`, from the `sums` records: [pages, 2] int64 on the pool's device, not synchronised (the
-        column parts hold their value in the low 32 bits: `kv_mapped.canonical`). The pages must be `summed`."""
+        column parts hold their value in the low 32 bits: `kv_index_sums.canonical`). The pages must be `summed`."""
         P, n = self.page_size, end - start
         shares = self.sums[self.slots(pages, start, end)].sum(1)  # [n, 2]: the layers' shares, wrapping
         padded = torch.nn.functional.pad(shares, (0, 0, 0, -n % P))
