@@ -19,27 +19,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import time
 
 import torch
+from kv_copy_bench import _time  # (benchmarks/, beside this script)
 
 from tandem.config import PRESETS
 from tandem.kernels.page_move import PROGRAMS, IndexRing, move_pages, paged_store, pool_store
 
 
 def device_ms(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median device ms of `fn` (`kv_copy_bench._time`'s CUDA events)."""
+    return 1e3 * _time(fn, reps)
 
 
 def host_us(fn, reps: int) -> float:

@@ -13,13 +13,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 
 from test_host_tier import STALL, TierModel, agent_turns, run_model, slow_transfers  # noqa: E402
-from test_radix_cache import P, holds, write  # noqa: E402
+from test_host_tier_rules import _conversation  # noqa: E402
+from test_radix_cache import holds  # noqa: E402
 from test_scheduler import run_random_scenarios  # noqa: E402
 
-from tandem.config import PRESETS, EngineConfig  # noqa: E402
+from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine.host_tier import HostTier  # noqa: E402
-from tandem.engine.kv_pool import KVPool  # noqa: E402
-from tandem.engine.radix_cache import RadixCache  # noqa: E402
 from tandem.engine.step_order import TIER, TIER_DIRECT  # noqa: E402
 from tandem.engine.streams import MUTANT_ENV, StreamRuntime, engine_placements  # noqa: E402
 
@@ -81,14 +80,7 @@ def test_a_load_of_a_page_whose_backup_is_in_flight_reads_the_host_page_after_it
     page it filled; no staging is kept for it. The mutant (a backup that never lands) is caught."""
     if mutant:
         monkeypatch.setattr(HostTier, "_move_out", lambda self, op, t: t)
-    pool = KVPool(PRESETS["tiny"], 6, P, torch.float32, "cpu")
-    tier = HostTier(pool, 10, "write_back", deferred=True, copy="direct")
-    cache = RadixCache(pool, tier)
-    tokens = list(range(3, 3 + 3 * P))
-    pages = pool.alloc(3)
-    write(pool, pages, tokens, 0, len(tokens))
-    cache.insert(tokens, pages)
-    pool.decref(pages)
+    pool, tier, cache, tokens = _conversation("write_back", copy="direct")
     assert cache.evict(6) == 3 and pool.num_free == 6  # backed up and freed at once, the backup not reaped
     assert tier.in_flight
     m = cache.match(tokens)

@@ -13,10 +13,11 @@ from tandem.engine.radix_cache import RadixCache
 NUM_PAGES, HOST_PAGES = 6, 10
 
 
-def _conversation(policy: str):
-    """A tier in deferred mode and a cache holding one computed sequence (its pages still on the device)."""
+def _conversation(policy: str, copy: str = "staged"):
+    """A tier in deferred mode (its copies `copy`) and a cache holding one computed sequence (its pages still on the
+    device)."""
     pool = KVPool(PRESETS["tiny"], NUM_PAGES, P, torch.float32, "cpu")
-    tier = HostTier(pool, HOST_PAGES, policy, deferred=True)
+    tier = HostTier(pool, HOST_PAGES, policy, deferred=True, copy=copy)
     cache = RadixCache(pool, tier)
     tokens = list(range(3, 3 + 3 * P))
     pages = pool.alloc(3)
