@@ -31,7 +31,7 @@ from tandem.server.upstream import _keepalive_socket
 from tandem.types import SamplingParams
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-LONG = {"temperature": 0, "max_new_tokens": 2000, "ignore_eos": True}  # seconds on CPU: "in flight" for a while
+LONG = {"temperature": 0, "max_new_tokens": 4000, "ignore_eos": True}  # seconds on CPU: "in flight" for a while
 KEY, ADMIN_KEY = "router-key-123", "router-admin-456"
 SERVER_KEY, SERVER_ADMIN_KEY = "server-key-789", "server-admin-012"
 
@@ -186,7 +186,7 @@ def test_a_client_that_disconnects_has_its_request_aborted_on_the_server(engines
     with httpx.Client(base_url=router.url, timeout=httpx.Timeout(30, read=0.5)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post("/generate", json={"input_ids": [21, 22, 23], "sampling_params": LONG})
-    # without the abort, the request would run to 2000 tokens and finish with "length"
+    # without the abort, the request would run to 4000 tokens and finish with "length"
     wait_until(lambda: sum(stats(e).num_aborted for e in engines) == sum(before) + 1)
     wait_until(lambda: all(stats(e).num_running == 0 for e in engines))
 
