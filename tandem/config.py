@@ -61,7 +61,7 @@ class EngineConfig:
     host_cache: HostCache = "off"
     host_cache_pages: NonNegativeInt = 0
     # how the tier's copies move pages on CUDA: "direct" (one kernel launch a copy, straight between pool and pinned
-    # host pages on the compute stream: the fastest on an H200, BENCHMARKS.md), "staged" (a gather or scatter on
+    # host pages on the compute stream; BENCHMARKS.md compares the three), "staged" (a gather or scatter on
     # the device, a bus transfer per run of host pages between staging and the host) or "staged_kernels" (the same
     # halves, each one kernel launch): `tandem.engine.host_moves`; a CPU pool always copies with torch
     host_cache_copy: HostCacheCopy = "direct"

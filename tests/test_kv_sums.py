@@ -19,8 +19,14 @@ if not torch.cuda.is_available():
 
 from tandem.config import EngineConfig  # noqa: E402
 from tandem.engine.engine import Engine  # noqa: E402
-from tandem.engine.kv_index_sums import canonical, host_sums, page_sums_by_index  # noqa: E402
-from tandem.engine.kv_pool import KVPool, _sum_weights, _words_per_position  # noqa: E402
+from tandem.engine.kv_index_sums import (  # noqa: E402
+    _weights,
+    _words_per_position,
+    canonical,
+    host_sums,
+    page_sums_by_index,
+)
+from tandem.engine.kv_pool import KVPool  # noqa: E402
 from tandem.engine.kv_transfer import page_sums  # noqa: E402
 from tandem.types import SamplingParams  # noqa: E402
 
@@ -76,8 +82,8 @@ def test_the_kernels_records_are_the_torch_paths(layers, heads, dim, dtype):
     write(pool, [1, 9, 10, 30, 17, 3], gen)  # (the torch path's records)
     slots = torch.tensor([1, 9, 10, 30, 17, 3], dtype=torch.int32, device=device)
     out = torch.zeros_like(pool.sums)
-    weights = _sum_weights(layers, 4, _words_per_position(pool.k_cache[0]), pool.k_cache.device)
-    record_slot_sums(pool.k_cache, pool.v_cache, slots, out, weights, 4)
+    (row_k, col_k), (row_v, col_v) = _weights(layers, 4, _words_per_position(pool.k_cache), pool.k_cache.device)
+    record_slot_sums(pool.k_cache, pool.v_cache, slots, out, (row_k, col_k, row_v, col_v), 4)
     # (the column part: the kernel keeps its 32 bits sign-extended, as torch's)
     assert torch.equal(out[slots.long()], pool.sums[slots.long()])
     assert not out[[0, 2]].any()  # nothing written elsewhere

@@ -29,7 +29,10 @@ def _weights(layers: int, page_size: int, words: int, device: torch.device):
 
 
 def _words_per_position(cache: torch.Tensor) -> int:
-    return cache.shape[2] * cache.shape[3] * cache.element_size() // 4
+    """32-bit words a position of one layer of pool tensor `cache` [L, S, K, D] holds (`kv_transfer._words` widens
+    int16 or bytes where they do not divide into 4)."""
+    nbytes = cache.shape[2] * cache.shape[3] * cache.element_size()
+    return next(nbytes // w for w in (4, 2, 1) if nbytes % w == 0)
 
 
 def _kernel_ok(*caches: torch.Tensor) -> bool:

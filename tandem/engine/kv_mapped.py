@@ -203,7 +203,7 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     """Pin the pages holding positions [start, end) (`start` page-aligned) of a sequence with page table `pages`
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and checksum them
     where they are: from the checksum records the forward left where the pool keeps them and every page is
-    `summed` (`KVPool.page_sums`: a few small kernels), else one pass over the pages on the device; the sums are
+    `summed` (`record_sums_by_index`: one small kernel), else one pass over the pages on the device; the sums are
     copied to the host behind it (`PinnedKV.sums` waits for them; the host does not wait here). Call in the
     engine's thread, between steps, once the step that computed the KV has been waited for (its sampled tokens
     read): the pages are complete, whoever reads them when."""

@@ -8,7 +8,6 @@ free list when its last reference is dropped.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
@@ -111,23 +110,24 @@ class KVPool(PageAllocator):
     def record_sums(self, slots: torch.Tensor) -> None:
         """Record every layer's checksum shares of the keys and values just written at `slots` (into `sums`; one
         launch, asynchronous, on a GPU). Called by the model after each forward (`Qwen3ForCausalLM.capture_kv_sums`)."""
+        from tandem.engine.kv_index_sums import _weights, _words_per_position
+
         k, v = self.k_cache, self.v_cache
-        weights = _sum_weights(k.shape[0], self.page_size, _words_per_position(k[0]), k.device)
+        (row_k, col_k), (row_v, col_v) = _weights(k.shape[0], self.page_size, _words_per_position(k), k.device)
         if k.is_cuda:
             from tandem.kernels.kv_sums import record_slot_sums, supports
 
             if supports(k) and supports(v):
-                record_slot_sums(k, v, slots, self.sums, weights, self.page_size)
+                record_slot_sums(k, v, slots, self.sums, (row_k, col_k, row_v, col_v), self.page_size)
                 return
         from tandem.engine.kv_transfer import _words
 
         slots = slots.long()
         offsets = slots % self.page_size
         for layer in range(k.shape[0]):
-            row_k, col_k, row_v, col_v = (w[layer] for w in weights)
             row_part = torch.zeros(slots.numel(), dtype=torch.int64, device=slots.device)
             col_part = torch.zeros(slots.numel(), dtype=torch.int32, device=slots.device)
-            for cache, row_w, col_w in ((k[layer], row_k, col_k), (v[layer], row_v, col_v)):
+            for cache, row_w, col_w in ((k[layer], row_k[layer], col_k[layer]), (v[layer], row_v[layer], col_v[layer])):
                 words_TM = _words(cache.index_select(0, slots)[None])[0]
                 row_part += words_TM.sum(1, dtype=torch.int32).long() * row_w[offsets]
                 col_part += (words_TM * col_w.to(torch.int32)).sum(1, dtype=torch.int32)
@@ -161,22 +161,6 @@ class KVPool(PageAllocator):
         table = torch.tensor(pages, dtype=torch.long)
         slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
         return slots.to(device or self.k_cache.device, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _sum_weights(layers: int, page_size: int, words: int, device: torch.device) -> tuple:
-    """`kv_transfer.checksum_weights`'s (keys' row [L, P], keys' column [L, M], values' row, values' column)."""
-    from tandem.engine.kv_transfer import checksum_weights
-
-    (row_k, col_k), (row_v, col_v) = (checksum_weights(which, layers, page_size, words, device) for which in (0, 1))
-    return row_k, col_k, row_v, col_v
-
-
-def _words_per_position(cache_SKD: torch.Tensor) -> int:
-    """32-bit words a position of one layer holds (`kv_transfer._words` widens int16 or bytes where they do not
-    divide into 4)."""
-    nbytes = cache_SKD[0].numel() * cache_SKD.element_size()
-    return next(nbytes // w for w in (4, 2, 1) if nbytes % w == 0)
 
 
 def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:

@@ -1,5 +1,5 @@
 """Each written KV position's part of its page's checksum, recorded as the forward writes it (a prefill server's
-export then needs no checksum pass: `KVPool.page_sums`).
+export then needs no checksum pass: `page_sums` of its pages' records, `kv_index_sums.record_sums_by_index`).
 
 `record_slot_sums` takes the keys and values the forward left in the pool and stores, per slot written and per
 layer, that position's share of `tandem.engine.kv_transfer.page_sums`: the row part (its keys' and
@@ -91,13 +91,12 @@ def record_slot_sums(k_LSKD: torch.Tensor, v_LSKD: torch.Tensor, slots_T: torch.
             slots * words, words, page_size, layers, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4)
 
 
-def page_sums(records_SL2: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, page_size: int,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def page_sums(records_SL2: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, page_size: int) -> torch.Tensor:
     """The checksums [pages, 2] (int64: row part, column part in its low 32 bits) of page `pages[i]`'s first `rows[i]`
     positions, from their records (`KVPool.sums` [S, L, 2], contiguous): one program a page. `pages`, `rows`: int32
     on the records' device. Asynchronous."""
     num, parts = pages.numel(), records_SL2.shape[1] * 2
-    out = torch.empty((num, 2), dtype=torch.int64, device=records_SL2.device) if out is None else out
+    out = torch.empty((num, 2), dtype=torch.int64, device=records_SL2.device)
     if num:
         _page_sums_kernel[(num,)](records_SL2, pages, rows, out, page_size, parts,
                                   BLOCK_P=triton.next_power_of_2(page_size), BLOCK_R=triton.next_power_of_2(parts))
