@@ -102,9 +102,10 @@ class _FlakyEngine:
 
 
 @pytest.mark.parametrize("failures, dropped", [(2, 0), (100, 1)])
-def test_groups_the_engine_could_not_serve_run_again(monkeypatch, failures, dropped):
+def test_groups_the_engine_could_not_serve_run_again(monkeypatch, caplog, failures, dropped):
     """A group whose episodes failed because the engine was unreachable is run again after a back-off (and listed
-    for re-running by a checkpoint taken meanwhile); only after ENGINE_RETRIES runs is it dropped, with that reason."""
+    for re-running by a checkpoint taken meanwhile), its log naming why; only after ENGINE_RETRIES runs is it
+    dropped, with that reason."""
     monkeypatch.setattr(manager_module, "RETRY_DELAY_S", 0.01)
     cfg = RunConfig.load(None, ["random_agent.turns_max=1", "random_agent.turns_min=1"])
     rollout = RolloutConfig(group_size=1, batch_groups=1, num_in_flight=1, max_staleness=0)
@@ -123,6 +124,7 @@ def test_groups_the_engine_could_not_serve_run_again(monkeypatch, failures, drop
         return m
 
     m = asyncio.run(go())
+    assert "could not be reached (engine process pid 1 at http://x: connection refused)" in caplog.text
     assert sum(m.dropped.values()) == dropped
     if dropped:
         assert list(m.dropped) == [f"the engine could not be reached in {ENGINE_RETRIES} runs of the group"]

@@ -54,7 +54,7 @@ class _InFlight:
     episodes: list[Episode]
     remaining: int
     failure: str | None = None
-    engine_gone: bool = False  # an episode failed only because the engine could not be reached
+    engine_gone: str | None = None  # an episode failed only because the engine could not be reached: why
 
 
 def plan_batch(batch: int, size: int, max_staleness: int, order: Literal["admission", "deadline"],
@@ -163,7 +163,7 @@ class RolloutManager:
         self._count(-1)
         exc = task.exception()
         if isinstance(exc, EngineUnreachable):
-            group.engine_gone = True
+            group.engine_gone = str(exc) or type(exc).__name__
         elif exc is not None:
             log.warning("episode of group %d failed: %r", group.index, exc)
             group.failure = group.failure or f"{type(exc).__name__}: {exc}"
@@ -176,8 +176,8 @@ class RolloutManager:
         group.remaining -= 1
         if group.remaining == 0:
             del self.in_flight[group.index]
-            if group.failure is None and group.engine_gone:
-                self._retry_later(group.index)
+            if group.failure is None and group.engine_gone is not None:
+                self._retry_later(group.index, group.engine_gone)
             elif group.failure is not None:
                 self.dropped[group.failure] += 1
                 self._dropped_indices.add(group.index)
@@ -187,7 +187,7 @@ class RolloutManager:
             self._batch_wake.set()
         self._admit_wake.set()
 
-    def _retry_later(self, index: int) -> None:
+    def _retry_later(self, index: int, why: str) -> None:
         """Run a group the engine's unreachability cut short again after a back-off (a run whose engine died stops
         meanwhile, and its checkpoint lists the group for re-running); drop it after `ENGINE_RETRIES` runs."""
         self._engine_failures[index] += 1
@@ -196,7 +196,7 @@ class RolloutManager:
             self._dropped_indices.add(index)
             self._dropped_pending[index] = self.version()
             return
-        log.warning("group %d: the engine could not be reached; it runs again", index)
+        log.warning("group %d: the engine could not be reached (%s); it runs again", index, why)
         self.rerun_groups += 1
         self._retrying.add(index)
         first = RETRY_DELAY_S if self.retry_delay_s is None else self.retry_delay_s
