@@ -12,10 +12,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from safetensors.torch import save_file
 
 from tandem.config import EngineConfig
-from tandem.engine.client import EngineClient, EngineUnreachable
+from tandem.engine.client import IDLE_CLOSE_S, EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine
 from tandem.server.guard import ServerOptions
-from tandem.server.http import ServerThread
+from tandem.server.http import KEEP_ALIVE_S, ServerThread
 from tandem.transport.dist import DistSender
 from tandem.types import SamplingParams
 
@@ -456,3 +456,28 @@ def test_client_disconnect_aborts_and_frees_pages(engine, server, input_ids):
     assert s.num_aborted == before.num_aborted + n
     assert s.generated_tokens - before.generated_tokens < n * 2000
     assert s.pages_free + s.pages_cached == s.pages_total
+
+
+@pytest.mark.parametrize("idle_close_s, fails", [(0.5, False), (30.0, True)], ids=["client-closes-first", "race"])
+def test_a_client_never_posts_on_a_connection_the_server_has_closed(engine, idle_close_s, fails):
+    """A trainer's step blocks the event loop its client shares, so the server's close of an idle connection goes
+    unseen; a POST then sent on it fails (aiohttp retries no POST), and its episodes would be counted unreachable.
+    The client closes idle connections before the server would (`IDLE_CLOSE_S` < `KEEP_ALIVE_S`); with the
+    order reversed ("race") the POST fails."""
+    assert IDLE_CLOSE_S < KEEP_ALIVE_S
+    with ServerThread(engine, keep_alive_s=1.0) as server:
+        client = EngineClient(server.url, timeout_s=30, idle_close_s=idle_close_s)
+
+        async def after_a_busy_loop():
+            try:
+                await client.generate([3, 4, 5], SamplingParams(**GREEDY))
+                time.sleep(1.6)  # the loop busy (a training step) while the server closes the idle connection
+                return await client.generate([3, 4, 5], SamplingParams(**GREEDY))
+            finally:
+                await client.aclose()
+
+        if fails:
+            with pytest.raises(EngineUnreachable, match="ServerDisconnectedError"):
+                asyncio.run(after_a_busy_loop())
+        else:
+            assert len(asyncio.run(after_a_busy_loop()).output_ids) > 0

@@ -30,6 +30,10 @@ from tandem.transport.sync import SyncReply
 from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
 
 JSON_HEADERS = {"Content-Type": "application/json"}
+# An idle pooled connection is closed by the client after this long, well before the server would close it
+# (`tandem.server.http.KEEP_ALIVE_S`): a request sent on a connection the server is closing fails (aiohttp retries
+# no POST), and a client whose event loop was busy (a trainer's step) has not yet seen the server's close.
+IDLE_CLOSE_S = 30.0
 
 
 class EngineClientError(RuntimeError):
@@ -45,11 +49,13 @@ class EngineClient:
     `weight_version` is then the version of the last update made through this client, which is the engine's own as
     long as this client is the only one updating it (as in a run, where the trainer owns the engine)."""
 
-    def __init__(self, url: str, timeout_s: float = 300.0, api_key: str | None = None):
-        """`api_key`: sent as `Authorization: Bearer` (the server's admin key, for a run that updates weights)."""
+    def __init__(self, url: str, timeout_s: float = 300.0, api_key: str | None = None,
+                 idle_close_s: float = IDLE_CLOSE_S):
+        """`api_key`: sent as `Authorization: Bearer` (the server's admin key, for a run that updates weights).
+        `idle_close_s`: see `IDLE_CLOSE_S`."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s: must be positive, got {timeout_s!r}")
-        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.url, self.timeout_s, self.idle_close_s = url.rstrip("/"), timeout_s, idle_close_s
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.model_config: ModelConfig | None = None
         self.max_context_len = 0
@@ -173,7 +179,8 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         if self._http is None or self._loop is not loop:
             # no connection limit: every episode in flight holds a generate open
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout())
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=self.idle_close_s)
+            self._http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout())
             self._loop = loop
         return self._http
 

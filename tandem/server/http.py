@@ -335,11 +335,20 @@ class _InternalErrors:
 
 
 # ---- running it ------------------------------------------------------------------------------------------
+# An idle connection is kept open this long: longer than clients keep theirs (`tandem.engine.client.IDLE_CLOSE_S`),
+# so a client never sends on a connection the server is closing
+KEEP_ALIVE_S = 75
+
+
+def uvicorn_options(options: ServerOptions, keep_alive_s: float = KEEP_ALIVE_S) -> dict:
+    """The `uvicorn.Config` arguments every tandem server (an engine's, a router's) runs with."""
+    return dict(limit_concurrency=MAX_CONNECTIONS, http=options.protocol(), timeout_keep_alive=keep_alive_s)
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 30000, options: ServerOptions | None = None) -> None:
     """Serve `engine` until interrupted (blocking)."""
     options = options or ServerOptions()
-    uvicorn.run(build_app(engine, options), host=host, port=port, log_level="info", limit_concurrency=MAX_CONNECTIONS,
-                http=options.protocol())
+    uvicorn.run(build_app(engine, options), host=host, port=port, log_level="info", **uvicorn_options(options))
 
 
 class ServerThread:
@@ -352,7 +361,8 @@ class ServerThread:
     `engine` (its app built here) or another ASGI `app` (a router's)."""
 
     def __init__(self, engine: Engine | None = None, host: str = "127.0.0.1", port: int = 0,
-                 log_level: str = "warning", options: ServerOptions | None = None, app=None):
+                 log_level: str = "warning", options: ServerOptions | None = None, app=None,
+                 keep_alive_s: float = KEEP_ALIVE_S):
         # IPPROTO_TCP named, not 0: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections of a TCP
         # socket it recognises as one, and with Nagle on every reply with a body waits for the client's delayed ACK
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -363,7 +373,7 @@ class ServerThread:
         options = options or ServerOptions()
         app = build_app(engine, options) if app is None else app
         config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3,
-                                limit_concurrency=MAX_CONNECTIONS, http=options.protocol())
+                                **uvicorn_options(options, keep_alive_s))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="tandem-http", daemon=True)

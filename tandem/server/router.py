@@ -54,7 +54,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tandem.server.bodies import AbortBody, DiskUpdateBody, NoBody, PauseBody
 from tandem.server.guard import ADMIN, Guard, Refused, ServerOptions
-from tandem.server.http import MAX_CONNECTIONS, _bad_request, _error, _InternalErrors, _json, _refuse
+from tandem.server.http import _bad_request, _error, _InternalErrors, _json, _refuse, uvicorn_options
 from tandem.server.prefix_map import Backend, Pool
 from tandem.server.router_chat import add_chat_routes
 from tandem.server.router_config import RouterConfig
@@ -451,4 +451,4 @@ def serve_router(config: RouterConfig, host: str = "127.0.0.1", port: int = 3000
     """Serve the router until interrupted (blocking)."""
     options = options or ServerOptions()
     uvicorn.run(build_router_app(config, options), host=host, port=port, log_level="info",
-                limit_concurrency=MAX_CONNECTIONS, http=options.protocol())
+                **uvicorn_options(options))

@@ -15,6 +15,8 @@ import socket
 import aiohttp
 import pydantic_core
 
+from tandem.engine.client import IDLE_CLOSE_S
+
 KEEPALIVE_S = (10, 5, 3)  # idle seconds before the first probe, seconds between probes, probes unanswered
 
 
@@ -47,7 +49,8 @@ class Upstream:
         self._http: aiohttp.ClientSession | None = None
 
     async def open(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, socket_factory=_keepalive_socket)  # every generate holds one
+        connector = aiohttp.TCPConnector(limit=0, socket_factory=_keepalive_socket,  # every generate holds one
+                                         keepalive_timeout=IDLE_CLOSE_S)
         self._http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout())
 
     async def close(self) -> None:
