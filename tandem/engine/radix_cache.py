@@ -386,22 +386,25 @@ class RadixCache:
         self.root = Node([], [], [], None)
 
     def _nodes(self, on_device: bool = False) -> list[Node]:
-        """Every node but the root, children before their parent. `on_device`: only those with a page on the
-        device; the walk skips the subtrees wholly on the host (device pages are a prefix of each path: a node
-        whose first page is on the host only has none below it), which under a host tier are most of the tree."""
-        out, stack = [], [(self.root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                out.append(node)
-            else:
-                stack.append((node, True))
-                if on_device:  # (a list, not a generator: under a host tier most children are skipped here)
-                    stack += [(c, False) for c in node.children if c.pages[0] is not None]
-                else:
-                    stack += [(c, False) for c in node.children]
-        out.pop()  # the root
+        """Every node but the root, children before their parent (the reverse of a pre-order walk that takes
+        children in their list order). `on_device`: only those with a page on the device; the walk skips the
+        subtrees wholly on the host (device pages are a prefix of each path: a node whose first page is on the host
+        only has none below it), which under a host tier are most of the tree."""
+        out, stack = [], self._kids(self.root, on_device)
+        while stack:  # (one list operation a node: eviction walks the tree's device part every time it runs)
+            node = stack.pop()
+            out.append(node)
+            if node.children:
+                stack += self._kids(node, on_device)
+        out.reverse()
         return out
+
+    @staticmethod
+    def _kids(node: Node, on_device: bool) -> list[Node]:
+        """The node's children (`on_device`: those with a device page), last first: a stack pops the first."""
+        if on_device:
+            return [c for c in reversed(node.children) if c.pages[0] is not None]
+        return node.children[::-1]
 
     @property
     def num_pages(self) -> int:
