@@ -10,7 +10,7 @@ import torch
 from tandem.config import PRESETS
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.radix_cache import RadixCache
+from tandem.engine.radix_cache import RadixCache, lcp
 
 P = 4
 
@@ -58,3 +58,14 @@ def test_node_walks_list_children_before_parents_later_siblings_first():
         assert cache._nodes(on_device=True) == reference(cache.root, True)
         host_only += len(cache._nodes()) - len(cache._nodes(on_device=True))
     assert host_only > 0, "no tree had a host-only subtree: the on_device walk went untested"
+
+
+def test_lcp_is_the_length_of_the_common_prefix():
+    rng = random.Random(0)
+    for _ in range(2000):
+        a = [rng.randrange(2) for _ in range(rng.randrange(0, 12))]
+        b = a[:rng.randrange(0, len(a) + 1)] + [rng.randrange(2) for _ in range(rng.randrange(0, 12))]
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        assert lcp(a, b) == lcp(b, a) == n

@@ -84,7 +84,7 @@ class Match:
 def lcp(a: list[int], b: list[int]) -> int:
     """Length of the common prefix (binary search over slice equality, which runs in C)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):  # (no copy of a list already n long)
         return n
     lo, hi = 0, n - 1  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
     while lo < hi:
@@ -103,20 +103,27 @@ class RadixCache:
         self._clock = itertools.count(1)
 
     # -- lookups -------------------------------------------------------------------------------------
-    def _best_child(self, node: Node, q: list[int]) -> tuple[Node | None, int]:
-        best, best_len = None, 0
-        for child in node.by_first.get(q[0], ()):  # a child with another first token matches nothing
+    def _best_child(self, node: Node, tokens: list[int], i: int) -> Node | None:
+        """The child whose first page shares the longest prefix with the page of `tokens` from position i (on a
+        tie the shorter child), or None if no child starts with token i."""
+        same = node.by_first.get(tokens[i])
+        if not same:  # a child with another first token matches nothing
+            return None
+        if len(same) == 1:  # (the usual case: it shares at least that token, so it is the best)
+            return same[0]
+        best, best_len, q = None, 0, tokens[i:i + self.P]
+        for child in same:
             c = lcp(child.tokens[:self.P], q)
             if c > best_len or (c == best_len and best is not None and len(child.tokens) < len(best.tokens)):
                 best, best_len = child, c
-        return best, best_len
+        return best
 
     def match(self, tokens: list[int]) -> Match:
         """The longest cached prefix of `tokens`. Marks the path as recently used; takes no references."""
         P, now = self.P, next(self._clock)
         node, i, m = self.root, 0, Match([])
         while i < len(tokens):
-            node, c = self._best_child(node, tokens[i:i + P])
+            node = self._best_child(node, tokens, i)
             if node is None:
                 break
             node.last_access = now
@@ -165,7 +172,7 @@ class RadixCache:
         pages = pages[:cdiv(n, P)]
         node, i, held = self.root, 0, []
         while i < n:
-            child, c = self._best_child(node, tokens[i:i + P])
+            child = self._best_child(node, tokens, i)
             if child is None:
                 self._add_child(node, tokens[i:], pages[i // P:], now)
                 return held
