@@ -14,8 +14,9 @@ tokens actually computed, and their ratio to the ideal ("only new tokens": promp
 engine steps, and the host time the tier's copies took (issuing, their scatters into the pool, and reaps that had
 to wait: `waits` copies); under the table, per policy, how many copies and bus transfers (one per run of
 consecutive host pages; a direct copy's launches count as its transfers) they took and their host time per page
-moved and per copy. Each tier runs with each way of copying (`--copies`; the rows name it): staged, and on CUDA
-staged_kernels and direct (`engine.host_cache_copy`).
+moved and per copy (`--parts`: also the engine thread's host time by part of the prefix cache and the tier, wall
+and CPU, from `engine_parts`). Each tier runs with each way of copying (`--copies`; the rows name it): staged,
+and on CUDA staged_kernels and direct (`engine.host_cache_copy`).
 
 `--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
 prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
