@@ -2,7 +2,7 @@
 host tier, against the ideal. Same episodes for every configuration of a point.
 
     python benchmarks/host_tier.py [--model tiny] [--device cpu] [--concurrency 32] [--episodes 96] [--out r.json]
-        [--copies staged,staged_kernels,direct]
+        [--copies staged,staged_kernels,direct] [--parts]
     python benchmarks/host_tier.py --sweep [--quick] [--budget-s 240] [--out sweep.json]
 
 The random agent's multi-turn episodes (every turn resubmits the whole history) run `--concurrency` at a time
@@ -14,8 +14,9 @@ tokens actually computed, and their ratio to the ideal ("only new tokens": promp
 engine steps, and the host time the tier's copies took (issuing, their scatters into the pool, and reaps that had
 to wait: `waits` copies); under the table, per policy, how many copies and bus transfers (one per run of
 consecutive host pages; a direct copy's launches count as its transfers) they took and their host time per page
-moved and per copy. Each tier runs with each way of copying (`--copies`; the rows name it): staged, and on CUDA
-staged_kernels and direct (`engine.host_cache_copy`).
+moved and per copy (`--parts`: also the engine thread's host time by part of the prefix cache and the tier, wall
+and CPU, from `engine_parts`). Each tier runs with each way of copying (`--copies`; the rows name it): staged,
+and on CUDA staged_kernels and direct (`engine.host_cache_copy`).
 
 `--sweep` runs the same table over model sizes and context lengths (`--context-scale` s multiplies the agent's
 prompt and tool-output lengths and its context limit by s; responses stay as long), where prefill is dearer and
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -35,6 +37,7 @@ import sys
 import time
 
 import torch
+from engine_parts import timed_parts
 
 from tandem.config import EngineConfig, RandomAgentConfig
 from tandem.engine.engine import Engine
@@ -69,8 +72,8 @@ async def play(engine: Engine, agent: RandomAgentConfig, episodes: int, concurre
 
 
 def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConfig, episodes: int,
-            concurrency: int) -> dict:
-    with Engine(model, config, dtype=dtype) as engine:
+            concurrency: int, parts: bool = False) -> dict:
+    with Engine(model, config, dtype=dtype) as engine, timed_parts() if parts else contextlib.nullcontext() as timed:
         t0, c0 = time.perf_counter(), time.thread_time()
         eps = asyncio.run(play(engine, agent, episodes, concurrency, engine.model_config.vocab_size))
         wall, clients = time.perf_counter() - t0, time.thread_time() - c0
@@ -92,7 +95,8 @@ def measure(model: str, dtype: str, config: EngineConfig, agent: RandomAgentConf
             "transfers": tier.num_transfers if tier else 0,
             "waits": tier.waits if tier else 0, "from_backups": tier.pages_from_backups if tier else 0,
             "prefetched": tier.pages_prefetched if tier else 0,
-            "from_prefetch": tier.pages_from_prefetch if tier else 0}
+            "from_prefetch": tier.pages_from_prefetch if tier else 0, "parts": timed.as_dict() if timed else {},
+            "parts_table": timed.table() if timed else ""}
 
 
 def point(args, model: str, scale: int, concurrency: int, episodes: int, policies: list[str],
@@ -105,7 +109,7 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
     pages_for_all = concurrency * agent.max_context // args.page_size
 
     def run(**config) -> dict:
-        return measure(model, dtype, EngineConfig(**base, **config), agent, episodes, concurrency)
+        return measure(model, dtype, EngineConfig(**base, **config), agent, episodes, concurrency, args.parts)
 
     if model not in args.warmed:  # warm-up: kernels, allocator (once a model)
         measure(model, dtype, EngineConfig(**base, num_pages=pages_for_all), agent, 4, 4)
@@ -145,6 +149,10 @@ def point(args, model: str, scale: int, concurrency: int, episodes: int, policie
                       for name, r in runs.items())
     print("\nthe engine thread's busy s by part, schedule (with reaps, evictions, the tier's loads and prefetches) / "
           f"prepare (step inputs) / launch and drain (waiting for the device included): {parts}")
+    if args.parts:
+        print("\nthe engine thread's host time by part of the prefix cache and the tier (outermost calls; "
+              "wall s / CPU s (calls, wall us a call)):\n" + "\n".join(f"- {name}: {r['parts_table']}"
+                                                                     for name, r in runs.items()))
     print("\nthe clients' thread (the agents, on the engine's GIL), CPU s: "
           + ", ".join(f"{name} {r['clients_cpu_s']:.2f}" for name, r in runs.items()))
     for policy in tiers:  # (the policy and how its copies moved)
@@ -198,6 +206,9 @@ def main() -> None:
     ap.add_argument("--same-batch", action="store_true",
                     help="also run the pool that holds everything with at most as many requests running as the small "
                          "pool ran on average (what is left of the gap is the copies', not the pool size's)")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time the engine thread's parts of the prefix cache and the tier "
+                         "(benchmarks/engine_parts.py; a few us of timer a call)")
     args = ap.parse_args()
     args.warmed = set()
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "CPU"

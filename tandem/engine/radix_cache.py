@@ -84,7 +84,7 @@ class Match:
 def lcp(a: list[int], b: list[int]) -> int:
     """Length of the common prefix (binary search over slice equality, which runs in C)."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):  # (no copy of a list already n long)
         return n
     lo, hi = 0, n - 1  # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
     while lo < hi:
@@ -103,20 +103,27 @@ class RadixCache:
         self._clock = itertools.count(1)
 
     # -- lookups -------------------------------------------------------------------------------------
-    def _best_child(self, node: Node, q: list[int]) -> tuple[Node | None, int]:
-        best, best_len = None, 0
-        for child in node.by_first.get(q[0], ()):  # a child with another first token matches nothing
+    def _best_child(self, node: Node, tokens: list[int], i: int) -> Node | None:
+        """The child whose first page shares the longest prefix with the page of `tokens` from position i (on a
+        tie the shorter child), or None if no child starts with token i."""
+        same = node.by_first.get(tokens[i])
+        if not same:  # a child with another first token matches nothing
+            return None
+        if len(same) == 1:  # (the usual case: it shares at least that token, so it is the best)
+            return same[0]
+        best, best_len, q = None, 0, tokens[i:i + self.P]
+        for child in same:
             c = lcp(child.tokens[:self.P], q)
             if c > best_len or (c == best_len and best is not None and len(child.tokens) < len(best.tokens)):
                 best, best_len = child, c
-        return best, best_len
+        return best
 
     def match(self, tokens: list[int]) -> Match:
         """The longest cached prefix of `tokens`. Marks the path as recently used; takes no references."""
         P, now = self.P, next(self._clock)
         node, i, m = self.root, 0, Match([])
         while i < len(tokens):
-            node, c = self._best_child(node, tokens[i:i + P])
+            node = self._best_child(node, tokens, i)
             if node is None:
                 break
             node.last_access = now
@@ -165,7 +172,7 @@ class RadixCache:
         pages = pages[:cdiv(n, P)]
         node, i, held = self.root, 0, []
         while i < n:
-            child, c = self._best_child(node, tokens[i:i + P])
+            child = self._best_child(node, tokens, i)
             if child is None:
                 self._add_child(node, tokens[i:], pages[i // P:], now)
                 return held
@@ -386,22 +393,25 @@ class RadixCache:
         self.root = Node([], [], [], None)
 
     def _nodes(self, on_device: bool = False) -> list[Node]:
-        """Every node but the root, children before their parent. `on_device`: only those with a page on the
-        device; the walk skips the subtrees wholly on the host (device pages are a prefix of each path: a node
-        whose first page is on the host only has none below it), which under a host tier are most of the tree."""
-        out, stack = [], [(self.root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                out.append(node)
-            else:
-                stack.append((node, True))
-                if on_device:  # (a list, not a generator: under a host tier most children are skipped here)
-                    stack += [(c, False) for c in node.children if c.pages[0] is not None]
-                else:
-                    stack += [(c, False) for c in node.children]
-        out.pop()  # the root
+        """Every node but the root, children before their parent (the reverse of a pre-order walk that takes
+        children in their list order). `on_device`: only those with a page on the device; the walk skips the
+        subtrees wholly on the host (device pages are a prefix of each path: a node whose first page is on the host
+        only has none below it), which under a host tier are most of the tree."""
+        out, stack = [], self._kids(self.root, on_device)
+        while stack:  # (one list operation a node: eviction walks the tree's device part every time it runs)
+            node = stack.pop()
+            out.append(node)
+            if node.children:
+                stack += self._kids(node, on_device)
+        out.reverse()
         return out
+
+    @staticmethod
+    def _kids(node: Node, on_device: bool) -> list[Node]:
+        """The node's children (`on_device`: those with a device page), last first: a stack pops the first."""
+        if on_device:
+            return [c for c in reversed(node.children) if c.pages[0] is not None]
+        return node.children[::-1]
 
     @property
     def num_pages(self) -> int:
