@@ -30,10 +30,11 @@ from tandem.transport.sync import SyncReply
 from tandem.types import EngineStats, FinishReason, GenerateOutput, SamplingParams
 
 JSON_HEADERS = {"Content-Type": "application/json"}
-# An idle pooled connection is closed by the client after this long, well before the server would close it
-# (`tandem.server.http.KEEP_ALIVE_S`): a request sent on a connection the server is closing fails (aiohttp retries
-# no POST), and a client whose event loop was busy (a trainer's step) has not yet seen the server's close.
-IDLE_CLOSE_S = 30.0
+# An idle pooled connection is closed by the client after this long, before any server would close it (tandem's
+# keep theirs `tandem.server.http.KEEP_ALIVE_S`; uvicorn's default, which SGLang's and vLLM's servers run with, is 5
+# s): a request sent on a connection the server is closing fails (aiohttp retries no POST), and a client whose event
+# loop was busy (a trainer's step) has not yet seen the server's close. Opening a connection again costs far less.
+IDLE_CLOSE_S = 4.0
 
 
 class EngineClientError(RuntimeError):
