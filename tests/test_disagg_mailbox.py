@@ -188,3 +188,46 @@ def test_a_mail_that_would_block_drops_its_connection_and_never_blocks():
         assert sent < 64, "the buffer never filled"
     assert time.monotonic() - began < 1.0 and ("box", "pages") not in sender._sockets and mine.fileno() == -1
     theirs.close()
+
+
+def test_a_mailbox_takes_frames_however_their_bytes_arrive(caplog):
+    """Frames cut anywhere (a byte a send) and several in one send each reach the request waiting for them; one
+    nobody waits for is dropped; a frame that does not parse drops its connection alone (logged)."""
+    import asyncio
+    import json
+    import socket
+
+    from tandem.server.disagg_mailbox import _FRAME, Mailbox, _address
+
+    def frame(head: dict, payload: bytes) -> bytes:
+        data = json.dumps(head).encode()
+        return _FRAME.pack(len(data), len(payload)) + data + payload
+
+    async def go():
+        box = Mailbox()
+        await box.start()
+        loop = asyncio.get_running_loop()
+        a, b, c = (box.expect(k, kind) for k, kind in (("r1", "pages"), ("r1", "sums"), ("r2", "pages")))
+        first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        first.connect(_address(box.name))
+        one = frame({"rid": "r1", "kind": "pages"}, b"\x01\x00\x00\x00")
+        for i in range(len(one)):  # a byte a send
+            first.send(one[i:i + 1])
+            await asyncio.sleep(0)
+        first.send(frame({"rid": "nobody", "kind": "pages"}, b"") + frame({"rid": "r1", "kind": "sums"}, b"x" * 16))
+        got_a, got_b = await asyncio.wait_for(asyncio.gather(a, b), 5)
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.connect(_address(box.name))
+        bad.send(_FRAME.pack(3, 0) + b"{x}")
+        await loop.run_in_executor(None, bad.recv, 1)  # (returns once the mailbox closes the connection)
+        first.send(frame({"rid": "r2", "kind": "pages"}, b"ok"))  # the other connection still delivers
+        got_c = await asyncio.wait_for(c, 5)
+        for s in (first, bad):
+            s.close()
+        await box.close()
+        return got_a, got_b, got_c, box._waiting
+
+    got_a, got_b, got_c, waiting = asyncio.run(go())
+    assert got_a == ({"rid": "r1", "kind": "pages"}, b"\x01\x00\x00\x00") and got_b[1] == b"x" * 16
+    assert got_c[1] == b"ok" and not waiting
+    assert "a mailbox frame did not parse" in caplog.text
