@@ -173,6 +173,7 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "stale_max": max(h["staleness_max"] for h in steady),
         "stale_dist": distribution([h["staleness_tokens"] for h in steady]),
         "cache_hit": last["cache_hit_rate"],
+        "reruns": f"{last['rerun_groups']} / {last['dropped_groups']}",  # (over the whole run, warm-up included)
         # the engine's prompt tokens served from its cache, against an unbounded cache (over the whole run)
         "reuse_vs_ideal": f"{last['cache_reuse_vs_ideal']:.0%}" if last["cache_reuse_vs_ideal"] is not None else "-",
         "reward_first": statistics.mean(h["reward_mean"] for h in history[:quarter]),
@@ -350,8 +351,9 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
           "pause ms / update | handover ms: trainer waits median (longest), pause median (longest), "
           "applied after median (longest) | "
           "engine loop held > 200 ms: times (longest ms) | staleness mean / max | "
-          "tokens at staleness 0 / 1 / ... (%) | cache hit | reuse vs ideal | reward first -> last quarter |")
-    print("|---" * 27 + "|", flush=True)
+          "tokens at staleness 0 / 1 / ... (%) | cache hit | reuse vs ideal | reward first -> last quarter | "
+          "groups run again (engine unreachable) / dropped |")
+    print("|---" * 28 + "|", flush=True)
     rows = []
     variants = [(mode, order, age) for mode in args.pause_modes or [cfg.rollout.pause_mode]
                 for order in args.batch_orders or [cfg.rollout.batch_order]
@@ -381,7 +383,8 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
               f"{r['applied_median_ms']:.2f} ({r['applied_max_ms']:.2f}) | "
               f"{slow} | {r['stale_mean']:.2f} / {r['stale_max']:.0f} | "
               f"{r['stale_dist']} | "
-              f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} |",
+              f"{r['cache_hit']:.0%} | {r['reuse_vs_ideal']} | {r['reward_first']:+.3f} -> {r['reward_last']:+.3f} | "
+              f"{r['reruns']} |",
               flush=True)
     plain = alone = None
     if placement == "separate":
