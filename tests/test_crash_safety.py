@@ -199,3 +199,36 @@ def test_a_step_whose_engine_calls_fail_after_training_is_still_recorded(tmp_pat
         run.shutdown()
     assert steps_recorded(tmp_path) == [1, 2]
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 2
+
+
+def test_a_checkpoint_written_after_the_next_batch_was_taken_keeps_its_groups(tmp_path):
+    """A step's end (which checkpoints) goes on beside the wait for the next batch, so the next batch may be handed
+    out first. Every checkpoint must still be one a resume loses nothing from: its taken batches equal the trained
+    version, and every group admitted is trained by then, buffered, to be run again or dropped. (The soak found
+    four groups lost when the trainer was killed after such a checkpoint.) The step's end is slowed here, so the
+    next batch is surely taken first."""
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=4", *TINY]))
+    get_stats, save, trained, saved = run.engine.get_stats, run._save_checkpoint, [], []
+
+    async def slow_stats():
+        await asyncio.sleep(0.3)
+        return await get_stats()
+
+    def checked_save():
+        save()
+        state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+        saved.append({"version": state["trainer"]["version"], "manager": state["manager"],
+                      "taken": run.manager.batches_taken})
+
+    run.engine.get_stats, run._save_checkpoint = slow_stats, checked_save
+    run.on_batch = lambda version, batch: trained.append((version, [g.index for g in batch]))
+    try:
+        asyncio.run(run.train())
+    finally:
+        run.shutdown()
+    assert any(s["taken"] > s["version"] for s in saved), "no checkpoint came after the next batch was taken"
+    for s in saved:
+        m = s["manager"]
+        done = {i for version, ids in trained if version < s["version"] for i in ids}
+        kept = done | {int(i) for i in m["buffer"]} | set(m["rerun"]) | set(m["dropped_indices"])
+        assert m["batches_taken"] == s["version"] and kept == set(range(m["next_index"])), (s, trained)

@@ -253,15 +253,25 @@ class RolloutManager:
             timer.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, trained_batches: int | None = None) -> dict:
+        """`trained_batches`: the trainer's version, where a run may take the next batch before it checkpoints
+        the last step (its end goes on beside the next batch's wait): the batch handed out and not trained yet is
+        saved as it was before `next_batch`, so a resume trains it."""
+        buffer, taken, dropped_pending = dict(self.buffer), self.batches_taken, dict(self._dropped_pending)
+        if trained_batches is not None and taken > trained_batches:
+            assert taken == trained_batches + 1, f"{taken} batches taken, {trained_batches} trained"
+            batch, dropped = self._last_taken
+            buffer |= {g.index: g for g in batch}
+            dropped_pending |= dropped
+            taken -= 1
         return {
             "next_index": self.next_index,
-            "batches_taken": self.batches_taken,
-            "buffer": {i: asdict(g) for i, g in self.buffer.items()},
+            "batches_taken": taken,
+            "buffer": {i: asdict(g) for i, g in buffer.items()},
             "rerun": sorted(set(self.in_flight) | set(self._readmit) | self._retrying),
             "dropped": dict(self.dropped),
             "dropped_indices": sorted(self._dropped_indices),
-            "dropped_pending": self._dropped_pending,
+            "dropped_pending": dropped_pending,
         }
 
     def load_state_dict(self, state: dict) -> None:

@@ -240,7 +240,7 @@ class Run:
         tmp.replace(path)
 
     def _save_checkpoint(self) -> None:
-        state = {"trainer": self.trainer.state_dict(), "manager": self.manager.state_dict(),
+        state = {"trainer": self.trainer.state_dict(), "manager": self.manager.state_dict(self.trainer.version),
                  "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         tmp = self.out_dir / (CHECKPOINT + ".tmp")
         torch.save(state, tmp)
