@@ -236,12 +236,15 @@ class RolloutManager:
     def untake(self) -> None:
         """Give back the batch `next_batch` last handed out, untrained (the trainer's step failed or was stopped):
         it is the next batch again, and a checkpoint keeps its groups."""
-        batch, dropped = self._last_taken
+        self.buffer, self.batches_taken, self._dropped_pending = self._given_back()
         self._last_taken = [], {}
-        self.batches_taken -= 1
-        self.buffer.update((g.index, g) for g in batch)
-        self._dropped_pending.update(dropped)
         self._batch_wake.set()
+
+    def _given_back(self) -> tuple[dict[int, Group], int, dict[int, int]]:
+        """The buffer, batches taken and dropped groups pending as they were before `next_batch` handed out its
+        last batch (new dicts: the manager's own are left as they are)."""
+        batch, dropped = self._last_taken
+        return self.buffer | {g.index: g for g in batch}, self.batches_taken - 1, self._dropped_pending | dropped
 
     # ---- shutdown and checkpoints ------------------------------------------------------------------------
     async def stop(self) -> None:
@@ -257,13 +260,10 @@ class RolloutManager:
         """`trained_batches`: the trainer's version, where a run may take the next batch before it checkpoints
         the last step (its end goes on beside the next batch's wait): the batch handed out and not trained yet is
         saved as it was before `next_batch`, so a resume trains it."""
-        buffer, taken, dropped_pending = dict(self.buffer), self.batches_taken, dict(self._dropped_pending)
+        buffer, taken, dropped_pending = self.buffer, self.batches_taken, self._dropped_pending
         if trained_batches is not None and taken > trained_batches:
             assert taken == trained_batches + 1, f"{taken} batches taken, {trained_batches} trained"
-            batch, dropped = self._last_taken
-            buffer |= {g.index: g for g in batch}
-            dropped_pending |= dropped
-            taken -= 1
+            buffer, taken, dropped_pending = self._given_back()
         return {
             "next_index": self.next_index,
             "batches_taken": taken,
@@ -271,7 +271,7 @@ class RolloutManager:
             "rerun": sorted(set(self.in_flight) | set(self._readmit) | self._retrying),
             "dropped": dict(self.dropped),
             "dropped_indices": sorted(self._dropped_indices),
-            "dropped_pending": dropped_pending,
+            "dropped_pending": dict(dropped_pending),
         }
 
     def load_state_dict(self, state: dict) -> None:
