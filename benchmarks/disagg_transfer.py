@@ -58,17 +58,14 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
             "end_to_end_s": statistics.median(e2e[2:]), "prefill_export_s": med("export_s"),
             "decode_take_s": med("take_s"), "decode_copy_s": med("copy_s"), "decode_verify_s": med("verify_s"),
             "decode_write_s": med("write_s"), "decode_import_s": med("import_s"),
-            **{f"{side}_{key}": med(key) for side, key in (("prefill", "export_sums_s"), ("decode", "queue_s"),
-                                                            ("decode", "check_s"), ("decode", "pass_s"),
-                                                            ("decode", "handoff_s"), ("decode", "path_s"),
-                                                            ("decode", "sums_after_pass_s"),
-                                                            ("decode", "launch_host_s"), ("decode", "pass_wait_s"))
+            **{f"decode_{key}": med(key) for key in ("queue_s", "check_s", "pass_s", "handoff_s", "path_s",
+                                                      "launch_host_s", "pass_wait_s")
                if all(r.get(key) is not None for r in records)},
             **{f"path_{key}": statistics.median(r["path_parts"][key] for r in records)
                for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "to_mail_s", "mail_s", "import_s")
                if all(key in (r.get("path_parts") or {}) for r in records)},
             "mailed": sum(bool(r.get("mailed")) for r in records),
-            **{key: _parts(records, key) for key in ("launch_parts", "prefill_pin_parts")},
+            "launch_parts": _parts(records, "launch_parts"),
             "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
 
@@ -97,7 +94,7 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
                       (f"(ii) end to end: /generate through the decode server, one decode step ({chosen})",
                        "end_to_end_s"),
                       ("(iii) the transfer itself: (iv) + (v)", "transfer_s"),
-                      ("(iv) prefill server: pages read out of its pool (or pinned), checksummed, shared",
+                      ("(iv) prefill server: pages read out of its pool and checksummed, or pinned; shared",
                        "prefill_export_s"),
                       ("(v) decode server: from the answer to the pages written in its pool (synchronised)",
                        "decode_import_s"),
@@ -106,23 +103,18 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
                       ("(v'2) of (v'): its page checksums computed and compared", "decode_verify_s"),
                       ("(v'') of which: the write into the pool (device time; by reference the fused pass)",
                        "decode_write_s"),
-                      ("(v''a) of (v''): from the kernels' launch (device; before it the host readies their inputs)",
-                       "decode_pass_s"),
+                      ("(v''a) of (v''): from the kernels' launch (device; before it the host readies their inputs; "
+                       "by reference the prefill side's checksums from its records too)", "decode_pass_s"),
                       ("(v''') by reference, of (v): the answer to the pass starting (host; in the thread the answer "
                        "landed in where it was written so, else the engine's)", "decode_queue_s"),
                       ("(v'''') by reference, of (v): the pass queued to its checksums compared (host)",
                        "decode_check_s"),
-                      ("(iv') by reference, of (iv): the checksum pass over the pinned pages (device, from its launch)",
-                       "prefill_export_sums_s"),
                       ("(vi) by reference, after (v) where written as it landed: checked to the request queued in "
                        "the engine (host)", "decode_handoff_s"),
                       ("(vii) by reference, the whole way on one clock: the prefill server starting its export to "
                        "the checksums compared (with the answer's way between the two, which (iii) leaves out)",
                        "decode_path_s"),
-                      ("(vii') by reference: the prefill server's sums came after the decode server's pass by "
-                       "(host; below 0: before it)", "decode_sums_after_pass_s"),
-                      ("(vii-1) of (vii): the prefill engine pinning the pages, its checksum pass queued (host)",
-                       "path_pin_s"),
+                      ("(vii-1) of (vii): the prefill engine pinning the pages (host)", "path_pin_s"),
                       ("(vii-2) of (vii): then to the prefill server's handler having the output (the engine "
                        "finishing the request, the hop between its threads)", "path_to_server_s"),
                       ("(vii-3) of (vii): the answer built", "path_answer_s"),
@@ -139,9 +131,6 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
                        "decode_pass_wait_s")):
         if key not in t or (key in ("decode_take_s", "decode_copy_s", "decode_verify_s") and "decode_queue_s" in t):
             continue  # (by reference nothing is taken before the engine's pass)
-        if key == "decode_sums_after_pass_s":  # (a difference of two points: no share)
-            print(f"| {what} | {1e3 * t[key]:,.3f} | - | - | - |")
-            continue
         seconds = max(t[key], 1e-9)
         print(f"| {what} | {1e3 * seconds:,.3f} | {t['kv_bytes'] / seconds / 1e9:,.2f} | "
               f"{copy_time / seconds:.1%} | {copy_time / seconds / 2:.1%} |")
@@ -149,12 +138,10 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
         print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
               f"{len(t['records'])} timed transfers; of which came by mail (the prefill engine's side channel, "
               f"before the answer): {t.get('mailed', 0)}")
-    for key, what in (("prefill_pin_parts", "the prefill's pinning (vii-1)"),
-                      ("launch_parts", "the decode's pass, first mark to launch (v''b)")):
-        if t.get(key):
-            print(f"\nhost time of {what} by part, ms: "
-                  + ", ".join(f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in t[key].items()))
+    if t.get("launch_parts"):
+        print("\nhost time of the decode's pass, first mark to launch (v''b), by part, ms: "
+              + ", ".join(f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in t["launch_parts"].items()))
     if "decode_write_s" in t and t.get("decode_import_s"):
-        passes = t.get("decode_pass_s", t["decode_write_s"]) + t.get("prefill_export_sums_s", 0.0)
-        print(f"\nhost-side overhead of (iii): (iii) minus the device passes (iv') and (v''a, else v''): "
+        passes = t.get("decode_pass_s", t["decode_write_s"])
+        print(f"\nhost-side overhead of (iii): (iii) minus the device pass (v''a, else v''): "
               f"{1e3 * (t['transfer_s'] - passes):.3f} ms")

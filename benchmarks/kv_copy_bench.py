@@ -11,8 +11,9 @@ destination pages, checksums of what it read; `page_sums_by_index` with a destin
 values, and the sums over layers), (2) the checksum pass alone (what a prefill server's export costs), (3)
 `torch` copy of the same bytes, contiguous (the reference: `copy_time(B)`), (4) a torch gather by index of the same
 pages (what the previous transfer did, three times); (5) a prefill server's forward recording the same positions'
-checksum shares in every layer, and (6) its export's checksums from those records. Each row: ms, and the copy's
-time over it (100% = as fast as the plain copy of the same bytes).
+checksum shares in every layer, (6) the export's checksums from those records, and (7) the fused pass with (6)
+behind it (the decode server's import by reference). Each row: ms, and the copy's time over it (100% = as fast as
+the plain copy of the same bytes).
 
 `--sweep`: (1) and (2) again for each kernel tile of a grid (`kv_copy.Tile`: words a program holds at once, warps,
 streaming loads and stores), each checked against the default tile's sums and written pages bit for bit, sorted
@@ -85,9 +86,10 @@ def kernel_times(model: str = "qwen3-0.6b", tokens: int = 8192, page_size: int =
 
 def record_times(model: str, tokens: int, page_size: int, reps: int, device: str) -> dict:
     """A prefill server's checksum records (`KVPool(slot_sums=True)`): the device time its forward spends recording
-    `tokens` positions in every layer (`records_s`: one launch, as the forward makes it), and its export's sums
-    from them (`page_sums_s`: what replaces the checksum pass)."""
-    from tandem.engine.kv_index_sums import record_sums_by_index
+    `tokens` positions in every layer (`records_s`: one launch, as the forward makes it), its export's sums from
+    them (`page_sums_s`: what replaces the checksum pass), and the decode's fused pass with them behind it
+    (`fused_records_s`, into a second pool: `page_sums_by_index(records=...)`)."""
+    from tandem.engine.kv_index_sums import page_sums_by_index, record_sums_by_index
     from tandem.engine.kv_pool import KVPool
 
     cfg = PRESETS[model]
@@ -98,8 +100,11 @@ def record_times(model: str, tokens: int, page_size: int, reps: int, device: str
     table = torch.randperm(2 * pages, generator=torch.Generator().manual_seed(1))[:pages].tolist()
     slots = pool.slots(table, 0, tokens)
 
+    dst = torch.zeros_like(pool.k_cache), torch.zeros_like(pool.v_cache)
     return {"records_s": _time(lambda: pool.record_sums(slots), reps),
-            "page_sums_s": _time(lambda: record_sums_by_index(pool, table, 0, tokens), reps)}
+            "page_sums_s": _time(lambda: record_sums_by_index(pool.sums, table, 0, tokens, page_size), reps),
+            "fused_records_s": _time(lambda: page_sums_by_index(pool.k_cache, pool.v_cache, table, 0, tokens,
+                                                                page_size, *dst, table, records=pool.sums), reps)}
 
 
 SWEEP_WORDS = (1024, 2048, 4096, 8192, 16384)
@@ -193,9 +198,11 @@ def report(times: dict) -> None:
     for what, key in (("a prefill's forward recording every layer's checksum shares (`KVPool.record_sums`)",
                        "records_s"),
                       ("the export's checksums from the records (`record_sums_by_index`: replaces the pass)",
-                       "page_sums_s")):
+                       "page_sums_s"),
+                      ("the fused pass, then the checksums from the records (the decode server's import)",
+                       "fused_records_s")):
         if key in times:
-            print(f"| {what} | {1e3 * times[key]:.3f} | |")
+            print(f"| {what} | {1e3 * times[key]:.3f} | {copy / times[key]:.0%} |")
 
 
 def main() -> None:

@@ -10,7 +10,6 @@ import asyncio
 import threading
 import time
 
-import httpx
 import torch
 from disagg_helpers import write_reserved_blind_to_pause
 from test_disagg_mapped import POOL, PREFILL, SEEDED, a_changed_page_is_named_and_nothing_of_it_kept, pinned, prompt
@@ -219,39 +218,3 @@ def test_a_pause_between_the_landed_pass_and_its_check_has_the_engine_write_it_a
             await d.flush_cache()
             assert (await d.get_stats()).pages_free == POOL.num_pages
     asyncio.run(go())
-
-
-def test_over_http_the_decode_pass_runs_before_the_prefill_servers_sums_come(monkeypatch):
-    """The prefill server answers with the pages at once and their sums when its checksum pass is done (made slow
-    here: 0.5 s): the decode server's pass runs meanwhile, it compares once they come, and generates what bytes
-    give; a sums line that never comes ends the request with an abort naming it, the export released. (No mail
-    comes here: the answer's way, which a mail that never comes leaves.)"""
-    from disagg_helpers import no_mail
-    from test_disagg_transfer import SAMPLING, decode_server, generate, held, prefill_server, tokens
-
-    from tandem.engine.kv_mapped import PinnedKV
-
-    no_mail(monkeypatch)
-
-    real = PinnedKV.sums_hex
-
-    def slow(self):
-        time.sleep(0.5)
-        return real(self)
-    monkeypatch.setattr(PinnedKV, "sums_hex", slow)
-    monkeypatch.setattr(PinnedKV, "sums_ready", lambda self: False)  # (as on a GPU, its pass still running)
-    ids = prompt(30, seed=1)
-    with prefill_server("cpu", own_process=False) as p_url, decode_server("cpu", "bytes") as d_url:
-        want = tokens(generate(d_url, p_url, ids))
-    with prefill_server("cpu", own_process=False) as p_url:
-        with decode_server("cpu", "reference") as d_url:
-            got = tokens(generate(d_url, p_url, ids))
-            record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
-        assert got == want and record["landed"] and record["sums_after_pass_s"] > 0.1, record
-        monkeypatch.setattr(PinnedKV, "sums_hex", lambda self: 1 / 0)
-        with decode_server("cpu", "reference") as d_url:
-            body = {"input_ids": ids, "sampling_params": SAMPLING, "bootstrap": {"prefill_url": p_url}}
-            answer = httpx.post(f"{d_url}/generate", json=body, timeout=60).json()
-            assert answer["meta_info"]["finish_reason"]["type"] == "abort", answer
-            assert "sums did not come" in answer["meta_info"]["finish_reason"]["message"], answer
-            assert held(p_url) == 0

@@ -1,8 +1,8 @@
 """The KV transfer by reference's side channel (`tandem.server.disagg_mailbox`): a pinned export's pages mailed by the
-prefill engine as it pins them and their sums as its checksum pass is done, written by the decode server as the
-mail lands and compared before the pages are used; the HTTP answer confirms it. Real servers over HTTP (CPU, fp32;
-the GPU case with the prefill server in a process of its own). Falsifiers: a page changed after the prefill summed
-it (the comparison), an answer naming other pages than the mail (the confirmation)."""
+prefill engine as it pins them, written and checked by the decode server as the mail lands, before the pages are
+used; the HTTP answer confirms it. Real servers over HTTP (CPU, fp32; the GPU case with the prefill server in a
+process of its own). Falsifiers: a page changed after the prefill wrote it (the comparison), an answer naming other
+pages than the mail (the confirmation)."""
 
 import time
 
@@ -27,12 +27,12 @@ from tandem.server import disagg_import, disagg_prefill
 
 def slow_answers(monkeypatch, seconds: float = 0.3) -> None:
     """The prefill server (of this process) answers `seconds` late: its mail surely comes first."""
-    line = disagg_prefill._handle_line
+    answer = disagg_prefill._reference_answer
 
     def slow(export_id, kv):
         time.sleep(seconds)
-        return line(export_id, kv)
-    monkeypatch.setattr(disagg_prefill, "_handle_line", slow)
+        return answer(export_id, kv)
+    monkeypatch.setattr(disagg_prefill, "_reference_answer", slow)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -60,9 +60,9 @@ def test_without_a_mailbox_kv_by_reference_takes_the_answers_way(monkeypatch):
     assert record["landed"] and not record["mailed"] and record["path_parts"]["wire_s"] >= 0, record
 
 
-def test_a_page_changed_after_the_prefill_summed_it_ends_the_request_by_mail_too(monkeypatch):
-    """The prefill server's pool altered at page 2 as the mail lands (after the prefill summed it): the decode
-    server's comparison finds it, the request ends with an abort naming the page; the export is released, the
+def test_a_page_changed_after_the_prefill_wrote_it_ends_the_request_by_mail_too(monkeypatch):
+    """The prefill server's pool altered at page 2 as the mail lands (its records unchanged): the decode server's
+    comparison finds it, the request ends with an abort naming the page; the export is released, the
     decode server's pages freed."""
     slow_answers(monkeypatch)
     mapped = disagg_import.mapped_from_mail
@@ -85,12 +85,12 @@ def test_a_page_changed_after_the_prefill_summed_it_ends_the_request_by_mail_too
 
 def test_an_answer_naming_other_pages_than_its_mail_ends_the_request(monkeypatch):
     slow_answers(monkeypatch)
-    line = disagg_prefill._handle_line
+    answer = disagg_prefill._reference_answer
 
     def other(export_id, kv):
-        kv.head = kv.head | {"pages": kv.head["pages"][8:] + kv.head["pages"][:8]}  # (its first two pages swapped)
-        return line(export_id, kv)
-    monkeypatch.setattr(disagg_prefill, "_handle_line", other)
+        kv.handle = kv.handle | {"pages": kv.handle["pages"][8:] + kv.handle["pages"][:8]}  # (first two swapped)
+        return answer(export_id, kv)
+    monkeypatch.setattr(disagg_prefill, "_reference_answer", other)
     with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
         free = httpx.get(f"{d_url}/engine_stats").json()["pages_free"]
         finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
@@ -146,19 +146,16 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
         box, sender = Mailbox(), MailSender()
         await box.start()
         try:
-            pages, sums = box.expect("k1", "pages"), box.expect("k1", "sums")
+            pages = box.expect("k1", "pages")
             sender.expect("engine-1", "k1", box.name)
             sender.expect("engine-2", "nobody", box.name)
             kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
-                                 pages=[7, 3, 5], sums=[[1, 2], [3, 4], [5, 6]], sums_ready=lambda: True,
-                                 pin_parts={})
+                                 pages=[7, 3, 5], epochs=[1, 2, 9])
             sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
             sender.pinned("engine-1", kv, 4)
             head, payload = await asyncio.wait_for(pages, 5)
             assert (head["rid"], head["version"], head["end"]) == ("k1", 4, 9)
-            assert payload == struct.pack("<3i", 7, 3, 5)
-            head, payload = await asyncio.wait_for(sums, 5)
-            assert head["kind"] == "sums" and payload == struct.pack("<6q", 1, 2, 3, 4, 5, 6)
+            assert payload == struct.pack("<3i3q", 7, 3, 5, 1, 2, 9)
             bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             bad.connect(_address(box.name))
             bad.sendall(struct.pack("<II", 5, 0) + b"{oops")
@@ -181,12 +178,12 @@ def test_a_mail_that_would_block_drops_its_connection_and_never_blocks():
 
     sender, (mine, theirs) = MailSender(), socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     mine.settimeout(0.0)  # (as `_connect` leaves it)
-    sender._sockets[("box", "pages")] = mine
+    sender._sockets["box"] = mine
     began, sent = time.monotonic(), 0
-    while sender._send("box", "pages", {"kind": "pages"}, b"x" * (1 << 20)):  # (nobody reads `theirs`)
+    while sender._send("box", {"kind": "pages"}, b"x" * (1 << 20)):  # (nobody reads `theirs`)
         sent += 1
         assert sent < 64, "the buffer never filled"
-    assert time.monotonic() - began < 1.0 and ("box", "pages") not in sender._sockets and mine.fileno() == -1
+    assert time.monotonic() - began < 1.0 and "box" not in sender._sockets and mine.fileno() == -1
     theirs.close()
 
 

@@ -1,7 +1,8 @@
 """The KV transfer by reference with the prefill pool mapped once (`tandem.engine.kv_mapped`), in process on CPU
 (fp32; the prefill engine's pool in shared memory): a pinned export survives its engine freeing the pages and
-writing a pool's worth of other prompts (falsifier: unpinned at once, the pages are reused and the import fails
-its checksums); a page changed after the export ends the import with an abort naming it, its pages freed and
+writing a pool's worth of other prompts (falsifier: unpinned at once, the pages are reused and the import fails:
+they were handed out again, their epochs say; and without that check it would keep their new KV, whose records
+match it); a page changed after the export ends the import with an abort naming it, its pages freed and
 nothing cached; a paused decode engine writes nothing of an import until it continues (falsifier: a late gate).
 The servers' protocol over HTTP: tests/test_disagg_transfer.py."""
 
@@ -48,10 +49,18 @@ async def import_mapped(p: Engine, d: Engine, first, ids, rid=None):
     return out, kv
 
 
-def churn_after_pinning(monkeypatch, pin: bool):
+def churn_after_pinning(monkeypatch, pin: bool, epochs: bool = True):
     """Export a prompt by pinning, flush the prefill engine's cache and run other prompts through it (their pages
     reuse what is free), then import the export: its output and the decode engine's free pages after it.
-    `pin=False`: a mutant export whose pages are unpinned at once."""
+    `pin=False`: a mutant export whose pages are unpinned at once; `epochs=False`: a mutant import that does not
+    see the pages' epochs change."""
+    if not epochs:
+        real_pass = MappedKV.pass_into
+
+        def blind(self, pool, pages):
+            real_pass(self, pool, pages)
+            self.epochs_after = self.epochs
+        monkeypatch.setattr(MappedKV, "pass_into", blind)
     if not pin:
         real = kv_mapped.pin_pages
 
@@ -88,8 +97,14 @@ def test_a_pinned_export_survives_its_pages_being_freed_and_the_pool_reused(monk
 def test_the_pin_falsifier_unpinned_pages_are_reused_and_the_import_fails(monkeypatch):
     out, _, free = churn_after_pinning(monkeypatch, pin=False)
     assert out.finish_reason.type == "abort" and "prefill-here" in out.finish_reason.message, out.finish_reason
-    assert "arrived with another checksum" in out.finish_reason.message
+    assert "page 0 (positions 0...) was handed out again" in out.finish_reason.message
     assert free == POOL.num_pages  # the pages it wrote are free, none cached
+
+
+def test_the_epochs_falsifier_pages_handed_out_again_are_read_as_they_are_now_and_kept(monkeypatch):
+    out, want, _ = churn_after_pinning(monkeypatch, pin=False, epochs=False)
+    assert out.finish_reason.type != "abort", out.finish_reason  # (their records are of what they hold now)
+    assert out.output_logprobs != want.output_logprobs  # (another prompt's KV, kept)
 
 
 def a_changed_page_is_named_and_nothing_of_it_kept(importer) -> None:
@@ -155,14 +170,14 @@ def test_a_handle_of_another_pool_or_pages_that_do_not_fit_is_refused():
             source = MappedPool(pool_handle(p.pool), "cpu")
             with pytest.raises(ValueError, match="restarted"):
                 MappedKV(source, first.kv.handle | {"pool": "another"})
-            with pytest.raises(ValueError, match="bytes of sums for 2 pages"):
+            with pytest.raises(ValueError, match="one each a page"):
                 MappedKV(source, first.kv.handle | {"pages": hex_pages(first.kv.pages[:-1])})
             with pytest.raises(ValueError, match="do not hold positions"):
                 MappedKV(source, first.kv.handle | {"end": 20})
             with pytest.raises(ValueError, match="do not hold positions"):
                 MappedKV(source, first.kv.handle | {"pages": hex_pages([0, 1, POOL.num_pages])})
             first.kv.free(taken=True)
-        with pytest.raises(ValueError, match="not in shared memory"), Engine("tiny", POOL) as unified:
+        with pytest.raises(ValueError, match="no checksum records"), Engine("tiny", POOL) as unified:
             pool_handle(unified.pool)
     asyncio.run(go())
 

@@ -1,10 +1,8 @@
 """The KV transfer's kept host buffers (`kv_shared.Staging`): handed out again only once the device is past the copy
-that used them (falsifier: a fake event not yet reached), none allocated per transfer on the kernel's path, a pinned
-export's sums read out of its buffer before it goes back and never read after it was freed; on the GPU the same
-through page-locked buffers and real events."""
+that used them (falsifier: a fake event not yet reached), none allocated per transfer on the kernel's path; on the
+GPU the same through page-locked buffers and real events."""
 
 import os
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,9 +13,7 @@ if not torch.cuda.is_available():
 
 from tandem.engine import kv_index_sums  # noqa: E402
 from tandem.engine.kv_index_sums import canonical, host_sums, page_sums_by_index  # noqa: E402
-from tandem.engine.kv_mapped import PinnedKV  # noqa: E402
 from tandem.engine.kv_shared import Staging, staging  # noqa: E402
-from tandem.engine.kv_transfer import TransferClock  # noqa: E402
 
 
 class Event:
@@ -63,39 +59,6 @@ def test_the_kernels_path_allocates_no_host_buffer_per_transfer(monkeypatch):
     for _ in range(3):
         assert torch.equal(page_sums_by_index(k, v, [1, 2, 3], 0, 10, 4), first)
     assert stage.allocated == made  # falsifier: one buffer a transfer
-
-
-def _pinned(stage: Staging, sums: torch.Tensor) -> tuple[PinnedKV, object]:
-    """A pinned export whose sums sit in a kept buffer of `stage` (as `pin_pages` leaves them on a GPU)."""
-    pool = SimpleNamespace(page_size=4, share_id="pool")  # (what an export reads of its pool)
-    buf = stage.take(sums.numel() * 8)
-    host = buf.view(sums.numel() * 8, torch.int64).view(sums.shape)
-    host.copy_(sums)
-    unpinned = []
-    return PinnedKV(pool, [1, 2], 0, 8, host, None, unpinned.append, 0.0, TransferClock("cpu"), 0.0,
-                    (stage, buf)), buf
-
-
-def test_a_pinned_exports_sums_are_read_out_of_their_buffer_before_it_goes_back():
-    stage = Staging(pin=False)
-    sums = torch.tensor([[5, 2**33 + 7], [-3, 1]], dtype=torch.int64)
-    kv, buf = _pinned(stage, sums)
-    assert np.array_equal(kv.sums, canonical(sums.numpy()))
-    again = stage.take(32)
-    assert again is buf  # back once read
-    again.data.fill_(0xFF)  # (another export's sums now)
-    assert np.array_equal(kv.sums, canonical(sums.numpy()))
-    kv.free(taken=True)  # (its buffer went back already: nothing given twice)
-    assert stage.take(32) is not buf
-
-
-def test_a_pinned_export_freed_unread_gives_its_buffer_back_and_its_sums_are_not_read_then():
-    stage = Staging(pin=False)
-    kv, buf = _pinned(stage, torch.ones(2, 2, dtype=torch.int64))
-    kv.free(taken=False)
-    assert stage.take(32) is buf
-    with pytest.raises(ValueError, match="freed before its sums were read"):
-        _ = kv.sums
 
 
 @pytest.mark.gpu

@@ -1,9 +1,10 @@
 """Checksum records kept as the forward writes the KV (`KVPool(slot_sums=True)`, `tandem.kernels.kv_sums`): a page's
 checksum from its slots' records is `kv_transfer.page_sums` of its bytes, whatever the order and chunking of the
 writes and when a slot is written again; the Triton kernel's records are the torch path's bit for bit (under the
-interpreter here, on the device in the `gpu` case); a prefill engine's export takes its checksums from the records
-(chunked prompts, prefix hits, a partially matched page copied) and from a pass where a page came from the host tier
-(falsifier: without `mark_unsummed` the export's checksums are not its bytes')."""
+interpreter here, on the device in the `gpu` case); a prefill engine's exported pages have records that are their
+bytes' (chunked prompts, prefix hits, a partially matched page copied), with nothing recorded at the pin, and pages
+that came from the host tier are recorded as they are pinned (falsifier: without `mark_unsummed` their records are
+of other bytes)."""
 
 import asyncio
 import dataclasses
@@ -25,8 +26,9 @@ from tandem.engine.kv_index_sums import (  # noqa: E402
     canonical,
     host_sums,
     page_sums_by_index,
+    record_sums_by_index,
 )
-from tandem.engine.kv_pool import KVPool  # noqa: E402
+from tandem.engine.kv_pool import KVPool, records_page_sums  # noqa: E402
 from tandem.engine.kv_transfer import page_sums  # noqa: E402
 from tandem.types import SamplingParams  # noqa: E402
 
@@ -59,8 +61,8 @@ def test_a_pages_records_sum_to_its_checksum_however_it_was_written(layers, head
     write(pool, slots[5:11], gen)
     write(pool, slots[3:6] + slots[11:], gen)  # positions written again: their records replaced
     expected = page_sums(pool.k_cache[:, slots], pool.v_cache[:, slots], P)
-    assert torch.equal(canonical(pool.page_sums(table, 0, n)), expected)
-    assert torch.equal(canonical(pool.page_sums(table, 8, n)), expected[2:])  # (from a later page on)
+    assert torch.equal(canonical(records_page_sums(pool.sums, table, 0, n, P)), expected)
+    assert torch.equal(canonical(records_page_sums(pool.sums, table[2:], 8, n, P)), expected[2:])  # (a later page on)
 
 
 def test_a_record_not_taken_leaves_the_checksum_wrong():
@@ -68,8 +70,8 @@ def test_a_record_not_taken_leaves_the_checksum_wrong():
     pool, gen, P = sums_pool(2, 2, 8, torch.bfloat16), torch.Generator().manual_seed(1), 4
     write(pool, list(range(8)), gen)
     pool.k_cache[1, 5] += 1  # (written, not recorded)
-    assert not torch.equal(canonical(pool.page_sums([0, 1], 0, 8))[1], page_sums(pool.k_cache[:, :8],
-                                                                                   pool.v_cache[:, :8], P)[1])
+    assert not torch.equal(canonical(records_page_sums(pool.sums, [0, 1], 0, 8, P))[1],
+                           page_sums(pool.k_cache[:, :8], pool.v_cache[:, :8], P)[1])
 
 
 @pytest.mark.parametrize("layers,heads,dim,dtype", [c for c in CASES if c[2] * c[1] * c[3].itemsize % 4 == 0]
@@ -98,8 +100,8 @@ def test_the_kernels_page_sums_of_records_are_the_torch_paths():
     pages, n = [9, 0, 4, 11], 14  # (the last page short)
     index = torch.tensor([pages, [4, 4, 4, 2]], dtype=torch.int32, device=device)
     got = kv_sums.page_sums(pool.sums, index[0], index[1], 4)
-    assert torch.equal(canonical(got), canonical(pool.page_sums(pages, 0, n)))
-    assert torch.equal(canonical(got[1:]), canonical(pool.page_sums([0] + pages[1:], 4, n)))
+    assert torch.equal(canonical(got), canonical(records_page_sums(pool.sums, pages, 0, n, 4)))
+    assert torch.equal(canonical(got[1:]), canonical(records_page_sums(pool.sums, pages[1:], 4, n, 4)))
 
 
 def test_a_staged_index_is_its_columns():
@@ -130,28 +132,33 @@ def prompt(n, seed):
 
 
 async def export_checked(p: Engine, ids: list[int]) -> np.ndarray:
-    """Export `ids`' KV pinned; assert its checksums are those of a pass over its pages; free it. The sums."""
+    """Export `ids`' KV pinned; assert the checksums its records give are those of a pass over its pages; free it.
+    The sums."""
     out = await p.generate(ids, ONE, export_kv_from=0, export_pinned=True)
-    kv, pool = out.kv, p.pool
+    kv, pool, P = out.kv, p.pool, p.pool.page_size
     try:
-        passed = host_sums(page_sums_by_index(pool.k_cache, pool.v_cache, kv.pages, kv.start, kv.end, pool.page_size))
-        assert np.array_equal(kv.sums, passed)
-        return kv.sums
+        passed = host_sums(page_sums_by_index(pool.k_cache, pool.v_cache, kv.pages, kv.start, kv.end, P))
+        recorded = host_sums(record_sums_by_index(pool.sums, kv.pages, kv.start, kv.end, P))
+        assert np.array_equal(recorded, passed)
+        return recorded
     finally:
         kv.free(True)
 
 
 def test_a_prefill_engines_exports_take_the_records_checksums(monkeypatch):
-    """Chunked prompts (16 tokens a step), a prefix hit, a partially matched page copied: every export's checksums
-    come from the records (no pass is run) and are its pages' bytes'."""
-    def no_pass(*args, **kwargs):
-        raise AssertionError("a checksum pass ran")
+    """Chunked prompts (16 tokens a step), a prefix hit, a partially matched page copied: every exported page's
+    records are its bytes', and none had to be recorded as it was pinned (the forward recorded them)."""
+    record_pages = KVPool.record_pages
+
+    def nothing_stale(pool, pages):
+        assert pool.summed[pages].all(), "a page was recorded at the pin"
+        record_pages(pool, pages)
 
     async def go():
         with Engine("tiny", PREFILL) as p:
             assert p.pool.sums is not None
             a = prompt(37, 0)
-            monkeypatch.setattr("tandem.engine.kv_mapped.page_sums_by_index", no_pass)
+            monkeypatch.setattr(KVPool, "record_pages", nothing_stale)
             first = await export_checked(p, a)
             again = await export_checked(p, a)  # (all but the last token from the cache, whose page is recomputed,
             assert np.array_equal(first[:-1], again[:-1])  # in another step shape: not always the same bytes)
@@ -163,8 +170,8 @@ def test_a_prefill_engines_exports_take_the_records_checksums(monkeypatch):
 def exports_after_host_loads(monkeypatch, mark: bool) -> int:
     """A prefill engine whose pool holds 96 positions and whose host tier the rest: a prompt exported, the pool
     churned by others (its pages evicted to the host and reused), then the prompt again (its pages loaded from the
-    host tier) and exported, each export checked against a pass. `mark`: False for a mutant pool that does not
-    mark loaded pages. Returns the pages the tier loaded."""
+    host tier) and exported, each export's records checked against a pass. `mark`: False for a mutant pool that
+    does not mark loaded pages (so they are not recorded as they are pinned). Returns the pages the tier loaded."""
     if not mark:
         monkeypatch.setattr(KVPool, "mark_unsummed", lambda self, pages: None)
     config = dataclasses.replace(PREFILL, host_cache="write_through", enable_prefix_cache=True)
@@ -181,7 +188,7 @@ def exports_after_host_loads(monkeypatch, mark: bool) -> int:
     return asyncio.run(go())
 
 
-def test_pages_loaded_from_the_host_tier_are_checksummed_by_a_pass(monkeypatch):
+def test_pages_loaded_from_the_host_tier_are_recorded_as_they_are_pinned(monkeypatch):
     assert exports_after_host_loads(monkeypatch, mark=True) > 0
 
 

@@ -109,9 +109,11 @@ class EngineCore(DecodeImports):
                            slot_sums=config.role == "prefill")
         if self.pool.routing is not None:
             self.model.capture_routing(self.pool.routing)
-        if self.pool.sums is not None:  # (an export's checksums without a pass over its KV: `pin_pages`)
+        if self.pool.sums is not None:  # (an export's checksums without a pass over its KV: `kv_mapped`)
             self.model.capture_kv_sums(self.pool.record_sums)
-            record_sums_by_index(self.pool, [0], 0, 1)  # (its kernel compiled now, not at the first export)
+        if config.role == "decode":  # (the kernel summing a prefill server's records compiled now, not at an import)
+            L, P = self.model_config.num_hidden_layers, config.page_size
+            record_sums_by_index(torch.zeros((P, L, 2), dtype=torch.int64, device=param.device), [0], 0, 1, P)
         self.order = StreamRuntime(engine_placements(), param.device)  # where each piece of device work runs
         self.tier = HostTier(self.pool, config.host_cache_pages or 2 * num_pages, config.host_cache,
                              order=self.order, copy=config.host_cache_copy if param.is_cuda else "staged"
@@ -150,9 +152,8 @@ class EngineCore(DecodeImports):
         self._reserved: dict[str, Reservation] = {}  # pages set aside for probed imports (`Probe(reserve=True)`)
         self._gate = threading.RLock()  # held by a write out of this thread, and to pause or drop a reservation
         # (a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned, before the
-        # request leaves the queues, and `after_apply()` after every command; quick, in this thread:
-        # `disagg_mailbox.MailSender.pinned`, `.after_apply`)
-        self.on_pinned = self.after_apply = None
+        # request leaves the queues; quick, in this thread: `disagg_mailbox.MailSender.pinned`)
+        self.on_pinned = None
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -231,11 +232,6 @@ class EngineCore(DecodeImports):
                 raise  # the command's own refusal
             self._engine_error(e)
         finally:
-            if self.after_apply is not None:
-                try:
-                    self.after_apply()
-                except Exception:  # (a side channel: the answer carries the export anyway)
-                    log.exception("engine: the after-command hook failed")
             if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
                 chunks = self._last_chunks
                 what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "

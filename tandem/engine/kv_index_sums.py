@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from tandem.engine.kv_pool import KVPool
+from tandem.engine.kv_pool import records_page_sums
 from tandem.engine.kv_shared import staging
 from tandem.engine.kv_transfer import TransferClock, checksum_weights, page_sums
 
@@ -48,7 +48,8 @@ def _kernel_ok(*caches: torch.Tensor) -> bool:
 
 def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, start: int, end: int,
                        page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
-                       dst_pages=None, clock: TransferClock | None = None, tile=None) -> torch.Tensor:
+                       dst_pages=None, clock: TransferClock | None = None, tile=None,
+                       records: torch.Tensor | None = None) -> torch.Tensor:
     """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
     host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
     page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
@@ -57,7 +58,9 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
     before the first kernel is launched (the device time from there is the pass's own), and on the host alone
     "staged" (the page index built), "copied" (its copy to the device queued), "launched" (the kernels queued).
-    `tile`: the kernel's (`kv_copy.Tile`; its default if None)."""
+    `tile`: the kernel's (`kv_copy.Tile`; its default if None). `records`: the source pool's checksum records
+    (`KVPool.sums`, or a mapping of it): then [2, pages, 2], the pass's sums and those the records give
+    (`record_sums_by_index`, queued behind the pass, through the same staged index)."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -77,10 +80,15 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
                            index[1] if dst is not None else None, out=parts[:, which], tile=tile)
+        mine = parts.view(num, 2 * layers, 2).sum(1)
+        if records is not None:
+            from tandem.kernels import kv_sums
+
+            mine = torch.stack([mine, kv_sums.page_sums(records, index[0], index[2], page_size)])
         staged()  # (after the launches: off a GPU `index` is the staging buffer itself, read by them)
         if clock is not None:
             clock.mark("launched", device=False)
-        return parts.view(num, 2 * layers, 2).sum(1)
+        return mine
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
     sums = page_sums(k, v, page_size)
@@ -88,25 +96,26 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         dst_slots = _slots(dst_pages, page_size, n, dst_k.device)
         dst_k.index_copy_(1, dst_slots, k.to(dst_k.dtype))
         dst_v.index_copy_(1, dst_slots, v.to(dst_v.dtype))
+    if records is not None:
+        sums = torch.stack([sums, record_sums_by_index(records, src_pages, start, end, page_size)])
     return sums
 
 
-def record_sums_by_index(pool: KVPool, pages, start: int, end: int,
+def record_sums_by_index(records: torch.Tensor, pages, start: int, end: int, page_size: int,
                          clock: TransferClock | None = None) -> torch.Tensor:
-    """`page_sums_by_index`'s sums of positions [start, end) held in `pages` (from `start`'s on) of `pool`, from the
-    checksum records its forward left (`KVPool.sums`; the pages must be `summed`): one small kernel on a GPU
-    (`tandem.kernels.kv_sums.page_sums`), else `KVPool.page_sums`. Not synchronised; `clock` marked as by
-    `page_sums_by_index`."""
-    P, num, n = pool.page_size, len(pages), end - start
-    device = pool.sums.device
-    if not pool.sums.is_cuda:
-        return pool.page_sums([0] * (start // P) + list(pages), start, end)
+    """`page_sums_by_index`'s sums of positions [start, end) held in `pages` (from `start`'s on) of a pool whose
+    checksum records are `records` (`KVPool.sums` [S, L, 2] or a mapping of it; the pages must be `summed`): one
+    small kernel on a GPU (`tandem.kernels.kv_sums.page_sums`), else `kv_pool.records_page_sums`. Not
+    synchronised; `clock` marked as by `page_sums_by_index`."""
+    P, num, n = page_size, len(pages), end - start
+    if not records.is_cuda:
+        return records_page_sums(records, pages, start, end, P)
     from tandem.kernels import kv_sums
 
-    index, staged = _stage_index(device, (pages, _rows(num, n, P)), clock)
+    index, staged = _stage_index(records.device, (pages, _rows(num, n, P)), clock)
     if clock is not None:
         clock.mark("launch")
-    sums = kv_sums.page_sums(pool.sums, index[0], index[1], P)
+    sums = kv_sums.page_sums(records, index[0], index[1], P)
     staged()
     if clock is not None:
         clock.mark("launched", device=False)
@@ -151,12 +160,12 @@ def _int32(values) -> torch.Tensor:
 
 
 def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
-    """Sums [pages, 2] as `page_sums` has them: the column parts' low 32 bits as a signed 32-bit value (the
+    """Sums [..., pages, 2] as `page_sums` has them: the column parts' low 32 bits as a signed 32-bit value (the
     kernel's parts summed over layers keep higher bits too; `page_sums`'s are unchanged). A tensor or, quicker on
     the host, a numpy array (int64)."""
-    cols = sums[:, 1] & 0xFFFFFFFF
+    cols = sums[..., 1] & 0xFFFFFFFF
     cols = (cols ^ 0x80000000) - 0x80000000
-    return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[:, 0], cols], 1)
+    return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[..., 0], cols], -1)
 
 
 def host_sums(sums: torch.Tensor) -> np.ndarray:

@@ -72,34 +72,49 @@ class KVPool(PageAllocator):
         shared-memory file that other processes of the host map by `shm_path` (`kv_mapped`); on a GPU the pool is
         mapped by CUDA IPC and this changes nothing. `share_id`: this pool's identity, for whoever maps it.
         `slot_sums` (a prefill server's pool): also keep, slot by slot, each layer's share of its page's checksum
-        (`kv_transfer.page_sums`) as the forward wrote it (`sums` [S, L, 2] int64, stored by `record_sums`), so
-        that `page_sums` gives an export's checksums without a pass over its KV; `summed` [num_pages] (on the host)
-        says which pages hold only positions the forward wrote since the page was handed out (a page filled another
-        way, loaded from the host tier or imported, is marked by `mark_unsummed`)."""
+        (`kv_transfer.page_sums`) as the forward wrote it (`sums` [S, L, 2] int64, stored by `record_sums`; in the
+        shared-memory file after the KV where `shared`), so that `records_page_sums` gives an export's checksums
+        without a pass over its KV; `summed` [num_pages] (on the host) says which pages hold only positions the
+        forward wrote since the page was handed out (a page filled another way, loaded from the host tier or
+        imported, is marked by `mark_unsummed`, and recorded by `record_pages` before it is exported); and
+        `epochs` [num_pages] int64, each page's count of times handed out (`alloc`), in a shared-memory file of
+        its own (`epochs_path`; None where /dev/shm cannot hold it) which a decode server maps to see whether a
+        page it read was handed out again meanwhile."""
         super().__init__(num_pages, page_size)
         # one extra page, never handed out: padding rows of fixed-shape decode batches write there
         self.scratch_slot = num_pages * page_size
         shape = (config.num_hidden_layers, (num_pages + 1) * page_size, num_kv_heads or config.num_key_value_heads,
                  config.head_dim)
-        self.share_id, self.shm_path = uuid.uuid4().hex, None
-        shm = _shared_memory(2 * math.prod(shape) * dtype.itemsize) if shared and torch.device(device).type == "cpu" \
-            else None
+        self.share_id, self.shm_path, self.epochs_path, self.epochs = uuid.uuid4().hex, None, None, None
+        records_shape = (shape[1], shape[0], 2)
+        kv_bytes = -(-2 * math.prod(shape) * dtype.itemsize // 64) * 64
+        shm = _shared_memory(kv_bytes + slot_sums * 8 * math.prod(records_shape)) \
+            if shared and torch.device(device).type == "cpu" else None
+        self.sums = None
         if shm is not None:
             self.shm_path, raw = shm
-            kv = raw.view(dtype).view(2, *shape)  # (zeros, as the file starts)
+            kv = raw[:2 * math.prod(shape) * dtype.itemsize].view(dtype).view(2, *shape)  # (zeros, as the file starts)
             self.k_cache, self.v_cache = kv[0], kv[1]
+            if slot_sums:
+                self.sums = raw[kv_bytes:].view(torch.int64).view(records_shape)
         else:
             self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.routing = torch.full((shape[1], config.num_hidden_layers, config.num_experts_per_tok), -1,
                                   dtype=torch.int16, device=device) if routing else None
-        self.sums = torch.zeros((shape[1], shape[0], 2), dtype=torch.int64, device=device) if slot_sums else None
+        if slot_sums and self.sums is None:
+            self.sums = torch.zeros(records_shape, dtype=torch.int64, device=device)
         self.summed = np.zeros(num_pages, dtype=bool) if slot_sums else None
+        if slot_sums and (epochs := _shared_memory(8 * num_pages)) is not None:
+            self.epochs_path, raw = epochs
+            self.epochs = raw.view(torch.int64).numpy()
 
     def alloc(self, n: int) -> list[int] | None:
         pages = super().alloc(n)
         if pages and self.summed is not None:
             self.summed[pages] = True  # (what the forward writes into them is recorded as it is written)
+            if self.epochs is not None:
+                self.epochs[pages] += 1  # (before anything is written into them: see `kv_mapped.MappedKV.check`)
         return pages
 
     def mark_unsummed(self, pages: list[int]) -> None:
@@ -133,14 +148,16 @@ class KVPool(PageAllocator):
                 col_part += (words_TM * col_w.to(torch.int32)).sum(1, dtype=torch.int32)
             self.sums[slots, layer] = torch.stack([row_part, col_part.long()], 1)
 
-    def page_sums(self, pages: list[int], start: int, end: int) -> torch.Tensor:
-        """`kv_transfer.page_sums` of token positions [start, end) (`start` page-aligned) of a sequence with page
-        table `pages`, from the `sums` records: [pages, 2] int64 on the pool's device, not synchronised (the
-        column parts hold their value in the low 32 bits: `kv_index_sums.canonical`). The pages must be `summed`."""
-        P, n = self.page_size, end - start
-        shares = self.sums[self.slots(pages, start, end)].sum(1)  # [n, 2]: the layers' shares, wrapping
-        padded = torch.nn.functional.pad(shares, (0, 0, 0, -n % P))
-        return padded.view(-1, P, 2).sum(1)
+    def record_pages(self, pages: list[int]) -> None:
+        """Record the checksum shares of every position of `pages` that are not `summed` (their KV written other
+        than by the forward: loaded from the host tier, imported), from what they hold now; then they are. Call in
+        the engine's thread, after whatever wrote them was queued (on the compute stream)."""
+        stale = [p for p in pages if not self.summed[p]]
+        if stale:
+            P = self.page_size
+            slots = (torch.tensor(stale, dtype=torch.long)[:, None] * P + torch.arange(P)).flatten()
+            self.record_sums(slots.to(self.k_cache.device, non_blocking=True))
+            self.summed[stale] = True
 
     def copy_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` positions of one page into another (all layers): how a request
@@ -161,6 +178,20 @@ class KVPool(PageAllocator):
         table = torch.tensor(pages, dtype=torch.long)
         slots = table[pos // self.page_size] * self.page_size + pos % self.page_size
         return slots.to(device or self.k_cache.device, non_blocking=True)
+
+
+def records_page_sums(records: torch.Tensor, pages, start: int, end: int, page_size: int) -> torch.Tensor:
+    """`kv_transfer.page_sums` of token positions [start, end) (`start` page-aligned) held in `pages` (from
+    `start`'s page on) of a pool whose checksum records are `records` (`KVPool.sums` [S, L, 2], or a mapping of
+    it): [pages, 2] int64 on their device, not synchronised (the column parts hold their value in the low 32 bits:
+    `kv_index_sums.canonical`). The torch way; `tandem.kernels.kv_sums.page_sums` is the GPU's."""
+    P, n = page_size, end - start
+    pos = torch.arange(n)
+    table = torch.as_tensor(np.asarray(pages, dtype=np.int64))
+    slots = (table[pos // P] * P + pos % P).to(records.device)
+    shares = records[slots].sum(1)  # [n, 2]: the layers' shares, wrapping
+    padded = torch.nn.functional.pad(shares, (0, 0, 0, -n % P))
+    return padded.view(-1, P, 2).sum(1)
 
 
 def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:

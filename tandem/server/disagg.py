@@ -31,25 +31,24 @@ point where it allows that, else bytes), each verified on the decode server's de
 - "reference" (servers of one host, KV on the same kind of device; on CUDA also two processes, the prefill
   server's GPU visible to the decode server; a prefill server of one rank, its pool on a GPU or, on a CPU, in
   shared memory): at pairing the decode server maps the prefill server's whole KV pool once (`GET /pd/pool`,
-  `kv_mapped.MappedPool`: CUDA IPC, or the pool's shared-memory file) and keeps it until it unpairs. The prefill
-  engine pins the request's pages (no page is freed or reused while they are pinned) and takes their checksums
-  from the records its forward kept (`KVPool(slot_sums=True)`; a pass over them where it has none);
-  the body is two lines of JSON (application/x-ndjson): `{"id": ..., "kv": head}` naming the pages at once, then
-  `{"sums": ...}` their checksums once its checksum pass is done (`kv_mapped.PinnedKV`). The decode server writes
-  them into pages its engine set aside for the request when it was probed, in one pass from the mapping as the
-  first line lands, checksumming what it read (`Engine.write_reserved`), and compares once the second line has
-  come (`kv_mapped.MappedKV.check`); only then does its engine take the request, with the pages. Where none were
-  set aside, or the engine is paused or holds other weights, its engine writes them as it places the import
-  (`MappedKV.write_into`). On a difference the request ends with an abort naming the page and the pages written
-  are freed. Where the prefill server offers it (`/pd/info`'s `mailbox`), the decode server opens a mailbox
-  (`disagg_mailbox`: a Unix socket) and names it in its `/pd/prefill`; the prefill engine then mails the pages as it
-  pins them, and its server the sums once its checksum pass is done, so the decode server writes them (into the
-  pages set aside) and compares as the mail lands, before the answer has come; the answer must then name the same
-  pages under the same weight version (else an abort), and the rest goes as above. Once the engine wrote the import
-  or dropped it (or the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages;
-  an export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is
-  unpinned then, and a decode server that reads those pages later fails their checksums: it never keeps what it
-  read.
+  `kv_mapped.MappedPool`: CUDA IPC, or the pool's shared-memory file; with the checksum records its forward keeps,
+  `KVPool(slot_sums=True)`, and its pages' epochs) and keeps it until it unpairs. The prefill engine pins the
+  request's pages (no page is freed or reused while they are pinned); the body is JSON `{"id": ..., "kv": handle}`
+  naming the pages and their epochs (`kv_mapped.PinnedKV`): no checksum is computed or sent. The decode server
+  writes them into pages its engine set aside for the request when it was probed, in one pass from the mapping as
+  the answer lands, checksumming what it read and summing the prefill side's checksums from the mapped records
+  (`Engine.write_reserved`), then compares both and the pages' epochs (`kv_mapped.MappedKV.check`); only then does
+  its engine take the request, with the pages. Where none were set aside, or the engine is paused or holds other
+  weights, its engine writes them as it places the import (`MappedKV.write_into`). On a difference the request
+  ends with an abort naming the page and the pages written are freed. Where the prefill server offers it
+  (`/pd/info`'s `mailbox`), the decode server opens a mailbox (`disagg_mailbox`: a Unix socket) and names it in its
+  `/pd/prefill`; the prefill engine then mails the pages as it pins them, so the decode server writes and checks
+  them as the mail lands, before the answer has come; the answer must then name the same pages under the same
+  weight version (else an abort), and the rest goes as above. Once the engine wrote the import or dropped it (or
+  the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages; an export nobody
+  releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned then,
+  and a decode server that reads those pages later finds them handed out again (their epochs changed): it never
+  keeps what it read.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
   `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
@@ -127,18 +126,6 @@ def add_routes(app: FastAPI, engine: Engine, until_disconnected) -> None:
 
     if role == "prefill":
         add_prefill_routes(app, engine, until_disconnected, kinds, exports)
-
-
-async def _first_sums(kv: MappedKV, mail: Mail, line: asyncio.Future) -> None:
-    """Wait for the prefill server's sums of `kv` by `mail` or in the answer's `line` (`_sums_line`), whichever
-    comes first, the other then cancelled; the line's ValueError if neither brings them."""
-    try:
-        await asyncio.wait([mail.task, line], return_when=asyncio.FIRST_COMPLETED)
-        if kv.sums is None:  # (the mail ended without them: the line's, or its error)
-            await line
-    finally:
-        mail.cancel()
-        line.cancel()
 
 
 class PrefillClient(KVImports):
@@ -291,10 +278,9 @@ class PrefillClient(KVImports):
             kv_from = await self.engine.probe(history, rid, reserve=self.paired.get(url) == "reference")
             try:
                 await self.pair(url)  # (again if a failed transfer broke the pairing)
-                sampled, kv, meta, arriving = await self._prefill(url, history, sampling, rid, kv_from,
-                                                                  len(input_ids))
+                sampled, kv, meta = await self._prefill(url, history, sampling, rid, kv_from, len(input_ids))
                 if isinstance(kv, MappedKV):
-                    await self._write_landed(url, rid, kv, sampled[2], arriving)
+                    await self._write_landed(url, rid, kv, sampled[2])
             except BaseException as e:
                 self.engine.abort(rid)  # it expected the import: forget it
                 if isinstance(e, asyncio.CancelledError):
@@ -328,10 +314,8 @@ class PrefillClient(KVImports):
         return so_far
 
     async def _prefill(self, url, input_ids, sampling, rid, kv_from, prompt_len):
-        """`/pd/prefill` at `url`: (first token, KV, the answer's meta, None or a task reading the sums that come
-        after a reference's handle into the KV: `_sums_line`, which owns the answer until then). By reference
-        with a mailbox, the KV may come by mail first, written as it lands and checked once the sums come by mail
-        or in the answer (`_mailed`), the answer confirming it (`_confirm`)."""
+        """`/pd/prefill` at `url`: (first token, KV, the answer's meta). By reference with a mailbox, the KV may
+        come by mail first, written and checked as it lands (`_mailed`), the answer confirming it (`_confirm`)."""
         if (transfer := self.paired.get(url)) is None or (transfer == "p2p" and url not in self.links):
             raise RuntimeError("its pairing broke while this request waited (another transfer failed)")
         body = {"rid": rid, "input_ids": input_ids, "sampling_params": dataclasses.asdict(sampling), "kv_from": kv_from,
@@ -343,7 +327,7 @@ class PrefillClient(KVImports):
                 and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
             key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
-            mail = Mail(self.mailbox.expect(key, "pages"), self.mailbox.expect(key, "sums"))
+            mail = Mail(self.mailbox.expect(key, "pages"))
             mail.task = asyncio.ensure_future(self._mailed(url, rid, mail))
         try:
             r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
@@ -352,13 +336,12 @@ class PrefillClient(KVImports):
                 mail.cancel()
             raise
         try:
-            streamed = r.status == 200 and r.content_type == "application/x-ndjson"
-            data = await (r.content.readline() if streamed else r.read())
+            data = await r.read()
             if r.status != 200:
                 raise RuntimeError(f"answered {r.status}: {data[:300].decode(errors='replace')}")
             meta = json.loads(r.headers[HEADER])
             if meta["first"] is None:
-                return None, None, meta, None
+                return None, None, meta
             clock = TransferClock(self.engine.pool.k_cache.device)
             clock.mark("import", device=False)
             meta["transfer"] = transfer
@@ -370,7 +353,7 @@ class PrefillClient(KVImports):
                 clock.mark("verified")
             elif transfer == "p2p":
                 kv = await self._receive(url, data, clock)
-            elif mail is not None and (kv := mail.kv) is not None:  # (written as its mail landed)
+            elif mail is not None and (kv := await mail.landed()) is not None:  # (written as its mail landed)
                 await self._confirm(url, data, kv, meta)
                 clock = kv.clock
             else:
@@ -379,17 +362,8 @@ class PrefillClient(KVImports):
                 if isinstance(kv, MappedKV):  # (never to be written: its pages go back now)
                     await asyncio.shield(self._release(url, kv.export_id))
                 raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
-            arriving = None
-            if isinstance(kv, MappedKV) and kv.sums is None:
-                if not streamed:
-                    await asyncio.shield(self._release(url, kv.export_id))
-                    raise ValueError("kv transfer: the answer named pages without their sums")
-                arriving, r = asyncio.ensure_future(self._sums_line(r, kv, meta, clock)), None
-                if kv.mail is not None:  # (the sums by mail or in the answer: whichever comes first)
-                    arriving, mail = asyncio.ensure_future(_first_sums(kv, mail, arriving)), None
-            return meta["first"], kv.with_clock(clock), meta, arriving
+            return meta["first"], kv.with_clock(clock), meta
         finally:
             if mail is not None:
-                mail.cancel()  # (the answer's way was taken, or the sums are in hand: no mail is wanted now)
-            if r is not None:
-                r.release()
+                mail.cancel()  # (the answer's way was taken, or the mail's is done: no mail is wanted now)
+            r.release()

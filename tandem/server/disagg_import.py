@@ -1,7 +1,7 @@
 """A decode server's end of a KV transfer once the prefill server has answered (`tandem.server.disagg` states the
 protocol): the KV taken by reference (`_take`: the pages named in the mapped pool), received point to point
-(`_receive`) or verified as bytes (`_verify`); by reference written as the answer lands (`_write_landed`), compared
-with the prefill server's sums, and the export released once the engine is done with it (`_release_settled`);
+(`_receive`) or verified as bytes (`_verify`); by reference written and checked as the answer or its mail lands
+(`_write_landed`, `_mailed`), and the export released once the engine is done with it (`_release_settled`);
 each transfer's times kept for `GET /pd/transfers` (`_record`, `records`). A part of `disagg.PrefillClient`, split
 out by concept (`KVImports`: its methods use the client's engine, pairings and HTTP session)."""
 
@@ -21,7 +21,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV
 from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages, TransferClock
-from tandem.server.disagg_mailbox import mapped_from_mail, sums_from_mail
+from tandem.server.disagg_mailbox import mapped_from_mail
 
 log = logging.getLogger("tandem.server.disagg")
 
@@ -43,17 +43,23 @@ def _verify(kv: KVPages) -> None:
 
 
 class Mail:
-    """A request's mail as it comes (`disagg_mailbox`): futures for its pages' and its sums' frames
-    (`Mailbox.expect`), the task taking them (`KVImports._mailed`), and `kv` once its pages were written as their
-    mail landed."""
+    """A request's mail as it comes (`disagg_mailbox`): a future for its pages' frame (`Mailbox.expect`), the task
+    taking it (`KVImports._mailed`), and `kv` once its pages were written and checked as their mail landed."""
 
-    def __init__(self, pages: asyncio.Future, sums: asyncio.Future):
-        self.pages, self.sums = pages, sums
+    def __init__(self, pages: asyncio.Future):
+        self.pages = pages
         self.task: asyncio.Future | None = None
         self.kv: MappedKV | None = None
 
+    async def landed(self) -> MappedKV | None:
+        """`kv` once its mail, if its frame has come, is done with (written and checked, or not taken); None where
+        no frame has come."""
+        if self.pages.done() and self.task is not None:
+            await asyncio.wait([self.task])
+        return self.kv
+
     def cancel(self) -> None:
-        for fut in (self.task, self.pages, self.sums):
+        for fut in (self.task, self.pages):
             if fut is not None:
                 fut.cancel()
 
@@ -84,10 +90,9 @@ class KVImports:
 
     async def _mailed(self, url: str, rid: str, mail: Mail) -> None:
         """`rid`'s KV as its mail (`disagg_mailbox`) lands: its pages written into those its probe set aside
-        (`Engine.write_reserved`; then `mail.kv`), then, once the sums' mail comes (unless the answer brought them
-        first), compared (`MappedKV.check`; a difference is kept as the import's failure, which ends the request).
-        Nothing where it cannot be written so (nothing set aside, a pause, other weights, a mail that does not
-        parse): the answer's way is taken."""
+        (`Engine.write_reserved`; then `mail.kv`) and checked (`MappedKV.check`; a difference is kept as the
+        import's failure, which ends the request). Nothing where it cannot be written so (nothing set aside, a
+        pause, other weights, a mail that does not parse): the answer's way is taken."""
         try:
             head, payload = await mail.pages
             if (source := self.pools.get(url)) is None:
@@ -102,10 +107,6 @@ class KVImports:
             if not self.engine.write_reserved(rid, kv, int(head["version"])):
                 return
             mail.kv = kv
-            _, sums = await mail.sums
-            if kv.sums is None:
-                kv.sums = sums_from_mail(sums, len(kv.pages))
-                clock.mark("sums", device=False)
             if not kv.checked:
                 kv.check()
         except (ValueError, KeyError, TypeError) as e:
@@ -113,17 +114,17 @@ class KVImports:
 
     async def _confirm(self, url: str, data: bytes, kv: MappedKV, meta: dict) -> None:
         """The answer (`data`) to a request whose KV came by mail (`kv`, written): it must name the same export
-        (pool, positions, pages) under the same weight version; `kv` takes its export id, and its sums if they came
-        in the answer first. Else the export is released and ValueError raised (the request ends; the pages
-        written go back with it)."""
+        (pool, positions, pages and their epochs) under the same weight version; `kv` takes its export id. Else the
+        export is released and ValueError raised (the request ends; the pages written go back with it)."""
         try:
             answer = json.loads(data)
-            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
+            export_id, handle = answer["id"], answer["kv"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
         try:
             same = (handle["pool"] == kv.source.id and (int(handle["start"]), int(handle["end"])) == (kv.start, kv.end)
                     and bytes.fromhex(str(handle["pages"])) == kv.pages.tobytes()
+                    and bytes.fromhex(str(handle["epochs"])) == kv.epochs.tobytes()
                     and int(kv.mail["version"]) == int(meta["first"][2]))
         except (KeyError, TypeError, ValueError, IndexError):
             same = False
@@ -131,61 +132,35 @@ class KVImports:
             await asyncio.shield(self._release(url, export_id))
             raise ValueError("kv transfer: the answer names other KV than its mail did")
         kv.export_id = export_id
-        if kv.sums is None and "sums" in handle:
-            kv.take_sums(handle["sums"])
-            kv.clock.mark("sums", device=False)
 
-    @staticmethod
-    async def _sums_line(r: aiohttp.ClientResponse, kv: MappedKV, meta: dict, clock: TransferClock) -> None:
-        """Read the answer's line of sums into `kv` (its pass time into `meta`); ValueError if it does not come."""
-        try:
-            line = await r.content.readline()
-            answer = json.loads(line)
-            kv.take_sums(answer["sums"])
-            meta["export_sums_s"] = answer.get("sums_s")
-            clock.mark("sums", device=False)
-        except (ValueError, KeyError, TypeError, aiohttp.ClientError) as e:
-            raise ValueError(f"kv transfer: the prefill server's sums did not come ({type(e).__name__}: "
-                             f"{e})") from None
-        finally:
-            r.release()
-
-    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int, arriving) -> None:
+    async def _write_landed(self, url: str, rid: str, kv: MappedKV, version: int) -> None:
         """Write `kv` (of weight `version`) into the pages `rid`'s probe set aside, here, as the answer lands
-        (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this loop for the pass,
-        which may run beside the prefill server's own), then wait for the prefill server's sums (`arriving`) and
-        compare (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the engine
-        writes and checks it as it places the import. The export is released if this fails."""
+        (`Engine.write_reserved`: no turn of the engine's thread on the way; it blocks this loop for the pass),
+        and check it (`MappedKV.check`). Where it cannot write (nothing set aside, a pause, other weights) the
+        engine writes and checks it as it places the import. The export is released if this fails."""
         try:
             landed = kv.mail is not None or self.engine.write_reserved(rid, kv, version)  # (by mail: written)
-            if arriving is not None:
-                await arriving
             if landed and not kv.checked:
                 kv.check()
         except BaseException:
-            if arriving is not None:
-                arriving.cancel()
             await asyncio.shield(self._release(url, kv.export_id))
             raise
 
     def _record(self, rid: str, kv: KVPages, meta: dict) -> None:
-        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt):
-        `export_s` the prefill server's (pages read out or pinned, checksummed or its pass queued, shared or
-        serialised), `take_s` this server's from the answer to the KV verified on its device (`copy_s` until
-        copied or received, `verify_s` the checksums), `write_s` its write into the pool (device time; `pass_s`
-        from the kernels' launch), `import_s` from the answer to the pages written (device-synchronised; by
-        reference checked: with the engine's turn unless written as the answer landed, `landed`, then `handoff_s`
-        after it until the engine queued the request); null where not written. By reference `path_s`: from the
-        prefill server starting its export to the checksums compared here, on the host's one monotonic clock, and
-        its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages and queueing its
-        checksum pass, `to_server_s` from there to its server's handler having the output (the engine finishing
-        the request, the hop between the threads), `answer_s` the answer built, `wire_s` its way to this server's
-        handler, `import_s` here (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way
-        here, `import_s`); `launch_host_s` the host's time from the pass's first mark to its kernels' launch,
-        `pass_wait_s` from that launch to the sums in hand (host), `launch_parts` the first by part (`write` to the
-        page index staged, its copy queued, the launch), `prefill_pin_parts` the prefill's pinning by part
-        (`PinnedKV.pin_parts`); `sums_after_pass_s`: when the prefill server's sums came after this pass
-        (negative: before)."""
+        """Keep the times of `rid`'s transfer (`kv`, written by now unless its engine recomputed the prompt): `export_s`
+        the prefill server's (pages read out and checksummed, or pinned; shared or serialised), `take_s` this server's
+        from the answer to the KV verified on its device (`copy_s` until copied or received, `verify_s` the checksums),
+        `write_s` its write into the pool (device time; `pass_s` from the kernels' launch), `import_s` from the answer
+        to the pages written (device-synchronised; by reference checked: with the engine's turn unless written as the
+        answer landed, `landed`, then `handoff_s` after it until the engine queued the request); null where not written.
+        By reference `path_s`: from the prefill server starting its export to the checksums compared here, on the host's
+        one monotonic clock, and its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages,
+        `to_server_s` from there to its server's handler having the output (the engine finishing the request, the hop
+        between the threads), `answer_s` the answer built, `wire_s` its way to this server's handler, `import_s` here
+        (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way here, `import_s`);
+        `launch_host_s` the host's time from the pass's first mark to its kernels' launch, `pass_wait_s` from that
+        launch to the sums in hand (host), `launch_parts` the first by part (`write` to the page index staged, its copy
+        queued, the launch)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
@@ -203,15 +178,13 @@ class KVImports:
             "rid": rid, "transfer": meta["transfer"], "start": kv.start, "end": kv.end,
             "pages": len(kv.pages) if mapped else len(kv.checksums),
             "kv_bytes": kv.kv_bytes if mapped else 2 * kv.k.numel() * kv.k.element_size(),
-            "export_s": meta.get("export_s"), "export_sums_s": meta.get("export_sums_s"), "take_s": take_s,
+            "export_s": meta.get("export_s"), "take_s": take_s,
             "copy_s": clock.host["taken"] - clock.host["import"],
             "verify_s": clock.host["verified"] - clock.host["taken"],
             "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
             "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
             "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
             "landed": mapped and "placed" in clock.host,
-            "sums_after_pass_s": clock.host["sums"] - clock.host["passed"] if mapped and "sums" in clock.host
-            and "passed" in clock.host else None,
             "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
             "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
             and meta.get("pinned_at") is not None else None,
@@ -221,8 +194,7 @@ class KVImports:
             and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
             and "passed" in clock.host else None,
-            "launch_parts": _launch_parts(clock) if mapped else None,
-            "prefill_pin_parts": ((kv.mail if mapped and kv.mail is not None else meta).get("pin_parts"))})
+            "launch_parts": _launch_parts(clock) if mapped else None})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
@@ -231,7 +203,7 @@ class KVImports:
         does not parse is released at once, and breaks the pairing if it names another pool."""
         try:
             answer = json.loads(data)
-            export_id, handle, meta["export_sums_s"] = answer["id"], answer["kv"], answer.get("sums_s")
+            export_id, handle = answer["id"], answer["kv"]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"kv transfer: the answer is not a KV handle ({type(e).__name__}: {e})") from None
         if (source := self.pools.get(url)) is None:

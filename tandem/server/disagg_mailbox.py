@@ -1,24 +1,22 @@
 """The side channel of the KV transfer by reference (`tandem.server.disagg` states the protocol): a pinned export's
-pages sent straight from the prefill engine's thread as it pins them, and their sums as its checksum pass is done
-(`MailSender` says by whom), to the decode server that asked for the prompt, over Unix sockets of that decode server
-(`Mailbox`, in its event loop; `MailSender`, the prefill server's end). It takes off the transfer's way
-what the HTTP answer has on it: the prefill engine finishing the request (its prefix-cache insert), the hop to its
-server's thread, the answer built, and its way through the two HTTP stacks. The decode server writes the KV as the
-pages' mail lands (into the pages its engine set aside, `Engine.write_reserved`) and compares both sides' sums when
-the prefill's come (by mail, or in the answer: whichever is first). The HTTP answer still comes and stays the
-authority: it must name the same pages under the same weight version (else the request ends with an abort), it
-carries the first token, and the export is released only after it (so a release never comes before the prefill
-server holds the export). Where no mail comes first (no socket, a failed send, a late one), the answer's way is
-taken as before: a mail is an early copy of what the answer carries, never needed.
+pages sent straight from the prefill engine's thread as it pins them to the decode server that asked for the
+prompt, over a Unix socket of that decode server (`Mailbox`, in its event loop; `MailSender`, the prefill server's
+end). It takes off the transfer's way what the HTTP answer has on it: the prefill engine finishing the request (its
+prefix-cache insert), the hop to its server's thread, the answer built, and its way through the two HTTP stacks.
+The decode server writes and checks the KV as the mail lands (into the pages its engine set aside,
+`Engine.write_reserved`). The HTTP answer still comes and stays the authority: it must name the same pages under
+the same weight version (else the request ends with an abort), it carries the first token, and the export is
+released only after it (so a release never comes before the prefill server holds the export). Where no mail comes
+first (no socket, a failed send, a late one), the answer's way is taken as before: a mail is an early copy of what
+the answer carries, never needed.
 
 A frame: two little-endian uint32 (the JSON head's length, the payload's), the head, the payload. Head: `kind`
-("pages" or "sums"), `rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`),
-`sent_at` (`time.monotonic()` as it was sent); a pages mail also `pool`, `start`, `end`, `page_size`, `version` (the
-KV's weight version), `pinned_at`, `pin_s` (as the prefill engine began pinning, its time pinning); payload: the
-pages (int32) or the sums (int64 [pages, 2], `PinnedKV.sums`), little-endian. Each prefill server connects twice:
-one stream written by its engine's thread alone (pages, and sums it sends), one by its event loop alone (sums).
-Sockets are in Linux's abstract namespace (no file to clean up); both servers are on one host (a reference's pairing
-checks it)."""
+("pages"), `rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`), `sent_at`
+(`time.monotonic()` as it was sent), `pool`, `start`, `end`, `page_size`, `version` (the KV's weight version),
+`pinned_at`, `pin_s` (as the prefill engine began pinning, its time pinning); payload: the pages (int32), then their
+epochs (int64, `PinnedKV.epochs`), little-endian. Each prefill server connects once, its stream written by its
+engine's thread alone. Sockets are in Linux's abstract namespace (no file to clean up); both servers are on one host
+(a reference's pairing checks it)."""
 
 from __future__ import annotations
 
@@ -102,47 +100,36 @@ class Mailbox:
 
 
 def mapped_from_mail(source: MappedPool, head: dict, payload: bytes, origin: str) -> MappedKV:
-    """The KV a pages mail names, as a `MappedKV` of the pool `source` (without sums); ValueError if it does not
-    parse or name pages of that pool."""
+    """The KV a pages mail names, as a `MappedKV` of the pool `source`; ValueError if it does not parse or name
+    pages of that pool."""
     try:
+        if len(payload) % 12:
+            raise ValueError(f"{len(payload)} bytes are no pages (int32) and their epochs (int64)")
+        n = len(payload) // 12
         handle = {"kind": "pages", "pool": head["pool"], "start": head["start"], "end": head["end"],
-                  "page_size": head["page_size"], "pages": np.frombuffer(payload, dtype="<i4")}
+                  "page_size": head["page_size"], "pages": np.frombuffer(payload, dtype="<i4", count=n),
+                  "epochs": np.frombuffer(payload, dtype="<i8", offset=4 * n)}
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"kv transfer: the mail is not a KV by reference ({type(e).__name__}: {e})") from None
     return MappedKV(source, handle, origin)
-
-
-def sums_from_mail(payload: bytes, pages: int) -> np.ndarray:
-    """A sums mail's sums [pages, 2] (int64); ValueError if they are not `pages` pages'."""
-    if len(payload) != 16 * pages:
-        raise ValueError(f"kv transfer: {len(payload)} bytes of sums mailed for {pages} pages")
-    return np.frombuffer(payload, dtype="<i8").reshape(pages, 2)
 
 
 class MailSender:
     """A prefill server's end: `expect(engine_rid, rid, name)` (its handler, in its event loop, before the engine
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
     request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
-    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends the pages mail, and
-    the sums mail right behind it if the export's checksum pass is done by then; else once it is, by whichever
-    comes first: the engine's thread after the command that pinned it (`after_apply`: it holds the interpreter's
-    lock then), the handler as it has the output (`sums_now`), or the event loop once its executor has waited for
-    the pass. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's way
-    remains. `forget(engine_rid)` once the handler is done."""
+    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends its pages mail. Sends
+    never block (a frame is sent whole or its connection dropped, logged): the answer's way remains.
+    `forget(engine_rid)` once the handler is done."""
 
     def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
-        self._sockets: dict[tuple[str, str], socket.socket] = {}  # (mailbox, kind) -> its connection
+        self._sockets: dict[str, socket.socket] = {}  # mailbox -> its connection (written by the engine's thread)
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
-        self._sums_due: dict[str, tuple[str, str, PinnedKV]] = {}  # engine rid -> (rid, mailbox, export)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: set[asyncio.Task] = set()
 
     def expect(self, engine_rid: str, rid: str, name: str) -> None:
-        self._loop = asyncio.get_running_loop()
         try:
-            for kind in ("pages", "sums"):
-                self._connect(name, kind)
+            self._connect(name)
         except OSError as e:
             log.warning("prefill server: no mail to %s (%s: %s); its KV takes the answer's way", name,
                         type(e).__name__, e)
@@ -157,59 +144,13 @@ class MailSender:
             return  # (routed experts come with the answer alone)
         rid, name = to
         head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
-                "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s,
-                "pin_parts": kv.pin_parts}
-        if self._send(name, "pages", head, np.asarray(kv.pages, dtype="<i4").tobytes()):
-            self._sums_due[engine_rid] = (rid, name, kv)
-            if kv.sums_ready():  # (its pass done already: right behind the pages, from this thread)
-                self._mail_sums(engine_rid, "pages")
-                return
-            try:
-                self._loop.call_soon_threadsafe(self._sums_later, engine_rid)
-            except RuntimeError:  # (the loop closed: the server stops)
-                self._sums_due.pop(engine_rid, None)
+                "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
+        self._send(name, head, np.asarray(kv.pages, dtype="<i4").tobytes() + np.asarray(kv.epochs, "<i8").tobytes())
 
-    def after_apply(self) -> None:
-        """The engine's hook after each command (its thread): mail the sums whose pass is done (on the pages'
-        connection, which only that thread writes to)."""
-        for engine_rid, due in list(self._sums_due.items()):
-            if due[2].sums_ready():
-                self._mail_sums(engine_rid, "pages")
-
-    def sums_now(self, engine_rid: str) -> None:
-        """Mail the sums of `engine_rid`'s export now if its checksum pass is done and they were not mailed yet (in
-        the event loop)."""
-        if (due := self._sums_due.get(engine_rid)) is not None and due[2].sums_ready():
-            self._mail_sums(engine_rid)
-
-    def _sums_later(self, engine_rid: str) -> None:
-        task = asyncio.ensure_future(self._sums_when_ready(engine_rid))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _sums_when_ready(self, engine_rid: str) -> None:
-        if (due := self._sums_due.get(engine_rid)) is not None:
-            if not due[2].sums_ready():
-                await asyncio.to_thread(due[2].wait_sums)
-            self._mail_sums(engine_rid)
-
-    def _mail_sums(self, engine_rid: str, via: str = "sums") -> None:
-        """Mail `engine_rid`'s sums on the `via` connection ("pages" from the engine's thread, "sums" from the
-        event loop: one writer each), unless mailed already."""
-        if (due := self._sums_due.pop(engine_rid, None)) is None:
-            return  # (mailed already)
-        rid, name, kv = due
-        try:
-            sums = np.ascontiguousarray(kv.sums, dtype="<i8").tobytes()
-        except Exception as e:  # (freed before: nobody waits for them)
-            log.warning("prefill server: the sums of %s were not mailed (%s: %s)", rid, type(e).__name__, e)
-            return
-        self._send(name, via, {"kind": "sums", "rid": rid}, sums)
-
-    def _send(self, name: str, kind: str, head: dict, payload: bytes) -> bool:
-        """Send one frame on the (`name`, `kind`) connection, without blocking; False (the connection dropped) if it
-        fails or would block: a frame is sent whole or the stream is closed."""
-        sock = self._sockets.get((name, kind))
+    def _send(self, name: str, head: dict, payload: bytes) -> bool:
+        """Send one frame to mailbox `name`, without blocking; False (the connection dropped) if it fails or would
+        block: a frame is sent whole or the stream is closed."""
+        sock = self._sockets.get(name)
         if sock is None:
             return False
         head["sent_at"] = time.monotonic()
@@ -220,27 +161,27 @@ class MailSender:
                 raise BlockingIOError("the mailbox's buffer is full")
             return True
         except OSError as e:
-            log.warning("prefill server: a %s mail to %s failed (%s: %s); its KV takes the answer's way", kind, name,
+            log.warning("prefill server: a mail to %s failed (%s: %s); its KV takes the answer's way", name,
                         type(e).__name__, e)
             with self._lock:
-                if self._sockets.get((name, kind)) is sock:
-                    del self._sockets[(name, kind)]
+                if self._sockets.get(name) is sock:
+                    del self._sockets[name]
             sock.close()
             return False
 
-    def _connect(self, name: str, kind: str) -> None:
+    def _connect(self, name: str) -> None:
         with self._lock:
-            if (name, kind) in self._sockets:
+            if name in self._sockets:
                 return
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 sock.settimeout(1.0)
                 sock.connect(_address(name))
-                sock.settimeout(0.0)  # (sends never block: the engine's thread and the event loop send)
+                sock.settimeout(0.0)  # (sends never block the engine's thread)
             except OSError:
                 sock.close()
                 raise
-            self._sockets[(name, kind)] = sock
+            self._sockets[name] = sock
 
     def close(self) -> None:
         with self._lock:

@@ -14,7 +14,7 @@ import uuid
 import weakref
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import PinnedKV, pool_handle
@@ -26,15 +26,16 @@ from tandem.types import SamplingParams
 log = logging.getLogger(__name__)
 
 HEADER = "X-Tandem-Prefill"  # the answer's header: the first token and what the prefill server spent on it
-NDJSON = "application/x-ndjson"  # a reference's answer: lines of JSON (`_handle_line`, `_pinned_lines`)
 RELEASE_TIMEOUT_S = 60.0  # a prefill server frees an export not released by then (its decode server died)
 
 
 def offered(engine: Engine) -> list[str]:
     """The transfers a prefill server offers: bytes; by reference where its pool can be mapped (on a GPU, or in
-    shared memory on a CPU) and pinned (one rank); point to point where its device has a backend."""
+    shared memory on a CPU; its checksum records and its pages' epochs too) and pinned (one rank); point to point
+    where its device has a backend."""
     pool, device = engine.pool, engine.pool.k_cache.device
-    mappable = engine.tp.size == 1 and (device.type == "cuda" or pool.shm_path is not None)
+    mappable = engine.tp.size == 1 and (device.type == "cuda" or pool.shm_path is not None) \
+        and pool.sums is not None and pool.epochs_path is not None
     return ["bytes", *(["reference"] if mappable else []), *(["p2p"] if backend_for(device) else [])]
 
 
@@ -49,7 +50,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if not mail:
             mail.append(MailSender())
             weakref.finalize(app, mail[0].close)  # (its connections)
-            engine.core.on_pinned, engine.core.after_apply = mail[0].pinned, mail[0].after_apply
+            engine.core.on_pinned = mail[0].pinned
         return mail[0]
 
     @app.post("/pd/prefill")
@@ -64,7 +65,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
         engine.validate(body.input_ids, sampling, rid)
         if body.transfer == "reference" and (mailbox := request.headers.get(MAILBOX_HEADER)):
-            # (the pages and sums mailed as they are pinned and summed)
+            # (the pages mailed as they are pinned)
             sender().expect(rid, request.headers.get(MAIL_KEY_HEADER) or body.rid, mailbox)
         try:
             out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
@@ -76,27 +77,19 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if out is None:
             return Response(status_code=499)
         output_at = time.monotonic()  # (the handler has the output: the engine's part of the export is over)
-        if mail and isinstance(out.kv, PinnedKV):
-            mail[0].sums_now(rid)  # (if their pass is done and nobody has mailed them yet)
         sampled = out.output_logprobs  # (only the token it sampled: the earlier ones are the decode server's)
         first = [out.output_ids[-1], sampled[-1], out.weight_versions[-1]] if sampled else None
         meta = {"first": first, "finish_reason": out.finish_reason.to_dict(), "cached_tokens": out.cached_tokens,
                 "prefill_tokens": out.prefill_tokens}
         began = time.perf_counter()
-        if isinstance(out.kv, PinnedKV):  # (its checksum pass may still run: the sums follow the handle)
-            export_id = exports.hold(out.kv)
+        if isinstance(out.kv, PinnedKV):
+            data = _reference_answer(exports.hold(out.kv), out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
             # (on the host's one monotonic clock, for the decode server's record of the whole way: the pinning's
             # start, the handler having the output, the answer handed to the HTTP server)
             meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "output_at": output_at,
-                     "pin_parts": out.kv.pin_parts}
-            if out.kv.sums_ready():  # (one line at once: no streaming machinery on the way)
-                line = _handle_line(export_id, out.kv)
-                meta["sent_at"] = time.monotonic()
-                return Response(line, media_type=NDJSON, headers={HEADER: json.dumps(meta)})
-            meta["sent_at"] = time.monotonic()
-            return StreamingResponse(_pinned_lines(export_id, out.kv), media_type=NDJSON,
-                                     headers={HEADER: json.dumps(meta)})
+                     "sent_at": time.monotonic()}
+            return Response(data, media_type="application/json", headers={HEADER: json.dumps(meta)})
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
         else:
@@ -147,17 +140,9 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         return {"sent": True}
 
 
-def _handle_line(export_id: str, kv: PinnedKV) -> str:
-    """A reference's answer whose checksum pass is done: one line, the handle with its sums (and the pass's time)."""
-    return json.dumps({"id": export_id, "kv": kv.handle, "sums_s": kv.sums_s}) + "\n"
-
-
-async def _pinned_lines(export_id: str, kv: PinnedKV):
-    """A reference's answer body while its checksum pass runs: the line of its handle without the sums at once,
-    then the line of its sums (`{"sums", "sums_s"}`) as the pass is done (waited for off the event loop)."""
-    yield json.dumps({"id": export_id, "kv": kv.head}) + "\n"
-    sums = await asyncio.to_thread(kv.sums_hex)
-    yield json.dumps({"sums": sums, "sums_s": kv.sums_s}) + "\n"
+def _reference_answer(export_id: str, kv: PinnedKV) -> str:
+    """A reference's answer body (JSON): the export's id and its handle."""
+    return json.dumps({"id": export_id, "kv": kv.handle})
 
 
 class Exports:
