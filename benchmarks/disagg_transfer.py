@@ -25,14 +25,14 @@ async def call(http: aiohttp.ClientSession, url: str, body: dict | None = None) 
 async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url: str, ids: list[int],
                       reps: int = 3) -> dict:
     """(i) export and (ii) end to end of `ids`'s KV, and (iii) the transfer's own times that the servers report
-    (see the module docstring), median of `reps` each."""
+    (see the module docstring), median of `reps` each ((i), seconds each, of at most 3)."""
     info = json.loads(await call(http, f"{prefill_url}/pd/info"))
     offered = (info.get("transfer") or {}).get("kinds", ["bytes"])  # (what the decode server may choose from)
     itemsize = torch.empty(0, dtype=getattr(torch, info["kv_dtype"])).element_size()
     per_token = 2 * info["num_layers"] * info["num_kv_heads"] * info["head_dim"] * itemsize
     sampling = {"max_new_tokens": 2, "temperature": 0.0, "seed": 0, "ignore_eos": True}
     export, export_server, e2e = [], [], []
-    for i in range(reps + 1):  # the first computes the prompt: not timed
+    for i in range(min(reps, 3) + 1):  # the first computes the prompt: not timed
         t0 = time.monotonic()
         async with http.post(f"{prefill_url}/pd/prefill", json={"rid": f"xfer{i}", "input_ids": ids,
                                                                 "sampling_params": sampling, "kv_from": 0}) as r:

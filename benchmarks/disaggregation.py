@@ -227,7 +227,7 @@ async def measure(servers: list[Server], router_url: str, args) -> dict:
         if prefill:
             ids = random.Random(args.seed + 2).choices(range(3, PRESETS[args.model].vocab_size),
                                                        k=args.transfer_tokens)
-            result["transfer"] = await kv_transfer(http, prefill[0], decode[0], ids)
+            result["transfer"] = await kv_transfer(http, prefill[0], decode[0], ids, args.transfer_reps)
         return result
 
 
@@ -282,6 +282,7 @@ def parse_args() -> argparse.Namespace:
         p.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--transfer-only", action="store_true", help="only (b)'s KV transfer: no workload, no (a), (c)")
+    p.add_argument("--transfer-reps", type=int, default=3, help="the KV transfer's timed repetitions (the median)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     return parse_with_quick(p, QUICK)
 

@@ -135,6 +135,10 @@ def test_on_the_gpu_the_kernel_path_gives_the_cpus_checksums_at_the_models_shape
     assert torch.equal(canonical(got.cpu()), want)
     assert torch.equal(gdk.cpu().view(torch.uint8), dk.view(torch.uint8))
     assert torch.equal(gdv.cpu().view(torch.uint8), dv.view(torch.uint8))
+    records = torch.randint(-2**62, 2**62, (81 * 16, 28, 2), generator=torch.Generator().manual_seed(4))
+    want_both = page_sums_by_index(k, v, pages, 0, 1000, 16, dk, dv, dst_pages, records=records)
+    got_both = page_sums_by_index(gk, gv, pages, 0, 1000, 16, gdk, gdv, dst_pages, records=records.cuda())
+    assert torch.equal(canonical(got_both.cpu()), canonical(want_both)) and torch.equal(canonical(want_both[0]), want)
 
 
 TILES = ["Tile(16, 1)", "Tile(1024, 2)", "Tile(16384, 16, stream=True)", "Tile(16, 1, defer=True)",

@@ -80,15 +80,16 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
             copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
                            index[1] if dst is not None else None, out=parts[:, which], tile=tile)
-        mine = parts.view(num, 2 * layers, 2).sum(1)
+        sums = torch.empty((1 + (records is not None), num, 2), dtype=torch.int64, device=device)
+        torch.sum(parts.view(num, 2 * layers, 2), 1, out=sums[0])
         if records is not None:
             from tandem.kernels import kv_sums
 
-            mine = torch.stack([mine, kv_sums.page_sums(records, index[0], index[2], page_size)])
+            kv_sums.page_sums(records, index[0], index[2], page_size, out=sums[1])
         staged()  # (after the launches: off a GPU `index` is the staging buffer itself, read by them)
         if clock is not None:
             clock.mark("launched", device=False)
-        return mine
+        return sums if records is not None else sums[0]
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
     sums = page_sums(k, v, page_size)

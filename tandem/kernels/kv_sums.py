@@ -91,12 +91,16 @@ def record_slot_sums(k_LSKD: torch.Tensor, v_LSKD: torch.Tensor, slots_T: torch.
             slots * words, words, page_size, layers, BLOCK_T=block_t, BLOCK_M=block_m, num_warps=4)
 
 
-def page_sums(records_SL2: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, page_size: int) -> torch.Tensor:
+def page_sums(records_SL2: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, page_size: int,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """The checksums [pages, 2] (int64: row part, column part in its low 32 bits) of page `pages[i]`'s first `rows[i]`
     positions, from their records (`KVPool.sums` [S, L, 2], contiguous): one program a page. `pages`, `rows`: int32
-    on the records' device. Asynchronous."""
+    on the records' device. Asynchronous. `out`: where to put them (contiguous [pages, 2] int64), else new."""
     num, parts = pages.numel(), records_SL2.shape[1] * 2
-    out = torch.empty((num, 2), dtype=torch.int64, device=records_SL2.device)
+    if out is None:
+        out = torch.empty((num, 2), dtype=torch.int64, device=records_SL2.device)
+    elif out.shape != (num, 2) or out.dtype != torch.int64 or not out.is_contiguous():
+        raise ValueError(f"kv_sums.page_sums: out {tuple(out.shape)} {out.dtype} is no contiguous [pages, 2] int64")
     if num:
         _page_sums_kernel[(num,)](records_SL2, pages, rows, out, page_size, parts,
                                   BLOCK_P=triton.next_power_of_2(page_size), BLOCK_R=triton.next_power_of_2(parts))
