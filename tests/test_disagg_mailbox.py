@@ -25,16 +25,6 @@ from test_disagg_transfer import (
 from tandem.server import disagg_import, disagg_prefill
 
 
-def catch(box, rid: str, kind: str):
-    """An asyncio future for `rid`'s frame of `kind` at mailbox `box`: (head, payload)."""
-    import asyncio
-    import concurrent.futures
-
-    got = concurrent.futures.Future()
-    box.expect(rid, kind, lambda head, payload: got.set_result((head, payload)))
-    return asyncio.wrap_future(got)
-
-
 def slow_answers(monkeypatch, seconds: float = 0.3) -> None:
     """The prefill server (of this process) answers `seconds` late: its mail surely comes first."""
     answer = disagg_prefill._reference_answer
@@ -55,7 +45,7 @@ def test_kv_by_reference_comes_by_mail_and_generates_what_bytes_give(device):
         records = httpx.get(f"{d_url}/pd/transfers").json()
         assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0) and pinned_free(p_url) == POOL.num_pages
     assert got == want and len(records) == 2 and all(r["landed"] for r in records), records
-    mailed = [r for r in records if r["mailed"]]  # (a mail taken later than its answer is not: rare, on a busy host)
+    mailed = [r for r in records if r["mailed"]]  # (a mail later than its answer is not taken: rare, on a busy host)
     assert mailed and all(r["path_parts"]["mail_s"] >= 0 for r in mailed), records
 
 
@@ -156,7 +146,7 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
         box, sender = Mailbox(), MailSender()
         await box.start()
         try:
-            pages = catch(box, "k1", "pages")
+            pages = box.expect("k1", "pages")
             sender.expect("engine-1", "k1", box.name)
             sender.expect("engine-2", "nobody", box.name)
             kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
@@ -214,7 +204,7 @@ def test_a_mailbox_takes_frames_however_their_bytes_arrive(caplog):
         box = Mailbox()
         await box.start()
         loop = asyncio.get_running_loop()
-        a, b, c = (catch(box, k, kind) for k, kind in (("r1", "pages"), ("r1", "sums"), ("r2", "pages")))
+        a, b, c = (box.expect(k, kind) for k, kind in (("r1", "pages"), ("r1", "sums"), ("r2", "pages")))
         first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         first.connect(_address(box.name))
         one = frame({"rid": "r1", "kind": "pages"}, b"\x01\x00\x00\x00")

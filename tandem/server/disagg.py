@@ -68,7 +68,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import json
 import logging
 import random
@@ -328,8 +327,8 @@ class PrefillClient(KVImports):
                 and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
             key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
-            mail = Mail()
-            mail.cancel = self.mailbox.expect(key, "pages", functools.partial(self._mailed, url, rid, mail))
+            mail = Mail(self.mailbox.expect(key, "pages"))
+            mail.task = asyncio.ensure_future(self._mailed(url, rid, mail))
         try:
             r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
         except BaseException:

@@ -13,7 +13,6 @@ import json
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable
 
 import aiohttp
 import torch
@@ -44,28 +43,25 @@ def _verify(kv: KVPages) -> None:
 
 
 class Mail:
-    """A request's mail as it comes (`disagg_mailbox`): `kv` once its pages were written and checked as their mail
-    landed (`KVImports._mailed`, in the mailbox's thread), `cancel` the way to stop waiting for it (`Mailbox.expect`'s),
-    `landed()` (in the event loop, as the answer comes) the way to know."""
+    """A request's mail as it comes (`disagg_mailbox`): a future for its pages' frame (`Mailbox.expect`), the task
+    taking it (`KVImports._mailed`), and `kv` once its pages were written and checked as their mail landed."""
 
-    def __init__(self):
+    def __init__(self, pages: asyncio.Future):
+        self.pages = pages
+        self.task: asyncio.Future | None = None
         self.kv: MappedKV | None = None
-        self.cancel: Callable[[], bool] = lambda: True
-        self._loop = asyncio.get_running_loop()
-        self._done = self._loop.create_future()
-
-    def done(self) -> None:
-        """From the mailbox's thread: the mail is done with (`kv` set or not)."""
-        with contextlib.suppress(RuntimeError):  # (the loop closed: the server stops, nobody waits)
-            self._loop.call_soon_threadsafe(lambda: self._done.done() or self._done.set_result(None))
 
     async def landed(self) -> MappedKV | None:
-        """`kv` once the mail is done with where its frame came before this call, else None (and the frame, if it
-        comes later, is dropped: the answer's way is taken)."""
-        if self.cancel():
-            return None
-        await self._done
+        """`kv` once its mail, if its frame has come, is done with (written and checked, or not taken); None where
+        no frame has come."""
+        if self.pages.done() and self.task is not None:
+            await asyncio.wait([self.task])
         return self.kv
+
+    def cancel(self) -> None:
+        for fut in (self.task, self.pages):
+            if fut is not None:
+                fut.cancel()
 
 
 def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> dict | None:
@@ -92,13 +88,13 @@ def _launch_parts(clock: TransferClock) -> dict:
 class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
 
-    def _mailed(self, url: str, rid: str, mail: Mail, head: dict, payload: bytes) -> None:
-        """`rid`'s KV as its mail (`disagg_mailbox`: `head`, `payload`) lands, in the mailbox's thread: its pages
-        written into those its probe set aside (`Engine.write_reserved`; then `mail.kv`) and checked
-        (`MappedKV.check`; a difference is kept as the import's failure, which ends the request). Nothing where it
-        cannot be written so (nothing set aside, a pause, other weights, a mail that does not parse): the answer's
-        way is taken."""
+    async def _mailed(self, url: str, rid: str, mail: Mail) -> None:
+        """`rid`'s KV as its mail (`disagg_mailbox`) lands: its pages written into those its probe set aside
+        (`Engine.write_reserved`; then `mail.kv`) and checked (`MappedKV.check`; a difference is kept as the
+        import's failure, which ends the request). Nothing where it cannot be written so (nothing set aside, a
+        pause, other weights, a mail that does not parse): the answer's way is taken."""
         try:
+            head, payload = await mail.pages
             if (source := self.pools.get(url)) is None:
                 return
             clock = TransferClock(self.engine.pool.k_cache.device)
@@ -110,15 +106,11 @@ class KVImports:
             clock.mark("verified", device=False)
             if not self.engine.write_reserved(rid, kv, int(head["version"])):
                 return
+            mail.kv = kv
             if not kv.checked:
                 kv.check()
-            mail.kv = kv
         except (ValueError, KeyError, TypeError) as e:
             log.warning("decode server: the mail of %s from %s: %s; it takes the answer's way", rid, url, e)
-        except Exception:  # (a handler of the mailbox's thread never raises)
-            log.exception("decode server: the mail of %s from %s failed; it takes the answer's way", rid, url)
-        finally:
-            mail.done()
 
     async def _confirm(self, url: str, data: bytes, kv: MappedKV, meta: dict) -> None:
         """The answer (`data`) to a request whose KV came by mail (`kv`, written): it must name the same export

@@ -1,14 +1,14 @@
 """The side channel of the KV transfer by reference (`tandem.server.disagg` states the protocol): a pinned export's
-pages sent straight from the prefill engine's thread as it pins them to the decode server that asked for the prompt,
-over a Unix socket of that decode server (`Mailbox`, read by threads of its own; `MailSender`, the prefill server's
+pages sent straight from the prefill engine's thread as it pins them to the decode server that asked for the
+prompt, over a Unix socket of that decode server (`Mailbox`, in its event loop; `MailSender`, the prefill server's
 end). It takes off the transfer's way what the HTTP answer has on it: the prefill engine finishing the request (its
-prefix-cache insert), the hop to its server's thread, the answer built, and its way through the two HTTP stacks. The
-decode server writes and checks the KV as the mail lands (into the pages its engine set aside,
-`Engine.write_reserved`). The HTTP answer still comes and stays the authority: it must name the same pages under the
-same weight version (else the request ends with an abort), it carries the first token, and the export is released
-only after it (so a release never comes before the prefill server holds the export). Where no mail comes first (no
-socket, a failed send, a late one), the answer's way is taken as before: a mail is an early copy of what the answer
-carries, never needed.
+prefix-cache insert), the hop to its server's thread, the answer built, and its way through the two HTTP stacks.
+The decode server writes and checks the KV as the mail lands (into the pages its engine set aside,
+`Engine.write_reserved`). The HTTP answer still comes and stays the authority: it must name the same pages under
+the same weight version (else the request ends with an abort), it carries the first token, and the export is
+released only after it (so a release never comes before the prefill server holds the export). Where no mail comes
+first (no socket, a failed send, a late one), the answer's way is taken as before: a mail is an early copy of what
+the answer carries, never needed.
 
 A frame: two little-endian uint32 (the JSON head's length, the payload's), the head, the payload. Head: `kind`
 ("pages"), `rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`), `sent_at`
@@ -20,6 +20,7 @@ engine's thread alone. Sockets are in Linux's abstract namespace (no file to cle
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -28,7 +29,6 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable
 
 import numpy as np
 
@@ -48,92 +48,55 @@ def _address(name: str) -> str:
 
 class Mailbox:
     """A decode server's end: a Unix socket its prefill servers send to (`name`, in the `MAILBOX_HEADER` of its
-    requests), read by threads of its own (one a connection, blocking on it: no turn of the event loop between a
-    frame landing and its handling); each frame handed, in that thread, to the handler waiting for it
-    (`expect`)."""
+    requests), each frame handed to the request waiting for it (`expect`). Runs in the server's event loop."""
 
     def __init__(self):
         self.name = f"tandem-pd-{uuid.uuid4().hex}"
-        self._waiting: dict[tuple[str, str], Callable[[dict, bytes], None]] = {}  # (key, kind) -> its handler
-        self._lock = threading.Lock()
-        self._listener: socket.socket | None = None
-        self._connections: set[socket.socket] = set()  # (one a prefill server connected)
+        self._waiting: dict[tuple[str, str], asyncio.Future] = {}  # (key, kind) -> the frame's future
+        self._server: asyncio.AbstractServer | None = None
+        self._writers: set[asyncio.StreamWriter] = set()  # (one a prefill server connected)
 
     async def start(self) -> None:
-        """Listen (OSError if it cannot)."""
-        if self._listener is None:
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                listener.bind(_address(self.name))
-                listener.listen()
-            except OSError:
-                listener.close()
-                raise
-            self._listener = listener
-            threading.Thread(target=self._accept, args=(listener,), name="pd-mailbox", daemon=True).start()
+        if self._server is None:
+            self._server = await asyncio.start_unix_server(self._serve, path=_address(self.name))
 
-    def expect(self, rid: str, kind: str, handler: Callable[[dict, bytes], None]) -> Callable[[], bool]:
-        """Have `handler(head, payload)` take `rid`'s frame of `kind` when it lands (in the mailbox's thread: quick
-        or blocking as it likes, never raising). Returns `cancel()`: True if the frame had not been taken (and now
-        never will be), False if its handler has it. A frame nobody waits for is dropped."""
+    def expect(self, rid: str, kind: str) -> asyncio.Future:
+        """A future for `rid`'s frame of `kind`: (head, payload). Cancel it (or let it be) when no longer wanted: a
+        frame nobody waits for is dropped."""
         key = (rid, kind)
-        with self._lock:
-            self._waiting[key] = handler
+        fut = self._waiting[key] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(lambda f: self._waiting.pop(key, None) if self._waiting.get(key) is f else None)
+        return fut
 
-        def cancel() -> bool:
-            with self._lock:
-                return self._waiting.get(key) is handler and self._waiting.pop(key) is handler
-        return cancel
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return  # (closed)
-            with self._lock:
-                self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="pd-mail", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
         try:
-            with conn.makefile("rb") as reader:
-                while len(prefix := reader.read(_FRAME.size)) == _FRAME.size:
-                    head_len, payload_len = _FRAME.unpack(prefix)
-                    head = json.loads(_read(reader, head_len))
-                    payload = _read(reader, payload_len)
-                    with self._lock:
-                        handler = self._waiting.pop((str(head.get("rid")), head.get("kind")), None)
-                    if handler is not None:
-                        handler(head, payload)
-        except OSError:
-            pass  # (the prefill server went away, or this mailbox closed: its requests take the answer's way)
+            while True:
+                head_len, payload_len = _FRAME.unpack(await reader.readexactly(_FRAME.size))
+                head = json.loads(await reader.readexactly(head_len))
+                payload = await reader.readexactly(payload_len)
+                if (fut := self._waiting.get((str(head.get("rid")), head.get("kind")))) is not None \
+                        and not fut.done():
+                    fut.set_result((head, payload))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # (the prefill server went away: its requests take the answer's way)
         except (ValueError, AttributeError, struct.error) as e:  # (a head that is no JSON object too)
             log.warning("decode server: a mailbox frame did not parse (%s: %s); the connection is dropped",
                         type(e).__name__, e)
         finally:
-            with self._lock:
-                self._connections.discard(conn)
-            conn.close()
+            writer.close()
+            self._writers.discard(writer)
 
     async def close(self) -> None:
-        with self._lock:
-            listener, self._listener = self._listener, None
-            connections, self._waiting = list(self._connections), {}
-        if listener is not None:
-            listener.shutdown(socket.SHUT_RDWR)
-            listener.close()
-        for conn in connections:  # (its reader then ends)
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)
-
-
-def _read(reader, n: int) -> bytes:
-    """Exactly `n` bytes of `reader`; ConnectionError if it ends first."""
-    data = reader.read(n)
-    if len(data) != n:
-        raise ConnectionError("the stream ended inside a frame")
-    return data
+        if self._server is not None:
+            self._server.close()
+            for writer in list(self._writers):  # (its reader then ends)
+                writer.close()
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+            self._server = None
+        for fut in self._waiting.values():
+            fut.cancel()
 
 
 def mapped_from_mail(source: MappedPool, head: dict, payload: bytes, origin: str) -> MappedKV:
