@@ -39,24 +39,25 @@ def replica_run(tmp_path, *overrides) -> Run:
 
 
 def kill_one_replica_mid_run(run: Run, at_batch: int) -> dict:
-    """Before batch `at_batch` is taken, SIGKILL replica 0's process once it has requests (episodes in flight on
-    it), then wait (holding nothing the restart needs) until its replacement is in rotation."""
+    """Once batch `at_batch` is taken (so that the manager admits episodes again), pause replica 0 in place (what
+    reaches it from then on waits there: a request cannot finish between the look and the kill), SIGKILL its
+    process once it holds requests (episodes in flight on it), then wait until its replacement is in rotation."""
     placement, take, seen = run.placement, run.manager.next_batch, {}
 
     async def next_batch():
+        batch = await take()
         if run.trainer.version == at_batch and not seen:
             victim, t0 = placement.members[0], time.monotonic()
-            while time.monotonic() - t0 < 30:
-                stats = await victim.client.get_stats()
-                if stats.num_running + stats.num_queued:
-                    break
+            await victim.client.pause("in_place")
+            while (stats := await victim.client.get_stats()).num_running + stats.num_queued == 0:
+                assert time.monotonic() - t0 < 30, "replica 0 got no request"
                 await asyncio.sleep(0.01)
             seen.update(pid=victim.handle.pid, url=victim.handle.url, t=time.monotonic())
             os.kill(victim.handle.pid, signal.SIGKILL)
             while placement.restarts < 1:
                 assert time.monotonic() - seen["t"] < 120, placement.lost
                 await asyncio.sleep(0.05)
-        return await take()
+        return batch
 
     run.manager.next_batch = next_batch
     return seen
