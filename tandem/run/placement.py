@@ -339,6 +339,8 @@ class Disaggregated(Placement):
     engine. Each server takes the trainer's weights by reference through its own pipe (ipc). An update pauses both
     servers (through the router) before either loads, and continues them only once both hold the new version."""
 
+    num_engines = 2  # (the router's idle time is both servers': the run's idle fraction is their mean)
+
     def __init__(self, cfg: RunConfig):
         from tandem.server.http import ServerThread
         from tandem.server.router import RouterConfig, build_router_app
