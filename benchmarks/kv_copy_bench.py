@@ -8,7 +8,8 @@ device time, against a plain copy of the same bytes: what the KV transfer by ref
 Two pools of the model's KV layout (bf16, pages of 16) holding `tokens` positions, the source's pages scattered;
 timed with CUDA events, median of `reps` after a warm-up: (1) the fused pass (read the source pages, write the
 destination pages, checksums of what it read; `page_sums_by_index` with a destination: both launches, keys and
-values, and the sums over layers), (2) the checksum pass alone (what a prefill server's export costs), (3)
+values, and the sums over layers), (2) the checksum pass alone (what a prefill server's export cost before its
+checksums came from its records), (3)
 `torch` copy of the same bytes, contiguous (the reference: `copy_time(B)`), (4) a torch gather by index of the same
 pages (what the previous transfer did, three times); (5) a prefill server's forward recording the same positions'
 checksum shares in every layer, (6) the export's checksums from those records, and (7) the fused pass with (6)
@@ -191,7 +192,7 @@ def report(times: dict) -> None:
           f"device time; Triton: {'yes' if times['kernel'] else 'NO (torch path)'}) | ms | copy time / time |")
     print("|---|---|---|")
     for what, key in (("fused: read the pages, write them, checksums (decode server's write)", "fused_s"),
-                      ("checksums alone (prefill server's export)", "sums_s"),
+                      ("checksums alone (a pass that only reads)", "sums_s"),
                       ("torch copy of the same bytes, contiguous (the reference)", "copy_s"),
                       ("torch gather by index of the same pages (keys and values)", "gather_s")):
         print(f"| {what} | {1e3 * times[key]:.3f} | {copy / times[key]:.0%} |")

@@ -286,19 +286,6 @@ class TransferClock:
             event = self._events[name] = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
 
-    def reached(self, name: str) -> bool:
-        """Whether the device has reached mark `name` (without waiting; on a CPU, yes)."""
-        return (event := self._events.get(name)) is None or event.query()
-
-    def event(self, name: str):
-        """Mark `name`'s device event (None off a GPU, or where it has none)."""
-        return self._events.get(name)
-
-    def wait(self, name: str) -> None:
-        """Wait until the device has reached mark `name` (nothing to wait for on a CPU)."""
-        if (event := self._events.get(name)) is not None:
-            event.synchronize()
-
     def seconds(self, a: str, b: str) -> float:
         if self.device.type != "cuda":
             return self.host[b] - self.host[a]

@@ -47,7 +47,7 @@ class Tile:
 
 # chosen by `kv_copy_bench.py --sweep` on an H200 at qwen3-0.6b's layout (BENCHMARKS.md has the sweep)
 COPY_TILE = Tile(16384, 2)  # the fused pass's (a decode server's import)
-SUMS_TILE = Tile(16384, 4)  # the checksum pass's (a prefill server's export)
+SUMS_TILE = Tile(16384, 4)  # the checksum pass alone's (the tests' reference; the benchmark's row)
 
 
 @triton.jit(**varying("src_pages_ptr", "dst_pages_ptr", "rows_ptr", "out_ptr"))  # (rows of one staged index)

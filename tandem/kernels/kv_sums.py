@@ -1,5 +1,6 @@
 """Each written KV position's part of its page's checksum, recorded as the forward writes it (a prefill server's
-export then needs no checksum pass: `page_sums` of its pages' records, `kv_index_sums.record_sums_by_index`).
+export then needs no checksum pass: the decode server, which maps the records, takes `page_sums` of the exported
+pages' records, `kv_index_sums.record_sums_by_index`, behind its own pass over them).
 
 `record_slot_sums` takes the keys and values the forward left in the pool and stores, per slot written and per
 layer, that position's share of `tandem.engine.kv_transfer.page_sums`: the row part (its keys' and
