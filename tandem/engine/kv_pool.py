@@ -152,10 +152,10 @@ class KVPool(PageAllocator):
         """Record the checksum shares of every position of `pages` that are not `summed` (their KV written other
         than by the forward: loaded from the host tier, imported), from what they hold now; then they are. Call in
         the engine's thread, after whatever wrote them was queued (on the compute stream)."""
-        stale = [p for p in pages if not self.summed[p]]
-        if stale:
+        held = np.asarray(pages, dtype=np.int64)
+        if (stale := held[~self.summed[held]]).size:
             P = self.page_size
-            slots = (torch.tensor(stale, dtype=torch.long)[:, None] * P + torch.arange(P)).flatten()
+            slots = (torch.from_numpy(stale)[:, None] * P + torch.arange(P)).flatten()
             self.record_sums(slots.to(self.k_cache.device, non_blocking=True))
             self.summed[stale] = True
 
