@@ -8,8 +8,7 @@ device time, against a plain copy of the same bytes: what the KV transfer by ref
 Two pools of the model's KV layout (bf16, pages of 16) holding `tokens` positions, the source's pages scattered;
 timed with CUDA events, median of `reps` after a warm-up: (1) the fused pass (read the source pages, write the
 destination pages, checksums of what it read; `page_sums_by_index` with a destination: both launches, keys and
-values, and the sums over layers), (2) the checksum pass alone (what a prefill server's export cost before its
-checksums came from its records), (3)
+values, and the sums over layers), (2) the checksum pass alone (a pass that only reads), (3)
 `torch` copy of the same bytes, contiguous (the reference: `copy_time(B)`), (4) a torch gather by index of the same
 pages (what the previous transfer did, three times); (5) a prefill server's forward recording the same positions'
 checksum shares in every layer, (6) the export's checksums from those records, and (7) the fused pass with (6)

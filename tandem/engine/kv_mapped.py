@@ -48,26 +48,33 @@ from tandem.engine.kv_shared import (
 )
 from tandem.engine.kv_transfer import TransferClock, _hex
 
-__all__ = ["MappedKV", "MappedPool", "PinnedKV", "pin_pages", "pool_handle"]
+__all__ = ["MappedKV", "MappedPool", "PinnedKV", "pin_pages", "pool_handle", "why_not_mappable"]
+
+
+def why_not_mappable(pool: KVPool) -> str | None:
+    """Why another process cannot map `pool` for transfers by reference (`pool_handle`), or pin its pages
+    (`pin_pages`); None if it can."""
+    if pool.sums is None or pool.epochs_path is None:
+        return "this pool keeps no checksum records or no epochs in shared memory (KVPool(slot_sums=True), /dev/shm)"
+    if not pool.k_cache.is_cuda and pool.shm_path is None:
+        return "this pool is not in shared memory (KVPool(shared=True))"
+    return None
 
 
 def pool_handle(pool: KVPool) -> dict:
     """What another process of this host needs to map `pool` (JSON): its identity, dtype and shape, its epochs'
     shared-memory file, and on a GPU its keys, values and checksum records by CUDA IPC (a fresh reference counter
     each call), on a CPU its shared-memory file (keys, values, then the records from `records_offset`);
-    ValueError if it cannot be mapped (a CPU pool not built `shared`, a pool without records or epochs)."""
+    ValueError if it cannot be mapped (`why_not_mappable`)."""
+    if (why := why_not_mappable(pool)) is not None:
+        raise ValueError(f"kv transfer: {why}")
     k = pool.k_cache
-    if pool.sums is None or pool.epochs_path is None:
-        raise ValueError("kv transfer: this pool keeps no checksum records or no epochs in shared memory "
-                         "(KVPool(slot_sums=True), /dev/shm)")
     handle = {"pool": pool.share_id, "dtype": str(k.dtype).removeprefix("torch."), "shape": list(k.shape),
               "page_size": pool.page_size, "num_pages": pool.num_pages, "epochs": pool.epochs_path}
     if k.is_cuda:
         with torch.cuda.device(k.device):
             return handle | {"kind": "cuda", "gpu": _gpu_uuid(k.device),
                              "tensors": [ipc_describe(t) for t in (pool.k_cache, pool.v_cache, pool.sums)]}
-    if pool.shm_path is None:
-        raise ValueError("kv transfer: this pool is not in shared memory (KVPool(shared=True))")
     return handle | {"kind": "cpu", "path": pool.shm_path, "records_offset": pool.sums.storage_offset() * 8}
 
 
@@ -164,8 +171,8 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     complete, whoever reads them when. ValueError if the pool keeps no records or epochs."""
     P = pool.page_size
     assert start % P == 0, start
-    if pool.sums is None or pool.epochs is None:
-        raise ValueError("kv transfer: pinned exports need a pool with checksum records and epochs")
+    if (why := why_not_mappable(pool)) is not None:
+        raise ValueError(f"kv transfer: no pinned export: {why}")
     began, pinned_at = time.perf_counter(), time.monotonic()
     held = list(pages[start // P:-(-end // P)])
     pool.incref(held)

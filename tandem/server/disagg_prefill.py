@@ -17,7 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.engine.engine import Engine
-from tandem.engine.kv_mapped import PinnedKV, pool_handle
+from tandem.engine.kv_mapped import PinnedKV, pool_handle, why_not_mappable
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store
 from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
 from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, MailSender
@@ -33,9 +33,8 @@ def offered(engine: Engine) -> list[str]:
     """The transfers a prefill server offers: bytes; by reference where its pool can be mapped (on a GPU, or in
     shared memory on a CPU; its checksum records and its pages' epochs too) and pinned (one rank); point to point
     where its device has a backend."""
-    pool, device = engine.pool, engine.pool.k_cache.device
-    mappable = engine.tp.size == 1 and (device.type == "cuda" or pool.shm_path is not None) \
-        and pool.sums is not None and pool.epochs_path is not None
+    device = engine.pool.k_cache.device
+    mappable = engine.tp.size == 1 and why_not_mappable(engine.pool) is None
     return ["bytes", *(["reference"] if mappable else []), *(["p2p"] if backend_for(device) else [])]
 
 
