@@ -54,8 +54,12 @@ def prompt(n, seed=0):
 def test_every_token_comes_with_the_experts_a_whole_sequence_forward_routes_it_to(config):
     async def go():
         with Engine("tiny-moe", config) as engine:
+            await engine.pause("in_place")  # all four queued before the first step, so the small pool must retract
             prompts = [prompt(17, seed=i) for i in range(4)]
-            outs = await asyncio.gather(*[engine.generate(p, SAMPLING, return_routed_experts=True) for p in prompts])
+            tasks = [asyncio.create_task(engine.generate(p, SAMPLING, return_routed_experts=True)) for p in prompts]
+            await asyncio.sleep(0)  # the tasks queue their requests
+            await engine.resume()
+            outs = await asyncio.gather(*tasks)
             for p, out in zip(prompts, outs, strict=True):
                 tokens = p + out.output_ids
                 assert out.routed_experts.shape == (len(tokens) - 1, 3, 2)
