@@ -6,9 +6,11 @@ from the flight recorders' files)."""
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import get_args
@@ -122,6 +124,7 @@ def _run(args) -> None:
     from tandem.run.main import Interrupted
     from tandem.run.main import main as run_main
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack on stderr
     try:
         run_main(args.config, args.overrides)
     except Interrupted as e:  # not a success: a script running it must see that

@@ -50,7 +50,14 @@ def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
     try:
         wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 120, "two steps")
         proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=60)
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # (`tandem run` writes every thread's stack)
+            time.sleep(2)
+            proc.kill()
+            raise AssertionError("no exit within 60 s of SIGINT; its output and threads:\n"
+                                 + proc.communicate()[0].decode(errors="replace")[-12000:]) from None
     finally:
         proc.kill()
     assert proc.returncode == 130, out.decode()[-2000:]  # interrupted is no success (128 + SIGINT)

@@ -6,6 +6,7 @@ it hands out. On a GPU: the same with the engine on its own stream (the ordering
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -328,3 +329,64 @@ def test_colocated_send_on_the_gpu_the_trainers_write_at_once_never_reaches_the_
         return outputs
 
     assert_pushed_versions_generate_as_fresh_engines(placement, pushed)
+
+
+def test_a_cancel_that_comes_as_the_engine_applies_the_load_still_cancels_the_wait():
+    """Ctrl-C cancels the run's task once: a wait for the engine's load that took the reply instead (as
+    `asyncio.wait_for` does on Python 3.11 when both come in one turn of the loop) left the run training on. Every
+    turn the cancel may come in, from the reply's to the waiter's, must end the wait cancelled."""
+    from tandem.run.pending import PendingSync
+    from tandem.transport.weights import TransferStats
+
+    async def cancelled_after(turns: int) -> bool:
+        reply = concurrent.futures.Future()
+        pending = PendingSync(1, TransferStats(1, 0, 1, 0, 0.0), reply, lambda ordered: None, 10.0)
+        waiting = asyncio.ensure_future(pending.applied())
+        await asyncio.sleep(0)  # (waiting now)
+        reply.set_result(object())
+        for _ in range(turns):
+            await asyncio.sleep(0)
+        if not waiting.cancel():
+            return None  # (the wait had ended: no cancel to honour)
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            return True
+        return False
+
+    outcomes = [asyncio.run(cancelled_after(turns)) for turns in range(8)]
+    assert False not in outcomes, f"a cancel taken by the wait was swallowed ({outcomes}: turns after the reply)"
+    assert outcomes[0] and outcomes[-1] is None  # (the sweep spans the reply's way, from before to after)
+
+
+def test_a_run_whose_cancel_an_await_swallowed_stops_at_its_next_step(tmp_path):
+    """The run's loop checks, each step, for a cancel that some await took without raising (Ctrl-C cancels the
+    task once): it stops there, its checkpoint saved (falsifier: without the check the run trains on to the end)."""
+    from tandem.run.loop import CHECKPOINT, Run
+
+    cfg = RunConfig.load(None, ["steps=40", f"out_dir={tmp_path}", "rollout.group_size=2", "rollout.batch_groups=2",
+                                "random_agent.response_len_median=4", "random_agent.response_len_max=8"])
+    run = Run(cfg)
+    send, sending = run.placement.send, asyncio.Event()
+
+    async def swallowing_send(*args):
+        if run.trainer.version >= 2:
+            sending.set()
+            with contextlib.suppress(asyncio.CancelledError):  # (the await that takes the cancel and goes on)
+                await asyncio.sleep(0.5)
+        return await send(*args)
+
+    run.placement.send = swallowing_send
+
+    async def go():
+        training = asyncio.ensure_future(run.train())
+        await sending.wait()
+        training.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await training
+
+    try:
+        asyncio.run(go())
+    finally:
+        run.shutdown()
+    assert run.trainer.version <= 3 and (tmp_path / CHECKPOINT).is_file()

@@ -112,6 +112,8 @@ class Run:
         finishing: asyncio.Task | None = None  # the last step's end: once the engine applied its weights
         try:
             while self.trainer.version < cfg.steps:
+                if asyncio.current_task().cancelling():  # (a cancel some await swallowed: Ctrl-C still stops)
+                    raise asyncio.CancelledError
                 t0 = time.perf_counter()
                 batch = await _unless_failed(self.manager.next_batch(), monitor, lambda _: self.manager.untake(),
                                              finishing)

@@ -102,8 +102,9 @@ class PendingSync:
         transfer is then closed: a late load reads nothing)."""
         if self._stats is not None:
             return self._stats
-        try:
-            reply = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.reply)), self.timeout_s)
+        try:  # (not `wait_for`: on Python 3.11 it swallows a cancel that comes as the reply does, and Ctrl-C with it)
+            async with asyncio.timeout(self.timeout_s):
+                reply = await asyncio.shield(asyncio.wrap_future(self.reply))
         except TimeoutError:
             self.abandon()
             raise self._late() from None
