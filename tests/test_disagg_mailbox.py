@@ -228,3 +228,26 @@ def test_a_mailbox_takes_frames_however_their_bytes_arrive(caplog):
     assert got_a == ({"rid": "r1", "kind": "pages"}, b"\x01\x00\x00\x00") and got_b[1] == b"x" * 16
     assert got_c[1] == b"ok" and not waiting
     assert "a mailbox frame did not parse" in caplog.text
+
+
+def test_a_frame_that_claims_more_than_a_mail_holds_closes_its_connection(caplog):
+    """A frame's length is read before its bytes: one claiming more than `MAX_FRAME_BYTES` closes the connection
+    at once, rather than the mailbox buffering up to a gigabyte of a broken or hostile stream."""
+    import asyncio
+    import socket
+
+    from tandem.server.disagg_mailbox import _FRAME, MAX_FRAME_BYTES, Mailbox, _address
+
+    async def go():
+        box = Mailbox()
+        await box.start()
+        bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        bad.connect(_address(box.name))
+        bad.settimeout(5)  # (a mailbox that keeps it open fails the test in 5 s)
+        bad.send(_FRAME.pack(16, MAX_FRAME_BYTES) + b"x" * 64)
+        closed = await asyncio.get_running_loop().run_in_executor(None, bad.recv, 1)
+        bad.close()
+        await box.close()
+        return closed
+
+    assert asyncio.run(go()) == b"" and "a mailbox frame did not parse" in caplog.text

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -327,8 +328,8 @@ class PrefillClient(KVImports):
                 and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
             key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
-            mail = Mail(self.mailbox.expect(key, "pages"))
-            mail.task = asyncio.ensure_future(self._mailed(url, rid, mail))
+            mail = Mail()
+            mail.pages = self.mailbox.expect(key, "pages", functools.partial(self._mailed, url, rid, mail))
         try:
             r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
         except BaseException:
@@ -353,7 +354,7 @@ class PrefillClient(KVImports):
                 clock.mark("verified")
             elif transfer == "p2p":
                 kv = await self._receive(url, data, clock)
-            elif mail is not None and (kv := await mail.landed()) is not None:  # (written as its mail landed)
+            elif mail is not None and (kv := mail.kv) is not None:  # (written as its mail landed)
                 await self._confirm(url, data, kv, meta)
                 clock = kv.clock
             else:

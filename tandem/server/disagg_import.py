@@ -43,25 +43,17 @@ def _verify(kv: KVPages) -> None:
 
 
 class Mail:
-    """A request's mail as it comes (`disagg_mailbox`): a future for its pages' frame (`Mailbox.expect`), the task
-    taking it (`KVImports._mailed`), and `kv` once its pages were written and checked as their mail landed."""
+    """A request's mail as it comes (`disagg_mailbox`): `pages`, the future of its pages' frame
+    (`Mailbox.expect`), and `kv` once they were written and checked as their mail landed (`KVImports._mailed`, in
+    the turn of the event loop that read the frame's last byte)."""
 
-    def __init__(self, pages: asyncio.Future):
-        self.pages = pages
-        self.task: asyncio.Future | None = None
+    def __init__(self):
+        self.pages: asyncio.Future | None = None
         self.kv: MappedKV | None = None
 
-    async def landed(self) -> MappedKV | None:
-        """`kv` once its mail, if its frame has come, is done with (written and checked, or not taken); None where
-        no frame has come."""
-        if self.pages.done() and self.task is not None:
-            await asyncio.wait([self.task])
-        return self.kv
-
     def cancel(self) -> None:
-        for fut in (self.task, self.pages):
-            if fut is not None:
-                fut.cancel()
+        if self.pages is not None:
+            self.pages.cancel()
 
 
 def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> dict | None:
@@ -88,13 +80,12 @@ def _launch_parts(clock: TransferClock) -> dict:
 class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
 
-    async def _mailed(self, url: str, rid: str, mail: Mail) -> None:
-        """`rid`'s KV as its mail (`disagg_mailbox`) lands: its pages written into those its probe set aside
-        (`Engine.write_reserved`; then `mail.kv`) and checked (`MappedKV.check`; a difference is kept as the
-        import's failure, which ends the request). Nothing where it cannot be written so (nothing set aside, a
-        pause, other weights, a mail that does not parse): the answer's way is taken."""
+    def _mailed(self, url: str, rid: str, mail: Mail, head: dict, payload: bytes) -> None:
+        """`rid`'s KV as its mail (`disagg_mailbox`: `head`, `payload`) lands: its pages written into those its
+        probe set aside (`Engine.write_reserved`; then `mail.kv`) and checked (`MappedKV.check`; a difference is
+        kept as the import's failure, which ends the request). Nothing where it cannot be written so (nothing set
+        aside, a pause, other weights, a mail that does not parse): the answer's way is taken."""
         try:
-            head, payload = await mail.pages
             if (source := self.pools.get(url)) is None:
                 return
             clock = TransferClock(self.engine.pool.k_cache.device)

@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 
@@ -39,6 +40,7 @@ log = logging.getLogger("tandem.server.disagg")
 MAILBOX_HEADER = "X-Tandem-Mailbox"  # a decode server's `/pd/prefill`: the name of its `Mailbox`
 MAIL_KEY_HEADER = "X-Tandem-Mail-Key"  # and the key its mail is to carry (`rid`: one of this request's attempt)
 _FRAME = struct.Struct("<II")
+MAX_FRAME_BYTES = 64 << 20  # (a mail names pages: a million of them is a few MB)
 
 
 def _address(name: str) -> str:
@@ -48,55 +50,93 @@ def _address(name: str) -> str:
 
 class Mailbox:
     """A decode server's end: a Unix socket its prefill servers send to (`name`, in the `MAILBOX_HEADER` of its
-    requests), each frame handed to the request waiting for it (`expect`). Runs in the server's event loop."""
+    requests), each frame handed to the request waiting for it (`expect`) as its last byte is read, in the same turn
+    of the server's event loop (`_Frames`). Runs in that loop."""
 
     def __init__(self):
         self.name = f"tandem-pd-{uuid.uuid4().hex}"
-        self._waiting: dict[tuple[str, str], asyncio.Future] = {}  # (key, kind) -> the frame's future
+        # (key, kind) -> the frame's future, and what is called with it first
+        self._waiting: dict[tuple[str, str], tuple[asyncio.Future, Callable[[dict, bytes], None] | None]] = {}
         self._server: asyncio.AbstractServer | None = None
-        self._writers: set[asyncio.StreamWriter] = set()  # (one a prefill server connected)
+        self._connections: set[asyncio.Transport] = set()  # (one a prefill server connected)
 
     async def start(self) -> None:
         if self._server is None:
-            self._server = await asyncio.start_unix_server(self._serve, path=_address(self.name))
+            self._server = await asyncio.get_running_loop().create_unix_server(lambda: _Frames(self),
+                                                                                path=_address(self.name))
 
-    def expect(self, rid: str, kind: str) -> asyncio.Future:
-        """A future for `rid`'s frame of `kind`: (head, payload). Cancel it (or let it be) when no longer wanted: a
-        frame nobody waits for is dropped."""
+    def expect(self, rid: str, kind: str, on_frame: Callable[[dict, bytes], None] | None = None) -> asyncio.Future:
+        """A future for `rid`'s frame of `kind`: (head, payload); `on_frame(head, payload)`, if given, is called
+        with it before the future is done, as the frame lands (what it raises is logged). Cancel the future (or
+        let it be) when no longer wanted: a frame nobody waits for is dropped."""
         key = (rid, kind)
-        fut = self._waiting[key] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(lambda f: self._waiting.pop(key, None) if self._waiting.get(key) is f else None)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[key] = fut, on_frame
+        fut.add_done_callback(lambda f: self._waiting.pop(key, None) if self._waiting.get(key, (None,))[0] is f
+                              else None)
         return fut
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.add(writer)
-        try:
-            while True:
-                head_len, payload_len = _FRAME.unpack(await reader.readexactly(_FRAME.size))
-                head = json.loads(await reader.readexactly(head_len))
-                payload = await reader.readexactly(payload_len)
-                if (fut := self._waiting.get((str(head.get("rid")), head.get("kind")))) is not None \
-                        and not fut.done():
-                    fut.set_result((head, payload))
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # (the prefill server went away: its requests take the answer's way)
-        except (ValueError, AttributeError, struct.error) as e:  # (a head that is no JSON object too)
-            log.warning("decode server: a mailbox frame did not parse (%s: %s); the connection is dropped",
-                        type(e).__name__, e)
-        finally:
-            writer.close()
-            self._writers.discard(writer)
+    def _deliver(self, head: dict, payload: bytes) -> None:
+        fut, on_frame = self._waiting.get((str(head.get("rid")), head.get("kind")), (None, None))
+        if fut is None or fut.done():
+            return
+        if on_frame is not None:
+            try:
+                on_frame(head, payload)
+            except Exception:
+                log.exception("decode server: handling the mail of %s failed", head.get("rid"))
+        if not fut.done():
+            fut.set_result((head, payload))
 
     async def close(self) -> None:
         if self._server is not None:
             self._server.close()
-            for writer in list(self._writers):  # (its reader then ends)
-                writer.close()
+            for transport in list(self._connections):
+                transport.close()
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
             self._server = None
-        for fut in self._waiting.values():
+        for fut, _ in list(self._waiting.values()):
             fut.cancel()
+
+
+class _Frames(asyncio.Protocol):
+    """One prefill server's connection to a `Mailbox`: its bytes cut into frames, each delivered as it completes.
+    A frame that does not parse, or claims more than `MAX_FRAME_BYTES`, closes the connection (logged)."""
+
+    def __init__(self, box: Mailbox):
+        self.box, self.buffer = box, bytearray()
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        self.box._connections.add(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.box._connections.discard(self.transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while len(self.buffer) >= _FRAME.size and not self.transport.is_closing():
+            head_len, payload_len = _FRAME.unpack_from(self.buffer)
+            end = _FRAME.size + head_len + payload_len
+            try:
+                if end > MAX_FRAME_BYTES:
+                    raise ValueError(f"a frame of {end} bytes (at most {MAX_FRAME_BYTES})")
+                if len(self.buffer) < end:
+                    return
+                head = json.loads(self.buffer[_FRAME.size:_FRAME.size + head_len])
+                if not isinstance(head, dict):
+                    raise ValueError("its head is no JSON object")
+            except ValueError as e:  # (UnicodeDecodeError and JSONDecodeError too)
+                log.warning("decode server: a mailbox frame did not parse (%s: %s); the connection is dropped",
+                            type(e).__name__, e)
+                self.buffer.clear()
+                self.transport.close()
+                return
+            payload = bytes(self.buffer[_FRAME.size + head_len:end])
+            del self.buffer[:end]
+            self.box._deliver(head, payload)
 
 
 def mapped_from_mail(source: MappedPool, head: dict, payload: bytes, origin: str) -> MappedKV:
