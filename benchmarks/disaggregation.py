@@ -267,7 +267,7 @@ def run_setup(roles: list[tuple[str, str | None]], args, config: EngineConfig, d
             startup = time.monotonic() - t0
             result = asyncio.run(measure(servers, router.url, args))
     finally:
-        for s in servers:
+        for s in sorted(servers, key=lambda s: s.role == "prefill"):  # (a decode server drops its mapping first)
             s.stop()
     return result | {"servers": [f"{role}@{gpu or args.device}" for role, gpu in roles], "startup_s": startup}
 

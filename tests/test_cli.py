@@ -44,9 +44,12 @@ def test_run_stops_cleanly_on_ctrl_c_with_a_checkpoint(tmp_path):
     """SIGINT saves a checkpoint at the last recorded step and exits 130. (`checkpoint_every=0`: no periodic
     checkpoint, so the one found can only be the interrupt's.)"""
     metrics = tmp_path / "metrics.jsonl"
+    # (SIGINT at its default in the run, as in a terminal: a suite started in the background by a script inherits
+    # it ignored, as every background job of a non-interactive shell does, and a run respects that)
     proc = subprocess.Popen([*TANDEM, "run", "steps=100000", "checkpoint_every=0", *SMALL_RUN, f"out_dir={tmp_path}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for(lambda: metrics.is_file() and len(metrics.read_text().splitlines()) >= 2, 120, "two steps")
         proc.send_signal(signal.SIGINT)
