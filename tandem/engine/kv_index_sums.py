@@ -169,11 +169,13 @@ def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[..., 0], cols], -1)
 
 
-def host_sums(sums: torch.Tensor) -> np.ndarray:
+def host_sums(sums: torch.Tensor, clock: TransferClock | None = None) -> np.ndarray:
     """`canonical` of `page_sums_by_index`'s sums, on the host (int64 numpy [pages, 2]), the host waiting for them:
     on a GPU copied into a kept page-locked buffer (`Staging`) and waited for by an event, not through pageable
-    memory."""
+    memory. `clock`, if any, is marked "synced" (host) once the wait returns."""
     if not sums.is_cuda:
+        if clock is not None:
+            clock.mark("synced", device=False)
         return canonical(sums.numpy())
     stage, nbytes = staging(sums.device), sums.numel() * 8
     buf = stage.take(nbytes)
@@ -181,6 +183,8 @@ def host_sums(sums: torch.Tensor) -> np.ndarray:
     host.copy_(sums, non_blocking=True)
     done = buf.record(sums.device)
     done.synchronize()
+    if clock is not None:
+        clock.mark("synced", device=False)
     out = canonical(host.numpy())  # (a new array: the buffer is free again)
     stage.give(buf, done)
     return out

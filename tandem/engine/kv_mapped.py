@@ -267,7 +267,7 @@ class MappedKV:
         from its records (`sums`), the host having waited for them (one read), then the pages' epochs
         (`epochs_after`). ValueError if the routing the pool keeps is missing, or pages are of another size. Marks
         `clock` "write" and "written" around the pass (device events on a GPU; "launch" as its kernels are
-        launched), "passed" once the host has its sums."""
+        launched), "synced" once the host's wait for its sums returns, "passed" once it has them."""
         P = self.page_size
         if pool.routing is not None and self.routing is None:
             raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
@@ -282,7 +282,7 @@ class MappedKV:
         clock.mark("written")
         if pool.routing is not None:
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        self.mine, self.sums = host_sums(both)  # (the host waits for the pass)
+        self.mine, self.sums = host_sums(both, clock)  # (the host waits for the pass)
         self.epochs_after = self.source.epochs[self.pages]  # (after the reads: see `check`)
         clock.mark("passed", device=False)
 

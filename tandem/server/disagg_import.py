@@ -71,9 +71,10 @@ def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> d
             "wire_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
 
 
-def _launch_parts(clock: TransferClock) -> dict:
-    """The host's time from a pass's first mark to its kernels' launch, by part (`_record`'s `launch_parts`)."""
-    at = [(name, clock.host[name]) for name in ("write", "staged", "copied", "launch") if name in clock.host]
+def _host_parts(clock: TransferClock, names: tuple[str, ...]) -> dict:
+    """The host's time between consecutive marks of `names` that `clock` has (`_record`'s `launch_parts`: a pass's
+    first mark to its kernels' launch; `wait_parts`: the launch to the comparison), each named by its end."""
+    at = [(name, clock.host[name]) for name in names if name in clock.host]
     return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
 
 
@@ -151,7 +152,8 @@ class KVImports:
         (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way here, `import_s`);
         `launch_host_s` the host's time from the pass's first mark to its kernels' launch, `pass_wait_s` from that
         launch to the sums in hand (host), `launch_parts` the first by part (`write` to the page index staged, its copy
-        queued, the launch)."""
+        queued, the launch), `wait_parts` the second (the kernels queued, the host's wait for the sums returned,
+        the sums and epochs read, compared)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
@@ -185,7 +187,9 @@ class KVImports:
             and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
             and "passed" in clock.host else None,
-            "launch_parts": _launch_parts(clock) if mapped else None})
+            "launch_parts": _host_parts(clock, ("write", "staged", "copied", "launch")) if mapped else None,
+            "wait_parts": _host_parts(clock, ("launch", "launched", "synced", "passed", "checked")) if mapped
+            else None})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
         """The KV a prefill server holds for this one (`data`: its answer naming pages of its pool), as pages of the
