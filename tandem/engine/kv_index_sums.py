@@ -1,9 +1,9 @@
 """Page checksums of KV pages by page index, on the device that holds them (`kv_transfer.page_sums`'s definition):
 a pass over the pages (`page_sums_by_index`: the Triton kernel of `tandem.kernels.kv_copy` on a GPU, which can
 copy them into another pool's pages in the same pass; torch elsewhere), or the records a prefill server's forward
-kept (`record_sums_by_index`: `KVPool(slot_sums=True)`, `tandem.kernels.kv_sums`); the page index staged through a
-kept page-locked buffer, the sums read back the same way (`host_sums`). Used by the KV transfer by reference
-(`kv_mapped`).
+kept (`record_sums_by_index`: `KVPool(slot_sums=True)`, `tandem.kernels.kv_sums`); the page index staged in a kept
+page-locked buffer, which the kernels read in place, the sums read back through one (`host_sums`). Used by the KV
+transfer by reference (`kv_mapped`).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     same pass (Triton on a GPU: one read, one write, two launches and one sum) or by a torch gather and scatter.
     Pages: lists or int32 numpy arrays. `clock`, if any, is marked "launch" once the inputs are on their way, just
     before the first kernel is launched (the device time from there is the pass's own), and on the host alone
-    "staged" (the page index built), "copied" (its copy to the device queued), "launched" (the kernels queued).
+    "staged" (the page index written where the kernels read it), "launched" (the kernels queued).
     `tile`: the kernel's (`kv_copy.Tile`; its default if None). `records`: the source pool's checksum records
     (`KVPool.sums`, or a mapping of it): then [2, pages, 2], the pass's sums and those the records give
     (`record_sums_by_index`, queued behind the pass, through the same staged index)."""
@@ -86,7 +86,7 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             from tandem.kernels import kv_sums
 
             kv_sums.page_sums(records, index[0], index[2], page_size, out=sums[1])
-        staged()  # (after the launches: off a GPU `index` is the staging buffer itself, read by them)
+        staged()  # (after the launches: they read the index where it was staged)
         if clock is not None:
             clock.mark("launched", device=False)
         return sums if records is not None else sums[0]
@@ -132,32 +132,22 @@ def _rows(num: int, n: int, page_size: int) -> array.array:
 
 
 def _stage_index(device: torch.device, columns: tuple, clock: TransferClock | None) -> tuple[torch.Tensor, Callable]:
-    """`columns` (int sequences of one length n) as one int32 tensor [len(columns), n] on `device`, staged in a kept
-    page-locked buffer (`Staging`): a plain DMA behind the stream's work, no allocation that may synchronise the
-    device. Returns it and `done()`, to call once its readers are queued (the buffer is reused once the device is
-    past the copy). Marks `clock` "staged" and "copied" (host)."""
+    """`columns` (int sequences of one length n) as one int32 tensor [len(columns), n] in a kept staging buffer
+    (`Staging`), written through a numpy view: on a GPU page-locked host memory, which the kernels read in place over
+    the bus (zero-copy, as `tandem.kernels.page_move`'s index: no upload, no device allocation that may synchronise
+    the device). Returns it and `done()`, to call once its readers are queued: the buffer is handed out again only
+    once the device is past them. Marks `clock` "staged" (host)."""
     num = len(columns[0])
     stage = staging(device)
     nbytes = 4 * len(columns) * num
     buf = stage.take(nbytes)
-    host = buf.view(nbytes, torch.int32)
-    torch.cat([_int32(c) for c in columns], out=host)
+    host = buf.view(nbytes, torch.int32).view(len(columns), num)
+    rows = host.numpy()
+    for row, values in zip(rows, columns, strict=True):
+        row[:] = values
     if clock is not None:
         clock.mark("staged", device=False)
-    index = host.to(device, non_blocking=True).view(len(columns), num)
-    copied = buf.record(device)
-    if clock is not None:
-        clock.mark("copied", device=False)
-    return index, functools.partial(stage.give, buf, copied)
-
-
-def _int32(values) -> torch.Tensor:
-    """Ints (a list, an `array`, an int32 numpy array) as an int32 tensor on the host, quicker than `torch.tensor`
-    of a list."""
-    if isinstance(values, np.ndarray):
-        return torch.from_numpy(np.array(values, dtype=np.int32))  # (a copy: a handle's pages are read-only)
-    values = values if isinstance(values, array.array) else array.array("i", values)
-    return torch.frombuffer(values, dtype=torch.int32) if len(values) else torch.empty(0, dtype=torch.int32)
+    return host, lambda: stage.give(buf, buf.record(device))
 
 
 def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:

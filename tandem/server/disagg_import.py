@@ -151,8 +151,8 @@ class KVImports:
         between the threads), `answer_s` the answer built, `wire_s` its way to this server's handler, `import_s` here
         (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way here, `import_s`);
         `launch_host_s` the host's time from the pass's first mark to its kernels' launch, `pass_wait_s` from that
-        launch to the sums in hand (host), `launch_parts` the first by part (`write` to the page index staged, its copy
-        queued, the launch), `wait_parts` the second (the kernels queued, the host's wait for the sums returned,
+        launch to the sums in hand (host), `launch_parts` the first by part (`write` to the page index staged, the
+        launch), `wait_parts` the second (the kernels queued, the host's wait for the sums returned,
         the sums and epochs read, compared)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
@@ -187,7 +187,7 @@ class KVImports:
             and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
             and "passed" in clock.host else None,
-            "launch_parts": _host_parts(clock, ("write", "staged", "copied", "launch")) if mapped else None,
+            "launch_parts": _host_parts(clock, ("write", "staged", "launch")) if mapped else None,
             "wait_parts": _host_parts(clock, ("launch", "launched", "synced", "passed", "checked")) if mapped
             else None})
 
