@@ -111,6 +111,7 @@ def test_a_staged_index_is_its_columns():
     for columns in (([5], [1]), ([3, 1, 4], np.array([1, 5, 9], dtype=np.int32), [2, 6, 5])):
         index, done = _stage_index(device, columns, None)
         assert index.tolist() == [list(map(int, c)) for c in columns]
+        assert index.device.type == "cpu" and (device.type != "cuda" or index.is_pinned())  # (read in place)
         done()
 
 
