@@ -12,8 +12,10 @@ values, and the sums over layers), (2) the checksum pass alone (a pass that only
 `torch` copy of the same bytes, contiguous (the reference: `copy_time(B)`), (4) a torch gather by index of the same
 pages (what the previous transfer did, three times); (5) a prefill server's forward recording the same positions'
 checksum shares in every layer, (6) the export's checksums from those records, and (7) the fused pass with (6)
-behind it (the decode server's import by reference). Each row: ms, and the copy's time over it (100% = as fast as
-the plain copy of the same bytes).
+behind it (the decode server's import by reference); (8) that import's host time in this process alone, the call
+to both sums on the host, and its parts (`host_times`: what the server adds shows beside it in
+`disaggregation.py --transfer-only`). Each row: ms, and the copy's time over it (100% = as fast as the plain copy
+of the same bytes).
 
 `--sweep`: (1) and (2) again for each kernel tile of a grid (`kv_copy.Tile`: words a program holds at once, warps,
 streaming loads and stores), each checked against the default tile's sums and written pages bit for bit, sorted
@@ -26,6 +28,7 @@ import argparse
 import json
 import statistics
 
+import numpy as np
 import torch
 
 from tandem.config import PRESETS
@@ -88,8 +91,8 @@ def record_times(model: str, tokens: int, page_size: int, reps: int, device: str
     """A prefill server's checksum records (`KVPool(slot_sums=True)`): the device time its forward spends recording
     `tokens` positions in every layer (`records_s`: one launch, as the forward makes it), its export's sums from
     them (`page_sums_s`: what replaces the checksum pass), and the decode's fused pass with them behind it
-    (`fused_records_s`, into a second pool: `page_sums_by_index(records=...)`)."""
-    from tandem.engine.kv_index_sums import page_sums_by_index, record_sums_by_index
+    (`fused_records_s`, into a second pool: `page_sums_by_index(records=...)`), and its host time (`host_times`)."""
+    from tandem.engine.kv_index_sums import host_sums, page_sums_by_index, record_sums_by_index
     from tandem.engine.kv_pool import KVPool
 
     cfg = PRESETS[model]
@@ -104,7 +107,32 @@ def record_times(model: str, tokens: int, page_size: int, reps: int, device: str
     return {"records_s": _time(lambda: pool.record_sums(slots), reps),
             "page_sums_s": _time(lambda: record_sums_by_index(pool.sums, table, 0, tokens, page_size), reps),
             "fused_records_s": _time(lambda: page_sums_by_index(pool.k_cache, pool.v_cache, table, 0, tokens,
-                                                                page_size, *dst, table, records=pool.sums), reps)}
+                                                                page_size, *dst, table, records=pool.sums), reps),
+            **host_times(lambda clock: host_sums(page_sums_by_index(
+                pool.k_cache, pool.v_cache, np.asarray(table, dtype="<i4"), 0, tokens, page_size, *dst, table,
+                clock, records=pool.sums), clock), device, reps)}
+
+
+def host_times(pass_, device: str, reps: int) -> dict:
+    """The decode's pass as a decode server runs it (`pass_(clock)`: the fused pass with the records' sums behind
+    it, then the host's wait for both), in this process alone, timed on the host by its `TransferClock`: the
+    median of `reps` after a warm-up, of the whole call (`pass_host_s`) and of each part from one mark to the next
+    (`pass_host_parts`: the index staged, the first launch, the kernels queued, the wait returned, the sums read).
+    What a server's `/pd/transfers` shows beyond these is the server's own."""
+    from tandem.engine.kv_transfer import TransferClock
+
+    names, wholes, parts = ("call", "staged", "launch", "launched", "synced", "read"), [], []
+    for i in range(reps + 2):
+        clock = TransferClock(device)
+        clock.mark("call", device=False)
+        pass_(clock)
+        clock.mark("read", device=False)
+        if i >= 2:
+            at = [(name, clock.host[name]) for name in names if name in clock.host]  # (off a GPU: fewer marks)
+            wholes.append(clock.host["read"] - clock.host["call"])
+            parts.append({b: tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)})
+    return {"pass_host_s": statistics.median(wholes),
+            "pass_host_parts": {name: statistics.median(p[name] for p in parts) for name in parts[0]}}
 
 
 SWEEP_WORDS = (1024, 2048, 4096, 8192, 16384)
@@ -203,6 +231,11 @@ def report(times: dict) -> None:
                        "fused_records_s")):
         if key in times:
             print(f"| {what} | {1e3 * times[key]:.3f} | {copy / times[key]:.0%} |")
+    if "pass_host_s" in times:
+        print(f"| the decode's pass in this process alone, host: the call to both sums in hand | "
+              f"{1e3 * times['pass_host_s']:.3f} | {copy / times['pass_host_s']:.0%} |")
+        print("\nits host time by part (each from the mark before), ms: " + ", ".join(
+            f"{name} {1e3 * s:.3f}" for name, s in times["pass_host_parts"].items()))
 
 
 def main() -> None:
