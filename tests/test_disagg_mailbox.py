@@ -251,3 +251,34 @@ def test_a_frame_that_claims_more_than_a_mail_holds_closes_its_connection(caplog
         return closed
 
     assert asyncio.run(go()) == b"" and "a mailbox frame did not parse" in caplog.text
+
+
+def test_a_frame_cut_short_by_its_connection_is_dropped_and_the_next_connection_delivers():
+    """A prefill server that dies mid-frame leaves half a frame: it is dropped with its connection (each
+    connection cuts its own frames), and the request's frame from a new connection still arrives whole."""
+    import asyncio
+    import json
+    import socket
+
+    from tandem.server.disagg_mailbox import _FRAME, Mailbox, _address
+
+    async def go():
+        box = Mailbox()
+        await box.start()
+        waiting = box.expect("r1", "pages")
+        data = json.dumps({"rid": "r1", "kind": "pages"}).encode()
+        frame = _FRAME.pack(len(data), 4) + data + b"\x01\x02\x03\x04"
+        for cut in (frame[:-2], frame):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(_address(box.name))
+            sock.sendall(cut)
+            sock.close()
+            await asyncio.sleep(0.1)
+            if cut is not frame:
+                assert not waiting.done()  # (half a frame delivers nothing)
+        head, payload = await asyncio.wait_for(waiting, 5)
+        await box.close()
+        return head, payload, box._connections
+
+    head, payload, connections = asyncio.run(go())
+    assert head["rid"] == "r1" and payload == b"\x01\x02\x03\x04" and not connections
