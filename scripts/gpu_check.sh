@@ -4,6 +4,7 @@
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
+#                        [pd_transfer_ab] (with OLD=DIR)
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -115,9 +116,14 @@ for part in $parts; do
         tier_sweep) timeout 590 python3 benchmarks/host_tier.py --sweep --points 0,1 --out "$OUT/sweep_a.json" ;;
         pd_transfer) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
                    tests/test_disagg_checksum.py tests/test_disagg_transfer.py tests/test_disagg_kv_copy.py \
-                   tests/test_disagg.py;
+                   tests/test_disagg.py tests/test_kv_sums.py tests/test_disagg_staging.py;
                      timeout 120 python3 benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only \
-                   --out "$OUT/disagg_transfer.json" ;;
+                   --transfer-reps 10 --out "$OUT/disagg_transfer.json" ;;
+        pd_transfer_ab) for i in 1 2; do  # OLD: another tree to compare, e.g. `git archive REV | tar -x -C ab_old`
+                     for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
+                         (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
+                             benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only --transfer-reps 10); done
+                     done ;;
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"
