@@ -164,10 +164,13 @@ def test_on_the_gpu_the_graphs_capture_the_routing_too():
     asyncio.run(go())
 
 
-def test_routing_moves_with_the_kv_from_a_prefill_to_a_decode_engine():
+@pytest.mark.parametrize("by_reference", [False, True], ids=["as bytes", "by reference"])
+def test_routing_moves_with_the_kv_from_a_prefill_to_a_decode_engine(by_reference):
     """Prefill/decode: the prefill engine exports the routing of the positions it sends with their KV, the decode
     engine keeps it beside them; the decode engine's answer then carries every token's routing (a later turn's
-    history from its own cache); pairing a decode engine that keeps routing with one that does not is refused."""
+    history from its own cache), whether the KV came as bytes or by reference (the pool mapped, the pages pinned);
+    pairing a decode engine that keeps routing with one that does not is refused."""
+    from tandem.engine.kv_mapped import MappedKV, MappedPool, pool_handle
     from tandem.server.disagg import kv_layout
 
     prefill_config = dataclasses.replace(CONFIG, role="prefill")
@@ -179,11 +182,16 @@ def test_routing_moves_with_the_kv_from_a_prefill_to_a_decode_engine():
             for _ in range(2):
                 kv_from = await d.probe(history)
                 first = await p.generate(history, dataclasses.replace(SAMPLING, max_new_tokens=1),
-                                         export_kv_from=kv_from)
+                                         export_kv_from=kv_from, export_pinned=by_reference)
                 assert first.kv.routing.shape == (len(history) - kv_from, 3, 2)
+                kv = first.kv if not by_reference else MappedKV(
+                    MappedPool(pool_handle(p.pool), d.pool.k_cache.device), first.kv.handle, "prefill-here", "e")
                 out = await d.generate_imported(history, SAMPLING, (first.output_ids, first.output_logprobs,
-                                                                    first.weight_versions), first.kv,
+                                                                    first.weight_versions), kv,
                                                 return_routed_experts=True)
+                if by_reference:
+                    assert kv.checked and kv.failure is None
+                    first.kv.free(True)
                 assert torch.equal(out.routed_experts, reference_routing(d.model, history + out.output_ids)[:-1])
                 history = history + out.output_ids + prompt(5, seed=6)
             assert kv_from > 0  # (the later turn's history came from the decode engine's cache)

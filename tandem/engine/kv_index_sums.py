@@ -19,7 +19,7 @@ from tandem.engine.kv_pool import records_page_sums
 from tandem.engine.kv_shared import staging
 from tandem.engine.kv_transfer import TransferClock, checksum_weights, page_sums
 
-__all__ = ["canonical", "host_sums", "page_sums_by_index", "record_sums_by_index"]
+__all__ = ["HostRead", "canonical", "host_sums", "page_sums_by_index", "record_sums_by_index"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -49,7 +49,7 @@ def _kernel_ok(*caches: torch.Tensor) -> bool:
 def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, start: int, end: int,
                        page_size: int, dst_k: torch.Tensor | None = None, dst_v: torch.Tensor | None = None,
                        dst_pages=None, clock: TransferClock | None = None, tile=None,
-                       records: torch.Tensor | None = None) -> torch.Tensor:
+                       records: torch.Tensor | None = None, read: bool = False) -> torch.Tensor | HostRead:
     """The `page_sums` [pages, 2] (int64, on the pools' device, not synchronised; `canonical` of them once on the
     host: the kernel's column parts hold their value in the low 32 bits) of positions [start, end) (`start`
     page-aligned) of a sequence whose pages, from `start`'s on, are `src_pages` of pool tensors `src_k`, `src_v`
@@ -60,7 +60,8 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     "staged" (the page index written where the kernels read it), "launched" (the kernels queued).
     `tile`: the kernel's (`kv_copy.Tile`; its default if None). `records`: the source pool's checksum records
     (`KVPool.sums`, or a mapping of it): then [2, pages, 2], the pass's sums and those the records give
-    (`record_sums_by_index`, queued behind the pass, through the same staged index)."""
+    (`record_sums_by_index`, queued behind the pass, through the same staged index). `read`: the sums also queued
+    for the host right behind the kernels, before anything else the host does, and returned as a `HostRead`."""
     num, n = len(src_pages), end - start
     if start % page_size or num != -(-n // page_size) or (dst_pages is not None and len(dst_pages) != num):
         raise ValueError(f"kv transfer: {num} pages (and {None if dst_pages is None else len(dst_pages)} to write) "
@@ -86,10 +87,13 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
             from tandem.kernels import kv_sums
 
             kv_sums.page_sums(records, index[0], index[2], page_size, out=sums[1])
+        out = sums if records is not None else sums[0]
+        if read:  # (first: the host's work below then overlaps the kernels, not the wait after them)
+            out = HostRead(out)
         staged()  # (after the launches: they read the index where it was staged)
         if clock is not None:
             clock.mark("launched", device=False)
-        return sums if records is not None else sums[0]
+        return out
     slots = _slots(src_pages, page_size, n, device)
     k, v = src_k.index_select(1, slots), src_v.index_select(1, slots)
     sums = page_sums(k, v, page_size)
@@ -99,7 +103,7 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
         dst_v.index_copy_(1, dst_slots, v.to(dst_v.dtype))
     if records is not None:
         sums = torch.stack([sums, record_sums_by_index(records, src_pages, start, end, page_size)])
-    return sums
+    return HostRead(sums) if read else sums
 
 
 def record_sums_by_index(records: torch.Tensor, pages, start: int, end: int, page_size: int,
@@ -159,25 +163,37 @@ def canonical(sums: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     return (np.stack if isinstance(sums, np.ndarray) else torch.stack)([sums[..., 0], cols], -1)
 
 
-def host_sums(sums: torch.Tensor, clock: TransferClock | None = None) -> np.ndarray:
-    """`canonical` of `page_sums_by_index`'s sums, on the host (int64 numpy [pages, 2]), the host waiting for them:
-    on a GPU copied into a kept page-locked buffer (`Staging`) and waited for by an event, not through pageable
-    memory. `clock`, if any, is marked "synced" (host) once the wait returns."""
-    if not sums.is_cuda:
+class HostRead:
+    """Sums on their way to the host: on a GPU a copy into a kept page-locked buffer (`Staging`, not pageable
+    memory), queued as this is made (right behind the kernels that compute them) with an event behind it; off a GPU
+    the sums themselves. `result(clock)`: once, the host waits for them (`clock`, if any, marked "synced" as the
+    wait returns) and has `canonical` of them (int64 numpy)."""
+
+    def __init__(self, sums: torch.Tensor):
+        self.sums, self.done = sums, None
+        if sums.is_cuda:
+            self.stage, nbytes = staging(sums.device), sums.numel() * 8
+            self.buf = self.stage.take(nbytes)
+            self.sums = self.buf.view(nbytes, torch.int64).view(sums.shape)
+            self.sums.copy_(sums, non_blocking=True)
+            self.done = self.buf.record(sums.device)
+
+    def result(self, clock: TransferClock | None = None) -> np.ndarray:
+        if self.done is not None:
+            self.done.synchronize()
         if clock is not None:
             clock.mark("synced", device=False)
-        return canonical(sums.numpy())
-    stage, nbytes = staging(sums.device), sums.numel() * 8
-    buf = stage.take(nbytes)
-    host = buf.view(nbytes, torch.int64).view(sums.shape)
-    host.copy_(sums, non_blocking=True)
-    done = buf.record(sums.device)
-    done.synchronize()
-    if clock is not None:
-        clock.mark("synced", device=False)
-    out = canonical(host.numpy())  # (a new array: the buffer is free again)
-    stage.give(buf, done)
-    return out
+        out = canonical(self.sums.numpy())  # (a new array: the buffer may be handed out again)
+        if self.done is not None:
+            self.stage.give(self.buf, self.done)
+            self.done = None
+        return out
+
+
+def host_sums(sums: torch.Tensor, clock: TransferClock | None = None) -> np.ndarray:
+    """`canonical` of `page_sums_by_index`'s sums, on the host (int64 numpy [pages, 2]), the host waiting for them
+    (`HostRead`; `clock` marked "synced" as the wait returns)."""
+    return HostRead(sums).result(clock)
 
 
 def _slots(pages: list[int], page_size: int, n: int, device: torch.device) -> torch.Tensor:

@@ -264,10 +264,10 @@ class MappedKV:
 
     def pass_into(self, pool: KVPool, pages: list[int]) -> None:
         """The pass of `write_into`: the pages written, the sums of what was read (`mine`) and the prefill side's
-        from its records (`sums`), the host having waited for them (one read), then the pages' epochs
-        (`epochs_after`). ValueError if the routing the pool keeps is missing, or pages are of another size. Marks
-        `clock` "write" and "written" around the pass (device events on a GPU; "launch" as its kernels are
-        launched), "synced" once the host's wait for its sums returns, "passed" once it has them."""
+        from its records (`sums`), read back by the host (one copy, queued right behind the kernels: `HostRead`),
+        then the pages' epochs (`epochs_after`). ValueError if the routing the pool keeps is missing, or pages are
+        of another size. Marks `clock` "write" and "written" around the pass (device events on a GPU; "launch" as
+        its kernels are launched), "synced" once the host's wait for its sums returns, "passed" once it has them."""
         P = self.page_size
         if pool.routing is not None and self.routing is None:
             raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
@@ -277,12 +277,12 @@ class MappedKV:
         clock.mark("write")
         mine = pages[self.start // P:-(-self.end // P)]
         pool.mark_unsummed(mine)
-        both = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
-                                  pool.k_cache, pool.v_cache, mine, clock, records=self.source.records)
-        clock.mark("written")
-        if pool.routing is not None:
+        if pool.routing is not None:  # (before the pass: a copy from pageable memory waits for the stream's work)
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        self.mine, self.sums = host_sums(both, clock)  # (the host waits for the pass)
+        both = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
+                                  pool.k_cache, pool.v_cache, mine, clock, records=self.source.records, read=True)
+        clock.mark("written")
+        self.mine, self.sums = both.result(clock)  # (the host waits for the pass)
         self.epochs_after = self.source.epochs[self.pages]  # (after the reads: see `check`)
         clock.mark("passed", device=False)
 
