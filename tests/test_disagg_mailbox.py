@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+import torch
 from disagg_helpers import no_mail, write_reserved_blind_to_pause
 from test_disagg_transfer import (
     DEVICES,
@@ -150,6 +151,7 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
             sender.expect("engine-1", "k1", box.name)
             sender.expect("engine-2", "nobody", box.name)
             kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
+                                 is_recorded=lambda: True,
                                  pages=[7, 3, 5], epochs=[1, 2, 9])
             sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
             sender.pinned("engine-1", kv, 4)
@@ -282,3 +284,56 @@ def test_a_frame_cut_short_by_its_connection_is_dropped_and_the_next_connection_
 
     head, payload, connections = asyncio.run(go())
     assert head["rid"] == "r1" and payload == b"\x01\x02\x03\x04" and not connections
+
+
+def records_queued_at_the_pin(monkeypatch, waited: bool) -> tuple[dict, int]:
+    """A prefill server whose pinning queues checksum records as a GPU's would (pages loaded from the host tier, say:
+    `KVPool.record_pages`), simulated on the CPU: the pinned pages' records hold other values until the records'
+    event is waited for. A prompt through a decode server by reference: its finish reason, and the mails sent.
+    `waited=False`: a mutant export that names its pages before its records are done."""
+    from tandem.engine.kv_mapped import PinnedKV
+    from tandem.engine.kv_pool import KVPool
+    from tandem.server.disagg_mailbox import MailSender
+
+    class Queued:  # (a CUDA event's part the export uses, behind records not yet written)
+        def __init__(self, pool, slots):
+            self.pool, self.slots, self.done = pool, slots, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            if not self.done:
+                self.pool.record_sums(self.slots)  # (the records as the kernel would have written them)
+                self.done = True
+
+    def queued(pool, pages):
+        P = pool.page_size
+        slots = torch.tensor([p * P + i for p in pages for i in range(P)])
+        pool.sums[slots] += 1  # (what the records hold until then: another write's)
+        return Queued(pool, slots)
+
+    monkeypatch.setattr(KVPool, "record_pages", queued)
+    if not waited:
+        monkeypatch.setattr(PinnedKV, "is_recorded", lambda self: True)
+        monkeypatch.setattr(PinnedKV, "wait_recorded", lambda self: None)
+    sent = []
+    send = MailSender._send
+    monkeypatch.setattr(MailSender, "_send", lambda self, *a: sent.append(a) or send(self, *a))
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0)
+    return finish, len(sent)
+
+
+def test_records_the_pin_queued_are_done_before_a_decode_server_reads_them(monkeypatch):
+    """No mail while the records are queued (the answer's way), and the answer waits for them: the transfer
+    checks out (on a GPU the pinning's records queue behind the step launched after the prompt's, so a decode
+    server reading at once would read what the records held before)."""
+    finish, mails = records_queued_at_the_pin(monkeypatch, waited=True)
+    assert finish["type"] == "length" and mails == 0, finish
+
+
+def test_the_records_falsifier_an_export_named_before_its_records_are_done_fails_its_check(monkeypatch):
+    finish, mails = records_queued_at_the_pin(monkeypatch, waited=False)
+    assert finish["type"] == "abort" and "another checksum" in finish["message"] and mails == 1, finish

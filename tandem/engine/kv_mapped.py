@@ -129,18 +129,24 @@ class PinnedKV:
     host) where the pool keeps it. No checksums travel: the decode server takes the prefill side's from the pool's
     records, which it maps (`MappedKV.pass_into`). `handle`: what the decode server needs (JSON; the pages and the
     epochs as the hex of their little-endian bytes: int32 and int64); `unpin(pages)` is called once, by `free` or
-    when this is collected. `read_s`: the pinning's time on the host; `pinned_at`: `time.monotonic()` as it began."""
+    when this is collected. `read_s`: the pinning's time on the host; `pinned_at`: `time.monotonic()` as it began.
+    `recorded`: where the pinning queued checksum records (pages the forward did not write), an event behind them:
+    nobody may name the export to a decode server before it is done (`is_recorded`, `wait_recorded`); else None."""
 
     def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, epochs: np.ndarray,
-                 routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float, pinned_at: float):
+                 routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float, pinned_at: float,
+                 recorded: torch.cuda.Event | None = None):
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
         self.epochs, self.routing, self.read_s, self.pinned_at = epochs, routing, read_s, pinned_at
+        self.recorded = recorded
         self.pool_id, self._records = pool.share_id, pool.sums
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
 
     @functools.cached_property
     def handle(self) -> dict:
-        """(Built when first asked for, by the server's thread: not on the engine's way to the mail.)"""
+        """(Built when first asked for, by the server's thread: not on the engine's way to the mail; the host waits
+        for the records first, `wait_recorded`: whoever has the handle may read them.)"""
+        self.wait_recorded()
         handle = {"kind": "pages", "pool": self.pool_id, "start": self.start, "end": self.end,
                   "page_size": self.page_size, "pages": np.asarray(self.pages, dtype="<i4").tobytes().hex(),
                   "epochs": np.asarray(self.epochs, dtype="<i8").tobytes().hex()}
@@ -149,9 +155,19 @@ class PinnedKV:
                                  "shape": list(self.routing.shape)}
         return handle
 
+    def is_recorded(self) -> bool:
+        """Whether the records of its pages are complete (a decode server may read them now)."""
+        return self.recorded is None or self.recorded.query()
+
+    def wait_recorded(self) -> None:
+        """Wait (the host) until the records of its pages are complete."""
+        if self.recorded is not None:
+            self.recorded.synchronize()
+
     @property
     def checksums(self) -> tuple[str, ...]:
         """The pages' checksums as `page_checksums` has them, from the records as they are now (the host waits)."""
+        self.wait_recorded()
         return _hex_pairs(host_sums(record_sums_by_index(self._records, self.pages, self.start, self.end,
                                                          self.page_size)))
 
@@ -166,9 +182,10 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     """Pin the pages holding positions [start, end) (`start` page-aligned) of a sequence with page table `pages`
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and note their
     epochs; pages whose KV the forward did not write get their checksum records now (`KVPool.record_pages`, behind
-    whatever wrote them). Call in the engine's thread, between steps, once the step that computed the KV has been
-    waited for (its sampled tokens read, which come after the forward's records): the pages and their records are
-    complete, whoever reads them when. ValueError if the pool keeps no records or epochs."""
+    whatever wrote them: `PinnedKV.recorded`). Call in the engine's thread, between steps, once the step that
+    computed the KV has been waited for (its sampled tokens read, which come after the forward's records): the pages
+    and the forward's records are complete, whoever reads them when. ValueError if the pool keeps no records or
+    epochs."""
     P = pool.page_size
     assert start % P == 0, start
     if (why := why_not_mappable(pool)) is not None:
@@ -177,13 +194,14 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     held = list(pages[start // P:-(-end // P)])
     pool.incref(held)
     try:
-        pool.record_pages(held)
+        recorded = pool.record_pages(held)
         epochs = pool.epochs[held]  # (a copy)
         routing = None if pool.routing is None else pool.routing[pool.slots(pages, start, end)].cpu()
     except BaseException:
         pool.decref(held)
         raise
-    return PinnedKV(pool, held, start, end, epochs, routing, unpin, time.perf_counter() - began, pinned_at)
+    return PinnedKV(pool, held, start, end, epochs, routing, unpin, time.perf_counter() - began, pinned_at,
+                    recorded)
 
 
 def _hex_pairs(sums: np.ndarray) -> tuple[str, ...]:

@@ -148,16 +148,24 @@ class KVPool(PageAllocator):
                 col_part += (words_TM * col_w.to(torch.int32)).sum(1, dtype=torch.int32)
             self.sums[slots, layer] = torch.stack([row_part, col_part.long()], 1)
 
-    def record_pages(self, pages: list[int]) -> None:
+    def record_pages(self, pages: list[int]) -> torch.cuda.Event | None:
         """Record the checksum shares of every position of `pages` that are not `summed` (their KV written other
         than by the forward: loaded from the host tier, imported), from what they hold now; then they are. Call in
-        the engine's thread, after whatever wrote them was queued (on the compute stream)."""
+        the engine's thread, after whatever wrote them was queued (on the current stream). Returns, on a GPU where
+        it queued any, an event behind them: another process reading the records must wait for it (the stream
+        may hold the next step ahead of them); else None (done)."""
         held = np.asarray(pages, dtype=np.int64)
-        if (stale := held[~self.summed[held]]).size:
-            P = self.page_size
-            slots = (torch.from_numpy(stale)[:, None] * P + torch.arange(P)).flatten()
-            self.record_sums(slots.to(self.k_cache.device, non_blocking=True))
-            self.summed[stale] = True
+        if not (stale := held[~self.summed[held]]).size:
+            return None
+        P = self.page_size
+        slots = (torch.from_numpy(stale)[:, None] * P + torch.arange(P)).flatten()
+        self.record_sums(slots.to(self.k_cache.device, non_blocking=True))
+        self.summed[stale] = True
+        if not self.k_cache.is_cuda:
+            return None
+        recorded = torch.cuda.Event()
+        recorded.record(torch.cuda.current_stream(self.k_cache.device))
+        return recorded
 
     def copy_slots(self, src_page: int, dst_page: int, num_tokens: int) -> None:
         """Copy the first `num_tokens` positions of one page into another (all layers): how a request

@@ -180,8 +180,8 @@ class MailSender:
         self._expected.pop(engine_rid, None)
 
     def pinned(self, engine_rid: str, kv: PinnedKV, version: int) -> None:
-        if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None:
-            return  # (routed experts come with the answer alone)
+        if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None or not kv.is_recorded():
+            return  # (routed experts come with the answer alone; records still queued, with it once they are done)
         rid, name = to
         head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}

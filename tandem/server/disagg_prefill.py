@@ -82,6 +82,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
                 "prefill_tokens": out.prefill_tokens}
         began = time.perf_counter()
         if isinstance(out.kv, PinnedKV):
+            if not out.kv.is_recorded():  # (records the pinning queued: the decode server reads them once named)
+                await asyncio.to_thread(out.kv.wait_recorded)
             data = _reference_answer(exports.hold(out.kv), out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
             # (on the host's one monotonic clock, for the decode server's record of the whole way: the pinning's
