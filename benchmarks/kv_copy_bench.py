@@ -128,9 +128,8 @@ def host_times(pass_, device: str, reps: int) -> dict:
         pass_(clock)
         clock.mark("read", device=False)
         if i >= 2:
-            at = [(name, clock.host[name]) for name in names if name in clock.host]  # (off a GPU: fewer marks)
             wholes.append(clock.host["read"] - clock.host["call"])
-            parts.append({b: tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)})
+            parts.append(clock.parts(names))  # (off a GPU: fewer marks)
     return {"pass_host_s": statistics.median(wholes),
             "pass_host_parts": {name: statistics.median(p[name] for p in parts) for name in parts[0]}}
 
@@ -235,7 +234,7 @@ def report(times: dict) -> None:
         print(f"| the decode's pass in this process alone, host: the call to both sums in hand | "
               f"{1e3 * times['pass_host_s']:.3f} | {copy / times['pass_host_s']:.0%} |")
         print("\nits host time by part (each from the mark before), ms: " + ", ".join(
-            f"{name} {1e3 * s:.3f}" for name, s in times["pass_host_parts"].items()))
+            f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in times["pass_host_parts"].items()))
 
 
 def main() -> None:

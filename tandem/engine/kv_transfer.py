@@ -286,6 +286,12 @@ class TransferClock:
             event = self._events[name] = torch.cuda.Event(enable_timing=True)
             event.record(torch.cuda.current_stream(self.device))
 
+    def parts(self, names: tuple[str, ...]) -> dict[str, float]:
+        """The host's time between consecutive marks of `names` that were made (others skipped), each keyed by the
+        later mark's name + "_s"."""
+        at = [(name, self.host[name]) for name in names if name in self.host]
+        return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
+
     def seconds(self, a: str, b: str) -> float:
         if self.device.type != "cuda":
             return self.host[b] - self.host[a]

@@ -71,13 +71,6 @@ def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> d
             "wire_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
 
 
-def _host_parts(clock: TransferClock, names: tuple[str, ...]) -> dict:
-    """The host's time between consecutive marks of `names` that `clock` has (`_record`'s `launch_parts`: a pass's
-    first mark to its kernels' launch; `wait_parts`: the launch to the comparison), each named by its end."""
-    at = [(name, clock.host[name]) for name in names if name in clock.host]
-    return {f"{b}_s": tb - ta for (_, ta), (b, tb) in zip(at, at[1:], strict=False)}
-
-
 class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
 
@@ -187,8 +180,8 @@ class KVImports:
             and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
             and "passed" in clock.host else None,
-            "launch_parts": _host_parts(clock, ("write", "staged", "launch")) if mapped else None,
-            "wait_parts": _host_parts(clock, ("launch", "launched", "synced", "passed", "checked")) if mapped
+            "launch_parts": clock.parts(("write", "staged", "launch")) if mapped else None,
+            "wait_parts": clock.parts(("launch", "launched", "synced", "passed", "checked")) if mapped
             else None})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:
