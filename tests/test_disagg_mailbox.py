@@ -102,13 +102,14 @@ def test_an_answer_naming_other_pages_than_its_mail_ends_the_request(monkeypatch
 
 def mailed_while_paused(monkeypatch, check_pause: bool) -> tuple[bool, bool, bool]:
     """The decode server paused (in place, acknowledged) before a request by reference whose mail then lands, and
-    continued 0.5 s later: whether its generation ended before the continue, whether it came by mail, and whether
+    continued 0.5 s later (its answers 0.3 s late): whether its generation ended before the continue, whether it came by mail, and whether
     it generated what bytes give. `check_pause=False`: a mutant `write_reserved` that does not see the pause."""
     import concurrent.futures
 
     if not check_pause:
         write_reserved_blind_to_pause(monkeypatch)
     ids = prompt(26, seed=7)
+    slow_answers(monkeypatch)  # (the mail surely lands first: on a busy host it can come after the answer)
     with prefill_server("cpu") as p_url, decode_server("cpu", "bytes") as d_url:
         want = tokens(generate(d_url, p_url, ids))
     with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url, \
