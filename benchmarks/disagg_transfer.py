@@ -111,19 +111,21 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
                        "decode_check_s"),
                       ("(vi) by reference, after (v) where written as it landed: checked to the request queued in "
                        "the engine (host)", "decode_handoff_s"),
-                      ("(vii) by reference, the whole way on one clock: the prefill server starting its export to "
-                       "the checksums compared (with the answer's way between the two, which (iii) leaves out)",
-                       "decode_path_s"),
-                      ("(vii-1) of (vii): the prefill engine pinning the pages (host)", "path_pin_s"),
-                      ("(vii-2) of (vii): then to the prefill server's handler having the output (the engine "
+                      ("(vii) by reference, the whole way on one clock: the prefill engine having its KV ready (the "
+                       "result of the step that computed it in hand) to the checksums compared (with the answer's "
+                       "or the mail's way between the two, which (iii) leaves out)", "decode_path_s"),
+                      ("(vii-0) before (vii), not of it: the prefill engine pinning the pages as it launched that "
+                       "step (host)", "path_pin_s"),
+                      ("(vii-2) of (vii): the KV ready to the prefill server's handler having the output (the engine "
                        "finishing the request, the hop between its threads)", "path_to_server_s"),
                       ("(vii-3) of (vii): the answer built", "path_answer_s"),
                       ("(vii-4) of (vii): the answer's way to the decode server's handler (HTTP)", "path_wire_s"),
-                      ("(vii-2m) of (vii), by mail: then the pages' mail sent (the prefill engine's thread)",
-                       "path_to_mail_s"),
-                      ("(vii-4m) of (vii), by mail: the pages' mail's way into the decode server's event loop",
+                      ("(vii-2m) of (vii), by mail: the KV ready to its ready mail sent (the prefill engine's "
+                       "thread; the pages were mailed as the step was launched)", "path_to_mail_s"),
+                      ("(vii-4m) of (vii), by mail: the ready mail's way into the decode server's event loop",
                        "path_mail_s"),
-                      ("(vii-5) of (vii): the decode server, the answer in hand to the checksums compared",
+                      ("(vii-5) of (vii): the decode server, the answer or ready mail in hand to the checksums "
+                       "compared",
                        "path_import_s"),
                       ("(v''b) by reference, of (v): the pass's first mark to its kernels' launch (host)",
                        "decode_launch_host_s"),

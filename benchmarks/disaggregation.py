@@ -336,7 +336,7 @@ def targets(results: dict, base_name: str) -> list[dict]:
     # which (iii) leaves out, so (iii) alone would flatter it)
     whole = "decode_path_s" in t
     share, e2e = copy_time / t["decode_path_s" if whole else "transfer_s"], copy_time / t["end_to_end_s"]
-    rows = [("KV transfer between the two processes (" + ("the whole way: prefill export started to decode pages "
+    rows = [("KV transfer between the two processes (" + ("the whole way: the prefill's KV ready to decode pages "
              "written and checked" if whole else "prefill export + decode import") + "): copy time of the same "
              "bytes / transfer time", "at least 50%", f"{share:.1%} (old convention {share / 2:.1%}; (iii) "
              f"{copy_time / t['transfer_s']:.1%}; {e2e:.1%} end to end)", share >= 0.5)]

@@ -1,8 +1,9 @@
 """The KV transfer by reference's side channel (`tandem.server.disagg_mailbox`): a pinned export's pages mailed by the
-prefill engine as it pins them, written and checked by the decode server as the mail lands, before the pages are
-used; the HTTP answer confirms it. Real servers over HTTP (CPU, fp32; the GPU case with the prefill server in a
-process of its own). Falsifiers: a page changed after the prefill wrote it (the comparison), an answer naming other
-pages than the mail (the confirmation)."""
+prefill engine as it pins them (as it launches the step that computes them), then its ready mail once the step's
+result is in; written and checked by the decode server as the ready mail lands, before the pages are used; the HTTP
+answer confirms it. Real servers over HTTP (CPU, fp32; the GPU case with the prefill server in a process of its
+own). Falsifiers: a page changed after the prefill wrote it (the comparison), an answer naming other pages than the
+mail (the confirmation), pages read as their pages mail lands (the ready mail; a GPU's late KV simulated)."""
 
 import time
 
@@ -102,8 +103,9 @@ def test_an_answer_naming_other_pages_than_its_mail_ends_the_request(monkeypatch
 
 def mailed_while_paused(monkeypatch, check_pause: bool) -> tuple[bool, bool, bool]:
     """The decode server paused (in place, acknowledged) before a request by reference whose mail then lands, and
-    continued 0.5 s later (its answers 0.3 s late): whether its generation ended before the continue, whether it came by mail, and whether
-    it generated what bytes give. `check_pause=False`: a mutant `write_reserved` that does not see the pause."""
+    continued 0.5 s later (its answers 0.3 s late): whether its generation ended before the continue, whether it came by
+    mail, and whether it generated what bytes give. `check_pause=False`: a mutant `write_reserved` that does not see the
+    pause."""
     import concurrent.futures
 
     if not check_pause:
@@ -328,13 +330,69 @@ def records_queued_at_the_pin(monkeypatch, waited: bool) -> tuple[dict, int]:
 
 
 def test_records_the_pin_queued_are_done_before_a_decode_server_reads_them(monkeypatch):
-    """No mail while the records are queued (the answer's way), and the answer waits for them: the transfer
-    checks out (on a GPU the pinning's records queue behind the step launched after the prompt's, so a decode
-    server reading at once would read what the records held before)."""
+    """The pages mail goes at once, the ready mail only once the records are done (and the answer waits for them
+    too): the transfer checks out (on a GPU the pinning's records queue behind the step, so a decode server
+    reading as soon as the step's result is in could read what the records held before)."""
     finish, mails = records_queued_at_the_pin(monkeypatch, waited=True)
-    assert finish["type"] == "length" and mails == 0, finish
+    assert finish["type"] == "length" and mails == 2, finish
 
 
 def test_the_records_falsifier_an_export_named_before_its_records_are_done_fails_its_check(monkeypatch):
     finish, mails = records_queued_at_the_pin(monkeypatch, waited=False)
-    assert finish["type"] == "abort" and "another checksum" in finish["message"] and mails == 1, finish
+    assert finish["type"] == "abort" and "another checksum" in finish["message"] and mails == 2, finish
+
+
+def read_before_ready(monkeypatch, early_read: bool) -> dict:
+    """A prefill server whose KV lands as a GPU's would, simulated on the CPU: as its pages are mailed (the step
+    that computes them launched) they hold other bytes, and the KV the forward computed lands 0.3 s later, just
+    before the engine has the step's result. A prompt through a decode server by reference: its finish reason.
+    `early_read=True`: a mutant decode server that writes the pages as their pages mail lands."""
+    from tandem.engine.core import EngineCore
+    from tandem.server.disagg_import import KVImports
+    from tandem.server.disagg_mailbox import MailSender
+
+    landing = {}
+    mail_pinned, pin, ready = MailSender.pinned, EngineCore._pin_launched, EngineCore._exports_ready
+
+    def pin_launched(self, chunks, version):
+        landing["pool"] = self.pool
+        pin(self, chunks, version)
+
+    def pinned(self, engine_rid, kv, version):
+        k = landing["pool"].k_cache
+        slots = torch.tensor([p * kv.page_size + i for p in kv.pages for i in range(kv.page_size)])
+        landing["kv"] = (k, slots, k[:, slots].clone())
+        k[:, slots] = 7.0  # (not yet written: what the pages held before)
+        mail_pinned(self, engine_rid, kv, version)
+
+    def exports_ready(self, chunks):
+        if (held := landing.pop("kv", None)) is not None:
+            time.sleep(0.3)
+            k, slots, computed = held
+            k[:, slots] = computed  # (the forward's write lands)
+        ready(self, chunks)
+    monkeypatch.setattr(MailSender, "pinned", pinned)
+    monkeypatch.setattr(EngineCore, "_pin_launched", pin_launched)
+    monkeypatch.setattr(EngineCore, "_exports_ready", exports_ready)
+    if early_read:
+        mailed = KVImports._mailed
+
+        def at_once(self, url, rid, mail, head, payload):
+            mailed(self, url, rid, mail, head, payload)
+            self._mail_ready(url, rid, mail, {"ready_at": head["pinned_at"], "sent_at": head["sent_at"]}, b"")
+        monkeypatch.setattr(KVImports, "_mailed", at_once)
+    with prefill_server("cpu") as p_url, decode_server("cpu", "reference") as d_url:
+        finish = generate(d_url, p_url, prompt(18))["meta_info"]["finish_reason"]
+        record = httpx.get(f"{d_url}/pd/transfers").json()[-1]
+        assert wait_until(lambda: held(p_url) == 0, timeout_s=5.0)
+    assert record["mailed"], record
+    return finish
+
+
+def test_a_decode_server_reads_pages_mailed_at_the_launch_only_once_they_are_ready(monkeypatch):
+    assert read_before_ready(monkeypatch, early_read=False)["type"] == "length"
+
+
+def test_the_ready_falsifier_pages_read_as_their_mail_lands_fail_their_check(monkeypatch):
+    finish = read_before_ready(monkeypatch, early_read=True)
+    assert finish["type"] == "abort" and "another checksum" in finish["message"], finish

@@ -68,7 +68,8 @@ def churn_after_pinning(monkeypatch, pin: bool, epochs: bool = True):
             kv = real(*args, **kwargs)
             kv.free(taken=True)
             return kv
-        monkeypatch.setattr("tandem.engine.core.pin_pages", unpinned)
+        for where in ("core", "core_imports"):  # (pinned as launched; as the request ends where it was not)
+            monkeypatch.setattr(f"tandem.engine.{where}.pin_pages", unpinned)
 
     async def go():
         with Engine("tiny", PREFILL) as p, Engine("tiny", POOL) as d, Engine("tiny", POOL) as unified:
@@ -221,3 +222,51 @@ def test_an_export_dropped_unfreed_unpins_its_pages_as_it_is_collected(monkeypat
 
 def test_the_collection_falsifier_an_export_dropped_unfreed_stays_pinned(monkeypatch):
     assert dropped_export_pins(monkeypatch, collected=False) == 5
+
+
+def pinned_as_launched(monkeypatch, retract: bool = False, void: bool = True) -> tuple[list, object]:
+    """A prompt exported by pinning through a prefill engine whose hooks record what they are told (`on_pinned`,
+    `on_ready`): the calls (name, rid, ready_at as told) and the output. `retract`: the request is retracted as it
+    is pinned (as the next schedule may, short of pages); `void=False`: a mutant engine that keeps such a pin."""
+    from tandem.engine.core import EngineCore
+
+    if not void:
+        monkeypatch.setattr(EngineCore, "_void_early", lambda self: None)
+    calls = []
+
+    async def go():
+        with Engine("tiny", PREFILL) as p:
+            core = p.core
+
+            def on_pinned(rid, kv, version):
+                calls.append(("pinned", rid, kv.ready_at, kv))
+                if retract:
+                    core.scheduler.retract(core._requests[rid])
+            core.on_pinned = on_pinned
+            core.on_ready = lambda rid, kv: calls.append(("ready", rid, kv.ready_at, kv))
+            first = await p.generate(prompt(18), dataclasses.replace(SEEDED, max_new_tokens=1), "r",
+                                     export_kv_from=0, export_pinned=True)
+            if first.kv is not None:
+                first.kv.free(taken=True)
+            await p.flush_cache()
+            assert (await p.get_stats()).pages_free == POOL.num_pages and not core._early
+            return first
+    return calls, asyncio.run(go())
+
+
+def test_an_export_is_pinned_as_its_step_is_launched_and_ready_once_its_result_is_in(monkeypatch):
+    """The pin is named before the step's result is in (no `ready_at`), then ready; the export is that pin."""
+    calls, first = pinned_as_launched(monkeypatch)
+    assert [(name, rid) for name, rid, *_ in calls] == [("pinned", "r"), ("ready", "r")], calls
+    assert calls[0][2] is None and calls[1][2] is not None and calls[0][3] is calls[1][3] is first.kv
+    assert calls[1][2] >= first.kv.pinned_at and (first.kv.start, first.kv.end) == (0, 18)
+
+
+def test_a_request_retracted_after_its_pin_is_never_said_ready_and_its_pin_let_go(monkeypatch):
+    calls, first = pinned_as_launched(monkeypatch, retract=True)
+    assert [name for name, *_ in calls] == ["pinned"] and first.kv is None, calls
+
+
+def test_the_retraction_falsifier_a_kept_pin_is_said_ready_for_an_export_that_never_comes(monkeypatch):
+    calls, first = pinned_as_launched(monkeypatch, retract=True, void=False)
+    assert [name for name, *_ in calls] == ["pinned", "ready"] and first.kv is None, calls

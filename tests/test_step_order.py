@@ -3,6 +3,7 @@ every mutant; the engine's code issues exactly the work the placement describes;
 
 import asyncio
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_the_engine_issues_exactly_the_described_work_in_the_described_order():
         asyncio.run(engine.update_weights({"model.norm.weight": named["model.norm.weight"]}))
     issued = set(trace)
     described = {w.name for p in IN_USE for w in p.works if not w.tp_only and w.stream != "transport"}
-    described -= {"kv_import", "kv_export"}  # (prefill/decode servers: traced in the next test)
+    described -= {"kv_import", "kv_export", "kv_pin"}  # (prefill/decode servers: traced in the next test)
     described -= {w.name for w in TIER_DIRECT} - {w.name for w in TIER}  # (a CPU tier's are staged; see below)
     cpu_only_absent = {"copy_out", "weights_land"}  # the copy to pinned memory is CUDA's; the land the transport's
     assert issued == described - cpu_only_absent, (issued ^ (described - cpu_only_absent))
@@ -150,6 +151,9 @@ def test_prefill_and_decode_servers_issue_their_kv_copies_as_described():
         with Engine("tiny", EngineConfig(page_size=4, num_pages=64, role="prefill")) as p, \
                 Engine("tiny", EngineConfig(page_size=4, num_pages=64, role="decode")) as d:
             p.core.order.trace, d.core.order.trace = [], []
+            pinned = await p.generate(prompt[:-4], dataclasses.replace(sp, max_new_tokens=1), export_kv_from=0,
+                                      export_pinned=True)
+            pinned.kv.free(taken=True)
             first = await p.generate(prompt, dataclasses.replace(sp, max_new_tokens=1), export_kv_from=0)
             out = await d.generate_imported(prompt, sp, (first.output_ids, first.output_logprobs,
                                                          first.weight_versions), first.kv)
@@ -157,8 +161,12 @@ def test_prefill_and_decode_servers_issue_their_kv_copies_as_described():
             return p.core.order.trace, d.core.order.trace
 
     exported, imported = asyncio.run(go())
-    assert "kv_export" in exported and "kv_import" in imported
-    assert _in_order(exported[exported.index("sampling_params"):], step_order.PREFILL_SERVER)
+    assert "kv_export" in exported and "kv_import" in imported and "kv_pin" in exported
+    pinning = exported[:exported.index("kv_pin") + 1]  # (pinned as its step was launched, before its result)
+    assert "forward" in pinning and "read_tokens" not in pinning[pinning.index("forward"):], pinning
+    starts = [i for i, name in enumerate(exported) if name == "sampling_params"] + [len(exported)]
+    for a, b in itertools.pairwise(starts):  # (step by step: the two requests' steps, each with what follows it)
+        assert _in_order(exported[a:b], step_order.PREFILL_SERVER), exported[a:b]
     assert imported.index("kv_import") < imported.index("sampling_params")
 
 

@@ -52,7 +52,7 @@ from tandem.engine import commands
 from tandem.engine.core_imports import DecodeImports, Reservation
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_index_sums import record_sums_by_index
-from tandem.engine.kv_mapped import MappedKV, pin_pages
+from tandem.engine.kv_mapped import MappedKV, PinnedKV, pin_pages
 from tandem.engine.kv_pool import KVPool, plan_kv_pages
 from tandem.engine.kv_transfer import KVPages, read_pages
 from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_digest
@@ -151,9 +151,11 @@ class EngineCore(DecodeImports):
         self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
         self._reserved: dict[str, Reservation] = {}  # pages set aside for probed imports (`Probe(reserve=True)`)
         self._gate = threading.RLock()  # held by a write out of this thread, and to pause or drop a reservation
-        # (a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned, before the
-        # request leaves the queues; quick, in this thread: `disagg_mailbox.MailSender.pinned`)
-        self.on_pinned = None
+        # a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned (as its step
+        # is launched), then with (rid, PinnedKV) once it is ready to read; quick, in this thread
+        # (`disagg_mailbox.MailSender.pinned` and `.ready`)
+        self.on_pinned = self.on_ready = None
+        self._early: dict[str, PinnedKV] = {}  # exports pinned as their step was launched (`_pin_launched`)
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -282,16 +284,18 @@ class EngineCore(DecodeImports):
             self._held = [(r, pages) for r, pages in self._held if r is not req]
             req.status, req.finish_reason = Status.FINISHED, reason
         else:
-            if req.export_kv_from is not None and reason.type != "abort" and req.num_computed == len(req.tokens) - 1:
+            exporting = (req.export_kv_from is not None and reason.type != "abort"
+                         and req.num_computed == len(req.tokens) - 1)
+            if (kv := self._take_early(req, exporting)) is None and exporting:  # (else pinned as launched)
                 with self.order.work("kv_export"):
                     kv = (pin_pages(self.pool, req.pages, req.export_kv_from, req.num_computed, self.unpin) if pinned
                           else read_pages(self.pool, req.pages, req.export_kv_from, req.num_computed,
                                           self.pool.k_cache.device))
-                if pinned and kv is not None and self.on_pinned is not None and req.weight_versions:
-                    try:
-                        self.on_pinned(req.rid, kv, req.weight_versions[-1])
-                    except Exception:  # (a side channel: the answer carries the export anyway)
-                        log.exception("engine: the pinned export hook of %s failed", req.rid)
+                if pinned and req.weight_versions:  # (ready now: its step has run)
+                    kv.ready_at = time.monotonic()
+                    self._tell(self.on_pinned, req.rid, kv, req.weight_versions[-1])
+                    if kv.is_recorded():  # (else its records wait behind the next step: the answer's way)
+                        self._tell(self.on_ready, req.rid, kv)
             if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
                 known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
                 routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()
@@ -318,6 +322,7 @@ class EngineCore(DecodeImports):
         elif mode == "retract":
             for req in reversed(list(self.scheduler.running)):
                 self.scheduler.retract(req)
+            self._void_early()
         with self._gate:  # (after a write out of this thread in flight is checked: none starts after it)
             self.paused = mode
 
@@ -383,6 +388,8 @@ class EngineCore(DecodeImports):
         if self.tier is not None:
             self.tier.reap(tier_ready)  # (and its queued backups go out: scheduling time)
         chunks = self._last_chunks = self.scheduler.schedule()
+        if self._early:  # (a retraction may have taken one)
+            self._void_early()
         if not chunks:
             self._drain()
             return
@@ -396,6 +403,8 @@ class EngineCore(DecodeImports):
             return
         launched.version, t2 = self.weight_version, time.perf_counter()
         self._record_step(chunks, self.scheduler.advance(chunks), t0, t1, t2)
+        if self._pinned_exports:
+            self._pin_launched(chunks, launched.version)
         self._drain()  # (its time counts as busy by itself)
         self._inflight = launched
         if not self.config.overlap:
@@ -442,6 +451,8 @@ class EngineCore(DecodeImports):
             return
         t0 = time.perf_counter()
         tokens, logprobs = launched.result()
+        if self._early:
+            self._exports_ready(launched.chunks)
         tops = launched.top_result() or [None] * len(tokens)
         t1 = time.perf_counter()
         sampled = iter(zip(tokens, logprobs, tops, strict=True))

@@ -1,8 +1,16 @@
 """The engine core's part in prefill/decode disaggregation (`tandem.engine.core` states it): the decode server's
 end (`Probe`, `ImportRequest`: imports placed into fresh pages, held while paused, checked as written where they
-come by reference) and the prefill server's pinned exports let go (`unpin`). A part of `EngineCore`, split out by
-concept: its methods use the core's state and run in its thread, as every command does, but for the two that say
-they are thread-safe (`unpin`, `write_reserved`).
+come by reference) and the prefill server's pinned exports (pinned as the step completing their prompt is launched,
+ready once it ran, let go by `unpin`). A part of `EngineCore`, split out by concept: its methods use the core's
+state and run in its thread, as every command does, but for the two that say they are thread-safe (`unpin`,
+`write_reserved`).
+
+A prefill server's export by reference is pinned as soon as the step that computes the rest of its prompt is
+launched (`_pin_launched`), before the device has run it, and named to `on_pinned` then: its decode server can
+parse and prepare its pass while the prefill computes. Once the engine has the step's result (its sampled tokens,
+which the device writes after the KV and the forward's checksum records) the export is ready (`_exports_ready`:
+`PinnedKV.ready_at`, told to `on_ready`), and only then may anyone read its pages. A request retracted before that
+drops its early pin (`_void_early`); the request's end takes it as its export (`_take_early`).
 
 An import by reference may be written before its `ImportRequest` reaches the engine's thread: `Probe(reserve=True)`
 sets pages aside for it (`Reservation`), and the decode server, as the prefill server's answer lands, writes the KV
@@ -20,16 +28,17 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
 
 from tandem.distributed.parallel import cdiv
 from tandem.engine import commands
-from tandem.engine.kv_mapped import MappedKV
+from tandem.engine.kv_mapped import MappedKV, PinnedKV, pin_pages
 from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages
-from tandem.engine.request import Request
+from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING
 from tandem.types import HANDED_BACK, FinishReason
 
@@ -58,6 +67,58 @@ class DecodeImports:
     _unpins: collections.deque[list[int]]
     _reserved: dict[str, Reservation]
     _gate: threading.RLock
+
+    def _pin_launched(self, chunks, version: int) -> None:
+        """Pin the exports by reference whose prompt the step just launched over `chunks` completes (`pin_pages`,
+        the step's bookkeeping done: their pages and epochs noted, the records of pages the forward does not write
+        queued behind it), and name each to `on_pinned` with the step's weight `version`. Not where the pool keeps
+        routed experts: their export copies them to the host (the host would wait for the step), so those pin as
+        the request ends."""
+        if self.pool.routing is not None:
+            return
+        for c in chunks:
+            req = c.req
+            if (req.rid in self._pinned_exports and req.rid not in self._early and c.sample
+                    and req.num_computed == len(req.tokens) - 1):
+                with self.order.work("kv_pin"):
+                    kv = self._early[req.rid] = pin_pages(self.pool, req.pages, req.export_kv_from,
+                                                          req.num_computed, self.unpin)
+                self._tell(self.on_pinned, req.rid, kv, version)
+
+    def _exports_ready(self, chunks) -> None:
+        """The step over `chunks` has run (its result is in): the exports pinned as it was launched are ready to
+        read (`PinnedKV.ready_at`), each told to `on_ready`."""
+        now = time.monotonic()
+        for c in chunks:
+            if (kv := self._early.get(c.req.rid)) is not None and kv.ready_at is None:
+                kv.ready_at = now
+                self._tell(self.on_ready, c.req.rid, kv)
+
+    def _void_early(self) -> None:
+        """Unpin the early exports of requests no longer running (retracted: their KV is computed again)."""
+        for rid in [rid for rid in self._early if getattr(self._requests.get(rid), "status", None)
+                    is not Status.RUNNING]:
+            self._early.pop(rid).free(taken=False)
+
+    def _take_early(self, req: Request, exporting: bool) -> PinnedKV | None:
+        """As `req` ends: its early pin if it is the export (`exporting`, of the positions the request computed),
+        else None (the pin let go)."""
+        kv = self._early.pop(req.rid, None)
+        if kv is not None and exporting and (kv.start, kv.end) == (req.export_kv_from, req.num_computed) \
+                and kv.ready_at is not None:
+            return kv
+        if kv is not None:
+            kv.free(taken=False)
+        return None
+
+    @staticmethod
+    def _tell(hook, rid: str, *args) -> None:
+        """Call an export hook (a side channel: what it raises is logged, the answer carries the export anyway)."""
+        if hook is not None:
+            try:
+                hook(rid, *args)
+            except Exception:
+                log.exception("engine: the export hook %s of %s failed", getattr(hook, "__name__", hook), rid)
 
     def unpin(self, pages: list[int]) -> None:
         """Drop the references a pinned export holds on `pages` (`kv_mapped.PinnedKV.free`). Thread-safe: the pages

@@ -130,15 +130,17 @@ class PinnedKV:
     records, which it maps (`MappedKV.pass_into`). `handle`: what the decode server needs (JSON; the pages and the
     epochs as the hex of their little-endian bytes: int32 and int64); `unpin(pages)` is called once, by `free` or
     when this is collected. `read_s`: the pinning's time on the host; `pinned_at`: `time.monotonic()` as it began.
-    `recorded`: where the pinning queued checksum records (pages the forward did not write), an event behind them:
-    nobody may name the export to a decode server before it is done (`is_recorded`, `wait_recorded`); else None."""
+    `ready_at`: `time.monotonic()` once the engine had the result of the step that computed its KV (None before:
+    its pages may not be read yet). `recorded`: where the pinning queued checksum records (pages the forward did not
+    write), an event behind them: nobody may read the pages before it is done (`is_recorded`, `wait_recorded`);
+    else None."""
 
     def __init__(self, pool: KVPool, pages: list[int], start: int, end: int, epochs: np.ndarray,
                  routing: torch.Tensor | None, unpin: Callable[[list[int]], None], read_s: float, pinned_at: float,
                  recorded: torch.cuda.Event | None = None):
         self.pages, self.start, self.end, self.page_size = pages, start, end, pool.page_size
         self.epochs, self.routing, self.read_s, self.pinned_at = epochs, routing, read_s, pinned_at
-        self.recorded = recorded
+        self.recorded, self.ready_at = recorded, None
         self.pool_id, self._records = pool.share_id, pool.sums
         self._unpin = weakref.finalize(self, unpin, pages)  # (an export dropped unfreed unpins as it goes)
 
@@ -183,9 +185,9 @@ def pin_pages(pool: KVPool, pages: list[int], start: int, end: int,
     (a reference each, which `unpin` drops: the engine's thread-safe way back into its allocator) and note their
     epochs; pages whose KV the forward did not write get their checksum records now (`KVPool.record_pages`, behind
     whatever wrote them: `PinnedKV.recorded`). Call in the engine's thread, between steps, once the step that
-    computed the KV has been waited for (its sampled tokens read, which come after the forward's records): the pages
-    and the forward's records are complete, whoever reads them when. ValueError if the pool keeps no records or
-    epochs."""
+    computes the KV has been launched (queued): nobody may read the pages until it has run (the engine's result of
+    it in hand, its sampled tokens, which the device writes after the KV and the forward's records: then the engine
+    sets `PinnedKV.ready_at`). ValueError if the pool keeps no records or epochs."""
     P = pool.page_size
     assert start % P == 0, start
     if (why := why_not_mappable(pool)) is not None:

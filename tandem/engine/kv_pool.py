@@ -159,6 +159,8 @@ class KVPool(PageAllocator):
             return None
         P = self.page_size
         slots = (torch.from_numpy(stale)[:, None] * P + torch.arange(P)).flatten()
+        if self.k_cache.is_cuda:  # (a copy from pageable memory would wait for the stream: the step in flight)
+            slots = slots.pin_memory()
         self.record_sums(slots.to(self.k_cache.device, non_blocking=True))
         self.summed[stale] = True
         if not self.k_cache.is_cuda:

@@ -161,16 +161,18 @@ WEIGHTS = (
 
 # Prefill/decode disaggregation (one rank a server): a decode server writes imported KV into its pool as a command
 # between steps, from the host (pageable) or by reference from the mapped prefill pool, and the host waits for it
-# (its checksums are read back); a prefill server reads a finished request's KV out of its pool, or checksums the
-# pages it pins, after applying the step that completed it (the host waits for the stream).
+# (its checksums are read back); a prefill server reads a finished request's KV out of its pool after applying the
+# step that completed it (the host waits for the stream), or pins the pages of an export by reference as that step
+# is launched, recording behind it the checksums of those its forward does not write (kv_pin).
 KV_IMPORT = Work("kv_import", "compute", "sync", "schedule", writes=("kv",))
 KV_EXPORT = Work("kv_export", "compute", "sync", "finish", reads=("kv",), lag=1)
+KV_PIN = Work("kv_pin", "compute", "kernel", "forward", reads=("kv",))
 
 DECODE = Placement("decode", (*TIER, *STEP), _FRESH)
 EAGER = Placement("eager", (*TIER, *EAGER_STEP), _FRESH)
 UPDATE = Placement("weights", WEIGHTS, _FRESH)
 DECODE_SERVER = Placement("decode_server", (*TIER, KV_IMPORT, *STEP), _FRESH)
-PREFILL_SERVER = Placement("prefill_server", (*TIER, *STEP, KV_EXPORT), _FRESH)
+PREFILL_SERVER = Placement("prefill_server", (*TIER, *STEP[:-1], KV_PIN, STEP[-1], KV_EXPORT), _FRESH)
 # the iteration kinds with a direct tier
 DECODE_DIRECT, EAGER_DIRECT, DECODE_SERVER_DIRECT, PREFILL_SERVER_DIRECT = (
     Placement(f"{p.name}_direct", (*TIER_DIRECT, *p.works[len(TIER):]), p.fresh)

@@ -42,12 +42,13 @@ point where it allows that, else bytes), each verified on the decode server's de
   weights, its engine writes them as it places the import (`MappedKV.write_into`). On a difference the request
   ends with an abort naming the page and the pages written are freed. Where the prefill server offers it
   (`/pd/info`'s `mailbox`), the decode server opens a mailbox (`disagg_mailbox`: a Unix socket) and names it in its
-  `/pd/prefill`; the prefill engine then mails the pages as it pins them, so the decode server writes and checks
-  them as the mail lands, before the answer has come; the answer must then name the same pages under the same
-  weight version (else an abort), and the rest goes as above. Once the engine wrote the import or dropped it (or
-  the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages; an export nobody
-  releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned then,
-  and a decode server that reads those pages later finds them handed out again (their epochs changed): it never
+  `/pd/prefill`; the prefill engine then mails the pages as it pins them (as it launches the step that computes them)
+  and says they are ready once it has that step's result, so the decode server parses them while the prefill computes
+  and writes and checks them as the ready mail lands, before the answer has come; the answer must then name the same
+  pages under the same weight version (else an abort), and the rest goes as above. Once the engine wrote the import or
+  dropped it (or the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages; an
+  export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned
+  then, and a decode server that reads those pages later finds them handed out again (their epochs changed): it never
   keeps what it read.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
@@ -330,6 +331,7 @@ class PrefillClient(KVImports):
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
             mail = Mail()
             mail.pages = self.mailbox.expect(key, "pages", functools.partial(self._mailed, url, rid, mail))
+            mail.ready = self.mailbox.expect(key, "ready", functools.partial(self._mail_ready, url, rid, mail))
         try:
             r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
         except BaseException:

@@ -43,31 +43,43 @@ def _verify(kv: KVPages) -> None:
 
 
 class Mail:
-    """A request's mail as it comes (`disagg_mailbox`): `pages`, the future of its pages' frame
-    (`Mailbox.expect`), and `kv` once they were written and checked as their mail landed (`KVImports._mailed`, in
-    the turn of the event loop that read the frame's last byte)."""
+    """A request's mail as it comes (`disagg_mailbox`): `pages` and `ready`, the futures of its two frames
+    (`Mailbox.expect`); `prepared`, the KV the pages mail names (parsed as it landed, while the prefill server
+    computes: `KVImports._mailed`), and `kv` once it was written and checked as the ready mail landed
+    (`KVImports._mail_ready`, in the turn of the event loop that read the frame's last byte)."""
 
     def __init__(self):
         self.pages: asyncio.Future | None = None
+        self.ready: asyncio.Future | None = None
+        self.prepared: MappedKV | None = None
         self.kv: MappedKV | None = None
 
     def cancel(self) -> None:
-        if self.pages is not None:
-            self.pages.cancel()
+        for frame in (self.pages, self.ready):
+            if frame is not None:
+                frame.cancel()
+
+
+def _path_s(clock: TransferClock, meta: dict, mail: dict | None) -> float | None:
+    """A reference's whole way on the host's one monotonic clock: from the prefill engine having its KV ready (the
+    step's result in hand) to the checksums compared here; None where not compared or not marked."""
+    ready_at = (mail or meta).get("ready_at")
+    return clock.mono["checked"] - float(ready_at) if ready_at is not None and "checked" in clock.mono else None
 
 
 def _path_parts(clock: TransferClock, meta: dict, mail: dict | None = None) -> dict | None:
-    """`_record`'s `path_parts` of a reference's whole way (None if the prefill server did not mark it); with
-    `mail` (the head of the mail that carried it), the mail's way instead of the answer's."""
+    """`_record`'s `path_parts` of a reference's whole way from the prefill engine having the KV ready (None if the
+    prefill server did not mark it); with `mail` (the heads of the mail that carried it), the mail's way instead of
+    the answer's."""
     try:
         if mail is not None:
-            pinned_at, pin_s, sent_at = (float(mail[k]) for k in ("pinned_at", "pin_s", "sent_at"))
-            return {"pin_s": pin_s, "to_mail_s": sent_at - pinned_at - pin_s,
+            ready_at, sent_at = float(mail["ready_at"]), float(mail["ready_sent_at"])
+            return {"pin_s": float(mail["pin_s"]), "to_mail_s": sent_at - ready_at,
                     "mail_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
-        pinned_at, pin_s, output_at, sent_at = (float(meta[k]) for k in ("pinned_at", "pin_s", "output_at", "sent_at"))
+        ready_at, pin_s, output_at, sent_at = (float(meta[k]) for k in ("ready_at", "pin_s", "output_at", "sent_at"))
     except (KeyError, TypeError, ValueError):
         return None
-    return {"pin_s": pin_s, "to_server_s": output_at - pinned_at - pin_s, "answer_s": sent_at - output_at,
+    return {"pin_s": pin_s, "to_server_s": output_at - ready_at, "answer_s": sent_at - output_at,
             "wire_s": clock.mono["import"] - sent_at, "import_s": clock.mono["checked"] - clock.mono["import"]}
 
 
@@ -75,21 +87,32 @@ class KVImports:
     """`PrefillClient`'s part after the answer (it sets `engine`, `pools`, `links`, `_http`, `_unpair`)."""
 
     def _mailed(self, url: str, rid: str, mail: Mail, head: dict, payload: bytes) -> None:
-        """`rid`'s KV as its mail (`disagg_mailbox`: `head`, `payload`) lands: its pages written into those its
-        probe set aside (`Engine.write_reserved`; then `mail.kv`) and checked (`MappedKV.check`; a difference is
-        kept as the import's failure, which ends the request). Nothing where it cannot be written so (nothing set
-        aside, a pause, other weights, a mail that does not parse): the answer's way is taken."""
+        """`rid`'s pages mail (`disagg_mailbox`: `head`, `payload`) lands, sent as the prefill engine launched the
+        step that computes the KV: the pages it names parsed (`mail.prepared`); nothing is read before its ready
+        mail (`_mail_ready`). A mail that does not parse is logged: the answer's way is taken."""
         try:
-            if (source := self.pools.get(url)) is None:
-                return
+            if (source := self.pools.get(url)) is not None:
+                kv = mapped_from_mail(source, head, payload, url)
+                kv.mail, mail.prepared = dict(head), kv
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("decode server: the mail of %s from %s: %s; it takes the answer's way", rid, url, e)
+
+    def _mail_ready(self, url: str, rid: str, mail: Mail, head: dict, payload: bytes) -> None:
+        """`rid`'s ready mail lands (its KV complete in the prefill server's pool): the pages its pages mail named
+        written into those its probe set aside (`Engine.write_reserved`; then `mail.kv`) and checked
+        (`MappedKV.check`; a difference is kept as the import's failure, which ends the request). Nothing where it
+        cannot be written so (no pages mail, nothing set aside, a pause, other weights): the answer's way is
+        taken."""
+        if (kv := mail.prepared) is None:
+            return
+        try:
             clock = TransferClock(self.engine.pool.k_cache.device)
             clock.mark("import", device=False)
-            kv = mapped_from_mail(source, head, payload, url)
-            kv.mail = head
+            kv.mail |= {"ready_at": head["ready_at"], "ready_sent_at": head["sent_at"]}
             kv.with_clock(clock)
             clock.mark("taken", device=False)
             clock.mark("verified", device=False)
-            if not self.engine.write_reserved(rid, kv, int(head["version"])):
+            if not self.engine.write_reserved(rid, kv, int(kv.mail["version"])):
                 return
             mail.kv = kv
             if not kv.checked:
@@ -172,8 +195,7 @@ class KVImports:
             "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
             "landed": mapped and "placed" in clock.host,
             "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
-            "path_s": clock.mono["checked"] - meta["pinned_at"] if mapped and "checked" in clock.mono
-            and meta.get("pinned_at") is not None else None,
+            "path_s": _path_s(clock, meta, kv.mail) if mapped else None,
             "path_parts": _path_parts(clock, meta, kv.mail) if mapped and "checked" in clock.mono
             else None, "mailed": mapped and kv.mail is not None,
             "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and "launch" in clock.host

@@ -1,22 +1,25 @@
 """The side channel of the KV transfer by reference (`tandem.server.disagg` states the protocol): a pinned export's
-pages sent straight from the prefill engine's thread as it pins them to the decode server that asked for the
-prompt, over a Unix socket of that decode server (`Mailbox`, in its event loop; `MailSender`, the prefill server's
-end). It takes off the transfer's way what the HTTP answer has on it: the prefill engine finishing the request (its
-prefix-cache insert), the hop to its server's thread, the answer built, and its way through the two HTTP stacks.
-The decode server writes and checks the KV as the mail lands (into the pages its engine set aside,
-`Engine.write_reserved`). The HTTP answer still comes and stays the authority: it must name the same pages under
-the same weight version (else the request ends with an abort), it carries the first token, and the export is
-released only after it (so a release never comes before the prefill server holds the export). Where no mail comes
-first (no socket, a failed send, a late one), the answer's way is taken as before: a mail is an early copy of what
+pages sent straight from the prefill engine's thread to the decode server that asked for the prompt, over a Unix socket
+of that decode server (`Mailbox`, in its event loop; `MailSender`, the prefill server's end): a pages mail as the engine
+pins them (as it launches the step that completes the prompt, before the device has run it), then a ready mail once the
+engine has that step's result. It takes off the transfer's way what the HTTP answer has on it: the prefill engine
+finishing the request (its prefix-cache insert), the hop to its server's thread, the answer built, and its way through
+the two HTTP stacks; and the pages mail takes the decode server's parsing and preparing off the way too (done while the
+prefill computes). The decode server writes and checks the KV as the ready mail lands (into the pages its engine set
+aside, `Engine.write_reserved`), never before. The HTTP answer still comes and stays the authority: it must name the
+same pages under the same weight version (else the request ends with an abort), it carries the first token, and the
+export is released only after it (so a release never comes before the prefill server holds the export). Where no mail
+comes first (no socket, a failed send, a late one), the answer's way is taken as before: a mail is an early copy of what
 the answer carries, never needed.
 
-A frame: two little-endian uint32 (the JSON head's length, the payload's), the head, the payload. Head: `kind`
-("pages"), `rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`), `sent_at`
-(`time.monotonic()` as it was sent), `pool`, `start`, `end`, `page_size`, `version` (the KV's weight version),
-`pinned_at`, `pin_s` (as the prefill engine began pinning, its time pinning); payload: the pages (int32), then their
-epochs (int64, `PinnedKV.epochs`), little-endian. Each prefill server connects once, its stream written by its
-engine's thread alone. Sockets are in Linux's abstract namespace (no file to clean up); both servers are on one host
-(a reference's pairing checks it)."""
+A frame: two little-endian uint32 (the JSON head's length, the payload's), the head, the payload. Head: `kind`,
+`rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`), `sent_at`
+(`time.monotonic()` as it was sent). A "pages" head also has `pool`, `start`, `end`, `page_size`, `version` (the
+KV's weight version), `pinned_at`, `pin_s` (as the prefill engine began pinning, its time pinning), its payload the
+pages (int32), then their epochs (int64, `PinnedKV.epochs`), little-endian. A "ready" head has `ready_at` (as the
+prefill engine had the step's result, `PinnedKV.ready_at`), no payload; it follows its pages mail on one stream.
+Each prefill server connects once, its stream written by its engine's thread alone. Sockets are in Linux's abstract
+namespace (no file to clean up); both servers are on one host (a reference's pairing checks it)."""
 
 from __future__ import annotations
 
@@ -158,12 +161,14 @@ class MailSender:
     """A prefill server's end: `expect(engine_rid, rid, name)` (its handler, in its event loop, before the engine
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
     request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
-    engine's hook, in its thread, right after pinning: quick, never blocks nor raises) sends its pages mail. Sends
-    never block (a frame is sent whole or its connection dropped, logged): the answer's way remains.
+    engine's hook, in its thread, as the step completing the prompt is launched: quick, never blocks nor raises)
+    sends its pages mail, and `ready(engine_rid, kv)` (the engine's hook once it has that step's result) its ready
+    mail. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's way remains.
     `forget(engine_rid)` once the handler is done."""
 
     def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
+        self._pinned: dict[str, tuple[str, str]] = {}  # engine rid -> (rid, mailbox) whose pages were mailed
         self._sockets: dict[str, socket.socket] = {}  # mailbox -> its connection (written by the engine's thread)
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
 
@@ -178,14 +183,23 @@ class MailSender:
 
     def forget(self, engine_rid: str) -> None:
         self._expected.pop(engine_rid, None)
+        self._pinned.pop(engine_rid, None)
 
     def pinned(self, engine_rid: str, kv: PinnedKV, version: int) -> None:
-        if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None or not kv.is_recorded():
-            return  # (routed experts come with the answer alone; records still queued, with it once they are done)
+        if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None:
+            return  # (routed experts come with the answer alone)
         rid, name = to
         head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
-        self._send(name, head, np.asarray(kv.pages, dtype="<i4").tobytes() + np.asarray(kv.epochs, "<i8").tobytes())
+        if self._send(name, head, np.asarray(kv.pages, dtype="<i4").tobytes()
+                      + np.asarray(kv.epochs, "<i8").tobytes()):
+            self._pinned[engine_rid] = to
+
+    def ready(self, engine_rid: str, kv: PinnedKV) -> None:
+        if (to := self._pinned.pop(engine_rid, None)) is None:
+            return
+        kv.wait_recorded()  # (the records of pages the forward did not write: queued right behind the step just run)
+        self._send(to[1], {"kind": "ready", "rid": to[0], "ready_at": kv.ready_at}, b"")
 
     def _send(self, name: str, head: dict, payload: bytes) -> bool:
         """Send one frame to mailbox `name`, without blocking; False (the connection dropped) if it fails or would

@@ -49,7 +49,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if not mail:
             mail.append(MailSender())
             weakref.finalize(app, mail[0].close)  # (its connections)
-            engine.core.on_pinned = mail[0].pinned
+            engine.core.on_pinned, engine.core.on_ready = mail[0].pinned, mail[0].ready
         return mail[0]
 
     @app.post("/pd/prefill")
@@ -64,7 +64,7 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         rid = f"{body.rid}/prefill-{uuid.uuid4().hex[:8]}"
         engine.validate(body.input_ids, sampling, rid)
         if body.transfer == "reference" and (mailbox := request.headers.get(MAILBOX_HEADER)):
-            # (the pages mailed as they are pinned)
+            # (the pages mailed as they are pinned, then said ready)
             sender().expect(rid, request.headers.get(MAIL_KEY_HEADER) or body.rid, mailbox)
         try:
             out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
@@ -87,9 +87,10 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
             data = _reference_answer(exports.hold(out.kv), out.kv)
             meta["export_s"] = out.kv.read_s + time.perf_counter() - began
             # (on the host's one monotonic clock, for the decode server's record of the whole way: the pinning's
-            # start, the handler having the output, the answer handed to the HTTP server)
-            meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "output_at": output_at,
-                     "sent_at": time.monotonic()}
+            # start, the engine having the KV ready, the handler having the output, the answer handed to the HTTP
+            # server)
+            meta |= {"pinned_at": out.kv.pinned_at, "pin_s": out.kv.read_s, "ready_at": out.kv.ready_at,
+                     "output_at": output_at, "sent_at": time.monotonic()}
             return Response(data, media_type="application/json", headers={HEADER: json.dumps(meta)})
         if out.kv is None or body.transfer == "bytes":
             data, media = (out.kv.to_bytes() if out.kv is not None else b""), "application/octet-stream"
