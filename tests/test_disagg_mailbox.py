@@ -136,8 +136,8 @@ def test_the_mail_pause_falsifier_a_write_that_does_not_see_the_pause_writes_by_
 
 def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_stream(monkeypatch):
     """`Mailbox` and `MailSender` alone: frames reach the future of their key and kind; a frame nobody waits for is
-    dropped; a stream that does not parse is closed (the sender's next send fails and drops its connection: the
-    answer's way then)."""
+    dropped; a ready mail goes only for the export whose pages were mailed, and not once it was pinned again; a stream
+    that does not parse is closed (the sender's next send fails and drops its connection: the answer's way then)."""
     import asyncio
     import json
     import socket
@@ -153,14 +153,32 @@ def test_a_mailbox_hands_each_frame_to_its_waiter_drops_the_rest_and_a_bad_strea
             pages = box.expect("k1", "pages")
             sender.expect("engine-1", "k1", box.name)
             sender.expect("engine-2", "nobody", box.name)
-            kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0, routing=None,
-                                 is_recorded=lambda: True,
-                                 pages=[7, 3, 5], epochs=[1, 2, 9])
+            ready = box.expect("k1", "ready")
+
+            def export():
+                return SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0,
+                                       routing=None, ready_at=1.5, wait_recorded=lambda: None, pages=[7, 3, 5],
+                                       epochs=[1, 2, 9])
+            kv = export()
             sender.pinned("engine-2", kv, 0)  # (nobody waits: dropped)
             sender.pinned("engine-1", kv, 4)
             head, payload = await asyncio.wait_for(pages, 5)
             assert (head["rid"], head["version"], head["end"]) == ("k1", 4, 9)
             assert payload == struct.pack("<3i3q", 7, 3, 5, 1, 2, 9)
+            sender.ready("engine-1", export())  # (not the export mailed: nothing)
+            await asyncio.sleep(0.1)
+            assert not ready.done()
+            sender.ready("engine-1", kv)
+            head, payload = await asyncio.wait_for(ready, 5)
+            assert (head["rid"], head["ready_at"], payload) == ("k1", 1.5, b"")
+            sender.expect("engine-3", "k3", box.name)
+            again = box.expect("k3", "ready")
+            sender.pinned("engine-3", kv, 4)
+            sender.pinned("engine-3", kv, 4)  # (pinned again, retracted and recomputed: the first pages are void)
+            sender.ready("engine-3", kv)
+            await asyncio.sleep(0.1)
+            assert not again.done()
+            again.cancel()
             bad = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             bad.connect(_address(box.name))
             bad.sendall(struct.pack("<II", 5, 0) + b"{oops")

@@ -168,7 +168,7 @@ class MailSender:
 
     def __init__(self):
         self._expected: dict[str, tuple[str, str]] = {}
-        self._pinned: dict[str, tuple[str, str]] = {}  # engine rid -> (rid, mailbox) whose pages were mailed
+        self._pinned: dict[str, tuple[str, str, PinnedKV]] = {}  # engine rid -> (rid, mailbox, the export mailed)
         self._sockets: dict[str, socket.socket] = {}  # mailbox -> its connection (written by the engine's thread)
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
 
@@ -186,6 +186,7 @@ class MailSender:
         self._pinned.pop(engine_rid, None)
 
     def pinned(self, engine_rid: str, kv: PinnedKV, version: int) -> None:
+        self._pinned.pop(engine_rid, None)  # (pinned again: the pages mailed before are never said ready)
         if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None:
             return  # (routed experts come with the answer alone)
         rid, name = to
@@ -193,11 +194,13 @@ class MailSender:
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
         if self._send(name, head, np.asarray(kv.pages, dtype="<i4").tobytes()
                       + np.asarray(kv.epochs, "<i8").tobytes()):
-            self._pinned[engine_rid] = to
+            self._pinned[engine_rid] = (rid, name, kv)
 
     def ready(self, engine_rid: str, kv: PinnedKV) -> None:
-        if (to := self._pinned.pop(engine_rid, None)) is None:
+        """(Only for the export whose pages were mailed.)"""
+        if (to := self._pinned.get(engine_rid)) is None or to[2] is not kv:
             return
+        del self._pinned[engine_rid]
         kv.wait_recorded()  # (the records of pages the forward did not write: queued right behind the step just run)
         self._send(to[1], {"kind": "ready", "rid": to[0], "ready_at": kv.ready_at}, b"")
 
