@@ -88,6 +88,7 @@ class Sim:
         for c in chunks:
             self.write_kv(c)
         self.sched.advance(chunks)
+        self.sched.prefetch()  # (as the engine: once the step is launched)
         for c in chunks:  # the model's samples, as the engine applies them
             if c.sample and (reason := self.sched.resolve(c.req, len(c.req.tokens) - 1,
                                                           self.rng.randrange(self.alphabet), 0.0, 0)):

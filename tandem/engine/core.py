@@ -409,9 +409,10 @@ class EngineCore(DecodeImports):
         self._inflight = launched
         if not self.config.overlap:
             self._drain()
-        if self.tier is not None:  # the step's backups (prefixes published, requests finished), while it runs
-            t3 = time.perf_counter()
+        if self.tier is not None:  # the step's backups (prefixes published, requests finished), and the next
+            t3 = time.perf_counter()  # waiting requests' prefetches, while it runs
             self.tier.flush()
+            self.scheduler.prefetch()
             self.stats.busy_seconds += time.perf_counter() - t3
         if self.lockstep is not None and self.config.lockstep_sentinel:
             t_check = time.perf_counter()

@@ -87,15 +87,15 @@ class Scheduler:
             i += 1
         self._admit(chunks, budget)
         if self.tier is not None:
-            self.tier.before_compute()  # the admissions' loads as one copy (before prefetches: it would wait for them)
-        self._prefetch()
+            self.tier.before_compute()  # the admissions' loads as one copy
         return chunks
 
-    def _prefetch(self) -> None:
+    def prefetch(self) -> None:
         """Start the host tier's copies for the first waiting request (of the next few) whose cached prefix is
         partly on the host and not prefetched yet, so that they cross the bus while it waits; one a step, at most
         half the prefetch budget, as the loads of later steps queue behind it. (None while the budget is spent:
-        the probes would find no room.)"""
+        the probes would find no room.) The engine calls it once the step is launched (its host work, and the
+        interpreter's lock its copies give up, off the way to the launch), after the step's backups."""
         if self.tier is None or self.tier.prefetch_room <= 0:
             return
         for req in itertools.islice(self.waiting, PREFETCH_AHEAD):

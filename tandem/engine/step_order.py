@@ -100,21 +100,24 @@ GRAPH_INPUTS = ("ids", "positions", "slots", "seq_lens", "block_table")
 _FRESH = frozenset({"sampling", "tokens", "host_tokens", "eager_inputs", "received", "backup_staged",
                     "load_staged", "prefetch_staged"})
 
-# The schedule's host-tier copies (the radix cache issues them while scheduling, before the step's inputs). The
-# pool is touched only on the compute stream (gather, scatter), in the step's order; the bus transfers run on side
-# streams from and into staging tensors of their own: a backup's the step never waits for, a load's overlapping
-# the step in flight.
+# The host-tier copies: the backups and prefetches the engine issues after the step before was launched (here at
+# the start of the iteration they precede), then the schedule's loads (the radix cache issues them while
+# scheduling, before the step's inputs). The pool is touched only on the compute stream (gather, scatter), in the
+# step's order; the bus transfers run on side streams from and into staging tensors of their own: a backup's the
+# step never waits for, a load's and a prefetch's overlapping the step in flight.
+_PREFETCH = Work("tier_prefetch", "tier", "copy", "schedule", reads=("host_kv",), writes=("prefetch_staged",),
+                 held=("host_kv",))
 TIER = (
     Work("tier_gather", "compute", "copy", "schedule", reads=("kv",), writes=("backup_staged",)),
     Work("tier_backup", "backup", "copy", "schedule", reads=("backup_staged",), writes=("host_kv",),
          after=("tier_gather",), held=("host_kv",), unread=("host_kv",)),
+    # the next waiting requests' host pages, into staging a join reads, this iteration's or a later one's (on the
+    # tier stream, so the join's wait for the load after it covers it)
+    _PREFETCH,
     Work("tier_load", "tier", "copy", "schedule", reads=("host_kv",), writes=("load_staged",), held=("host_kv",)),
-    Work("tier_join", "compute", "copy", "schedule", reads=("load_staged", "backup_staged", "prefetch_staged@-1"),
-         writes=("kv",), after=("tier_load",)),
-    # the next waiting requests' host pages, into staging a later iteration's join reads (on the tier stream, so
-    # the join's wait for the load after it covers it)
-    Work("tier_prefetch", "tier", "copy", "schedule", reads=("host_kv",), writes=("prefetch_staged",),
-         held=("host_kv",)),
+    Work("tier_join", "compute", "copy", "schedule",
+         reads=("load_staged", "backup_staged", "prefetch_staged", "prefetch_staged@-1"), writes=("kv",),
+         after=("tier_load",)),
 )
 # The same copies direct (`engine.host_cache_copy: direct`): a backup straight from pool pages into host pages and
 # a load straight from host pages into pool pages, each one kernel on the compute stream; the pages a load takes
@@ -122,10 +125,10 @@ TIER = (
 TIER_DIRECT = (
     Work("tier_backup_direct", "compute", "copy", "schedule", reads=("kv",), writes=("host_kv",), held=("host_kv",),
          unread=("host_kv",)),
+    _PREFETCH,
     Work("tier_load_direct", "compute", "copy", "schedule", reads=("host_kv",), writes=("kv",), held=("host_kv",)),
-    Work("tier_take_prefetch", "compute", "copy", "schedule", reads=("prefetch_staged@-1",), writes=("kv",),
-         after=("tier",)),
-    TIER[-1],
+    Work("tier_take_prefetch", "compute", "copy", "schedule", reads=("prefetch_staged", "prefetch_staged@-1"),
+         writes=("kv",), after=("tier",)),
 )
 # A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs copied
 # there from pinned memory (no host sync), sampled ids copied to pinned memory behind an event the host reads
