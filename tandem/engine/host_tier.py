@@ -18,10 +18,10 @@ and a staging tensor of its own, on the compute stream, in the step's order:
     before anything reads their pages): one transfer of their host pages into staging on the tier stream
     (`tier_load`: it touches no pool page, so it waits for no compute and overlaps the step in flight), and one
     scatter of the staging into the pool on the compute stream, after the transfer (`tier_join`).
-A request waiting for admission whose cached prefix is on the host has it prefetched (`prefetch`, by the
-scheduler, once the engine launched the step): the transfer into staging starts while the request waits, within a budget of staging pages, and its
-load at admission scatters from that staging instead of crossing the bus then. A prefetch holds its host pages
-(rule 3) until it is retired (`retire`: at admission, or when the request leaves), so a prefetched host page is
+A request waiting for admission whose cached prefix is on the host has it prefetched (`prefetch`, by the scheduler, once
+the engine launched the step): the transfer into staging starts while the request waits, within a budget of staging
+pages, and its load at admission scatters from that staging instead of crossing the bus then. A prefetch holds its host
+pages (rule 3) until it is retired (`retire`: at admission, or when the request leaves), so a prefetched host page is
 never freed, reused and rewritten under it: the staging always holds what the page holds.
 The ordering rules, each enforced here (docs/streams.md has them as edges, `tandem.engine.step_order` as data):
   1. pool pages are read and written only on the compute stream, in the step's order;

@@ -131,7 +131,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         if (held := exports.take(body.id, P2PExport)) is None:
             raise ValueError(f"id: no KV export {body.id!r} to send is held (freed after its timeout, or sent)")
         try:
-            link = await asyncio.wait_for(asyncio.shield(links[body.link]), P2P_TIMEOUT_S)
+            async with asyncio.timeout(P2P_TIMEOUT_S):  # (not `wait_for`: on 3.11 it may swallow a cancel)
+                link = await asyncio.shield(links[body.link])
             await asyncio.to_thread(link.send, held.tensor)
         except Exception as e:
             if (broken := links.pop(body.link, None)) is not None and broken.done() and not broken.exception():

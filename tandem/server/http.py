@@ -171,7 +171,8 @@ def build_app(engine: Engine, options: ServerOptions | None = None) -> FastAPI:
         if not engine.is_alive():
             return _error(503, "engine thread is not running", "ServiceUnavailable")
         try:  # a step is short: an engine that cannot answer within the timeout is stuck
-            await asyncio.wait_for(engine.get_stats(), HEALTH_TIMEOUT_S)
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):  # (not `wait_for`: on 3.11 it may swallow a cancel)
+                await engine.get_stats()
         except TimeoutError:
             return _error(503, f"engine thread did not answer within {HEALTH_TIMEOUT_S} s", "ServiceUnavailable")
         return Response(status_code=200)
