@@ -116,9 +116,12 @@ for part in $parts; do
         tier_sweep) timeout 590 python3 benchmarks/host_tier.py --sweep --points 0,1 --out "$OUT/sweep_a.json" ;;
         pd_transfer) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
                    tests/test_disagg_checksum.py tests/test_disagg_transfer.py tests/test_disagg_kv_copy.py \
-                   tests/test_disagg.py tests/test_kv_sums.py tests/test_disagg_staging.py tests/test_disagg_mailbox.py;
+                   tests/test_disagg.py tests/test_kv_sums.py tests/test_disagg_staging.py tests/test_disagg_mailbox.py \
+                   tests/test_kv_pass_graph.py;
                      timeout 120 python3 benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only \
-                   --transfer-reps 10 --out "$OUT/disagg_transfer.json" ;;
+                   --transfer-reps 10 --out "$OUT/disagg_transfer.json";
+                     timeout 120 python3 benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only \
+                   --transfer-reps 10 --pass-graphs --out "$OUT/disagg_transfer_graphs.json" ;;
         pd_transfer_ab) for i in 1 2; do  # OLD: another tree to compare, e.g. `git archive REV | tar -x -C ab_old`
                      for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \

@@ -78,6 +78,9 @@ class EngineConfig:
     # with fused_kernels, steps of at most 16 rows on one rank through projections with their norms, residual adds,
     # SiLU and q/k norm + RoPE fused in (`tandem.kernels.small_linear`)
     small_batch_kernels: bool = True
+    # a decode server's KV transfer by reference on CUDA: its pass (the copy, both checksums, their way to the host)
+    # replayed as a CUDA graph per page-count bucket, one launch instead of four (`tandem.engine.kv_pass_graph`)
+    kv_pass_graphs: bool = False
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True

@@ -43,9 +43,9 @@ def count_writes(monkeypatch, method: str) -> list[str]:
     """Which thread wrote each import by reference (the callers of `MappedKV`'s `method`)."""
     threads, real = [], getattr(MappedKV, method)
 
-    def counted(self, pool, pages):
+    def counted(self, pool, pages, **options):
         threads.append(threading.current_thread().name)
-        return real(self, pool, pages)
+        return real(self, pool, pages, **options)
     monkeypatch.setattr(MappedKV, method, counted)
     return threads
 
@@ -117,10 +117,10 @@ def during_a_slow_write(monkeypatch, command: str, gated: bool) -> dict:
     mutant engine whose pause and reservations do not take the writer's gate."""
     real, seen = MappedKV.pass_into, {}
 
-    def slow(self, pool, pages):
+    def slow(self, pool, pages, **options):
         seen["started"] = time.monotonic()
         time.sleep(0.3)
-        real(self, pool, pages)
+        real(self, pool, pages, **options)
         seen["held"] = all(pool.refcount[page] > 0 for page in pages)
         seen["checked"] = time.monotonic()
     monkeypatch.setattr(MappedKV, "pass_into", slow)

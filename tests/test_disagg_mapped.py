@@ -57,8 +57,8 @@ def churn_after_pinning(monkeypatch, pin: bool, epochs: bool = True):
     if not epochs:
         real_pass = MappedKV.pass_into
 
-        def blind(self, pool, pages):
-            real_pass(self, pool, pages)
+        def blind(self, pool, pages, **options):
+            real_pass(self, pool, pages, **options)
             self.epochs_after = self.epochs
         monkeypatch.setattr(MappedKV, "pass_into", blind)
     if not pin:

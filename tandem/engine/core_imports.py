@@ -141,7 +141,7 @@ class DecodeImports:
                 if stream is not None and res.ready is not None:
                     stream.wait_event(res.ready)
                 try:
-                    kv.pass_into(self.pool, res.pages)
+                    kv.pass_into(self.pool, res.pages, graphs=self.config.kv_pass_graphs)
                 except ValueError as e:  # (what it wrote is nobody's)
                     kv.failure, kv.checked = str(e), True
             res.written = kv

@@ -35,7 +35,7 @@ from concurrent.futures import Future
 import numpy as np
 import torch
 
-from tandem.engine.kv_index_sums import host_sums, page_sums_by_index, record_sums_by_index
+from tandem.engine.kv_index_sums import _kernel_ok, host_sums, page_sums_by_index, record_sums_by_index
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.kv_shared import (
     _b64,
@@ -120,6 +120,16 @@ class MappedPool:
                 from None
         if list(self.k.shape) != shape or self.k.dtype != dtype or list(self.records.shape) != [shape[1], shape[0], 2]:
             raise ValueError(f"kv transfer: the mapped pool is {tuple(self.k.shape)} {self.k.dtype}, not {shape}")
+        self._graphs: dict[int, object] = {}  # a destination pool's id -> its `kv_pass_graph.PassGraphs`
+
+    def pass_graphs(self, pool: KVPool):
+        """The passes from this pool into `pool` as CUDA graphs (`kv_pass_graph.PassGraphs`, made once)."""
+        from tandem.engine.kv_pass_graph import PassGraphs
+
+        if (graphs := self._graphs.get(id(pool))) is None:
+            graphs = self._graphs[id(pool)] = PassGraphs(self.k, self.v, self.records, pool.k_cache, pool.v_cache,
+                                                         self.page_size)
+        return graphs
 
 
 class PinnedKV:
@@ -282,12 +292,14 @@ class MappedKV:
         if self.check() is not None:
             raise ValueError(self.failure)
 
-    def pass_into(self, pool: KVPool, pages: list[int]) -> None:
+    def pass_into(self, pool: KVPool, pages: list[int], graphs: bool = False) -> None:
         """The pass of `write_into`: the pages written, the sums of what was read (`mine`) and the prefill side's
         from its records (`sums`), read back by the host (one copy, queued right behind the kernels: `HostRead`),
         then the pages' epochs (`epochs_after`). ValueError if the routing the pool keeps is missing, or pages are
         of another size. Marks `clock` "write" and "written" around the pass (device events on a GPU; "launch" as
-        its kernels are launched), "synced" once the host's wait for its sums returns, "passed" once it has them."""
+        its kernels are launched), "synced" once the host's wait for its sums returns, "passed" once it has them.
+        `graphs`: on a GPU, the pass replayed as a CUDA graph (`kv_pass_graph`; the caller serialises passes into
+        `pool`, as `EngineCore.write_reserved` does)."""
         P = self.page_size
         if pool.routing is not None and self.routing is None:
             raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
@@ -299,10 +311,13 @@ class MappedKV:
         pool.mark_unsummed(mine)
         if pool.routing is not None:  # (before the pass: a copy from pageable memory waits for the stream's work)
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
-        both = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
-                                  pool.k_cache, pool.v_cache, mine, clock, records=self.source.records, read=True)
-        clock.mark("written")
-        self.mine, self.sums = both.result(clock)  # (the host waits for the pass)
+        if graphs and _kernel_ok(self.source.k, self.source.v, pool.k_cache, pool.v_cache):
+            self.mine, self.sums = self.source.pass_graphs(pool).run(self.pages, mine, self.start, self.end, clock)
+        else:
+            both = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
+                                      pool.k_cache, pool.v_cache, mine, clock, records=self.source.records, read=True)
+            clock.mark("written")
+            self.mine, self.sums = both.result(clock)  # (the host waits for the pass)
         self.epochs_after = self.source.epochs[self.pages]  # (after the reads: see `check`)
         clock.mark("passed", device=False)
 
