@@ -335,26 +335,17 @@ def test_a_cancel_that_comes_as_the_engine_applies_the_load_still_cancels_the_wa
     """Ctrl-C cancels the run's task once: a wait for the engine's load that took the reply instead (as
     `asyncio.wait_for` does on Python 3.11 when both come in one turn of the loop) left the run training on. Every
     turn the cancel may come in, from the reply's to the waiter's, must end the wait cancelled."""
+    from cancel_helpers import cancel_outcomes
+
     from tandem.run.pending import PendingSync
     from tandem.transport.weights import TransferStats
 
-    async def cancelled_after(turns: int) -> bool:
+    def make():
         reply = concurrent.futures.Future()
         pending = PendingSync(1, TransferStats(1, 0, 1, 0, 0.0), reply, lambda ordered: None, 10.0)
-        waiting = asyncio.ensure_future(pending.applied())
-        await asyncio.sleep(0)  # (waiting now)
-        reply.set_result(object())
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        if not waiting.cancel():
-            return None  # (the wait had ended: no cancel to honour)
-        try:
-            await waiting
-        except asyncio.CancelledError:
-            return True
-        return False
+        return pending.applied(), lambda: reply.set_result(object())
 
-    outcomes = [asyncio.run(cancelled_after(turns)) for turns in range(8)]
+    outcomes = cancel_outcomes(make, 8)
     assert False not in outcomes, f"a cancel taken by the wait was swallowed ({outcomes}: turns after the reply)"
     assert outcomes[0] and outcomes[-1] is None  # (the sweep spans the reply's way, from before to after)
 

@@ -201,27 +201,19 @@ def test_a_cancel_that_comes_as_a_body_piece_arrives_still_cancels_the_read():
     """A request's task cancelled (its client gone, the server stopping) in the turn of the loop a piece of its body
     arrives in: the bounded read must end cancelled, not hand the piece on (as `asyncio.wait_for` does on Python
     3.11 when both come in one turn). Every turn from the piece's arrival on."""
+    from cancel_helpers import cancel_outcomes
+
     from tandem.server.guard import Guard
 
-    async def cancelled_after(turns: int) -> bool | None:
+    def make():
         piece = asyncio.get_running_loop().create_future()
 
         async def receive():
             return await piece
 
-        reading = asyncio.ensure_future(Guard(None, ServerOptions(), None)._limited({"headers": []}, receive)())
-        await asyncio.sleep(0)  # (waiting now)
-        piece.set_result({"type": "http.request", "body": b"x", "more_body": True})
-        for _ in range(turns):
-            await asyncio.sleep(0)
-        if not reading.cancel():
-            return None  # (the read had ended: no cancel to honour)
-        try:
-            await reading
-        except asyncio.CancelledError:
-            return True
-        return False
+        read = Guard(None, ServerOptions(), None)._limited({"headers": []}, receive)()
+        return read, lambda: piece.set_result({"type": "http.request", "body": b"x", "more_body": True})
 
-    outcomes = [asyncio.run(cancelled_after(turns)) for turns in range(6)]
+    outcomes = cancel_outcomes(make, 6)
     assert False not in outcomes, f"a cancel taken by the read was swallowed ({outcomes}: turns after the piece)"
     assert outcomes[0] and outcomes[-1] is None
