@@ -112,7 +112,6 @@ def test_a_staged_index_is_its_columns():
         index, done = _stage_index(device, columns, None)
         assert index.tolist() == [list(map(int, c)) for c in columns]
         assert index.device.type == "cpu" and (device.type != "cuda" or index.is_pinned())  # (read in place)
-        assert all(row.data_ptr() % 16 == 0 and row.is_contiguous() for row in index)  # (one Triton variant)
         done()
 
 

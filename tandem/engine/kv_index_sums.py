@@ -136,18 +136,16 @@ def _rows(num: int, n: int, page_size: int) -> array.array:
 
 
 def _stage_index(device: torch.device, columns: tuple, clock: TransferClock | None) -> tuple[torch.Tensor, Callable]:
-    """`columns` (int sequences of one length n) as one int32 tensor [len(columns), n] (rows 16-byte aligned) in a kept
-    staging buffer
+    """`columns` (int sequences of one length n) as one int32 tensor [len(columns), n] in a kept staging buffer
     (`Staging`), written through a numpy view: on a GPU page-locked host memory, which the kernels read in place over
     the bus (zero-copy, as `tandem.kernels.page_move`'s index: no upload, no device allocation that may synchronise
     the device). Returns it and `done()`, to call once its readers are queued: the buffer is handed out again only
     once the device is past them. Marks `clock` "staged" (host)."""
     num = len(columns[0])
-    width = -(-num // 4) * 4  # (each column 16-byte aligned: the kernels' pointers specialise alike for any count)
     stage = staging(device)
-    nbytes = 4 * len(columns) * width
+    nbytes = 4 * len(columns) * num
     buf = stage.take(nbytes)
-    host = buf.view(nbytes, torch.int32).view(len(columns), width)[:, :num]
+    host = buf.view(nbytes, torch.int32).view(len(columns), num)
     rows = host.numpy()
     for row, values in zip(rows, columns, strict=True):
         row[:] = values
