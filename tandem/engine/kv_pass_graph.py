@@ -4,11 +4,11 @@ launcher and no allocation (`EngineConfig.kv_pass_graphs`).
 
 `PassGraphs` holds, for one source pool (mapped) and one destination pool, a graph per page-count bucket (a power of
 two, at least `MIN_BUCKET`), captured on its first use on a stream of its own. A graph's page index is a page-locked
-buffer of its own that the kernels read in place; the pages past a transfer's are padded
-with no rows, of which the kernels read and write nothing and whose sums are 0. The sums are copied into a
-page-locked buffer of the graph's in the same graph. The pass is the eager one's, bit for bit (tests). A graph's
-buffers are its own: callers serialise its use and each run waits for its sums before returning (as
-`EngineCore.write_reserved` does, holding its gate from the pass to the sums read). CUDA only.
+buffer of its own that the kernels read in place; the pages past a transfer's are padded with no rows, of which the
+kernels read and write nothing and whose sums are 0. The sums are copied into a page-locked buffer of the graph's in the
+same graph. The pass is the eager one's, bit for bit (tests). A graph's buffers are its own: callers serialise its use
+and each run waits for its sums before returning (as `EngineCore.write_reserved` does, holding its gate from the pass to
+the sums read). CUDA only.
 """
 
 from __future__ import annotations
