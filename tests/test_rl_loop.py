@@ -33,8 +33,9 @@ def test_guess_number_reward_rises(tmp_path, staleness):
     _, history, _ = run_recording(["task=guess_number", "steps=60", "trainer.lr=1e-2", "rollout.group_size=8",
                                    f"rollout.max_staleness={staleness}", f"out_dir={tmp_path}"])
     first, last = quarter_means(history)
-    # the first quarter already learns a little, how much depends on the async run's timing (0.06 seen under load)
-    assert first < 0.1 and last > first + 0.1, (first, last)
+    # the first quarter already learns a little, how much depends on the async run's timing (0.06 seen under load);
+    # the rise over the run: 0.10-0.23 in eight staleness-2 runs two at a time, at most 0.011 with lr 1e-9
+    assert first < 0.1 and last > first + 0.05, (first, last)
 
 
 def check_accounting(run, trained, max_staleness):
