@@ -332,3 +332,27 @@ def test_a_request_switched_to_the_trees_pages_reads_them_from_its_page_array():
     sim.sched._publish_prefixes([Chunk(twin, 0, 12)])
     assert twin.pages[:3] != before[:3] and owner.status is Status.FINISHED  # it did switch to the tree's pages
     assert list(twin.page_array()) == twin.pages
+
+
+def test_an_export_whose_token_is_in_flight_is_not_retracted_for_another_request():
+    """A prefill server's request whose prompt is computed and whose one token is in flight ends at the next step's
+    result with its pages exported: a decode that needs a page waits a step rather than retracting it (which
+    would lose the export; a pinned export's pages would not even come free). Without an export, the newest is
+    retracted as before."""
+    from tandem.engine.scheduler import PENDING
+
+    for export in (0, None):
+        pool = KVPool(PRESETS["tiny"], 4, 4, torch.float32, "cpu")
+        sched = Scheduler(pool, None, EngineConfig(page_size=4, num_pages=4))
+        old = Request("old", [1] * 4 + [5], 4, SamplingParams(max_new_tokens=8), seed=0, arrival=0)
+        new = Request("new", [2] * 11 + [PENDING], 11, SamplingParams(max_new_tokens=1), seed=0, arrival=1)
+        for req, pages in ((old, 1), (new, 3)):  # (old decodes into a second page; new holds the other three)
+            req.pages, req.num_computed, req.status = pool.alloc(pages), len(req.tokens) - 1, Status.RUNNING
+            sched.running.append(req)
+        new.export_kv_from = export
+        chunks = sched.schedule()
+        if export is not None:
+            assert new.status is Status.RUNNING and new.num_retractions == 0 and old.status is Status.RUNNING
+            assert not chunks and pool.num_free == 0
+        else:
+            assert new.status is Status.WAITING and new.num_retractions == 1 and [c.req for c in chunks] == [old]

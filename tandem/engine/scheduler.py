@@ -11,8 +11,9 @@ A cached prefix may be partly on the host tier: admission copies those pages bac
 wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict
 unreferenced cached pages (waiting for copies that still hold pages, if that frees enough); then, for a decode or
 for the oldest running request, retract the newest running request (drop its pages, requeue it at the front; it
-is recomputed later). So the oldest request always progresses, and admission-time validation guarantees that any one
-request fits in the pool: no deadlock.
+is recomputed later), passing over a prefill server's exports whose token is in flight (they end, their pages
+exported, at the next step's result; the request waits a step for them instead). So the oldest request always
+progresses, and admission-time validation guarantees that any one request fits in the pool: no deadlock.
 """
 
 from __future__ import annotations
@@ -74,10 +75,10 @@ class Scheduler:
                 i += 1
                 continue
             may_retract = remaining == 1 or i == 0
-            while not self._grow(req, req.num_computed + n) and may_retract and self.running[-1] is not req:
-                self.retract(self.running[-1])
+            while not self._grow(req, req.num_computed + n) and may_retract and (victim := self._victim(req)):
+                self.retract(victim)
             n = min(n, len(req.pages) * self.page_size - req.num_computed)
-            if n == 0 and remaining == 1:  # it is the newest and no page is left: step aside itself
+            if n == 0 and remaining == 1 and self.running[-1] is req:  # the newest, no page left: step aside itself
                 self.retract(req)
                 continue
             if n > 0:
@@ -217,6 +218,18 @@ class Scheduler:
         if self.pool.num_free - reserve < n:
             return None
         return self.pool.alloc(n)
+
+    def _victim(self, req: Request) -> Request | None:
+        """Whom to retract so that `req` may grow: the newest running request newer than it, passing over a
+        prefill server's exports whose prompt is computed and whose token is in flight (they end at the next
+        step's result, their pages exported: retracting one would lose its export, and its pinned pages would not
+        come free); None if there is none."""
+        for other in reversed(self.running):
+            if other is req:
+                return None
+            if other.export_kv_from is None or other.num_generated < other.sampling.max_new_tokens:
+                return other
+        return None
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` pages for its first `num_tokens` positions, page by page as far as possible."""
