@@ -11,9 +11,10 @@ A cached prefix may be partly on the host tier: admission copies those pages bac
 wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict
 unreferenced cached pages (waiting for copies that still hold pages, if that frees enough); then, for a decode or
 for the oldest running request, retract the newest running request (drop its pages, requeue it at the front; it
-is recomputed later), passing over a prefill server's exports whose token is in flight (they end, their pages
-exported, at the next step's result; the request waits a step for them instead). So the oldest request always
-progresses, and admission-time validation guarantees that any one request fits in the pool: no deadlock.
+is recomputed later), passing over a prefill server's exports whose token is in flight (they end at the next step's
+result, their pages coming free once their decode server has taken them or its timeout passed; the request waits
+for that instead). So the oldest request always progresses, and admission-time validation guarantees that any one
+request fits in the pool: no deadlock.
 """
 
 from __future__ import annotations
@@ -223,7 +224,7 @@ class Scheduler:
         """Whom to retract so that `req` may grow: the newest running request newer than it, passing over a
         prefill server's exports whose prompt is computed and whose token is in flight (they end at the next
         step's result, their pages exported: retracting one would lose its export, and its pinned pages would not
-        come free); None if there is none."""
+        come free); None if there is none (`req` then waits)."""
         for other in reversed(self.running):
             if other is req:
                 return None
