@@ -3,7 +3,9 @@
 writing a pool's worth of other prompts (falsifier: unpinned at once, the pages are reused and the import fails:
 they were handed out again, their epochs say; and without that check it would keep their new KV, whose records
 match it); a page changed after the export ends the import with an abort naming it, its pages freed and
-nothing cached; a paused decode engine writes nothing of an import until it continues (falsifier: a late gate).
+nothing cached; a paused decode engine writes nothing of an import until it continues (falsifier: a late gate);
+an engine whose requests wait for pages a pinned export holds waits for commands rather than spinning (falsifier:
+it steps again at once).
 The servers' protocol over HTTP: tests/test_disagg_transfer.py."""
 
 import asyncio
@@ -270,3 +272,43 @@ def test_a_request_retracted_after_its_pin_is_never_said_ready_and_its_pin_let_g
 def test_the_retraction_falsifier_a_kept_pin_is_said_ready_for_an_export_that_never_comes(monkeypatch):
     calls, first = pinned_as_launched(monkeypatch, retract=True, void=False)
     assert [name for name, *_ in calls] == ["pinned", "ready"] and first.kv is None, calls
+
+
+def steps_while_stalled(monkeypatch, wait: bool) -> tuple[int, object]:
+    """A prefill engine whose pool a pinned export holds (not released yet) and a request that cannot be admitted
+    until it is: the steps the engine takes in 0.3 s of that, and the request's output once the export is freed.
+    `wait=False`: a mutant engine that never counts itself stalled (it steps again at once)."""
+    from tandem.engine.core import EngineCore
+
+    steps, real = [], EngineCore._step
+
+    def counted(self, tier_ready):
+        steps.append(1)
+        real(self, tier_ready)
+        if not wait:
+            self.stalled = False
+    monkeypatch.setattr(EngineCore, "_step", counted)
+
+    async def go():
+        with Engine("tiny", dataclasses.replace(PREFILL, num_pages=12)) as p:
+            first = await pinned(p, prompt(30))  # (8 pages pinned, the cache flushed: 4 free)
+            await p.flush_cache()
+            waiting = asyncio.ensure_future(p.generate(prompt(24, seed=2), dataclasses.replace(SEEDED,
+                                                                                         max_new_tokens=2)))
+            await asyncio.sleep(0.1)
+            before = len(steps)
+            await asyncio.sleep(0.3)
+            during = len(steps) - before
+            first.kv.free(taken=True)
+            return during, await asyncio.wait_for(waiting, 10)
+    return asyncio.run(go())
+
+
+def test_an_engine_waiting_for_pinned_pages_waits_for_commands_instead_of_spinning(monkeypatch):
+    during, out = steps_while_stalled(monkeypatch, wait=True)
+    assert during <= 0.3 / 0.001 + 10 and len(out.output_ids) == 2, during  # (one step a STALL_WAIT_S at most)
+
+
+def test_the_stall_falsifier_an_engine_that_steps_at_once_spins(monkeypatch):
+    during, _ = steps_while_stalled(monkeypatch, wait=False)
+    assert during > 3 * (0.3 / 0.001), during

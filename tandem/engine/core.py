@@ -156,6 +156,9 @@ class EngineCore(DecodeImports):
         # (`disagg_mailbox.MailSender.pinned` and `.ready`)
         self.on_pinned = self.on_ready = None
         self._early: dict[str, PinnedKV] = {}  # exports pinned as their step was launched (`_pin_launched`)
+        # the last step scheduled nothing with nothing in flight: requests wait for pages another holds (a pinned
+        # export, a copy); the engine's loop waits a little for a command before it steps again
+        self.stalled = False
         if self.lockstep is not None:
             self.lockstep.ready()
 
@@ -189,6 +192,8 @@ class EngineCore(DecodeImports):
         t0 = time.perf_counter()
         while self._unpins:  # (before any command that could allocate)
             self.pool.decref(self._unpins.popleft())
+        if not isinstance(command, commands.Step):
+            self.stalled = False  # (it may have changed what a step can do)
         try:
             if command.drains and self._inflight is not None:
                 self.stats.command_waits += 1
@@ -390,9 +395,11 @@ class EngineCore(DecodeImports):
         chunks = self._last_chunks = self.scheduler.schedule()
         if self._early:  # (a retraction may have taken one)
             self._void_early()
-        if not chunks:
+        if not chunks:  # (stalled: nothing in flight either, so nothing this step did can let the next one on)
+            self.stalled = self._inflight is None
             self._drain()
             return
+        self.stalled = False
         t1 = time.perf_counter()
         if self._load_started is not None:
             self.load_gap_s, self._load_started = t1 - self._load_started, None

@@ -34,6 +34,7 @@ from tandem.types import EngineStats, GenerateOutput, SamplingParams, TokenDelta
 __all__ = ["Engine", "EngineError", "make_watchdog"]
 
 log = logging.getLogger(__name__)
+STALL_WAIT_S = 0.001  # a stalled engine's wait for a command before it steps again (`EngineCore.stalled`)
 
 
 def make_watchdog(core: EngineCore) -> Watchdog:
@@ -231,8 +232,10 @@ class Engine:
             torch.cuda.set_stream(core.order.stream("compute"))  # the stream current where the core was built
         while not self._stop and core.fatal is None:
             self.watchdog.bump()
-            try:  # idle: sleep until a command arrives; busy: take one if there is one, else step
-                command, fut = self._inbox.get_nowait() if core.busy else self._idle_wait()
+            try:  # idle: sleep until a command arrives; busy: take one if there is one, else step (stalled: after
+                # waiting a little for one, as pages held elsewhere come free without a command)
+                command, fut = (self._inbox.get(timeout=STALL_WAIT_S) if core.stalled else self._inbox.get_nowait()) \
+                    if core.busy else self._idle_wait()
             except queue.Empty:
                 # with the point up to which host-tier copies are reaped: the same on every rank
                 command, fut = commands.Step(core.tier.ready() if core.tier else 0), None
