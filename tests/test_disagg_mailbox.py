@@ -392,6 +392,7 @@ def read_before_ready(monkeypatch, early_read: bool) -> dict:
     monkeypatch.setattr(MailSender, "pinned", pinned)
     monkeypatch.setattr(EngineCore, "_pin_launched", pin_launched)
     monkeypatch.setattr(EngineCore, "_exports_ready", exports_ready)
+    slow_answers(monkeypatch)  # (the ready mail surely lands before the answer, on a busy host too)
     if early_read:
         mailed = KVImports._mailed
 
