@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
 
 from test_kv_sums import sums_pool, write  # noqa: E402
 
-from tandem.engine.kv_index_sums import canonical, page_sums_by_index  # noqa: E402
-from tandem.engine.kv_pass_graph import MIN_BUCKET, bucket_of, fused_pass, padded_index  # noqa: E402
+from tandem.engine.kv_index_sums import canonical, kernel_pass, page_sums_by_index  # noqa: E402
+from tandem.engine.kv_pass_graph import MIN_BUCKET, bucket_of, padded_index  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 P = 4
@@ -57,7 +57,7 @@ def test_the_pass_over_a_padded_index_is_the_eager_pass_and_touches_no_padding()
     parts = torch.empty((bucket, 2, 3, 2), dtype=torch.int64, device=DEVICE)
     sums = torch.empty((2, bucket, 2), dtype=torch.int64, device=DEVICE)
     before = dst.k_cache.clone(), dst.v_cache.clone()
-    fused_pass((src.k_cache, src.v_cache), src.sums, (dst.k_cache, dst.v_cache), P, index.to(DEVICE), parts, sums)
+    kernel_pass((src.k_cache, src.v_cache), (dst.k_cache, dst.v_cache), src.sums, P, index.to(DEVICE), parts, sums)
     got = canonical(sums.cpu())
     assert torch.equal(got[:, :4], canonical(want.cpu())) and not got[:, 4:].any()  # (the padding sums to 0)
     assert torch.equal(dst.k_cache, ref_dst.k_cache) and torch.equal(dst.v_cache, ref_dst.v_cache)

@@ -33,8 +33,8 @@ def test_guess_number_reward_rises(tmp_path, staleness):
     _, history, _ = run_recording(["task=guess_number", "steps=60", "trainer.lr=1e-2", "rollout.group_size=8",
                                    f"rollout.max_staleness={staleness}", f"out_dir={tmp_path}"])
     first, last = quarter_means(history)
-    # the first quarter already learns a little, how much depends on the async run's timing (0.06 seen under load);
-    # the rise over the run: 0.10-0.23 in eight staleness-2 runs two at a time, at most 0.011 with lr 1e-9
+    # the first quarter already learns a little, how much depends on the async run's timing; the rise asked for
+    # sits between what learning runs rise and what a run that cannot learn (lr near 0) does
     assert first < 0.1 and last > first + 0.05, (first, last)
 
 

@@ -19,7 +19,7 @@ from tandem.engine.kv_pool import records_page_sums
 from tandem.engine.kv_shared import staging
 from tandem.engine.kv_transfer import TransferClock, checksum_weights, page_sums
 
-__all__ = ["HostRead", "canonical", "host_sums", "page_sums_by_index", "record_sums_by_index"]
+__all__ = ["HostRead", "canonical", "host_sums", "kernel_pass", "page_sums_by_index", "record_sums_by_index"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -69,24 +69,13 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     caches = (src_k, src_v) + ((dst_k, dst_v) if dst_k is not None else ())
     device = src_k.device
     if _kernel_ok(*caches):
-        from tandem.kernels.kv_copy import copy_page_sums
-
         index, staged = _stage_index(device, (src_pages, src_pages if dst_pages is None else dst_pages,
                                                _rows(num, n, page_size)), clock)
-        layers = src_k.shape[0]
         if clock is not None:
             clock.mark("launch")
-        parts = torch.empty((num, 2, layers, 2), dtype=torch.int64, device=device)  # page, keys/values, layer
-        for which, (src, dst) in enumerate(zip((src_k, src_v), (dst_k, dst_v), strict=True)):
-            row_w, col_w = _weights(layers, page_size, _words_per_position(src), device)[which]
-            copy_page_sums(src, index[0], index[2], page_size, row_w, col_w, dst,
-                           index[1] if dst is not None else None, out=parts[:, which], tile=tile)
+        parts = torch.empty((num, 2, src_k.shape[0], 2), dtype=torch.int64, device=device)  # page, k/v, layer
         sums = torch.empty((1 + (records is not None), num, 2), dtype=torch.int64, device=device)
-        torch.sum(parts.view(num, 2 * layers, 2), 1, out=sums[0])
-        if records is not None:
-            from tandem.kernels import kv_sums
-
-            kv_sums.page_sums(records, index[0], index[2], page_size, out=sums[1])
+        kernel_pass((src_k, src_v), (dst_k, dst_v), records, page_size, index, parts, sums, tile)
         out = sums if records is not None else sums[0]
         if read:  # (first: the host's work below then overlaps the kernels, not the wait after them)
             out = HostRead(out)
@@ -104,6 +93,29 @@ def page_sums_by_index(src_k: torch.Tensor, src_v: torch.Tensor, src_pages, star
     if records is not None:
         sums = torch.stack([sums, record_sums_by_index(records, src_pages, start, end, page_size)])
     return HostRead(sums) if read else sums
+
+
+def kernel_pass(src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor | None, torch.Tensor | None],
+                records: torch.Tensor | None, page_size: int, index: torch.Tensor, parts: torch.Tensor,
+                sums: torch.Tensor, tile=None) -> None:
+    """`page_sums_by_index`'s pass on a GPU, queued on the current stream: the pages `index` [3, pages] names (int32:
+    source pages, destination pages, rows each; page-locked host memory or the pools' device) checksummed from pool
+    tensors `src` (keys, values) and, where `dst` holds pool tensors, written into them; the sums of what was read
+    into `sums[0]` and, with `records`, the records' sums into `sums[1]` ([1 or 2, pages, 2] int64 on the device, as
+    `page_sums_by_index` returns them); `parts` [pages, 2, L, 2] int64, the kernels' per-layer parts. Two launches of
+    `kv_copy.copy_page_sums`, a sum, and `kv_sums.page_sums`. (`kv_pass_graph` captures it.)"""
+    from tandem.kernels.kv_copy import copy_page_sums
+
+    pages, layers = index.shape[1], src[0].shape[0]
+    for which, (s, d) in enumerate(zip(src, dst, strict=True)):
+        row_w, col_w = _weights(layers, page_size, _words_per_position(s), s.device)[which]
+        copy_page_sums(s, index[0], index[2], page_size, row_w, col_w, d, index[1] if d is not None else None,
+                       out=parts[:, which], tile=tile)
+    torch.sum(parts.view(pages, 2 * layers, 2), 1, out=sums[0])
+    if records is not None:
+        from tandem.kernels import kv_sums
+
+        kv_sums.page_sums(records, index[0], index[2], page_size, out=sums[1])
 
 
 def record_sums_by_index(records: torch.Tensor, pages, start: int, end: int, page_size: int,

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from tandem.engine.kv_index_sums import _weights, _words_per_position, canonical
+from tandem.engine.kv_index_sums import canonical, kernel_pass
 from tandem.engine.kv_transfer import TransferClock
 
-__all__ = ["MIN_BUCKET", "PassGraphs", "bucket_of", "fused_pass", "padded_index"]
+__all__ = ["MIN_BUCKET", "PassGraphs", "bucket_of", "padded_index"]
 
 MIN_BUCKET = 16  # pages: smaller transfers share its graph
 
@@ -45,24 +45,6 @@ def padded_index(index: np.ndarray, src_pages, dst_pages, start: int, end: int, 
     if num:
         index[2, num - 1] = n - (num - 1) * page_size
     return num
-
-
-def fused_pass(src: tuple[torch.Tensor, torch.Tensor], records: torch.Tensor, dst: tuple[torch.Tensor, torch.Tensor],
-               page_size: int, index: torch.Tensor, parts: torch.Tensor, sums: torch.Tensor) -> None:
-    """The pass a graph holds, queued on the current stream: the pages `index` [3, pages] (`padded_index`'s) names
-    copied from pool tensors `src` (keys, values) into `dst`, the sums of what was read into `sums[0]` and those of
-    `records` into `sums[1]` ([2, pages, 2] int64, on the device; `kv_index_sums.canonical` of them as compared),
-    `parts` [pages, 2, L, 2] int64 the kernels' per-layer parts."""
-    from tandem.kernels import kv_sums
-    from tandem.kernels.kv_copy import copy_page_sums
-
-    pages, layers = index.shape[1], src[0].shape[0]
-    weights = _weights(layers, page_size, _words_per_position(src[0]), src[0].device)
-    for which, (s, d) in enumerate(zip(src, dst, strict=True)):
-        row_w, col_w = weights[which]
-        copy_page_sums(s, index[0], index[2], page_size, row_w, col_w, d, index[1], out=parts[:, which])
-    torch.sum(parts.view(pages, 2 * layers, 2), 1, out=sums[0])
-    kv_sums.page_sums(records, index[0], index[2], page_size, out=sums[1])
 
 
 @dataclass
@@ -117,7 +99,7 @@ class PassGraphs:
         host = torch.zeros((2, bucket, 2), dtype=torch.int64, pin_memory=True)
 
         def body() -> None:
-            fused_pass(self.src, self.records, self.dst, self.page_size, index, parts, sums)
+            kernel_pass(self.src, self.dst, self.records, self.page_size, index, parts, sums)
             host.copy_(sums, non_blocking=True)
 
         if self._stream is None:
