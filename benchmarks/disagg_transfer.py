@@ -64,7 +64,7 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
             **{f"path_{key}": statistics.median(r["path_parts"][key] for r in records)
                for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "to_mail_s", "mail_s", "import_s")
                if all(key in (r.get("path_parts") or {}) for r in records)},
-            "mailed": sum(bool(r.get("mailed")) for r in records),
+            "mailed": sum(bool(r.get("mailed")) for r in records), "armed": sum(bool(r.get("armed")) for r in records),
             "launch_parts": _parts(records, "launch_parts"), "wait_parts": _parts(records, "wait_parts"),
             "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
@@ -139,12 +139,14 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
     if "landed" in t:
         print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
               f"{len(t['records'])} timed transfers; of which came by mail (the prefill engine's side channel, "
-              f"before the answer): {t.get('mailed', 0)}")
+              f"before the answer): {t.get('mailed', 0)}; of which were queued behind a doorbell the prefill "
+              f"engine rang (engine.kv_doorbells): {t.get('armed', 0)}")
     if t.get("launch_parts"):
         print("\nhost time of the decode's pass, first mark to launch (v''b), by part, ms: "
               + ", ".join(f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in t["launch_parts"].items()))
     if t.get("wait_parts"):
-        print("\nhost time of the decode's pass, launch to comparison (v''c and the check), by part, ms: "
+        print("\nhost time of the decode's pass, launch (armed: the ready mail in hand) to comparison (v''c and the "
+              "check), by part, ms: "
               + ", ".join(f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in t["wait_parts"].items()))
     if "decode_write_s" in t and t.get("decode_import_s"):
         passes = t.get("decode_pass_s", t["decode_write_s"])

@@ -285,6 +285,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transfer-reps", type=int, default=3, help="the KV transfer's timed repetitions (the median)")
     p.add_argument("--pass-graphs", action="store_true", help="the decode's pass by reference replayed as a CUDA "
                    "graph (engine.kv_pass_graphs)")
+    p.add_argument("--doorbells", action="store_true", help="the decode's pass by reference queued as the pages mail "
+                   "lands, behind a doorbell the prefill engine rings (engine.kv_doorbells)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     return parse_with_quick(p, QUICK)
 
@@ -300,7 +302,8 @@ def main() -> None:
     config = EngineConfig(device="cuda:0" if cuda else "cpu", page_size=PAGE,
                           num_pages=cdiv(need + args.transfer_tokens, PAGE) + 2 * (args.decoders + args.long),
                           max_running_requests=args.decoders + args.long + 2,
-                          max_prefill_tokens=args.max_prefill_tokens, kv_pass_graphs=args.pass_graphs)
+                          max_prefill_tokens=args.max_prefill_tokens, kv_pass_graphs=args.pass_graphs,
+                          kv_doorbells=args.doorbells)
     results = {"date": str(datetime.date.today()), "command": f"python {' '.join(sys.argv)}",
                "device": torch.cuda.get_device_name() if cuda else platform.processor() or "CPU",
                "torch": torch.__version__, "args": vars(args), "setups": {}}

@@ -81,6 +81,10 @@ class EngineConfig:
     # a decode server's KV transfer by reference on CUDA: its pass (the copy, both checksums, their way to the host)
     # replayed as a CUDA graph per page-count bucket, one launch instead of four (`tandem.engine.kv_pass_graph`)
     kv_pass_graphs: bool = False
+    # a decode server's KV transfer by reference on CUDA, with the prefill server's mail: its pass queued as the
+    # pages mail lands, behind a wait on a doorbell the prefill engine rings once the KV is complete
+    # (`tandem.engine.doorbell`, `EngineCore.arm_reserved`)
+    kv_doorbells: bool = False
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True

@@ -35,6 +35,7 @@ import torch
 
 from tandem.distributed.parallel import cdiv
 from tandem.engine import commands
+from tandem.engine.doorbell import Bell
 from tandem.engine.kv_mapped import MappedKV, PinnedKV, pin_pages
 from tandem.engine.kv_shared import transfer_stream
 from tandem.engine.kv_transfer import KVPages
@@ -58,6 +59,16 @@ class Reservation:
     version: int
     ready: torch.cuda.Event | None
     written: object = None
+    armed: Armed | None = None
+
+
+@dataclass(eq=False)
+class Armed:
+    """A reservation's pass queued behind a doorbell (`arm_reserved`): `kv`'s pass (`MappedKV.launch_pass`) on
+    the bell's stream, waiting for `bell` to ring; the reservation owns the bell until it is disarmed."""
+
+    kv: MappedKV
+    bell: Bell
 
 
 class DecodeImports:
@@ -125,18 +136,51 @@ class DecodeImports:
         go back to the allocator before the next command is applied."""
         self._unpins.append(pages)
 
+    def arm_reserved(self, rid: str, kv: MappedKV, version: int, bell: Bell) -> bool:
+        """Thread-safe, for a decode server's thread as `rid`'s pages mail lands, before the prefill server has
+        computed the KV: queue `kv`'s pass into the pages its probe set aside (`MappedKV.launch_pass`), on a stream
+        of its own, behind a wait for `bell` (`doorbell`), which the prefill engine rings once the KV is complete, so
+        the device runs the pass then, with no host of this side on its way. `write_reserved` later takes its
+        result. False, nothing queued, where `write_reserved` would refuse, off a GPU, or if the pass cannot be
+        queued; True: the reservation owns `bell` (rung and given back as the pass is taken or dropped,
+        `_disarm`)."""
+        with self._gate:
+            res = self._reserved.get(rid)
+            if not self._writable(res, kv, version) or res.armed is not None or not self.pool.k_cache.is_cuda:
+                return False
+            stream = bell.stream
+            with torch.cuda.stream(stream):
+                if res.ready is not None:
+                    stream.wait_event(res.ready)
+                bell.wait()
+                try:
+                    kv.launch_pass(self.pool, res.pages)
+                except ValueError:  # (nothing queued behind the wait: let it go, and take the host's way)
+                    bell.ring()
+                    return False
+            res.armed = Armed(kv, bell)
+            return True
+
     def write_reserved(self, rid: str, kv: MappedKV, version: int) -> bool:
         """Thread-safe, for a decode server's thread as `rid`'s answer lands: write `kv` (KV computed under weight
         `version`) into the pages its probe set aside (`MappedKV.pass_into`, on the transfer stream; blocks for the
         pass); its caller then compares the checksums (`MappedKV.check`) before it sends the import, which takes
-        the pages only if they were checked and the same. False, nothing written, if there is no such reservation
-        (none set aside, dropped, or written already), the engine is paused, or `version` is not the engine's and
-        the reservation's, or `kv` is not the positions reserved: the import then takes the engine's own way."""
+        the pages only if they were checked and the same. Where that pass was armed for this `kv`
+        (`arm_reserved`), its bell is rung (the prefill engine rang it already, unless it could not) and its result
+        taken. False, nothing written, if there is no such reservation (none set aside, dropped, or written
+        already), the engine is paused, or `version` is not the engine's and the reservation's, or `kv` is not the
+        positions reserved: the import then takes the engine's own way."""
         with self._gate:
             res = self._reserved.get(rid)
-            if (res is None or res.written is not None or self.paused is not None
-                    or not res.version == version == self.weight_version or (kv.start, kv.end) != (res.start, res.end)):
+            if not self._writable(res, kv, version):
                 return False
+            if res.armed is not None and res.armed.kv is kv:
+                res.armed.bell.ring()
+                kv.finish_pass()
+                res.armed.bell.give_back()
+                res.armed, res.written = None, kv
+                return True
+            self._disarm(res)
             with transfer_stream(self.pool.k_cache.device) as stream:
                 if stream is not None and res.ready is not None:
                     stream.wait_event(res.ready)
@@ -146,6 +190,19 @@ class DecodeImports:
                     kv.failure, kv.checked = str(e), True
             res.written = kv
             return True
+
+    def _writable(self, res: Reservation | None, kv: MappedKV, version: int) -> bool:
+        return not (res is None or res.written is not None or self.paused is not None
+                    or not res.version == version == self.weight_version or (kv.start, kv.end) != (res.start, res.end))
+
+    def _disarm(self, res: Reservation) -> None:
+        """(Holding the gate.) Ring `res`'s armed bell and wait for its pass, whose result nobody takes (the pages
+        it wrote are written again or go back), so that no pass into them is left queued."""
+        if (armed := res.armed) is not None:
+            res.armed = None
+            armed.bell.ring()
+            armed.bell.stream.synchronize()
+            armed.bell.give_back()
 
     def _probe(self, input_ids: list[int], reserve_for: str | None = None) -> int:
         """The leading tokens held in whole device pages; with `reserve_for`, pages set aside for that request's
@@ -173,7 +230,9 @@ class DecodeImports:
         """`rid`'s reservation, taken out of `_reserved` (the caller owns its pages: `_release` them or use them);
         waits for a write into them in flight."""
         with self._gate:
-            return self._reserved.pop(rid, None)
+            if (res := self._reserved.pop(rid, None)) is not None:
+                self._disarm(res)
+            return res
 
     def _release(self, res: Reservation | None) -> None:
         if res is not None:

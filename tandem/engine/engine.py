@@ -117,6 +117,12 @@ class Engine:
         expects that request's import, with `reserve` in pages set aside for it (see `commands.Probe`)."""
         return await self._call(commands.Probe(list(input_ids), rid, reserve))
 
+    def arm_reserved(self, rid: str, kv, version: int, bell) -> bool:
+        """Queue an import's pass by reference behind a doorbell the prefill engine rings once its KV is complete,
+        from the calling thread: `EngineCore.arm_reserved` (thread-safe; does not wait for the device)."""
+        self._check_alive()
+        return self.core.arm_reserved(rid, kv, version, bell)
+
     def write_reserved(self, rid: str, kv, version: int) -> bool:
         """Write an import's KV by reference into the pages its probe set aside, from the calling thread (the caller
         then compares its checksums, `MappedKV.check`): `EngineCore.write_reserved` (thread-safe; blocks for the

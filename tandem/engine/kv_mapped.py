@@ -257,6 +257,7 @@ class MappedKV:
         self.settled: Future = Future()
         self.sums: np.ndarray | None = None  # (the prefill side's, from its records, as `pass_into` read them)
         self.mine: np.ndarray | None = None  # (the sums of what `pass_into` read)
+        self._read = None  # (`launch_pass`'s sums on their way: a `HostRead`, or the graph's, in hand)
         self.epochs_after: np.ndarray | None = None  # (the pages' epochs once `pass_into` had read them)
         self.failure: str | None = None  # (`check`'s difference, once checked)
         self.checked = False
@@ -295,11 +296,16 @@ class MappedKV:
     def pass_into(self, pool: KVPool, pages: list[int], graphs: bool = False) -> None:
         """The pass of `write_into`: the pages written, the sums of what was read (`mine`) and the prefill side's
         from its records (`sums`), read back by the host (one copy, queued right behind the kernels: `HostRead`),
-        then the pages' epochs (`epochs_after`). ValueError if the routing the pool keeps is missing, or pages are
-        of another size. Marks `clock` "write" and "written" around the pass (device events on a GPU; "launch" as
-        its kernels are launched), "synced" once the host's wait for its sums returns, "passed" once it has them.
-        `graphs`: on a GPU, the pass replayed as a CUDA graph (`kv_pass_graph`; the caller serialises passes into
-        `pool`, as `EngineCore.write_reserved` does)."""
+        then the pages' epochs (`epochs_after`): `launch_pass`, then `finish_pass`."""
+        self.launch_pass(pool, pages, graphs)
+        self.finish_pass()
+
+    def launch_pass(self, pool: KVPool, pages: list[int], graphs: bool = False) -> None:
+        """Queue `pass_into`'s pass on the current stream (the host waits for nothing; `finish_pass` does). ValueError
+        if the routing the pool keeps is missing, or pages are of another size. Marks `clock` "write" and "written"
+        around the pass (device events on a GPU; "launch" as its kernels are launched). `graphs`: on a GPU, the pass
+        replayed as a CUDA graph (`kv_pass_graph`; the caller serialises passes into `pool`, as
+        `EngineCore.write_reserved` does), which the host waits for here."""
         P = self.page_size
         if pool.routing is not None and self.routing is None:
             raise ValueError("kv: the sender kept no routing, which this pool keeps (enable_return_routed_experts)")
@@ -312,14 +318,20 @@ class MappedKV:
         if pool.routing is not None:  # (before the pass: a copy from pageable memory waits for the stream's work)
             pool.routing[pool.slots(pages, self.start, self.end)] = self.routing.to(pool.routing.device)
         if graphs and _kernel_ok(self.source.k, self.source.v, pool.k_cache, pool.v_cache):
-            self.mine, self.sums = self.source.pass_graphs(pool).run(self.pages, mine, self.start, self.end, clock)
+            self._read = self.source.pass_graphs(pool).run(self.pages, mine, self.start, self.end, clock)
         else:
-            both = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
-                                      pool.k_cache, pool.v_cache, mine, clock, records=self.source.records, read=True)
+            self._read = page_sums_by_index(self.source.k, self.source.v, self.pages, self.start, self.end, P,
+                                            pool.k_cache, pool.v_cache, mine, clock, records=self.source.records,
+                                            read=True)
             clock.mark("written")
-            self.mine, self.sums = both.result(clock)  # (the host waits for the pass)
+
+    def finish_pass(self) -> None:
+        """After `launch_pass`: the host waits for the pass's sums (`clock` marked "synced" as the wait returns),
+        takes them, then reads the pages' epochs; marks "passed" once it has both."""
+        read, self._read = self._read, None
+        self.mine, self.sums = read if isinstance(read, np.ndarray) else read.result(self.clock)
         self.epochs_after = self.source.epochs[self.pages]  # (after the reads: see `check`)
-        clock.mark("passed", device=False)
+        self.clock.mark("passed", device=False)
 
     def check(self) -> str | None:
         """After `pass_into`: None if what it read was what the prefill server pinned, else (also kept as

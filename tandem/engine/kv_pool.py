@@ -204,7 +204,7 @@ def records_page_sums(records: torch.Tensor, pages, start: int, end: int, page_s
     return padded.view(-1, P, 2).sum(1)
 
 
-def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:
+def _shared_memory(nbytes: int, what: str = "KV pool") -> tuple[str, torch.Tensor] | None:
     """`nbytes` zero bytes of shared memory, mapped here: a file in /dev/shm removed at once, which stays while this
     process holds it open (until it exits: nothing is left behind, even if it is killed). Other processes of the host
     map it by the path returned (this process's descriptor in /proc). None (logged) where /dev/shm cannot hold it:
@@ -217,7 +217,7 @@ def _shared_memory(nbytes: int) -> tuple[str, torch.Tensor] | None:
         raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
     except (OSError, RuntimeError) as e:
         os.close(fd)
-        log.warning("KV pool: not in shared memory (%s: %s); a decode server takes its KV as bytes", directory, e)
+        log.warning("%s: not in shared memory (%s: %s); a decode server takes its KV another way", what, directory, e)
         return None
     finally:
         os.unlink(path)

@@ -80,12 +80,13 @@ from urllib.parse import urlparse
 import aiohttp
 from fastapi import FastAPI
 
+from tandem.engine.doorbell import Doorbells
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV, MappedPool
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PLink, join_store, why_not_p2p
 from tandem.engine.kv_transfer import KVPages, TransferClock, sharing_domain, why_not_shared, wire_meta
 from tandem.server.disagg_import import KVImports, Mail, _verify, records
-from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, Mailbox
+from tandem.server.disagg_mailbox import DOORBELL_HEADER, MAIL_KEY_HEADER, MAILBOX_HEADER, Mailbox
 from tandem.server.disagg_prefill import HEADER, Exports, add_prefill_routes, offered
 from tandem.types import HANDED_BACK, FinishReason, GenerateOutput, SamplingParams
 
@@ -143,6 +144,7 @@ class PrefillClient(KVImports):
         self.pools: dict[str, MappedPool] = {}  # URL -> its KV pool, mapped while paired by reference
         self.mailing: set[str] = set()  # URLs paired by reference that mail their exports (`disagg_mailbox`)
         self.mailbox: Mailbox | None = None  # (started at the first such pairing)
+        self.bells: Doorbells | None = None  # (with the mailbox, where `kv_doorbells` asks and the device has them)
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -205,6 +207,8 @@ class PrefillClient(KVImports):
                             type(e).__name__, e)
                 return False
             self.mailbox = mailbox
+            if self.engine.config.kv_doorbells:
+                self.bells = await asyncio.to_thread(Doorbells.open, self.engine.pool.k_cache.device)
         return True
 
     def _unpair(self, url: str) -> None:
@@ -329,14 +333,16 @@ class PrefillClient(KVImports):
                 and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
             key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
-            mail = Mail()
+            mail = Mail(self.bells.take() if self.bells is not None else None)
+            if mail.bell is not None:
+                headers[DOORBELL_HEADER] = mail.bell.spec
             mail.pages = self.mailbox.expect(key, "pages", functools.partial(self._mailed, url, rid, mail))
             mail.ready = self.mailbox.expect(key, "ready", functools.partial(self._mail_ready, url, rid, mail))
         try:
             r = await self._http().post(f"{url}/pd/prefill", json=body, headers=headers)
         except BaseException:
             if mail is not None:
-                mail.cancel()
+                mail.done()
             raise
         try:
             data = await r.read()
@@ -368,5 +374,5 @@ class PrefillClient(KVImports):
             return meta["first"], kv.with_clock(clock), meta
         finally:
             if mail is not None:
-                mail.cancel()  # (the answer's way was taken, or the mail's is done: no mail is wanted now)
+                mail.done()  # (the answer's way was taken, or the mail's is done: no mail is wanted now)
             r.release()

@@ -17,6 +17,7 @@ from collections import deque
 import aiohttp
 import torch
 
+from tandem.engine.doorbell import Bell
 from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import MappedKV
 from tandem.engine.kv_shared import transfer_stream
@@ -46,13 +47,23 @@ class Mail:
     """A request's mail as it comes (`disagg_mailbox`): `pages` and `ready`, the futures of its two frames
     (`Mailbox.expect`); `prepared`, the KV the pages mail names (parsed as it landed, while the prefill server
     computes: `KVImports._mailed`), and `kv` once it was written and checked as the ready mail landed
-    (`KVImports._mail_ready`, in the turn of the event loop that read the frame's last byte)."""
+    (`KVImports._mail_ready`, in the turn of the event loop that read the frame's last byte). `bell`: the doorbell
+    the prefill server was asked to ring (`doorbell`), if any; `armed` once the engine holds it, its pass queued
+    behind it (`Engine.arm_reserved`)."""
 
-    def __init__(self):
+    def __init__(self, bell: Bell | None = None):
         self.pages: asyncio.Future | None = None
         self.ready: asyncio.Future | None = None
         self.prepared: MappedKV | None = None
         self.kv: MappedKV | None = None
+        self.bell, self.armed = bell, False
+
+    def done(self) -> None:
+        """The request's way is over: no mail is wanted now, and a bell the engine did not take goes back."""
+        self.cancel()
+        if self.bell is not None and not self.armed:
+            self.bell.give_back()
+        self.bell = None
 
     def cancel(self) -> None:
         for frame in (self.pages, self.ready):
@@ -88,13 +99,17 @@ class KVImports:
 
     def _mailed(self, url: str, rid: str, mail: Mail, head: dict, payload: bytes) -> None:
         """`rid`'s pages mail (`disagg_mailbox`: `head`, `payload`) lands, sent as the prefill engine launched the
-        step that computes the KV: the pages it names parsed (`mail.prepared`); nothing is read before its ready
-        mail (`_mail_ready`). A mail that does not parse is logged: the answer's way is taken."""
+        step that computes the KV: the pages it names parsed (`mail.prepared`) and, with a doorbell, their pass
+        queued behind it (`Engine.arm_reserved`: the device runs it as the prefill engine rings); nothing is read
+        before its ready mail (`_mail_ready`) or its ring. A mail that does not parse is logged: the answer's way is
+        taken."""
         try:
             if (source := self.pools.get(url)) is not None:
                 kv = mapped_from_mail(source, head, payload, url)
                 kv.mail, mail.prepared = dict(head), kv
-        except (ValueError, KeyError, TypeError) as e:
+                if mail.bell is not None:
+                    mail.armed = self.engine.arm_reserved(rid, kv, int(head["version"]), mail.bell)
+        except (ValueError, KeyError, TypeError, RuntimeError) as e:
             log.warning("decode server: the mail of %s from %s: %s; it takes the answer's way", rid, url, e)
 
     def _mail_ready(self, url: str, rid: str, mail: Mail, head: dict, payload: bytes) -> None:
@@ -106,9 +121,9 @@ class KVImports:
         if (kv := mail.prepared) is None:
             return
         try:
-            clock = TransferClock(self.engine.pool.k_cache.device)
+            clock = kv.clock if mail.armed else TransferClock(self.engine.pool.k_cache.device)
             clock.mark("import", device=False)
-            kv.mail |= {"ready_at": head["ready_at"], "ready_sent_at": head["sent_at"]}
+            kv.mail |= {"ready_at": head["ready_at"], "ready_sent_at": head["sent_at"], "armed": mail.armed}
             kv.with_clock(clock)
             clock.mark("taken", device=False)
             clock.mark("verified", device=False)
@@ -173,6 +188,7 @@ class KVImports:
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)
+        armed = mapped and bool((kv.mail or {}).get("armed"))  # (its pass queued before "import": no host parts)
         try:
             write_s = clock.seconds("write", "written") if written else None
             pass_s = clock.seconds("launch", "written") if written and "launch" in clock.host else None
@@ -190,20 +206,21 @@ class KVImports:
             "export_s": meta.get("export_s"), "take_s": take_s,
             "copy_s": clock.host["taken"] - clock.host["import"],
             "verify_s": clock.host["verified"] - clock.host["taken"],
-            "queue_s": clock.host["write"] - clock.host["import"] if mapped and written else None,
+            "queue_s": clock.host["write"] - clock.host["import"] if mapped and written and not armed else None,
             "check_s": clock.host["checked"] - clock.host["written"] if mapped and "checked" in clock.host else None,
             "write_s": write_s, "pass_s": pass_s, "import_s": import_s,
             "landed": mapped and "placed" in clock.host,
             "handoff_s": clock.host["placed"] - clock.host["checked"] if mapped and "placed" in clock.host else None,
             "path_s": _path_s(clock, meta, kv.mail) if mapped else None,
             "path_parts": _path_parts(clock, meta, kv.mail) if mapped and "checked" in clock.mono
-            else None, "mailed": mapped and kv.mail is not None,
-            "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and "launch" in clock.host
-            and "write" in clock.host else None,
-            "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and "launch" in clock.host
-            and "passed" in clock.host else None,
-            "launch_parts": clock.parts(("write", "staged", "launch")) if mapped else None,
-            "wait_parts": clock.parts(("launch", "launched", "synced", "passed", "checked")) if mapped
+            else None, "mailed": mapped and kv.mail is not None, "armed": armed,
+            "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and not armed
+            and "launch" in clock.host and "write" in clock.host else None,
+            "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and not armed
+            and "launch" in clock.host and "passed" in clock.host else None,
+            "launch_parts": clock.parts(("write", "staged", "launch")) if mapped and not armed else None,
+            "wait_parts": clock.parts(("import", "synced", "passed", "checked") if armed
+                                      else ("launch", "launched", "synced", "passed", "checked")) if mapped
             else None})
 
     async def _take(self, url: str, data: bytes, clock: TransferClock, meta: dict) -> MappedKV:

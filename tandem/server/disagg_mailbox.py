@@ -16,8 +16,9 @@ A frame: two little-endian uint32 (the JSON head's length, the payload's), the h
 `rid` (the key the decode server gave this attempt at its request, `MAIL_KEY_HEADER`), `sent_at`
 (`time.monotonic()` as it was sent). A "pages" head also has `pool`, `start`, `end`, `page_size`, `version` (the
 KV's weight version), `pinned_at`, `pin_s` (as the prefill engine began pinning, its time pinning), its payload the
-pages (int32), then their epochs (int64, `PinnedKV.epochs`), little-endian. A "ready" head has `ready_at` (as the
-prefill engine had the step's result, `PinnedKV.ready_at`), no payload; it follows its pages mail on one stream.
+pages (int32), then their epochs (int64, `PinnedKV.epochs`), little-endian. A "ready" head has `rung` (whether its
+doorbell was rung first) and `ready_at` (as the prefill engine had the step's result, `PinnedKV.ready_at`), no
+payload; it follows its pages mail on one stream.
 Each prefill server connects once, its stream written by its engine's thread alone. Sockets are in Linux's abstract
 namespace (no file to clean up); both servers are on one host (a reference's pairing checks it)."""
 
@@ -36,12 +37,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tandem.engine.doorbell import ring
 from tandem.engine.kv_mapped import MappedKV, MappedPool, PinnedKV
 
 log = logging.getLogger("tandem.server.disagg")
 
 MAILBOX_HEADER = "X-Tandem-Mailbox"  # a decode server's `/pd/prefill`: the name of its `Mailbox`
 MAIL_KEY_HEADER = "X-Tandem-Mail-Key"  # and the key its mail is to carry (`rid`: one of this request's attempt)
+DOORBELL_HEADER = "X-Tandem-Doorbell"  # and a doorbell to ring once the KV is complete (`doorbell.Bell.spec`)
 _FRAME = struct.Struct("<II")
 MAX_FRAME_BYTES = 64 << 20  # (a mail names pages: a million of them is a few MB)
 
@@ -162,24 +165,26 @@ class MailSender:
     computes the prompt; it connects to mailbox `name` where not yet connected) says that the export of engine
     request `engine_rid` goes to that mailbox as decode request `rid`; `pinned(engine_rid, kv, version)` (the
     engine's hook, in its thread, as the step completing the prompt is launched: quick, never blocks nor raises)
-    sends its pages mail, and `ready(engine_rid, kv)` (the engine's hook once it has that step's result) its ready
-    mail. Sends never block (a frame is sent whole or its connection dropped, logged): the answer's way remains.
-    `forget(engine_rid)` once the handler is done."""
+    sends its pages mail, and `ready(engine_rid, kv)` (the engine's hook once it has that step's result) rings the
+    doorbell `expect` was given (`bell`: `doorbell.Bell.spec`, from the `DOORBELL_HEADER`; the decode server's device
+    may have that export's pass queued behind it), then sends its ready mail. Sends never block (a frame is sent
+    whole or its connection dropped, logged): the answer's way remains. `forget(engine_rid)` once the handler is
+    done."""
 
     def __init__(self):
-        self._expected: dict[str, tuple[str, str]] = {}
-        self._pinned: dict[str, tuple[str, str, PinnedKV]] = {}  # engine rid -> (rid, mailbox, the export mailed)
+        self._expected: dict[str, tuple[str, str, str | None]] = {}  # engine rid -> (rid, mailbox, doorbell)
+        self._pinned: dict[str, tuple[str, str, str | None, PinnedKV]] = {}  # ... and the export mailed
         self._sockets: dict[str, socket.socket] = {}  # mailbox -> its connection (written by the engine's thread)
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
 
-    def expect(self, engine_rid: str, rid: str, name: str) -> None:
+    def expect(self, engine_rid: str, rid: str, name: str, bell: str | None = None) -> None:
         try:
             self._connect(name)
         except OSError as e:
             log.warning("prefill server: no mail to %s (%s: %s); its KV takes the answer's way", name,
                         type(e).__name__, e)
             return
-        self._expected[engine_rid] = (rid, name)
+        self._expected[engine_rid] = (rid, name, bell)
 
     def forget(self, engine_rid: str) -> None:
         self._expected.pop(engine_rid, None)
@@ -189,20 +194,27 @@ class MailSender:
         self._pinned.pop(engine_rid, None)  # (pinned again: the pages mailed before are never said ready)
         if (to := self._expected.pop(engine_rid, None)) is None or kv.routing is not None:
             return  # (routed experts come with the answer alone)
-        rid, name = to
+        rid, name, bell = to
         head = {"kind": "pages", "rid": rid, "pool": kv.pool_id, "start": kv.start, "end": kv.end,
                 "page_size": kv.page_size, "version": version, "pinned_at": kv.pinned_at, "pin_s": kv.read_s}
         if self._send(name, head, np.asarray(kv.pages, dtype="<i4").tobytes()
                       + np.asarray(kv.epochs, "<i8").tobytes()):
-            self._pinned[engine_rid] = (rid, name, kv)
+            self._pinned[engine_rid] = (rid, name, bell, kv)
 
     def ready(self, engine_rid: str, kv: PinnedKV) -> None:
         """(Only for the export whose pages were mailed.)"""
-        if (to := self._pinned.get(engine_rid)) is None or to[2] is not kv:
+        if (to := self._pinned.get(engine_rid)) is None or to[3] is not kv:
             return
         del self._pinned[engine_rid]
         kv.wait_recorded()  # (the records of pages the forward did not write: queued right behind the step just run)
-        self._send(to[1], {"kind": "ready", "rid": to[0], "ready_at": kv.ready_at}, b"")
+        rung = False
+        if to[2] is not None:
+            try:
+                ring(to[2])
+                rung = True
+            except ValueError as e:
+                log.warning("prefill server: %s; the decode server rings it as the ready mail lands", e)
+        self._send(to[1], {"kind": "ready", "rid": to[0], "ready_at": kv.ready_at, "rung": rung}, b"")
 
     def _send(self, name: str, head: dict, payload: bytes) -> bool:
         """Send one frame to mailbox `name`, without blocking; False (the connection dropped) if it fails or would

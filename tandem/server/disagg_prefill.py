@@ -20,7 +20,7 @@ from tandem.engine.engine import Engine
 from tandem.engine.kv_mapped import PinnedKV, pool_handle, why_not_mappable
 from tandem.engine.kv_p2p import P2P_TIMEOUT_S, P2PExport, P2PLink, backend_for, host_store
 from tandem.server.bodies import P2PSendBody, PrefillBody, ReleaseBody
-from tandem.server.disagg_mailbox import MAIL_KEY_HEADER, MAILBOX_HEADER, MailSender
+from tandem.server.disagg_mailbox import DOORBELL_HEADER, MAIL_KEY_HEADER, MAILBOX_HEADER, MailSender
 from tandem.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,8 @@ def add_prefill_routes(app: FastAPI, engine: Engine, until_disconnected, kinds: 
         engine.validate(body.input_ids, sampling, rid)
         if body.transfer == "reference" and (mailbox := request.headers.get(MAILBOX_HEADER)):
             # (the pages mailed as they are pinned, then said ready)
-            sender().expect(rid, request.headers.get(MAIL_KEY_HEADER) or body.rid, mailbox)
+            sender().expect(rid, request.headers.get(MAIL_KEY_HEADER) or body.rid, mailbox,
+                            request.headers.get(DOORBELL_HEADER))
         try:
             out = await until_disconnected(request, engine.generate(body.input_ids, sampling, rid, body.kv_from,
                                                                     body.prompt_len,
