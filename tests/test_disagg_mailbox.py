@@ -372,9 +372,9 @@ def read_before_ready(monkeypatch, early_read: bool) -> dict:
     landing = {}
     mail_pinned, pin, ready = MailSender.pinned, EngineCore._pin_launched, EngineCore._exports_ready
 
-    def pin_launched(self, chunks, version):
+    def pin_launched(self, launched):
         landing["pool"] = self.pool
-        pin(self, chunks, version)
+        pin(self, launched)
 
     def pinned(self, engine_rid, kv, version):
         k = landing["pool"].k_cache
@@ -383,12 +383,12 @@ def read_before_ready(monkeypatch, early_read: bool) -> dict:
         k[:, slots] = 7.0  # (not yet written: what the pages held before)
         mail_pinned(self, engine_rid, kv, version)
 
-    def exports_ready(self, chunks):
+    def exports_ready(self, launched):
         if (held := landing.pop("kv", None)) is not None:
             time.sleep(0.3)
             k, slots, computed = held
             k[:, slots] = computed  # (the forward's write lands)
-        ready(self, chunks)
+        ready(self, launched)
     monkeypatch.setattr(MailSender, "pinned", pinned)
     monkeypatch.setattr(EngineCore, "_pin_launched", pin_launched)
     monkeypatch.setattr(EngineCore, "_exports_ready", exports_ready)

@@ -11,6 +11,7 @@ The servers' protocol over HTTP: tests/test_disagg_transfer.py."""
 import asyncio
 import dataclasses
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -312,3 +313,47 @@ def test_an_engine_waiting_for_pinned_pages_waits_for_commands_instead_of_spinni
 def test_the_stall_falsifier_an_engine_that_steps_at_once_spins(monkeypatch):
     during, _ = steps_while_stalled(monkeypatch, wait=False)
     assert during > 3 * (0.3 / 0.001), during
+
+
+def ready_steps(monkeypatch, premature: bool = False) -> list[bool]:
+    """A prompt in three chunks through a prefill engine that launches each step before it reads the last one's
+    result: for the export, whether it was said ready as the result of the very step that pinned it (the one that
+    completes the prompt) was read. `premature=True`: a mutant that says ready an export pinned in any step whose
+    result is read, as an earlier chunk's step is drained after the pinning step's launch."""
+    from tandem.engine.core import EngineCore
+
+    if premature:
+        def any_chunk(self, launched):
+            for c in launched.chunks:
+                if (kv := self._early.get(c.req.rid)) is not None and kv.ready_at is None:
+                    kv.ready_at = time.monotonic()
+                    self._tell(self.on_ready, c.req.rid, kv)
+        monkeypatch.setattr(EngineCore, "_exports_ready", any_chunk)
+    drain, pin, draining, pinned_by, seen = EngineCore._drain, EngineCore._pin_launched, [None], {}, []
+
+    def noted_drain(self):
+        draining[0] = self._inflight
+        drain(self)
+
+    def noted_pin(self, launched):
+        pin(self, launched)
+        pinned_by.update((rid, launched) for rid in self._early if rid not in pinned_by)
+    monkeypatch.setattr(EngineCore, "_drain", noted_drain)
+    monkeypatch.setattr(EngineCore, "_pin_launched", noted_pin)
+
+    async def go():
+        with Engine("tiny", dataclasses.replace(PREFILL, max_prefill_tokens=8)) as p:
+            assert p.config.overlap
+            p.core.on_ready = lambda rid, kv: seen.append(draining[0] is pinned_by[rid])
+            first = await pinned(p, prompt(22))
+            first.kv.free(taken=True)
+    asyncio.run(go())
+    return seen
+
+
+def test_an_export_is_said_ready_only_as_the_result_of_the_step_that_pinned_it_is_read(monkeypatch):
+    assert ready_steps(monkeypatch) == [True]
+
+
+def test_the_ready_falsifier_an_earlier_chunks_step_drained_after_the_pin_says_it_ready_too_early(monkeypatch):
+    assert ready_steps(monkeypatch, premature=True) == [False]

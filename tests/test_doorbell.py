@@ -1,7 +1,9 @@
 """Doorbells (`tandem.engine.doorbell`): the ringing side writes only a doorbells file's word with its ticket and
 names what is wrong with a bad bell; on a GPU a queued wait holds its stream until the bell rings (from this process
 or another), and a decode server whose passes wait on doorbells (`engine.kv_doorbells`) generates what bytes give,
-each transfer queued before its KV was complete and run as the prefill engine rang."""
+each transfer queued before its KV was complete and run as the prefill engine rang (or, where it cannot ring, as
+the ready mail lands). In process: an armed pass runs only once its bell rings, and a pause or an abort leaves none
+queued (falsifier: an engine that does not disarm leaves it queued after acknowledging)."""
 
 import subprocess
 import sys
@@ -52,6 +54,36 @@ def test_the_magic_falsifier_a_file_that_is_no_doorbells_file_is_not_written():
     assert words.sum() == 0
 
 
+def test_a_prefill_server_rings_its_bell_before_its_ready_mail_and_mails_where_it_cannot_ring():
+    import asyncio
+    from types import SimpleNamespace
+
+    from tandem.server.disagg_mailbox import Mailbox, MailSender
+
+    path, words = bells_file()
+
+    async def go():
+        box, sender = Mailbox(), MailSender()
+        await box.start()
+        try:
+            seen = []
+            for key, spec in (("k1", f"{path}:9:41"), ("k2", f"{path}:0:41")):  # (word 0 is no bell)
+                kv = SimpleNamespace(pool_id="pool", start=0, end=9, page_size=4, pinned_at=0.0, read_s=0.0,
+                                     routing=None, ready_at=1.5, wait_recorded=lambda: None, pages=[7, 3, 5],
+                                     epochs=[1, 2, 9])
+                ready = box.expect(key, "ready")
+                sender.expect(key, key, box.name, spec)
+                sender.pinned(key, kv, 4)
+                sender.ready(key, kv)
+                head, _ = await asyncio.wait_for(ready, 5)
+                seen.append((head["rung"], int(words[9])))
+            return seen
+        finally:
+            sender.close()
+            await box.close()
+    assert asyncio.run(go()) == [(True, 41), (False, 41)]
+
+
 def test_no_doorbells_off_a_gpu():
     assert doorbell.Doorbells.open(torch.device("cpu")) is None
 
@@ -100,3 +132,96 @@ def test_a_decode_server_whose_passes_wait_on_doorbells_generates_what_bytes_giv
         got = [t.tokens(t.generate(d_url, p_url, ids)) for _ in range(3)]
         records = t.httpx.get(f"{d_url}/pd/transfers").json()
     assert got == [want] * 3 and all(r["landed"] and r["armed"] for r in records), records
+    # a bell the prefill server cannot ring: the decode server rings it as the ready mail lands
+    monkeypatch.setattr(doorbell.Bell, "spec", property(lambda bell: f"/proc/self/fd/999999:{bell.slot}:1"))
+    with t.prefill_server("cuda") as p_url, t.decode_server("cuda", "reference") as d_url:
+        got = t.tokens(t.generate(d_url, p_url, ids))
+        records = t.httpx.get(f"{d_url}/pd/transfers").json()
+    assert got == want and all(r["landed"] and r["armed"] for r in records), records
+
+
+def armed_then(monkeypatch, then: str, disarm: bool = True) -> dict:
+    """A decode engine in this process on a GPU, a prefill server in another: the pass of an export by reference
+    armed behind a doorbell, then `then` ("ring": the prefill side rings and the decode server takes the pass;
+    "pause"; "abort"): what was seen. `disarm=False`: a mutant engine that leaves an armed pass queued when its
+    reservation is dropped or it pauses."""
+    import asyncio
+    import json
+
+    import test_disagg_transfer as t
+
+    from tandem.engine.core_imports import DecodeImports
+    from tandem.engine.engine import Engine
+    from tandem.engine.kv_mapped import MappedKV, MappedPool
+    from tandem.engine.kv_transfer import TransferClock
+    from tandem.server.disagg_prefill import HEADER
+    from tandem.types import SamplingParams
+
+    if not disarm:
+        monkeypatch.setattr(DecodeImports, "_disarm", lambda self, res: None)
+    seen, ids, sampling = {}, t.prompt(70, seed=5), SamplingParams(**t.SAMPLING)
+
+    async def go(p_url):
+        body = {"rid": "r", "input_ids": ids, "sampling_params": t.SAMPLING, "kv_from": 0, "transfer": "reference"}
+        r = t.httpx.post(f"{p_url}/pd/prefill", json=body, timeout=60)
+        answer, (token, logprob, version) = r.json(), json.loads(r.headers[HEADER])["first"]
+        with Engine("tiny", t.config("cuda", "decode")) as d, Engine("tiny", t.config("cuda", "decode")) as plain:
+            source = MappedPool(t.httpx.get(f"{p_url}/pd/pool").json(), d.pool.k_cache.device)
+
+            def mapped():
+                return MappedKV(source, answer["kv"], "prefill", answer["id"]).with_clock(TransferClock("cuda"))
+            want = await plain.generate_imported(ids, sampling, ([token], [logprob], [version]), mapped())
+            bells = doorbell.Doorbells.open(torch.device("cuda", 0))
+            free_bells = len(bells._free)
+            assert await d.probe(ids, "r", reserve=True) == 0
+            kv, before, bell = mapped(), d.pool.k_cache.clone(), bells.take()
+            assert d.arm_reserved("r", kv, version, bell)
+            probe = torch.cuda.Event()
+            probe.record(bell.stream)
+            time.sleep(0.05)
+            seen["ran_before_ring"] = probe.query() or not torch.equal(d.pool.k_cache, before)
+            if then == "ring":
+                bell.ring()
+                seen["landed"] = d.write_reserved("r", kv, version) and kv.check() is None
+            elif then == "pause":
+                await d.pause("in_place")
+                seen["queued_after_ack"] = not probe.query()
+                seen["landed"] = d.write_reserved("r", kv, version)
+                await d.resume()
+            else:
+                d.abort("r")
+                await d.get_stats()
+                seen["queued_after_ack"] = not probe.query()
+                seen["free"] = (await d.get_stats()).pages_free == t.POOL.num_pages
+            bell.ring()  # (a mutant's pass left queued: let it go)
+            bell.stream.synchronize()
+            if then != "abort":
+                out = await d.generate_imported(ids, sampling, ([token], [logprob], [version]), kv, "r")
+                seen["same"] = (out.output_ids, out.output_logprobs) == (want.output_ids, want.output_logprobs)
+            seen["bells_back"] = len(bells._free) == free_bells
+    with t.prefill_server("cuda") as p_url:
+        asyncio.run(go(p_url))
+    return seen
+
+
+@pytest.mark.gpu
+@GPU
+def test_an_armed_pass_runs_only_as_its_bell_rings_and_decodes_what_one_engine_does(monkeypatch):
+    assert armed_then(monkeypatch, "ring") == {"ran_before_ring": False, "landed": True, "same": True,
+                                               "bells_back": True}
+
+
+@pytest.mark.gpu
+@GPU
+def test_a_pause_or_an_abort_leaves_no_armed_pass_queued(monkeypatch):
+    assert armed_then(monkeypatch, "pause") == {"ran_before_ring": False, "queued_after_ack": False,
+                                                "landed": False, "same": True, "bells_back": True}
+    assert armed_then(monkeypatch, "abort") == {"ran_before_ring": False, "queued_after_ack": False, "free": True,
+                                                "bells_back": True}
+
+
+@pytest.mark.gpu
+@GPU
+def test_the_disarm_falsifier_a_pause_or_an_abort_leaves_the_armed_pass_queued(monkeypatch):
+    assert armed_then(monkeypatch, "pause", disarm=False)["queued_after_ack"]
+    assert armed_then(monkeypatch, "abort", disarm=False)["queued_after_ack"]

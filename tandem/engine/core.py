@@ -413,7 +413,7 @@ class EngineCore(DecodeImports):
         launched.version, t2 = self.weight_version, time.perf_counter()
         self._record_step(chunks, self.scheduler.advance(chunks), t0, t1, t2)
         if self._pinned_exports:
-            self._pin_launched(chunks, launched.version)
+            self._pin_launched(launched)
         self._drain()  # (its time counts as busy by itself)
         self._inflight = launched
         if not self.config.overlap:
@@ -462,7 +462,7 @@ class EngineCore(DecodeImports):
         t0 = time.perf_counter()
         tokens, logprobs = launched.result()
         if self._early:
-            self._exports_ready(launched.chunks)
+            self._exports_ready(launched)
         tops = launched.top_result() or [None] * len(tokens)
         t1 = time.perf_counter()
         sampled = iter(zip(tokens, logprobs, tops, strict=True))

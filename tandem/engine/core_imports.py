@@ -79,31 +79,35 @@ class DecodeImports:
     _reserved: dict[str, Reservation]
     _gate: threading.RLock
 
-    def _pin_launched(self, chunks, version: int) -> None:
-        """Pin the exports by reference whose prompt the step just launched over `chunks` completes (`pin_pages`,
-        the step's bookkeeping done: their pages and epochs noted, the records of pages the forward does not write
-        queued behind it), and name each to `on_pinned` with the step's weight `version`. Not where the pool keeps
-        routed experts: their export copies them to the host (the host would wait for the step), so those pin as
-        the request ends."""
+    def _pin_launched(self, launched) -> None:
+        """Pin the exports by reference whose prompt the step just `launched` completes (`pin_pages`, the step's
+        bookkeeping done: their pages and epochs noted, the records of pages the forward does not write queued
+        behind it), name each to `on_pinned` with the step's weight version, and note them on the step
+        (`launched.pinned`: `_exports_ready` says them ready once its result is in, never an earlier step's, which
+        may be drained after this one is launched and may hold an earlier chunk of the same prompt). Not where the
+        pool keeps routed experts: their export copies them to the host (the host would wait for the step), so
+        those pin as the request ends."""
+        launched.pinned = []
         if self.pool.routing is not None:
             return
-        for c in chunks:
+        for c in launched.chunks:
             req = c.req
             if (req.rid in self._pinned_exports and req.rid not in self._early and c.sample
                     and req.num_computed == len(req.tokens) - 1):
                 with self.order.work("kv_pin"):
                     kv = self._early[req.rid] = pin_pages(self.pool, req.pages, req.export_kv_from,
                                                           req.num_computed, self.unpin)
-                self._tell(self.on_pinned, req.rid, kv, version)
+                launched.pinned.append((req.rid, kv))
+                self._tell(self.on_pinned, req.rid, kv, launched.version)
 
-    def _exports_ready(self, chunks) -> None:
-        """The step over `chunks` has run (its result is in): the exports pinned as it was launched are ready to
-        read (`PinnedKV.ready_at`), each told to `on_ready`."""
+    def _exports_ready(self, launched) -> None:
+        """The step `launched` has run (its result is in): the exports pinned as it was launched, if still held, are
+        ready to read (`PinnedKV.ready_at`), each told to `on_ready`."""
         now = time.monotonic()
-        for c in chunks:
-            if (kv := self._early.get(c.req.rid)) is not None and kv.ready_at is None:
+        for rid, kv in getattr(launched, "pinned", ()):
+            if self._early.get(rid) is kv and kv.ready_at is None:
                 kv.ready_at = now
-                self._tell(self.on_ready, c.req.rid, kv)
+                self._tell(self.on_ready, rid, kv)
 
     def _void_early(self) -> None:
         """Unpin the early exports of requests no longer running (retracted: their KV is computed again)."""
