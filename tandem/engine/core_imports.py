@@ -21,7 +21,10 @@ pass done, and the engine takes it to pause (so no such write runs after a pause
 arrives paused gives its pages back, and is written again after continue) and to take or drop a reservation (so
 none is freed while it is written). A write out of the thread runs on the transfer stream (`kv_shared.transfer_stream`),
 after the engine's work queued before the pages were set aside (`Reservation.ready`), not behind later steps; the
-host waits for it before the request is queued, so every step that reads the pages comes after it."""
+host waits for it before the request is queued, so every step that reads the pages comes after it. The pass may be
+queued earlier still (`arm_reserved`), before the KV is complete, behind a doorbell the prefill engine rings once it
+is (`doorbell`); `write_reserved` then takes its result. Whatever takes or drops the reservation, and a pause, rings
+an armed pass's bell and waits for it first (`_disarm`), so no such pass is ever left queued."""
 
 from __future__ import annotations
 

@@ -45,11 +45,15 @@ point where it allows that, else bytes), each verified on the decode server's de
   `/pd/prefill`; the prefill engine then mails the pages as it pins them (as it launches the step that computes them)
   and says they are ready once it has that step's result, so the decode server parses them while the prefill computes
   and writes and checks them as the ready mail lands, before the answer has come; the answer must then name the same
-  pages under the same weight version (else an abort), and the rest goes as above. Once the engine wrote the import or
-  dropped it (or the request ended), the decode server POSTs `/pd/release {"id": ...}`, which unpins the pages; an
-  export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a decode server that died) is unpinned
-  then, and a decode server that reads those pages later finds them handed out again (their epochs changed): it never
-  keeps what it read.
+  pages under the same weight version (else an abort), and the rest goes as above. With `engine.kv_doorbells` (a
+  GPU) the decode server also names a doorbell (`tandem.engine.doorbell`) and queues the pass as the pages mail
+  lands, behind a stream wait on it (`Engine.arm_reserved`); the prefill engine rings it once it has the step's
+  result, before its ready mail, so the device runs the pass then and the ready mail only has the host take the
+  sums and compare them (a bell the prefill server cannot ring the decode server rings as the ready mail lands).
+  Once the engine wrote the import or dropped it (or the request ended), the decode server POSTs `/pd/release {"id":
+  ...}`, which unpins the pages; an export nobody releases within `disagg_prefill.RELEASE_TIMEOUT_S` of its answer (a
+  decode server that died) is unpinned then, and a decode server that reads those pages later finds them handed out
+  again (their epochs changed): it never keeps what it read.
 - "p2p" (both KV on CPUs, or on two different GPUs: `kv_p2p`): at pairing the decode server POSTs `/pd/p2p/open`
   and both build their end of a two-rank group (gloo or NCCL) through a store the prefill server hosts; the
   `/pd/prefill` request names the `link`, the body is JSON `{"id": ..., "kv": header}`, and the prefill server
