@@ -67,8 +67,8 @@ class Bell:
 class Doorbells:
     """A process's doorbells on one GPU (see the module docstring); `open(device)` makes them."""
 
-    def __init__(self, path: str, words: torch.Tensor, device_ptr: int, cuda, device: torch.device):
-        self.device = device
+    def __init__(self, path: str, words: torch.Tensor, device_ptr: int, cuda, device: torch.device, context):
+        self.device, self._context = device, context
         self.path, self._words, self._base, self._cuda = path, words.numpy().view(np.uint32), device_ptr, cuda
         self._words[0] = MAGIC
         self._free = list(range(SLOTS - 1, 0, -1))
@@ -88,14 +88,17 @@ class Doorbells:
             if (shm := _shared_memory(4 * SLOTS, "doorbells")) is None:
                 return None
             path, words = shm
-            torch.cuda.set_device(device)  # (the driver calls below use the current thread's context)
+            context = ctypes.c_void_p()  # (the runtime's: torch's tensors and streams live there)
+            _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), ctypes.c_int(device.index or 0)),
+                   "cuDevicePrimaryCtxRetain")
+            _check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
             ptr = ctypes.c_void_p(words.data_ptr())
             _check(cuda.cuMemHostRegister_v2(ptr, ctypes.c_size_t(4 * SLOTS),
                                              ctypes.c_uint(_REGISTER_PORTABLE_DEVICEMAP)), "cuMemHostRegister")
             dptr = ctypes.c_uint64()
             _check(cuda.cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ptr, ctypes.c_uint(0)),
                    "cuMemHostGetDevicePointer")
-            bells = cls(path, words, dptr.value, cuda, device)
+            bells = cls(path, words, dptr.value, cuda, device, context)
             bells._smoke(device)
             return bells
         except (OSError, RuntimeError, AttributeError) as e:
@@ -103,7 +106,8 @@ class Doorbells:
             return None
 
     def take(self) -> Bell | None:
-        """A free word with a fresh ticket (the word cleared), or None if all are lent."""
+        """A free word with a fresh ticket (the word cleared), or None if all are lent (or its stream cannot be
+        made)."""
         with self._lock:
             if not self._free:
                 return None
@@ -114,15 +118,17 @@ class Doorbells:
         if (stream := self._streams.get(slot)) is None:
             try:
                 stream = self._streams[slot] = self._new_stream()
-            except RuntimeError:
+            except RuntimeError as e:  # (never a request's failure: its transfer takes the host's way)
+                log.warning("doorbells: no stream for a bell (%s); this transfer takes the host's way", e)
                 self.give_slot(slot)
-                raise
+                return None
         return Bell(self.path, slot, ticket, word, self, stream)
 
     def _new_stream(self) -> torch.cuda.ExternalStream:
         """A stream of its own (not one of torch's pooled streams, which other work may share), not synchronising
         with the legacy default stream."""
         handle = ctypes.c_void_p()
+        self._current()
         _check(self._cuda.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(0x1)), "cuStreamCreate")  # NON_BLOCKING
         return torch.cuda.ExternalStream(handle.value, device=self.device)
 
@@ -136,10 +142,16 @@ class Doorbells:
 
     def wait(self, bell: Bell, stream: torch.cuda.Stream) -> None:
         """Queue on `stream` a wait until `bell` is rung."""
+        self._current()
         _check(self._cuda.cuStreamWaitValue32_v2(ctypes.c_void_p(stream.cuda_stream),
                                                   ctypes.c_uint64(self._base + 4 * bell.slot),
                                                   ctypes.c_uint32(bell.ticket), ctypes.c_uint(_WAIT_EQ)),
                "cuStreamWaitValue32")
+
+    def _current(self) -> None:
+        """The driver's calls act on the calling thread's current context: make it the device's primary one (the
+        runtime's, which a thread that made no runtime call yet does not have)."""
+        _check(self._cuda.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
 
     def _smoke(self, device: torch.device) -> None:
         """RuntimeError unless a queued wait holds its stream until its bell rings, then lets it go."""
