@@ -47,6 +47,20 @@ def test_at_most_keep_free_buffers_are_kept():
     assert [stage.take(10) for _ in range(3)][2] not in bufs and stage.allocated == 4
 
 
+def test_a_buffer_the_device_may_still_read_is_never_dropped():
+    """Dropped, its page-locked memory could be handed to another allocation while a pass queued behind a doorbell
+    has still to read its page index from it (falsifier: the count alone, which dropped the third)."""
+    stage = Staging(pin=False, keep=2)
+    bufs, copies = [stage.take(10) for _ in range(3)], [Event() for _ in range(3)]
+    for buf, copy in zip(bufs, copies, strict=True):
+        stage.give(buf, copy)
+    assert stage._free == bufs
+    for copy in copies:
+        copy.reached = True
+    stage.give(stage.take(10))  # (now past them all: beyond `keep` they go)
+    assert len(stage._free) == 2
+
+
 def test_the_kernels_path_allocates_no_host_buffer_per_transfer(monkeypatch):
     """`page_sums_by_index` stages its page index in a kept buffer and gives it back: a second transfer of the same
     size takes the same buffer (the kernel under the interpreter here)."""

@@ -210,6 +210,7 @@ class DecodeImports:
             armed.bell.ring()
             armed.bell.stream.synchronize()
             armed.bell.give_back()
+            armed.kv.finish_pass()  # (its staging back for reuse; the result unused)
 
     def _probe(self, input_ids: list[int], reserve_for: str | None = None) -> int:
         """The leading tokens held in whole device pages; with `reserve_for`, pages set aside for that request's

@@ -70,7 +70,10 @@ class Staging:
     copies from pageable memory are staged by the driver. `take(nbytes)` hands out a buffer nobody uses (at least
     `nbytes`; a new one if none is free), `give(buffer, after)` takes it back: it is handed out again only once the
     device has reached `after` (an event recorded behind the last copy that reads or writes it; None: at once).
-    Thread-safe; at most `keep` free buffers are kept (more are dropped)."""
+    Thread-safe; at most `keep` free buffers the device is past are kept (more are dropped). A buffer the device may
+    still read or write is never dropped: freed, its page-locked memory could be handed to another allocation at once
+    (torch tracks no kernel's reads of it), as a pass queued behind a doorbell (`doorbell`) reads its page index only
+    when the bell rings."""
 
     def __init__(self, pin: bool, keep: int = 8):
         self.pin, self.keep = pin, keep
@@ -90,8 +93,10 @@ class Staging:
     def give(self, buf: StagingBuffer, after=None) -> None:
         buf.done = after
         with self._lock:
-            if len(self._free) < self.keep:
-                self._free.append(buf)
+            self._free.append(buf)
+            past = [b for b in self._free if b.done is None or b.done.query()]
+            for b in past[:max(0, len(past) - self.keep)]:
+                self._free.remove(b)
 
 
 _STAGING: dict[torch.device, Staging] = {}
