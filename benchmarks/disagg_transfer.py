@@ -65,6 +65,7 @@ async def kv_transfer(http: aiohttp.ClientSession, prefill_url: str, decode_url:
                for key in ("pin_s", "to_server_s", "answer_s", "wire_s", "to_mail_s", "mail_s", "import_s")
                if all(key in (r.get("path_parts") or {}) for r in records)},
             "mailed": sum(bool(r.get("mailed")) for r in records), "armed": sum(bool(r.get("armed")) for r in records),
+            "rung": sum(bool(r.get("rung")) for r in records),
             "launch_parts": _parts(records, "launch_parts"), "wait_parts": _parts(records, "wait_parts"),
             "landed": sum(bool(r.get("landed")) for r in records),
             "transfer_s": statistics.median(r["export_s"] + r["import_s"] for r in records), "records": records}
@@ -140,7 +141,7 @@ def report_transfer(t: dict, bw: float, copy: str, servers: list[str]) -> None:
         print(f"\nwritten as the answer landed (no turn of the engine's thread before the pass): {t['landed']} of "
               f"{len(t['records'])} timed transfers; of which came by mail (the prefill engine's side channel, "
               f"before the answer): {t.get('mailed', 0)}; of which were queued behind a doorbell the prefill "
-              f"engine rang (engine.kv_doorbells): {t.get('armed', 0)}")
+              f"engine rang (engine.kv_doorbells): {t.get('armed', 0)}, of which it rang itself: {t.get('rung', 0)}")
     if t.get("launch_parts"):
         print("\nhost time of the decode's pass, first mark to launch (v''b), by part, ms: "
               + ", ".join(f"{name.removesuffix('_s')} {1e3 * s:.3f}" for name, s in t["launch_parts"].items()))

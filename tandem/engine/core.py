@@ -329,8 +329,7 @@ class EngineCore(DecodeImports):
                 self.scheduler.retract(req)
             self._void_early()
         with self._gate:  # (after a write out of this thread in flight is checked: none starts after it)
-            for res in self._reserved.values():
-                self._disarm(res)  # (an armed pass runs now, its result taken by nobody)
+            self.disarm_all()  # (an armed pass runs now, its result taken by nobody)
             self.paused = mode
 
     def _load_weights(self, cmd: commands.LoadWeights) -> tuple[int, float]:

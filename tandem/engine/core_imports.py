@@ -212,6 +212,13 @@ class DecodeImports:
             armed.bell.give_back()
             armed.kv.finish_pass()  # (its staging back for reuse; the result unused)
 
+    def disarm_all(self) -> None:
+        """Thread-safe: `_disarm` every reservation's armed pass (as the engine pauses or stops: none stays queued
+        behind a bell nobody may ring)."""
+        with self._gate:
+            for res in self._reserved.values():
+                self._disarm(res)
+
     def _probe(self, input_ids: list[int], reserve_for: str | None = None) -> int:
         """The leading tokens held in whole device pages; with `reserve_for`, pages set aside for that request's
         import of the rest (`Reservation`), if enough are free and the engine has one rank."""

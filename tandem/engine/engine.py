@@ -254,6 +254,10 @@ class Engine:
             self.watchdog.dump(str(core.fatal))
         elif core.lockstep is not None:
             core.lockstep.publish(commands.Stop())
+        try:
+            core.disarm_all()  # (no transfer left queued behind a doorbell as the engine stops)
+        except Exception:
+            log.exception("engine: a transfer queued behind a doorbell could not be let go")
         self._refuse_queued()
 
     def _run(self, command: commands.Command, fut: Future | None) -> None:

@@ -123,7 +123,8 @@ class KVImports:
         try:
             clock = kv.clock if mail.armed else TransferClock(self.engine.pool.k_cache.device)
             clock.mark("import", device=False)
-            kv.mail |= {"ready_at": head["ready_at"], "ready_sent_at": head["sent_at"], "armed": mail.armed}
+            kv.mail |= {"ready_at": head["ready_at"], "ready_sent_at": head["sent_at"], "armed": mail.armed,
+                        "rung": bool(head.get("rung"))}
             kv.with_clock(clock)
             clock.mark("taken", device=False)
             clock.mark("verified", device=False)
@@ -180,7 +181,8 @@ class KVImports:
         one monotonic clock, and its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages,
         `to_server_s` from there to its server's handler having the output (the engine finishing the request, the hop
         between the threads), `answer_s` the answer built, `wire_s` its way to this server's handler, `import_s` here
-        (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way here, `import_s`);
+        (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way here, `import_s`; `armed`
+        where its pass was queued behind a doorbell as the pages mail landed, `rung` where the prefill server rang it);
         `launch_host_s` the host's time from the pass's first mark to its kernels' launch, `pass_wait_s` from that
         launch to the sums in hand (host), `launch_parts` the first by part (`write` to the page index staged, the
         launch), `wait_parts` the second (the kernels queued, the host's wait for the sums returned,
@@ -214,6 +216,7 @@ class KVImports:
             "path_s": _path_s(clock, meta, kv.mail) if mapped else None,
             "path_parts": _path_parts(clock, meta, kv.mail) if mapped and "checked" in clock.mono
             else None, "mailed": mapped and kv.mail is not None, "armed": armed,
+            "rung": armed and bool(kv.mail.get("rung")),
             "launch_host_s": clock.host["launch"] - clock.host["write"] if mapped and not armed
             and "launch" in clock.host and "write" in clock.host else None,
             "pass_wait_s": clock.host["passed"] - clock.host["launch"] if mapped and not armed
