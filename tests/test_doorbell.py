@@ -225,3 +225,63 @@ def test_a_pause_or_an_abort_leaves_no_armed_pass_queued(monkeypatch):
 def test_the_disarm_falsifier_a_pause_or_an_abort_leaves_the_armed_pass_queued(monkeypatch):
     assert armed_then(monkeypatch, "pause", disarm=False)["queued_after_ack"]
     assert armed_then(monkeypatch, "abort", disarm=False)["queued_after_ack"]
+
+
+class FakeBell:
+    """(CPU: the lifecycle alone) a bell whose stream is the host."""
+
+    def __init__(self):
+        self.events = []
+        self.stream = self
+
+    def ring(self):
+        self.events.append("rung")
+
+    def synchronize(self):
+        self.events.append("drained")
+
+    def give_back(self):
+        self.events.append("back")
+
+
+def armed_reservation_dropped_by(monkeypatch, how: str, disarm: bool = True) -> list[str]:
+    """A decode engine on the CPU holding a reservation with a pass armed behind a (fake) bell, dropped by `how`
+    ("abort", "pause", "probe again", "stop"): what the bell saw. `disarm=False`: a mutant engine that leaves it."""
+    import asyncio
+
+    from test_disagg_mapped import POOL, prompt
+
+    from tandem.engine.core_imports import Armed, DecodeImports
+    from tandem.engine.engine import Engine
+
+    if not disarm:
+        monkeypatch.setattr(DecodeImports, "_disarm", lambda self, res: None)
+    bell, kv = FakeBell(), type("Passed", (), {"finish_pass": lambda self: bell.events.append("taken")})()
+
+    async def go():
+        ids = prompt(22)
+        with Engine("tiny", POOL) as d:
+            await d.probe(ids, "r", reserve=True)
+            d.core._reserved["r"].armed = Armed(kv, bell)
+            if how == "abort":
+                d.abort("r")
+                await d.get_stats()
+            elif how == "pause":
+                await d.pause("in_place")
+            elif how == "probe again":
+                await d.probe(ids, "r", reserve=True)
+                d.abort("r")
+            if how != "stop":
+                return
+        # (leaving the `with`: the engine stops)
+    asyncio.run(go())
+    return bell.events
+
+
+@pytest.mark.parametrize("how", ["abort", "pause", "probe again", "stop"])
+def test_whatever_drops_an_armed_reservation_rings_its_bell_and_drains_it_first(monkeypatch, how):
+    assert armed_reservation_dropped_by(monkeypatch, how) == ["rung", "drained", "back", "taken"]
+
+
+def test_the_disarm_falsifier_an_engine_that_does_not_disarm_leaves_the_bell_unrung(monkeypatch):
+    assert armed_reservation_dropped_by(monkeypatch, "abort", disarm=False) == []
