@@ -4,7 +4,7 @@
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
-#                        [pd_transfer_ab] (with OLD=DIR)
+#                        [pd_transfer_ab] (with OLD=DIR) [pd_doorbells]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -122,6 +122,12 @@ for part in $parts; do
                    --transfer-reps 10 --out "$OUT/disagg_transfer.json";
                      timeout 120 python3 benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only \
                    --transfer-reps 10 --pass-graphs --out "$OUT/disagg_transfer_graphs.json" ;;
+        pd_doorbells) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_doorbell.py \
+                   tests/test_disagg_staging.py;
+                     timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --doorbells \
+                   --out "$OUT/disagg_doorbells.json";
+                     timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --out "$OUT/disagg.json";
+                     timeout 60 python3 benchmarks/cold_host_ops.py ;;
         pd_transfer_ab) for i in 1 2; do  # OLD: another tree to compare, e.g. `git archive REV | tar -x -C ab_old`
                      for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
