@@ -12,7 +12,8 @@ bell by `spec` (the file, word and ticket) and rings it with `ring(spec)`. Ticke
 for an earlier user of the word releases nothing of a later one's (whose own wait still needs its ticket). A wait
 released by nobody would stall its stream: its owner rings its own bell before giving it up (`Bell.ring`). CUDA only;
 where the driver refuses stream waits on host memory, `Doorbells.open` gives None and transfers take the host's
-way."""
+way. A queued wait holds what its stream's hardware queue holds: streams beyond the device's queues
+(`CUDA_DEVICE_MAX_CONNECTIONS`) share one, so it may hold other streams' work until it is rung."""
 
 from __future__ import annotations
 
