@@ -120,24 +120,14 @@ def test_a_wait_holds_its_stream_until_the_bell_rings_here_or_in_another_process
 @pytest.mark.gpu
 @GPU
 def test_a_decode_server_whose_passes_wait_on_doorbells_generates_what_bytes_give(monkeypatch):
-    import dataclasses
+    from test_disagg_transfer import bytes_then_reference
 
-    import test_disagg_transfer as t
-
-    ids = t.prompt(70, seed=5)
-    with t.prefill_server("cuda") as p_url, t.decode_server("cuda", "bytes") as d_url:
-        want = t.tokens(t.generate(d_url, p_url, ids))
-    monkeypatch.setattr(t, "POOL", dataclasses.replace(t.POOL, kv_doorbells=True))
-    with t.prefill_server("cuda") as p_url, t.decode_server("cuda", "reference") as d_url:
-        got = [t.tokens(t.generate(d_url, p_url, ids)) for _ in range(3)]
-        records = t.httpx.get(f"{d_url}/pd/transfers").json()
+    want, got, records = bytes_then_reference(monkeypatch, 3, kv_doorbells=True)
     assert got == [want] * 3 and all(r["landed"] and r["armed"] and r["rung"] for r in records), records
     # a bell the prefill server cannot ring: the decode server rings it as the ready mail lands
     monkeypatch.setattr(doorbell.Bell, "spec", property(lambda bell: f"/proc/self/fd/999999:{bell.slot}:1"))
-    with t.prefill_server("cuda") as p_url, t.decode_server("cuda", "reference") as d_url:
-        got = t.tokens(t.generate(d_url, p_url, ids))
-        records = t.httpx.get(f"{d_url}/pd/transfers").json()
-    assert got == want and all(r["landed"] and r["armed"] and not r["rung"] for r in records), records
+    want, got, records = bytes_then_reference(monkeypatch, 1, kv_doorbells=True)
+    assert got == [want] and all(r["landed"] and r["armed"] and not r["rung"] for r in records), records
 
 
 def armed_then(monkeypatch, then: str, disarm: bool = True) -> dict:

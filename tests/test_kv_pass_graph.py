@@ -93,15 +93,7 @@ def test_replayed_graphs_are_the_eager_pass_across_buckets():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_a_decode_server_replaying_its_passes_generates_what_bytes_give(monkeypatch):
-    import dataclasses
+    from test_disagg_transfer import bytes_then_reference
 
-    import test_disagg_transfer as t
-
-    ids = t.prompt(70, seed=5)
-    with t.prefill_server("cuda") as p_url, t.decode_server("cuda", "bytes") as d_url:
-        want = t.tokens(t.generate(d_url, p_url, ids))
-    monkeypatch.setattr(t, "POOL", dataclasses.replace(t.POOL, kv_pass_graphs=True))
-    with t.prefill_server("cuda") as p_url, t.decode_server("cuda", "reference") as d_url:
-        got = [t.tokens(t.generate(d_url, p_url, ids)) for _ in range(2)]
-        records = t.httpx.get(f"{d_url}/pd/transfers").json()
+    want, got, records = bytes_then_reference(monkeypatch, 2, kv_pass_graphs=True)
     assert got == [want, want] and all(r["landed"] for r in records), records
