@@ -57,7 +57,7 @@ class Bell:
         self.word[0] = self.ticket
 
     def wait(self) -> None:
-        """Queue on `stream` a wait until this bell is rung."""
+        """Queue on its stream a wait until this bell is rung."""
         self.owner.wait(self, self.stream)
 
     def give_back(self) -> None:

@@ -176,6 +176,7 @@ class MailSender:
         self._pinned: dict[str, tuple[str, str, str | None, PinnedKV]] = {}  # ... and the export mailed
         self._sockets: dict[str, socket.socket] = {}  # mailbox -> its connection (written by the engine's thread)
         self._lock = threading.Lock()  # (connections are made in the event loop, dropped in either thread)
+        self._unringable: set[str] = set()  # mailboxes whose decode server's doorbell could not be rung
 
     def expect(self, engine_rid: str, rid: str, name: str, bell: str | None = None) -> None:
         try:
@@ -208,12 +209,14 @@ class MailSender:
         del self._pinned[engine_rid]
         kv.wait_recorded()  # (the records of pages the forward did not write: queued right behind the step just run)
         rung = False
-        if to[2] is not None:
+        if to[2] is not None and to[1] not in self._unringable:
             try:
                 ring(to[2])
                 rung = True
-            except ValueError as e:
-                log.warning("prefill server: %s; the decode server rings it as the ready mail lands", e)
+            except ValueError as e:  # (once a mailbox: its later bells are not tried)
+                self._unringable.add(to[1])
+                log.warning("prefill server: %s; the decode server of mailbox %s rings its bells itself as its ready "
+                            "mails land", e, to[1])
         self._send(to[1], {"kind": "ready", "rid": to[0], "ready_at": kv.ready_at, "rung": rung}, b"")
 
     def _send(self, name: str, head: dict, payload: bytes) -> bool:
