@@ -6,9 +6,9 @@ launcher and no allocation (`EngineConfig.kv_pass_graphs`).
 two, at least `MIN_BUCKET`), captured on its first use on a stream of its own. A graph's page index is a page-locked
 buffer of its own that the kernels read in place; the pages past a transfer's are padded with no rows, of which the
 kernels read and write nothing and whose sums are 0. The sums are copied into a page-locked buffer of the graph's in the
-same graph. The pass is the eager one's, bit for bit (tests). A graph's buffers are its own: callers serialise its use
-and each run waits for its sums before returning (as `EngineCore.write_reserved` does, holding its gate from the pass to
-the sums read). CUDA only.
+same graph, made `canonical` on the way. The pass is the eager one's, bit for bit (tests). A graph's buffers are its
+own: callers serialise its use and each run waits for its sums before returning (as `EngineCore.write_reserved` does,
+holding its gate from the pass to the sums read). CUDA only.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class PassGraphs:
         g.done.synchronize()
         if clock is not None:
             clock.mark("synced", device=False)
-        return canonical(g.host[:, :num].numpy())  # (a new array: the buffer is the next run's)
+        return g.host[:, :num].numpy().copy()  # (the buffer is the next run's)
 
     def _capture(self, bucket: int) -> _Graph:
         """The graph of `bucket` pages: the pass run once eagerly with every page of no rows (nothing read or
@@ -100,7 +100,7 @@ class PassGraphs:
 
         def body() -> None:
             kernel_pass(self.src, self.dst, self.records, self.page_size, index, parts, sums)
-            host.copy_(sums, non_blocking=True)
+            host.copy_(canonical(sums), non_blocking=True)
 
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
