@@ -120,15 +120,16 @@ def export(prefill_url: str, ids: list[int]) -> dict:
     return r.json()
 
 
-def bytes_then_reference(monkeypatch, times: int, **options) -> tuple[tuple, list[tuple], list[dict]]:
-    """A prompt on a GPU through a decode server taking its KV as bytes, then `times` through one taking it by
-    reference with the engine `options` (`EngineConfig` fields) on: (the bytes way's tokens, the reference way's,
-    the decode server's transfer records)."""
+def bytes_then_reference(monkeypatch, times: int, device: str = "cuda",
+                         **options) -> tuple[tuple, list[tuple], list[dict]]:
+    """A prompt through a decode server taking its KV as bytes, then `times` through one taking it by reference with
+    the engine `options` (`EngineConfig` fields) on: (the bytes way's tokens, the reference way's, the decode
+    server's transfer records)."""
     ids = prompt(70, seed=5)
-    with prefill_server("cuda") as p_url, decode_server("cuda", "bytes") as d_url:
+    with prefill_server(device) as p_url, decode_server(device, "bytes") as d_url:
         want = tokens(generate(d_url, p_url, ids))
     monkeypatch.setattr(sys.modules[__name__], "POOL", dataclasses.replace(POOL, **options))
-    with prefill_server("cuda") as p_url, decode_server("cuda", "reference") as d_url:
+    with prefill_server(device) as p_url, decode_server(device, "reference") as d_url:
         got = [tokens(generate(d_url, p_url, ids)) for _ in range(times)]
         return want, got, httpx.get(f"{d_url}/pd/transfers").json()
 

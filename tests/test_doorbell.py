@@ -3,7 +3,9 @@ names what is wrong with a bad bell; on a GPU a queued wait holds its stream unt
 or another), and a decode server whose passes wait on doorbells (`engine.kv_doorbells`) generates what bytes give,
 each transfer queued before its KV was complete and run as the prefill engine rang (or, where it cannot ring, as
 the ready mail lands). In process: an armed pass runs only once its bell rings, and a pause or an abort leaves none
-queued (falsifier: an engine that does not disarm leaves it queued after acknowledging)."""
+queued (falsifier: an engine that does not disarm leaves it queued after acknowledging); on the CPU, with a stand-in
+bell, whatever drops an armed reservation rings and drains it first, and a decode server asked for doorbells where
+there are none takes the mail's way."""
 
 import subprocess
 import sys
@@ -275,3 +277,11 @@ def test_whatever_drops_an_armed_reservation_rings_its_bell_and_drains_it_first(
 
 def test_the_disarm_falsifier_an_engine_that_does_not_disarm_leaves_the_bell_unrung(monkeypatch):
     assert armed_reservation_dropped_by(monkeypatch, "abort", disarm=False) == []
+
+
+def test_a_decode_server_asked_for_doorbells_where_there_are_none_takes_the_mails_way(monkeypatch):
+    """On the CPU (`Doorbells.open` gives None): the flag changes nothing; every transfer by mail, none armed."""
+    from test_disagg_transfer import bytes_then_reference
+
+    want, got, records = bytes_then_reference(monkeypatch, 1, "cpu", kv_doorbells=True)
+    assert got == [want] and records and not any(r["armed"] for r in records), records
