@@ -56,7 +56,7 @@ def test_the_magic_falsifier_a_file_that_is_no_doorbells_file_is_not_written():
     assert words.sum() == 0
 
 
-def test_a_prefill_server_rings_its_bell_before_its_ready_mail_and_mails_where_it_cannot_ring():
+def test_a_prefill_server_rings_its_bell_with_its_ready_mail_and_mails_where_it_cannot_ring():
     import asyncio
     from types import SimpleNamespace
 
@@ -263,9 +263,7 @@ def armed_reservation_dropped_by(monkeypatch, how: str, disarm: bool = True) -> 
             elif how == "probe again":
                 await d.probe(ids, "r", reserve=True)
                 d.abort("r")
-            if how != "stop":
-                return
-        # (leaving the `with`: the engine stops)
+            # ("stop": leaving the `with` stops the engine)
     asyncio.run(go())
     return bell.events
 

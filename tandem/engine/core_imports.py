@@ -54,7 +54,8 @@ class Reservation:
     """Pages set aside for a probed import (`Probe(reserve=True)`): `pages`, the page table of its positions
     [0, `end`) (the cached pages before `start`, referenced, then fresh ones), set aside under weight `version`;
     `ready`: an event on the engine's stream as they were (a GPU's), after which their earlier users are done.
-    `written`: the KV written into them out of the engine's thread (`write_reserved`)."""
+    `written`: the KV written into them out of the engine's thread (`write_reserved`); `armed`: its pass queued
+    behind a doorbell, not yet taken (`arm_reserved`)."""
 
     pages: list[int]
     start: int

@@ -58,11 +58,11 @@ class Bell:
 
     def wait(self) -> None:
         """Queue on its stream a wait until this bell is rung."""
-        self.owner.wait(self, self.stream)
+        self.owner._wait(self)
 
     def give_back(self) -> None:
-        """To its doorbells (once rung, or if no wait on it was queued)."""
-        self.owner.give(self)
+        """To its doorbells (once rung and its stream past the wait, or if no wait on it was queued)."""
+        self.owner._give(self.slot)
 
 
 class Doorbells:
@@ -121,7 +121,7 @@ class Doorbells:
                 stream = self._streams[slot] = self._new_stream()
             except RuntimeError as e:  # (never a request's failure: its transfer takes the host's way)
                 log.warning("doorbells: no stream for a bell (%s); this transfer takes the host's way", e)
-                self.give_slot(slot)
+                self._give(slot)
                 return None
         return Bell(self.path, slot, ticket, word, self, stream)
 
@@ -133,18 +133,13 @@ class Doorbells:
         _check(self._cuda.cuStreamCreate(ctypes.byref(handle), ctypes.c_uint(0x1)), "cuStreamCreate")  # NON_BLOCKING
         return torch.cuda.ExternalStream(handle.value, device=self.device)
 
-    def give(self, bell: Bell) -> None:
-        """`bell` back (its owner rang it, and its stream is past the wait, or no wait on it was queued)."""
-        self.give_slot(bell.slot)
-
-    def give_slot(self, slot: int) -> None:
+    def _give(self, slot: int) -> None:
         with self._lock:
             self._free.append(slot)
 
-    def wait(self, bell: Bell, stream: torch.cuda.Stream) -> None:
-        """Queue on `stream` a wait until `bell` is rung."""
+    def _wait(self, bell: Bell) -> None:
         self._current()
-        _check(self._cuda.cuStreamWaitValue32_v2(ctypes.c_void_p(stream.cuda_stream),
+        _check(self._cuda.cuStreamWaitValue32_v2(ctypes.c_void_p(bell.stream.cuda_stream),
                                                   ctypes.c_uint64(self._base + 4 * bell.slot),
                                                   ctypes.c_uint32(bell.ticket), ctypes.c_uint(_WAIT_EQ)),
                "cuStreamWaitValue32")
@@ -156,7 +151,9 @@ class Doorbells:
 
     def _smoke(self, device: torch.device) -> None:
         """RuntimeError unless a queued wait holds its stream until its bell rings, then lets it go."""
-        bell, done = self.take(), torch.cuda.Event()
+        if (bell := self.take()) is None:
+            raise RuntimeError("no stream for a bell")
+        done = torch.cuda.Event()
         try:
             bell.wait()
             done.record(bell.stream)
@@ -170,7 +167,7 @@ class Doorbells:
                     raise RuntimeError("a rung doorbell did not release its stream")
                 time.sleep(0.001)
         finally:
-            self.give(bell)
+            bell.give_back()
 
 
 def _check(result: int, what: str) -> None:

@@ -60,15 +60,12 @@ class Mail:
 
     def done(self) -> None:
         """The request's way is over: no mail is wanted now, and a bell the engine did not take goes back."""
-        self.cancel()
-        if self.bell is not None and not self.armed:
-            self.bell.give_back()
-        self.bell = None
-
-    def cancel(self) -> None:
         for frame in (self.pages, self.ready):
             if frame is not None:
                 frame.cancel()
+        if self.bell is not None and not self.armed:
+            self.bell.give_back()
+        self.bell = None
 
 
 def _path_s(clock: TransferClock, meta: dict, mail: dict | None) -> float | None:
