@@ -285,8 +285,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--transfer-reps", type=int, default=3, help="the KV transfer's timed repetitions (the median)")
     p.add_argument("--pass-graphs", action="store_true", help="the decode's pass by reference replayed as a CUDA "
                    "graph (engine.kv_pass_graphs)")
-    p.add_argument("--doorbells", action="store_true", help="the decode's pass by reference queued as the pages mail "
-                   "lands, behind a doorbell the prefill engine rings (engine.kv_doorbells)")
+    p.add_argument("--doorbells", action=argparse.BooleanOptionalAction, default=True, help="the decode's pass by "
+                   "reference queued as the pages mail lands, behind a doorbell the prefill engine rings "
+                   "(engine.kv_doorbells; --no-doorbells: launched as the ready mail lands)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     return parse_with_quick(p, QUICK)
 

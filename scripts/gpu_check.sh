@@ -122,11 +122,11 @@ for part in $parts; do
                    --transfer-reps 10 --out "$OUT/disagg_transfer.json";
                      timeout 120 python3 benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only \
                    --transfer-reps 10 --pass-graphs --out "$OUT/disagg_transfer_graphs.json" ;;
-        pd_doorbells) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_doorbell.py \
+        pd_doorbells) timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_doorbell.py \
                    tests/test_disagg_staging.py;
-                     timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --doorbells \
-                   --out "$OUT/disagg_doorbells.json";
                      timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --out "$OUT/disagg.json";
+                     timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --no-doorbells \
+                   --out "$OUT/disagg_no_doorbells.json";
                      timeout 60 python3 benchmarks/cold_host_ops.py ;;
         pd_transfer_ab) for i in 1 2; do  # OLD: another tree to compare, e.g. `git archive REV | tar -x -C ab_old`
                      for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";

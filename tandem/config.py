@@ -83,8 +83,8 @@ class EngineConfig:
     kv_pass_graphs: bool = False
     # a decode server's KV transfer by reference on CUDA, with the prefill server's mail: its pass queued as the
     # pages mail lands, behind a wait on a doorbell the prefill engine rings once the KV is complete
-    # (`tandem.engine.doorbell`, `EngineCore.arm_reserved`)
-    kv_doorbells: bool = False
+    # (`tandem.engine.doorbell`, `EngineCore.arm_reserved`); where the device has none, the mail's way
+    kv_doorbells: bool = True
     # tensor parallelism: rank 0's sampled tokens replace every rank's (turning it off risks divergence), and
     # a per-step digest comparison stops the engine when ranks disagree
     token_broadcast: bool = True

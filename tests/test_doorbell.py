@@ -9,6 +9,7 @@ there are none takes the mail's way."""
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -108,6 +109,31 @@ def held_until_rung(bells: doorbell.Doorbells, ring) -> tuple[float, float]:
     return before, x.item()
 
 
+def test_a_bell_still_lent_past_its_deadline_is_rung_by_the_watchdog_and_no_other(monkeypatch):
+    monkeypatch.setattr(doorbell.Doorbells, "_new_stream", lambda self: None)
+    path, raw = _shared_memory(4 * doorbell.SLOTS, "test")
+    bells = doorbell.Doorbells(path, raw, 0, None, torch.device("cpu"), None)
+    late, back, free = bells.take(deadline_s=0.2), bells.take(deadline_s=0.2), bells.take()
+    back.give_back()
+    time.sleep(0.6)
+    assert (late.word[0], back.word[0], free.word[0]) == (late.ticket, 0, 0)
+
+
+@pytest.mark.gpu
+@GPU
+def test_a_host_call_held_by_a_queued_wait_is_let_go_by_the_bells_deadline():
+    """A kernel first loaded (here a jiterated one) while a wait is queued waits for the device until the bell
+    rings: the watchdog rings it at its deadline."""
+    bell = doorbell.Doorbells.open(torch.device("cuda", 0)).take(deadline_s=1.0)
+    bell.wait()
+    start = time.monotonic()
+    torch.special.bessel_j0(torch.ones(8, device="cuda")).cpu()
+    held = time.monotonic() - start
+    bell.stream.synchronize()
+    bell.give_back()
+    assert 0.8 < held < 10, held
+
+
 @pytest.mark.gpu
 @GPU
 def test_a_wait_holds_its_stream_until_the_bell_rings_here_or_in_another_process():
@@ -130,6 +156,9 @@ def test_a_decode_server_whose_passes_wait_on_doorbells_generates_what_bytes_giv
     monkeypatch.setattr(doorbell.Bell, "spec", property(lambda bell: f"/proc/self/fd/999999:{bell.slot}:1"))
     want, got, records = bytes_then_reference(monkeypatch, 1, kv_doorbells=True)
     assert got == [want] and all(r["landed"] and r["armed"] and not r["rung"] for r in records), records
+    # without doorbells: the mail's way, the pass launched as the ready mail lands
+    want, got, records = bytes_then_reference(monkeypatch, 1, kv_doorbells=False)
+    assert got == [want] and all(r["landed"] and not r["armed"] for r in records), records
 
 
 def armed_then(monkeypatch, then: str, disarm: bool = True) -> dict:
@@ -166,12 +195,16 @@ def armed_then(monkeypatch, then: str, disarm: bool = True) -> dict:
             bells = doorbell.Doorbells.open(torch.device("cuda", 0))
             free_bells = len(bells._free)
             assert await d.probe(ids, "r", reserve=True) == 0
-            kv, before, bell = mapped(), d.pool.k_cache.clone(), bells.take()
+            kv, before, bell = mapped(), d.pool.k_cache.cpu(), bells.take()
+            # (a watchdog: a host call that waits for the device while the pass is queued behind the bell would
+            # wait for ever; it fails the test instead)
+            watchdog = threading.Timer(30, lambda: seen.setdefault("watchdog rang", True) and bell.ring())
+            watchdog.start()
             assert d.arm_reserved("r", kv, version, bell)
             probe = torch.cuda.Event()
             probe.record(bell.stream)
-            time.sleep(0.05)
-            seen["ran_before_ring"] = probe.query() or not torch.equal(d.pool.k_cache, before)
+            time.sleep(0.05)  # (the pool read as a copy, no kernel: nothing loaded while the pass waits)
+            seen["ran_before_ring"] = probe.query() or not torch.equal(d.pool.k_cache.cpu(), before)
             if then == "ring":
                 bell.ring()
                 seen["landed"] = d.write_reserved("r", kv, version) and kv.check() is None
@@ -191,6 +224,7 @@ def armed_then(monkeypatch, then: str, disarm: bool = True) -> dict:
                 out = await d.generate_imported(ids, sampling, ([token], [logprob], [version]), kv, "r")
                 seen["same"] = (out.output_ids, out.output_logprobs) == (want.output_ids, want.output_logprobs)
             seen["bells_back"] = len(bells._free) == free_bells
+            watchdog.cancel()
     with t.prefill_server("cuda") as p_url:
         asyncio.run(go(p_url))
     return seen

@@ -13,7 +13,10 @@ for an earlier user of the word releases nothing of a later one's (whose own wai
 released by nobody would stall its stream: its owner rings its own bell before giving it up (`Bell.ring`). CUDA only;
 where the driver refuses stream waits on host memory, `Doorbells.open` gives None and transfers take the host's
 way. A queued wait holds what its stream's hardware queue holds: streams beyond the device's queues
-(`CUDA_DEVICE_MAX_CONNECTIONS`) share one, so it may hold other streams' work until it is rung."""
+(`CUDA_DEVICE_MAX_CONNECTIONS`) share one, so it may hold other streams' work until it is rung. While one is queued,
+a host call of this process that synchronises the device or loads a kernel (a first launch under lazy loading, a
+new Triton kernel, `empty_cache`) waits until it is rung; a bell lent with a deadline (`Doorbells.take`) is rung by a
+watchdog thread at the latest then, so no such wait is for ever."""
 
 from __future__ import annotations
 
@@ -64,6 +67,9 @@ class Bell:
         """To its doorbells (once rung and its stream past the wait, or if no wait on it was queued)."""
         self.owner._give(self.slot)
 
+    def __repr__(self) -> str:
+        return f"Bell({self.spec})"
+
 
 class Doorbells:
     """A process's doorbells on one GPU (see the module docstring); `open(device)` makes them."""
@@ -76,21 +82,34 @@ class Doorbells:
         self._streams: dict[int, torch.cuda.ExternalStream] = {}
         self._tickets = itertools.count(1)
         self._lock = threading.Lock()
+        self._deadlines: dict[int, tuple[float, Bell]] = {}  # slot -> (time.monotonic() deadline, the bell lent)
+        self._watchdog: threading.Thread | None = None
 
     @classmethod
     def open(cls, device: torch.device) -> Doorbells | None:
-        """Doorbells for streams of `device` (a GPU), or None (logged) where this driver or host cannot have them."""
-        from tandem.engine.kv_pool import _shared_memory
-
+        """This process's doorbells for streams of `device` (a GPU), or None (logged) where this driver or host
+        cannot have them. Made once a device and kept for the process's life (their memory stays registered with
+        the driver: a file unmapped while registered would leave its addresses refused to the next one)."""
         if device.type != "cuda":
             return None
+        index = torch.cuda.current_device() if device.index is None else device.index
+        with _OPENING:
+            if index not in _OPENED:
+                _OPENED[index] = cls._make(torch.device("cuda", index))
+            return _OPENED[index]
+
+    @classmethod
+    def _make(cls, device: torch.device) -> Doorbells | None:
+        from tandem.engine.kv_pool import _shared_memory
+
         try:
             cuda = ctypes.CDLL("libcuda.so.1")
+            _check(cuda.cuInit(ctypes.c_uint(0)), "cuInit")
             if (shm := _shared_memory(4 * SLOTS, "doorbells")) is None:
                 return None
             path, words = shm
             context = ctypes.c_void_p()  # (the runtime's: torch's tensors and streams live there)
-            _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), ctypes.c_int(device.index or 0)),
+            _check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), ctypes.c_int(device.index)),
                    "cuDevicePrimaryCtxRetain")
             _check(cuda.cuCtxSetCurrent(context), "cuCtxSetCurrent")
             ptr = ctypes.c_void_p(words.data_ptr())
@@ -106,9 +125,12 @@ class Doorbells:
             log.warning("doorbells: none on %s (%s); KV transfers take the host's way", device, e)
             return None
 
-    def take(self) -> Bell | None:
+    def take(self, deadline_s: float | None = None) -> Bell | None:
         """A free word with a fresh ticket (the word cleared), or None if all are lent (or its stream cannot be
-        made)."""
+        made). `deadline_s`: if it is still lent that many seconds from now, a watchdog thread rings it (logged).
+        That bounds every stall a wait nobody rings could cause: also this process's own, since while a wait is
+        queued any host call that synchronises the device or loads a kernel (a first launch under lazy loading, a
+        Triton kernel, `empty_cache`) waits for the ring, and may be the very thread that was to ring it."""
         with self._lock:
             if not self._free:
                 return None
@@ -123,7 +145,14 @@ class Doorbells:
                 log.warning("doorbells: no stream for a bell (%s); this transfer takes the host's way", e)
                 self._give(slot)
                 return None
-        return Bell(self.path, slot, ticket, word, self, stream)
+        bell = Bell(self.path, slot, ticket, word, self, stream)
+        if deadline_s is not None:
+            with self._lock:
+                self._deadlines[slot] = (time.monotonic() + deadline_s, bell)
+                if self._watchdog is None:
+                    self._watchdog = threading.Thread(target=self._watch, name="doorbells-watchdog", daemon=True)
+                    self._watchdog.start()
+        return bell
 
     def _new_stream(self) -> torch.cuda.ExternalStream:
         """A stream of its own (not one of torch's pooled streams, which other work may share), not synchronising
@@ -135,7 +164,20 @@ class Doorbells:
 
     def _give(self, slot: int) -> None:
         with self._lock:
+            self._deadlines.pop(slot, None)
             self._free.append(slot)
+
+    def _watch(self, every_s: float = 0.1) -> None:
+        """(The watchdog's thread) ring each lent bell past its deadline, once."""
+        while True:
+            time.sleep(every_s)
+            now = time.monotonic()
+            with self._lock:  # (under the lock: a bell given back, its word lent again, is no longer here)
+                for slot, (deadline, bell) in list(self._deadlines.items()):
+                    if now >= deadline:
+                        del self._deadlines[slot]
+                        bell.ring()
+                        log.warning("doorbells: %s rung by its deadline (nobody else rang it in time)", bell)
 
     def _wait(self, bell: Bell) -> None:
         self._current()
@@ -168,6 +210,10 @@ class Doorbells:
                 time.sleep(0.001)
         finally:
             bell.give_back()
+
+
+_OPENED: dict[int, Doorbells | None] = {}  # device index -> this process's doorbells (`Doorbells.open`)
+_OPENING = threading.Lock()
 
 
 def _check(result: int, what: str) -> None:

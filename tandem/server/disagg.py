@@ -337,7 +337,7 @@ class PrefillClient(KVImports):
                 and self.engine.pool.routing is None:  # (routed experts come with the answer alone)
             key = f"{rid}#{uuid.uuid4().hex[:12]}"  # (this attempt's: a late mail of an earlier one is not taken)
             headers |= {MAILBOX_HEADER: self.mailbox.name, MAIL_KEY_HEADER: key}
-            mail = Mail(self.bells.take() if self.bells is not None else None)
+            mail = Mail(self.bells.take(self.timeout_s + 5) if self.bells is not None else None)
             if mail.bell is not None:
                 headers[DOORBELL_HEADER] = mail.bell.spec
             mail.pages = self.mailbox.expect(key, "pages", functools.partial(self._mailed, url, rid, mail))
