@@ -174,7 +174,9 @@ def test_by_reference_the_servers_generate_what_bytes_and_one_engine_do(device, 
                 per_token = 2 * 2 * 2 * 32 * 4  # (tiny: keys and values, 2 layers, 2 KV heads, head dim 32, fp32)
                 assert r["pages"] == -(-(r["end"] - r["start"]) // 4), r
                 assert r["kv_bytes"] == (r["end"] - r["start"]) * per_token, r
-                assert r["export_s"] > 0 and 0 <= r["write_s"] <= r["import_s"] and 0 < r["take_s"] <= r["import_s"]
+                assert r["export_s"] > 0 and 0 < r["take_s"] <= r["import_s"] and r["write_s"] >= 0, r
+                # (armed behind a doorbell, the pass ran as it rang, before the ready mail began `import_s`)
+                assert r["armed"] or r["write_s"] <= r["import_s"], r
                 if transfer == "reference":  # written as the answer landed, then queued; timed on one clock too
                     assert r["landed"] and r["handoff_s"] >= 0 and r["path_s"] >= r["import_s"], r
         got[transfer] = [tokens(a) for a in answers]
