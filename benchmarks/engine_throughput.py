@@ -113,6 +113,26 @@ def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: 
         return seconds_per_call(decode_step(engine, batch, context), iters, engine.runner.device)
 
 
+def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: int = 256) -> float:
+    """A decode step through the engine's loop (scheduling, the step's inputs, the graph, sampling, the outputs), where
+    `decode_step_seconds` times the graph alone: `batch` greedy requests whose contexts average `context`, timed as
+    the difference of two runs `tokens` apart in length (their prefills, of prompts of their own, cancel) over
+    `tokens`."""
+    def run(new_tokens: int, seed: int) -> float:
+        g = torch.Generator().manual_seed(seed)
+        vocab = engine.model_config.vocab_size
+        prompts = [torch.randint(3, vocab, (context - tokens // 2,), generator=g).tolist() for _ in range(batch)]
+        sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+        async def go():
+            await asyncio.gather(*(engine.generate(ids, sampling) for ids in prompts))
+        start = time.perf_counter()
+        asyncio.run(go())
+        return time.perf_counter() - start
+    run(tokens + 32, 1)  # (warm: this batch's graphs and kernels)
+    return (run(tokens + 32, 2) - run(32, 3)) / tokens
+
+
 def unfused_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: int = 20) -> float:
     """`decode_step_seconds` with the few-row fusions off (a graph of its own, captured here)."""
     model, small = engine.model, engine.model.small
@@ -244,14 +264,15 @@ def main() -> None:
                 asyncio.run(engine.flush_cache())
                 profile_workload(engine, prompts, outputs)
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
-              "fusions: step ms |\n|---|---|---|---|---|---|---|")
+              "fusions: step ms | through the engine's loop: step ms (tok/s) |\n|---|---|---|---|---|---|---|---|")
         for batch in args.batches:
+            loop = loop_step_seconds(engine, batch)
             sec = decode_step_seconds(engine, batch)
             read = weight_bytes + batch * 1024 * kv_per_token
             unfused = (f"{unfused_step_seconds(engine, batch) * 1e3:.2f}" if args.small_ab and engine.model.small
                        and batch <= engine.model.small.MAX_ROWS else "-")
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} | {unfused} |")
+                  f"{read / sec / bw:.0%} | {unfused} | {loop * 1e3:.2f} ({batch / loop:,.0f}) |")
         if args.profile_batch:
             from moe_throughput import top_kernels
 
