@@ -167,7 +167,7 @@ class Doorbells:
             self._deadlines.pop(slot, None)
             self._free.append(slot)
 
-    def _watch(self, every_s: float = 0.1) -> None:
+    def _watch(self, every_s: float = 0.5) -> None:
         """(The watchdog's thread) ring each lent bell past its deadline, once."""
         while True:
             time.sleep(every_s)
