@@ -174,16 +174,17 @@ class KVImports:
         `write_s` its write into the pool (device time; `pass_s` from the kernels' launch), `import_s` from the answer
         to the pages written (device-synchronised; by reference checked: with the engine's turn unless written as the
         answer landed, `landed`, then `handoff_s` after it until the engine queued the request); null where not written.
-        By reference `path_s`: from the prefill server starting its export to the checksums compared here, on the host's
-        one monotonic clock, and its parts on that clock (`path_parts`): `pin_s` the prefill engine pinning the pages,
-        `to_server_s` from there to its server's handler having the output (the engine finishing the request, the hop
-        between the threads), `answer_s` the answer built, `wire_s` its way to this server's handler, `import_s` here
-        (by mail, `mailed`: `pin_s`, `to_mail_s` to the pages' mail sent, `mail_s` its way here, `import_s`; `armed`
-        where its pass was queued behind a doorbell as the pages mail landed, `rung` where the prefill server rang it);
-        `launch_host_s` the host's time from the pass's first mark to its kernels' launch, `pass_wait_s` from that
-        launch to the sums in hand (host), `launch_parts` the first by part (`write` to the page index staged, the
-        launch), `wait_parts` the second (the kernels queued, the host's wait for the sums returned,
-        the sums and epochs read, compared)."""
+        By reference `path_s`: from the prefill engine having the KV ready (the result of the step that computed it
+        in hand) to the checksums compared here, on the host's one monotonic clock, and its parts on that clock
+        (`path_parts`): `pin_s` the prefill engine pinning the pages (before the KV was ready: not of `path_s`),
+        `to_server_s` from the KV ready to its server's handler having the output (the engine finishing the request,
+        the hop between the threads), `answer_s` the answer built, `wire_s` its way to this server's handler,
+        `import_s` here (by mail, `mailed`: `pin_s`, `to_mail_s` from the KV ready to the ready mail sent, `mail_s`
+        its way here, `import_s`; `armed` where its pass was queued behind a doorbell as the pages mail landed,
+        `rung` where the prefill server rang it); not armed, `launch_host_s` the host's time from the pass's first
+        mark to its kernels' launch, `pass_wait_s` from that launch to the sums in hand (host), `launch_parts` the
+        first by part (`write` to the page index staged, the launch), `wait_parts` the second (the kernels queued,
+        the host's wait for the sums returned, the sums and epochs read, compared; armed: from the ready mail)."""
         clock, written = kv.clock, "written" in kv.clock.host
         take_s = clock.host["verified"] - clock.host["import"]
         mapped = isinstance(kv, MappedKV)  # (taken as written: the engine's one pass, checked on the host)

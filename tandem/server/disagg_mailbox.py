@@ -207,17 +207,18 @@ class MailSender:
         if (to := self._pinned.get(engine_rid)) is None or to[3] is not kv:
             return
         del self._pinned[engine_rid]
+        rid, name, bell, _ = to
         kv.wait_recorded()  # (the records of pages the forward did not write: queued right behind the step just run)
         rung = False
-        if to[2] is not None and to[1] not in self._unringable:
+        if bell is not None and name not in self._unringable:
             try:
-                ring(to[2])
+                ring(bell)
                 rung = True
             except ValueError as e:  # (once a mailbox: its later bells are not tried)
-                self._unringable.add(to[1])
+                self._unringable.add(name)
                 log.warning("prefill server: %s; the decode server of mailbox %s rings its bells itself as its ready "
-                            "mails land", e, to[1])
-        self._send(to[1], {"kind": "ready", "rid": to[0], "ready_at": kv.ready_at, "rung": rung}, b"")
+                            "mails land", e, name)
+        self._send(name, {"kind": "ready", "rid": rid, "ready_at": kv.ready_at, "rung": rung}, b"")
 
     def _send(self, name: str, head: dict, payload: bytes) -> bool:
         """Send one frame to mailbox `name`, without blocking; False (the connection dropped) if it fails or would
