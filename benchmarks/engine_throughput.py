@@ -9,7 +9,8 @@
     measured in the same run.
     With `--small-ab`, each batch of at most `small_linear.MAX_ROWS` rows (which run through the few-row kernels,
     `EngineConfig.small_batch_kernels`) is timed again with its projections as plain matrix multiplies (the
-    model's `_forward_fused`, a graph captured for it), the same run's A/B of the few-row fusions.
+    model's `_forward_fused`, a graph captured for it), the same run's A/B of the few-row fusions; and up to 8
+    rows, with the few-row kernels' tensor-core tiles and with their vector tiles (`small_linear.VECTOR_ROWS`).
     `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
     `--profile-workload`: a third run of (a) under torch.profiler: the share of its wall time in which the GPU ran
     a kernel (the union of the kernels' intervals), and its top kernels: is the workload bound by the device?
@@ -133,11 +134,16 @@ def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: i
     return (run(tokens + 32, 2) - run(32, 3)) / tokens
 
 
-def unfused_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: int = 20) -> float:
-    """`decode_step_seconds` with the few-row fusions off (a graph of its own, captured here)."""
-    model, small = engine.model, engine.model.small
+def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
+                         context: int = 1024, iters: int = 20) -> float:
+    """`decode_step_seconds` of a variant, in a graph of its own captured here: without the few-row fusions
+    (`fused=False`), or with vector tiles up to `vector_rows` rows (`small_linear.VECTOR_ROWS`)."""
+    from tandem.kernels import small_linear
+
+    model, small, default_rows = engine.model, engine.model.small, small_linear.VECTOR_ROWS
     decode_step(engine, batch, context)  # (fills the buffers)
-    model.small = None
+    model.small = small if fused else None
+    small_linear.VECTOR_ROWS = default_rows if vector_rows is None else vector_rows
     try:
         with torch.inference_mode():
             engine.runner._forward_decode(batch)
@@ -148,7 +154,7 @@ def unfused_step_seconds(engine: Engine, batch: int, context: int = 1024, iters:
         del graph
         return seconds
     finally:
-        model.small = small
+        model.small, small_linear.VECTOR_ROWS = small, default_rows
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
@@ -264,15 +270,20 @@ def main() -> None:
                 asyncio.run(engine.flush_cache())
                 profile_workload(engine, prompts, outputs)
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
-              "fusions: step ms | through the engine's loop: step ms (tok/s) |\n|---|---|---|---|---|---|---|---|")
+              "fusions: step ms | few-row, tensor-core / vector tiles: step ms | through the engine's loop: step ms "
+              "(tok/s) |\n|---|---|---|---|---|---|---|---|---|")
         for batch in args.batches:
             loop = loop_step_seconds(engine, batch)
             sec = decode_step_seconds(engine, batch)
             read = weight_bytes + batch * 1024 * kv_per_token
-            unfused = (f"{unfused_step_seconds(engine, batch) * 1e3:.2f}" if args.small_ab and engine.model.small
-                       and batch <= engine.model.small.MAX_ROWS else "-")
+            ab = args.small_ab and engine.model.small and batch <= engine.model.small.MAX_ROWS
+            unfused = f"{variant_step_seconds(engine, batch, fused=False) * 1e3:.2f}" if ab else "-"
+            tiles = "-"
+            if ab and batch <= 8:
+                tiles = (f"{variant_step_seconds(engine, batch, vector_rows=0) * 1e3:.2f} / "
+                         f"{variant_step_seconds(engine, batch, vector_rows=batch) * 1e3:.2f}")
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} | {unfused} | {loop * 1e3:.2f} ({batch / loop:,.0f}) |")
+                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {loop * 1e3:.2f} ({batch / loop:,.0f}) |")
         if args.profile_batch:
             from moe_throughput import top_kernels
 

@@ -25,7 +25,14 @@ from engine_throughput import copy_bandwidth, seconds_per_call
 
 from tandem.config import PRESETS
 from tandem.kernels import fused
-from tandem.kernels.small_linear import Blocks, arrival_counts, default_blocks, small_linear, small_qkv
+from tandem.kernels.small_linear import (
+    Blocks,
+    arrival_counts,
+    default_blocks,
+    small_linear,
+    small_qkv,
+    vector_blocks,
+)
 
 EPS = 1e-6
 
@@ -88,11 +95,15 @@ def main() -> None:
         projs = layers[0]
         best, rows = {}, []
         for name, proj in projs.items():
-            default = default_blocks(proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1], proj[0].device,
-                                     heads=proj[0].shape[0] // cfg.head_dim if proj[5] else None)
+            N, E = proj[0].shape[0] // (2 if proj[4] else 1), proj[0].shape[1]
+            heads = proj[0].shape[0] // cfg.head_dim if proj[5] else None
+            default = default_blocks(N, E, proj[0].device, heads=heads, rows=T, paired=proj[4])
             print(f"  {name} T={T}: default {default}")
+            vector = [dataclasses.replace(vector_blocks(N, E, proj[0].device, heads=heads, tile_bytes=b,
+                                                        paired=proj[4]), warps=w)
+                      for b, w in itertools.product((4096, 8192, 16384, 32768), (2, 4, 8))]
             timed = []
-            for blocks in [default, dataclasses.replace(default, pdl=False), *tilings]:
+            for blocks in [default, dataclasses.replace(default, pdl=False), *tilings, *vector]:
                 try:
                     sec = graph_seconds(lambda n=name, b=blocks, ls=layers: [run_small(lay[n], b)() for lay in ls]) / L
                 except Exception as e:  # a tiling the GPU cannot take (shared memory): skipped, and said
@@ -103,22 +114,26 @@ def main() -> None:
             best[name] = blocks
             no_pdl = min(s for s, b in timed if not b.pdl)
             no_split = min(s for s, b in timed if b.splits == 1)
+            cores = {v: min((s for s, b in timed if b.vector == v), default=float("nan")) for v in (False, True)}
             mb = proj[0].numel() * 2 / 1e6
             rows.append({"projection": name, "weights_mb": mb, "default_us": timed[0][0] * 1e6, "best_us": sec * 1e6,
                          "best": dataclasses.asdict(blocks),
                          "best_without_pdl_us": no_pdl * 1e6, "best_unsplit_us": no_split * 1e6,
+                         "best_tensor_core_us": cores[False] * 1e6, "best_vector_us": cores[True] * 1e6,
                          "of_copy": mb * 1e6 / sec / bw})
         chain_small, chain_default, chain_matmul = chains(layers, best)
         weight_bytes = L * sum(p[0].numel() * 2 for p in projs.values())
         results["rows"][T] = {"projections": rows, "chain_best_s": chain_small, "chain_default_s": chain_default,
                               "chain_matmul_s": chain_matmul, "weight_bytes": weight_bytes}
         print(f"### {T} rows\n\n| projection | weights MB | default us | best us | best tiling | best without PDL us "
-              "| best unsplit us | of copy BW |\n|---|---|---|---|---|---|---|---|")
+              "| best unsplit us | best tensor-core / vector us | of copy BW |\n|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             b = r["best"]
             print(f"| {r['projection']} | {r['weights_mb']:.1f} | {r['default_us']:.1f} | {r['best_us']:.1f} | "
-                  f"n {b['n']} k {b['k']} warps {b['warps']} pdl {b['pdl']} splits {b['splits']} | "
-                  f"{r['best_without_pdl_us']:.1f} | {r['best_unsplit_us']:.1f} | {r['of_copy']:.0%} |")
+                  f"n {b['n']} k {b['k']} warps {b['warps']} pdl {b['pdl']} splits {b['splits']} "
+                  f"vector {b['vector']} | "
+                  f"{r['best_without_pdl_us']:.1f} | {r['best_unsplit_us']:.1f} | {r['best_tensor_core_us']:.1f} / "
+                  f"{r['best_vector_us']:.1f} | {r['of_copy']:.0%} |")
         print(f"\nthe {L} layers' projections in one graph: best tilings {chain_small * 1e3:.3f} ms, default tilings "
               f"{chain_default * 1e3:.3f} ms, matrix multiplies + fused norm/SiLU kernels {chain_matmul * 1e3:.3f} ms "
               f"({chain_matmul / chain_small:.2f}x); the weights' bytes at the copy's bandwidth "

@@ -97,10 +97,11 @@ for part in $parts; do
                timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_engine_gpu.py;
                timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 64 \
                    --small-ab --profile-batch 1 --skip-workload ;;
-        small_ab) timeout 200 python3 benchmarks/small_linear_blocks.py --rows 1 4 --out "$OUT/blocks.json";
-                  for env in "TANDEM_SMALL_PREFETCH=0 TANDEM_SMALL_EARLY=0" "TANDEM_PDL=0"; do echo "# $env";
-                      env $env timeout 150 python3 benchmarks/engine_throughput.py --models qwen3-0.6b \
-                      --batches 1 4 16 --small-ab --skip-workload; done ;;
+        small_ab) timeout 120 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
+                      tests/test_fused_kernels.py tests/test_fused_model.py -k "small or model";
+                  timeout 330 python3 benchmarks/small_linear_blocks.py --rows 1 2 4 --out "$OUT/blocks.json";
+                  timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 \
+                      --small-ab --skip-workload --profile-batch 1 ;;
         handover) timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" &&
                   timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \

@@ -21,7 +21,15 @@ pytest.importorskip("triton")
 from tandem.engine.sampler import SamplingBatch, hash_uniform, sample  # noqa: E402
 from tandem.kernels.fused import fused_add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul, silu_mul_merged  # noqa: E402
 from tandem.kernels.sampling import sample_gumbel  # noqa: E402
-from tandem.kernels.small_linear import MAX_ROWS, Blocks, arrival_counts, small_qkv, takes_heads  # noqa: E402
+from tandem.kernels.small_linear import (  # noqa: E402
+    MAX_ROWS,
+    VECTOR_ROWS,
+    Blocks,
+    arrival_counts,
+    default_blocks,
+    small_qkv,
+    takes_heads,
+)
 from tandem.kernels.small_linear import small_linear as split_linear  # noqa: E402
 from tandem.model.qwen3 import RMSNorm, apply_rope, rope_cos_sin  # noqa: E402
 
@@ -243,6 +251,26 @@ def test_small_linear_split_over_input_columns(splits):
     check_small_linear(2, 300, 24, torch.bfloat16, blocks=Blocks(16, 32, splits=splits))
 
 
+@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("blocks", [Blocks(4, 64, vector=True), Blocks(8, 32, splits=3, vector=True)],
+                         ids=["unsplit", "split3"])
+def test_small_linear_vector_tiles(blocks, T):
+    """Products on the CUDA cores, a tile of the rows there are: several column blocks and input tiles, a short
+    last tile, split or not (the default takes them only up to `VECTOR_ROWS` rows, but any count is right)."""
+    check_small_linear(T, 100, 20, torch.float32, blocks=blocks)
+    check_small_linear(T, 100, 12, torch.bfloat16, blocks=blocks)
+
+
+def test_vector_blocks_are_whole_rows_or_split_heads():
+    """The default tiling below `VECTOR_ROWS` rows: whole input rows a tile unless a program holds a head."""
+    cpu = torch.device("cpu")
+    assert default_blocks(3072, 1024, cpu, rows=1) == Blocks(8, 1024, stages=1, vector=True)
+    assert default_blocks(3072, 1024, cpu, rows=1, paired=True) == Blocks(4, 1024, stages=1, vector=True)
+    assert default_blocks(1024, 3072, cpu, rows=VECTOR_ROWS) == Blocks(2, 4096, stages=1, vector=True)
+    assert default_blocks(4096, 1024, cpu, heads=32, rows=1) == Blocks(64, 64, stages=1, splits=16, vector=True)
+    assert not default_blocks(1024, 3072, cpu, rows=VECTOR_ROWS + 1).vector
+
+
 def check_small_qkv(T, E, H, K, D, dtype, blocks=None):
     """`small_qkv` against the unfused chain: rmsnorm, the projection (fp32 over the same rounded inputs), then
     `qk_norm_rope` writing into caches of its own; rows at scattered slots and positions."""
@@ -268,6 +296,14 @@ def check_small_qkv(T, E, H, K, D, dtype, blocks=None):
 @pytest.mark.parametrize("blocks", [None, Blocks(16, 32, splits=3)], ids=["default", "split3"])
 def test_small_qkv_small(blocks, dtype):
     check_small_qkv(3, 96, 4, 2, 64, dtype, blocks)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", [1, 2, 3])
+def test_small_qkv_vector_tiles(T, dtype):
+    """Vector tiles with a head a program, split (by default at one or two rows) and not."""
+    check_small_qkv(T, 96, 4, 2, 64, dtype)
+    check_small_qkv(T, 96, 4, 2, 64, dtype, Blocks(32, 64, vector=True))
 
 
 def test_small_linear_refuses_more_rows_than_a_program_holds():
@@ -337,14 +373,14 @@ def test_sample_gumbel_gpu(B, num_splits, dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,E,N", [(1, 1024, 2048), (7, 1024, 3072), (16, 2048, 512), (3, 4096, 6144)])
+@pytest.mark.parametrize("T,E,N", [(1, 1024, 2048), (2, 3072, 1024), (7, 1024, 3072), (16, 2048, 512), (3, 4096, 6144)])
 def test_small_linear_gpu(T, E, N, dtype):
     check_small_linear(T, E, N, dtype)  # (split as the model splits it)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,E,H,K", [(1, 1024, 16, 8), (16, 4096, 32, 8), (5, 2048, 16, 2)])
+@pytest.mark.parametrize("T,E,H,K", [(1, 1024, 16, 8), (2, 4096, 32, 8), (16, 4096, 32, 8), (5, 2048, 16, 2)])
 def test_small_qkv_gpu(T, E, H, K, dtype):
     check_small_qkv(T, E, H, K, 128, dtype)
 

@@ -40,11 +40,15 @@ from tandem.kernels.fused import (
 
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
 MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
+VECTOR_ROWS = 2  # up to these rows by default, `vector_blocks` (their products on the CUDA cores)
+VECTOR_TILE_BYTES = 16384
 
 
 @triton.jit
-def _dot(acc, x, w, DOT_FP32: tl.constexpr):
-    if DOT_FP32:  # fp32 weights, or the CPU interpreter (its bf16 dots are wrong): exact fp32 products
+def _dot(acc, x, w, DOT_FP32: tl.constexpr, VECTOR: tl.constexpr):
+    if VECTOR:  # a row or a few: products summed on the CUDA cores, no tensor-core tile padded to 16 rows
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    elif DOT_FP32:  # fp32 weights, or the CPU interpreter (its bf16 dots are wrong): exact fp32 products
         acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
     else:
         acc += tl.dot(x, tl.trans(w))
@@ -114,8 +118,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                          inv_freq_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, N, E, stride_x,
                          stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
                          RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                         PDL: tl.constexpr, INTERPRET: tl.constexpr):
+                         BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                         DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
     SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
     [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
@@ -148,23 +152,24 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     rstd = tl.zeros([BLOCK_T], tl.float32)
     if NORM:  # over the whole row, whatever this program's share of it
         squares = tl.zeros([BLOCK_T], tl.float32)
-        for k0 in range(0, E, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
+        for k0 in range(0, E, NORM_BLOCK):
+            cols = k0 + tl.arange(0, NORM_BLOCK)
             x = tl.load(x_rows + cols[None, :], mask=mask_t[:, None] & (cols < E)[None, :], other=0.0)
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         rstd = tl.rsqrt(squares / E + eps)
     x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
-    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32)
+    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32, VECTOR)
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PAIRED:
-        acc_up = _dot(acc_up, x, w_up, DOT_FP32)
+        acc_up = _dot(acc_up, x, w_up, DOT_FP32, VECTOR)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
         w_mask = mask_n[:, None] & (kk < k_end)[None, :]
-        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
+        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR)
         if PAIRED:
-            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32)
+            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32,
+                              VECTOR)
     if PDL:
         gdc_launch_dependents()
     write = True  # this program writes the output: always unsplit, else the last of its column block to arrive
@@ -195,8 +200,10 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
 
 @dataclass(frozen=True)
 class Blocks:
-    """A launch's tiling: output columns and input columns per tile, warps, pipeline stages, and whether it is a
-    programmatic dependent launch (PDL: Hopper and later; never under the CPU interpreter)."""
+    """A launch's tiling: output columns and input columns per tile, warps, pipeline stages, whether it is a
+    programmatic dependent launch (PDL: Hopper and later; never under the CPU interpreter), how many programs
+    split the input columns, and whether the products are summed on the CUDA cores (`vector`: a tile of the rows
+    there are, not of tl.dot's 16)."""
 
     n: int
     k: int
@@ -204,18 +211,42 @@ class Blocks:
     stages: int = 3
     pdl: bool = False
     splits: int = 1
+    vector: bool = False
 
 
 def default_blocks(N: int, E: int, device: torch.device, split: bool = True, heads: int | None = None,
-                   itemsize: int = 2) -> Blocks:
-    """Narrow output tiles, so that even a 1024-wide output spreads over 64 programs (`heads`: a program per
-    head); with `split`, the input columns split so that about two programs run per multiprocessor. A tile holds
-    512 bytes of a weight row (256 columns of bf16, 128 of fp32: the pipeline's stages fit in shared memory)."""
+                   itemsize: int = 2, rows: int = MAX_ROWS, paired: bool = False) -> Blocks:
+    """Up to `VECTOR_ROWS` rows, vector tiles (`vector_blocks`). Else narrow output tiles, so that even a
+    1024-wide output spreads over 64 programs (`heads`: a program per head); with `split`, the input columns
+    split so that about two programs run per multiprocessor. A tile holds 512 bytes of a weight row (256 columns
+    of bf16, 128 of fp32: the pipeline's stages fit in shared memory)."""
+    if rows <= VECTOR_ROWS:
+        return vector_blocks(N, E, device, split, heads, itemsize, paired=paired)
     pdl = pdl_supported(device)
     n, k = 16 if N <= 2048 else 32, min(512 // itemsize, triton.next_power_of_2(E))
     blocks = heads or triton.cdiv(N, n)
     splits = max(1, min(8, 2 * _multiprocessors(device) // blocks, triton.cdiv(E, k))) if split else 1
     return Blocks(n, k, pdl=pdl, splits=splits)
+
+
+def vector_blocks(N: int, E: int, device: torch.device, split: bool = True, heads: int | None = None,
+                  itemsize: int = 2, tile_bytes: int = VECTOR_TILE_BYTES, paired: bool = False) -> Blocks:
+    """Tiles of about `tile_bytes` of weights a program (`paired`: two tiles, as SiLU's gate and up; `heads`:
+    always two, a head's halves), a program's whole share of the input columns in one tile: every program's
+    weights are asked for at once, before it waits for the kernel before it (PDL), and with no shared memory (one
+    stage) the programs of the next kernel fit beside it. A program holds whole output rows, as few as make the
+    tile, unless `heads` (a head a program), where the input columns are split instead (with `split`; a split is
+    at least 16 columns)."""
+    pdl = pdl_supported(device)
+    row_bytes = triton.next_power_of_2(E) * itemsize
+    if heads is None:
+        n = max(1, min(triton.next_power_of_2(N), tile_bytes // row_bytes // (2 if paired else 1)))
+        n = 1 << (n.bit_length() - 1)  # a power of two
+        return Blocks(n, triton.next_power_of_2(E), stages=1, pdl=pdl, vector=True)
+    head_rows = N // heads // 2  # a tile is half a head's rows (its pair, the other half)
+    splits = max(1, min(E // 16, 2 * row_bytes * head_rows // tile_bytes)) if split else 1
+    return Blocks(head_rows, triton.next_power_of_2(triton.cdiv(E, splits)), stages=1, pdl=pdl, splits=splits,
+                  vector=True)
 
 
 @functools.cache
@@ -256,7 +287,8 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
         y = out
     if T == 0:
         return y
-    b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None, itemsize=x_TE.itemsize)
+    b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None, itemsize=x_TE.itemsize, rows=T,
+                                 paired=silu)
     _launch(x_TE, w_NE, y, norm_weight, eps, b, arrived, N, triton.cdiv(N, b.n), b.n, RESIDUAL=out is not None,
             SILU=silu, HEADS=False)
     return y
@@ -292,7 +324,8 @@ def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor
     q = torch.empty(T, num_heads, D, dtype=x_TE.dtype, device=x_TE.device)
     if T == 0:
         return q
-    b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None, heads=N // D, itemsize=x_TE.itemsize)
+    b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None, heads=N // D, itemsize=x_TE.itemsize,
+                                 rows=T)
     inv_freq = rope_inv_freq(D, theta, x_TE.device)
     _launch(x_TE, w_qkv, q, norm_weight, eps, b, arrived, N, N // D, D // 2, RESIDUAL=False, SILU=False,
             HEADS=True, heads=(q_norm, k_norm, positions_T, inv_freq, k_cache, v_cache, slots_T, num_heads, K))
@@ -311,10 +344,12 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         partial = torch.empty(splits, 2, MAX_ROWS, N, dtype=torch.float32, device=x_TE.device)
     q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, H, K = heads or (x_TE,) * 7 + (0, 0)
     pdl = {"launch_pdl": True} if b.pdl else {}
+    block_t = triton.next_power_of_2(T) if b.vector else MAX_ROWS
     _small_linear_kernel[(column_blocks, splits)](
         x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, partial, arrived if splits > 1 else x_TE,
         q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, T, N, E, x_TE.stride(0), w_NE.stride(0),
         y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
-        RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=b.k,
+        RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
+        NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
         DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=b.stages, enable_fp_fusion=not HEADS, **pdl)  # RoPE without FMA, as PyTorch
