@@ -97,10 +97,11 @@ for part in $parts; do
                timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_engine_gpu.py;
                timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 64 \
                    --small-ab --profile-batch 1 --skip-workload ;;
-        small_ab) timeout 100 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
-                      tests/test_fused_kernels.py tests/test_fused_model.py -k "small or model";
-                  timeout 280 python3 benchmarks/small_linear_blocks.py --rows 1 2 4 --out "$OUT/blocks.json";
-                  timeout 200 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 \
+        small_ab) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
+                      tests/test_fused_kernels.py tests/test_fused_model.py tests/test_engine_gpu.py \
+                      -k "small or model or at_a_time";
+                  timeout 240 python3 benchmarks/small_linear_blocks.py --rows 1 2 4 --out "$OUT/blocks.json";
+                  timeout 180 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 \
                       --small-ab --skip-workload --profile-batch 1 ;;
         handover) timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" &&

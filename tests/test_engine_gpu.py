@@ -103,3 +103,25 @@ def test_gpu_engine_greedy_equals_hugging_face_at_any_even_head_dim(head_dim, sm
         ids = torch.tensor([prompt], device="cuda")
         want = hf.generate(ids, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False)[0, len(prompt):]
         assert out.output_ids == want.tolist()
+
+
+@pytest.mark.parametrize("at_once", [1, 2])
+def test_gpu_engine_greedy_equals_hugging_face_one_or_two_at_a_time(at_once):
+    """fp32: decode steps of one or two rows, the few-row kernels' vector tiles (`small_linear.VECTOR_ROWS`),
+    generate Hugging Face's greedy tokens."""
+    from tandem.kernels import small_linear
+
+    assert at_once <= small_linear.VECTOR_ROWS
+    config = dataclasses.replace(SHAPES["gqa2_tied"], hidden_size=256, intermediate_size=384, head_dim=128,
+                                 vocab_size=512)
+    hf = hf_model(config)
+    gen = torch.Generator().manual_seed(at_once)
+    prompts = [torch.randint(2, 512, (n,), generator=gen).tolist() for n in (9, 40)[:at_once]]
+    model = tandem_twin(hf, config).to("cuda")
+    with Engine(model, EngineConfig(device="cuda", page_size=16, num_pages=64, small_batch_kernels=True)) as engine:
+        outs = generate_all(engine, prompts, SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+    hf = hf.to("cuda")
+    for prompt, out in zip(prompts, outs, strict=True):
+        want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, min_new_tokens=24,
+                           do_sample=False)[0, len(prompt):]
+        assert out.output_ids == want.tolist()
