@@ -56,6 +56,34 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@triton.jit
+def _load_kv(k_ptr, v_ptr, pages_ptr, offs_n, mask_n, kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs,
+             stride_vk, PAGE_SIZE: tl.constexpr):
+    """Keys and values [BLOCK_N, BLOCK_D] of positions offs_n (zeros where not mask_n) through the block table's
+    row at pages_ptr."""
+    mask_nd = mask_n[:, None] & mask_d[None, :]
+    pages = tl.load(pages_ptr + offs_n // PAGE_SIZE, mask=mask_n, other=0)
+    slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot * stride overflows int32
+    k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :], mask=mask_nd, other=0.0)
+    v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :], mask=mask_nd, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr, DOT_DTYPE: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """One block of an online softmax: the running max m_i (log2 units), sum l_i and output acc, updated."""
+    qk = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale_log2
+    qk = tl.where(mask_n[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block holds at least one valid token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(v_dtype).to(DOT_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p, v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 @triton.jit(**varying("stride_bt", "num_splits"))
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
@@ -64,9 +92,6 @@ def _split_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # a dependent launch: nothing the kernels before wrote is read before they are done
-        gdc_wait()
-        gdc_launch_dependents()
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -74,11 +99,24 @@ def _split_kernel(
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
 
+    # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
+    # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
     # split lengths are whole blocks so no block straddles two splits
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, offs_n < tl.minimum(end, seq_len - 1),
+                    kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+    if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
+        gdc_wait()
+        gdc_launch_dependents()
+    newest = offs_n == seq_len - 1
+    if start <= seq_len - 1 and seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
+        k_new, v_new = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, newest, kv_head, offs_d,
+                                mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        k, v = tl.where(newest[:, None], k_new, k), tl.where(newest[:, None], v_new, v)
 
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_h[:, None] & mask_d[None, :], other=0.0)
@@ -86,25 +124,16 @@ def _split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for block_start in range(start, end, BLOCK_N):
+    if start < end:
+        m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty,
+                                DOT_DTYPE, DOT_PRECISION)
+    for block_start in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = block_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        mask_nd = mask_n[:, None] & mask_d[None, :]
-        pages = tl.load(block_table_ptr + b * stride_bt + offs_n // PAGE_SIZE, mask=mask_n, other=0)
-        slots = pages.to(tl.int64) * PAGE_SIZE + offs_n % PAGE_SIZE  # int64: slot * stride overflows int32
-        k = tl.load(k_ptr + slots[:, None] * stride_ks + kv_head * stride_kk + offs_d[None, :],
-                    mask=mask_nd, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_ptr + slots[:, None] * stride_vs + kv_head * stride_vk + offs_d[None, :],
-                    mask=mask_nd, other=0.0).to(DOT_DTYPE)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale_log2
-        qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # finite: every block holds at least one valid token
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v_ptr.dtype.element_ty).to(DOT_DTYPE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, mask_n, kv_head, offs_d, mask_d,
+                        stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
+                                DOT_PRECISION)
 
     # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in stage 2
     nonempty = l_i > 0
