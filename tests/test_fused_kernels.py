@@ -269,6 +269,7 @@ def test_vector_blocks_are_whole_rows_or_split_heads():
     assert default_blocks(1024, 3072, cpu, rows=VECTOR_ROWS) == Blocks(2, 4096, stages=1, vector=True)
     assert default_blocks(4096, 1024, cpu, heads=32, rows=1) == Blocks(64, 64, stages=1, splits=16, vector=True)
     assert not default_blocks(1024, 3072, cpu, rows=VECTOR_ROWS + 1).vector
+    assert not default_blocks(4096, 1024, cpu, heads=32, rows=2).vector
 
 
 def check_small_qkv(T, E, H, K, D, dtype, blocks=None):
