@@ -80,3 +80,38 @@ def test_packed_varlen_attention_and_its_gradients_equal_the_per_sequence_refere
     for name, fast, ref in zip(["out", "dq", "dk", "dv"], *results, strict=True):
         err = ((fast.float() - ref.float()).norm() / ref.float().norm()).item()
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.parametrize("lens", [[9], [3, 20, 0]], ids=["one-row", "three-rows-one-padding"])
+def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(lens, monkeypatch):
+    """A decode step of few rows through the Triton decode kernel, which takes q/k/v as projected
+    (`attend_fresh`: q/k norm, RoPE and the KV write inside attention), against the reference path (PyTorch ops,
+    `paged_decode_reference`): the same hidden states, the same keys and values in the cache."""
+    from tandem.kernels.decode_attention import paged_decode_attention
+    from tandem.model.attention import BlockTableDecode, paged_decode_reference
+
+    config = SHAPES["gqa2_tied"]
+    hf = hf_model(config)
+    L, K, D, P = config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16
+    gen = torch.Generator().manual_seed(len(lens))
+    caches = [torch.randn(L, 8 * P, K, D, generator=gen).to(DEVICE) for _ in range(2)]
+    block_table = torch.tensor([[1 + 2 * b, 2 + 2 * b] for b in range(len(lens))], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    positions = (seq_lens - 1).clamp(min=0).long()
+    slots = torch.where(seq_lens > 0, block_table[:, 0].long() * P + positions, 0)  # padding: the scratch slot 0
+    ids = torch.randint(0, config.vocab_size, (len(lens),), generator=gen).to(DEVICE)
+    fresh_calls = []
+    monkeypatch.setattr(BlockTableDecode, "attend_fresh",
+                        lambda self, *a, _f=BlockTableDecode.attend_fresh: fresh_calls.append(1) or _f(self, *a))
+    results = []
+    for kernel in (paged_decode_attention, paged_decode_reference):
+        model = tandem_twin(hf, config).to(DEVICE)
+        if kernel is paged_decode_attention:
+            model.use_fused_kernels()
+        k_cache, v_cache = (c.clone() for c in caches)
+        ctx = BlockTableDecode(k_cache, v_cache, slots, block_table, seq_lens, P, kernel)
+        with torch.no_grad():
+            results.append((model(ids, positions, ctx)[seq_lens > 0], k_cache[:, P:], v_cache[:, P:]))
+    assert len(fresh_calls) == L  # the fused model's every layer attended through attend_fresh
+    for fast, ref in zip(*results, strict=True):
+        torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)

@@ -17,9 +17,11 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tandem.kernels.decode_attention import choose_num_kv_splits, paged_decode_attention  # noqa: E402
-from tandem.model.attention import PagedAttention, paged_decode_reference  # noqa: E402
+from tandem.kernels.fused import qk_norm_rope  # noqa: E402
+from tandem.model.attention import Fresh, PagedAttention, paged_decode_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS, THETA = 1e-6, 1_000_000.0
 TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -112,6 +114,47 @@ def test_matches_paged_decode_reference():
                                **TOLERANCE[torch.float32])
 
 
+def check_fresh(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_splits=None):
+    """`fresh=`: q/k norm, RoPE and the new keys' and values' write inside the kernel, against the chain it
+    replaces (`qk_norm_rope` writing the caches, then the kernel). The newest slots hold NaN before (stale: the
+    kernel must use what it computes); padding rows (seq_len 0) write nothing, other slots are left alone."""
+    q_raw, k_cache, v_cache, block_table, lens = make_case(seq_lens, num_kv_heads, group, head_dim, page_size, dtype)
+    B, K, D = len(seq_lens), num_kv_heads, head_dim
+    gen = torch.Generator().manual_seed(7)
+    k_raw, v_raw = (torch.randn(B, K, D, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    q_norm, k_norm = ((1 + 0.2 * torch.randn(D, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    positions = torch.randint(0, 4000, (B,), generator=gen).to(DEVICE)
+    valid = [b for b, n in enumerate(seq_lens) if n > 0]
+    slots = torch.zeros(B, dtype=torch.int64, device=DEVICE)  # (padding rows: slot 0, a page no request reads)
+    for b in valid:
+        n = seq_lens[b] - 1
+        slots[b] = int(block_table[b, n // page_size]) * page_size + n % page_size
+    k_cache, v_cache = k_cache[LAYER].clone(), v_cache[LAYER].clone()
+    k_cache[slots[valid]] = v_cache[slots[valid]] = float("nan")
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q, _ = qk_norm_rope(q_raw, k_raw, q_norm, k_norm, positions, THETA, EPS, kv_cache=(v_raw, want_k, want_v, slots))
+    scale = head_dim ** -0.5
+    want = paged_decode_attention(q, want_k, want_v, block_table, lens, page_size, scale, num_kv_splits)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out = paged_decode_attention(q_raw, k_cache, v_cache, block_table, lens, page_size, scale, num_kv_splits,
+                                 fresh=Fresh(k_raw, v_raw, q_norm, k_norm, positions, slots, THETA, EPS))
+    torch.testing.assert_close(out, want, **TOLERANCE[dtype])
+    written = slots[valid]
+    for got, ref, before in ((k_cache, want_k, before_k), (v_cache, want_v, before_v)):
+        torch.testing.assert_close(got[written], ref[written], **TOLERANCE[dtype])
+        got[written] = before[written]
+        torch.testing.assert_close(got, before, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("case", [
+    ([1, 20, 0], 2, 2, 64, 16, torch.float32, None),
+    ([17, 33], 1, 4, 128, 16, torch.float32, 3),  # the newest position in a split's later block
+    ([0, 31, 70], 2, 2, 64, 32, torch.bfloat16, 2),
+], ids=["fp32", "fp32-splits3", "bf16"])
+def test_fresh_matches_the_chain_it_replaces(case):
+    check_fresh(*case)
+
+
 def test_num_kv_splits_heuristic():
     for batch_size in (1, 3, 17, 64, 256):
         for max_len in (16, 1024, 32768):
@@ -139,6 +182,13 @@ GPU_CASES = [
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{len(c[0])}-K{c[1]}-G{c[2]}-D{c[3]}-P{c[4]}-{c[5]}")
 def test_matches_reference_gpu(case, num_kv_splits):
     check(*case, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_kv_splits", [None, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fresh_matches_the_chain_gpu(dtype, num_kv_splits):
+    check_fresh([1, 1000, 0, 4097], 8, 2, 128, 16, dtype, num_kv_splits)
 
 
 @pytest.mark.gpu

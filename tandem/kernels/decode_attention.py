@@ -23,13 +23,25 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.fused import gdc_launch_dependents, gdc_wait, pdl_supported, varying
-from tandem.kernels.limits import attention_shape_error, head_block
+from tandem.kernels.fused import (
+    _cos_sin,
+    _round,
+    gdc_launch_dependents,
+    gdc_wait,
+    pdl_supported,
+    rope_inv_freq,
+    varying,
+)
+from tandem.kernels.limits import attention_shape_error, head_block, takes_fresh
+
+if TYPE_CHECKING:
+    from tandem.model.attention import Fresh
 
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
 MAX_KV_SPLITS = 64
@@ -70,6 +82,21 @@ def _load_kv(k_ptr, v_ptr, pages_ptr, offs_n, mask_n, kv_head, offs_d, mask_d, s
 
 
 @triton.jit
+def _norm_rope(rows, mask_rows, offs_d, partner, w_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Heads [R, D] at `rows` RMS-normalised (weight at w_ptr) then rotated, each lane with its pair's lane
+    (`partner`) and `sin` signed for its half: `fused.norm_rope`'s roundings, in `dtype`."""
+    x = tl.load(rows + offs_d[None, :], mask=mask_rows, other=0.0).to(tl.float32)
+    p = tl.load(rows + partner[None, :], mask=mask_rows, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+    x = _round(_round(x * rstd, dtype, INTERPRET).to(tl.float32) * tl.load(w_ptr + offs_d).to(tl.float32)[None, :],
+               dtype, INTERPRET).to(tl.float32)
+    p = _round(_round(p * rstd, dtype, INTERPRET).to(tl.float32) * tl.load(w_ptr + partner).to(tl.float32)[None, :],
+               dtype, INTERPRET).to(tl.float32)
+    return _round(x * cos[None, :] + p * sin[None, :], dtype, INTERPRET)
+
+
+@triton.jit
 def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr, DOT_DTYPE: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     """One block of an online softmax: the running max m_i (log2 units), sum l_i and output acc, updated."""
@@ -88,10 +115,15 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
+    new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, FRESH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
+    """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
+    row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
+    program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
+    using them from registers. Else the kernel before wrote them there."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -113,18 +145,38 @@ def _split_kernel(
         gdc_wait()
         gdc_launch_dependents()
     newest = offs_n == seq_len - 1
-    if start <= seq_len - 1 and seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
-        k_new, v_new = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, newest, kv_head, offs_d,
-                                mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
-        k, v = tl.where(newest[:, None], k_new, k), tl.where(newest[:, None], v_new, v)
-
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+    k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
+    v_new = k_new
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if FRESH:  # (BLOCK_D == HEAD_DIM)
+        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the other half's lane, rotate-half RoPE's pair
+        freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
+        cos, sin = _cos_sin(freq, INTERPRET)
+        sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
+        q = _norm_rope(q_rows, mask_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
+                       k_ptr.dtype.element_ty, INTERPRET)
+        new = b * stride_nb + kv_head * HEAD_DIM
+        k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), offs_d[None, :] >= 0, offs_d,
+                                      partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
+                                      INTERPRET), [BLOCK_D])
+        v_new = tl.load(new_v_ptr + new + offs_d).to(k_ptr.dtype.element_ty)
+        if start <= seq_len - 1 and seq_len - 1 < end:  # this split holds the newest position: it writes it
+            slot = tl.load(slots_ptr + b).to(tl.int64)
+            tl.store(k_ptr + slot * stride_ks + kv_head * stride_kk + offs_d, k_new)
+            tl.store(v_ptr + slot * stride_vs + kv_head * stride_vk + offs_d, v_new)
+    else:
+        if start <= seq_len - 1 and seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
+            k_now, v_now = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, newest, kv_head, offs_d,
+                                    mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+            k, v = tl.where(newest[:, None], k_now, k), tl.where(newest[:, None], v_now, v)
+        q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     if start < end:
+        if FRESH:
+            k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty,
                                 DOT_DTYPE, DOT_PRECISION)
     for block_start in range(start + BLOCK_N, end, BLOCK_N):
@@ -132,6 +184,9 @@ def _split_kernel(
         mask_n = offs_n < end
         k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, mask_n, kv_head, offs_d, mask_d,
                         stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        if FRESH:
+            newest = offs_n == seq_len - 1
+            k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
                                 DOT_PRECISION)
 
@@ -172,7 +227,7 @@ def _merge_kernel(
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
                            block_table_BP: torch.Tensor, seq_lens_B: torch.Tensor, page_size: int, scale: float,
                            num_kv_splits: int | None = None, block_n: int | None = None, *, num_warps: int = 4,
-                           num_stages: int = 2) -> torch.Tensor:
+                           num_stages: int = 2, fresh: Fresh | None = None) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens_B[b]` cached positions.
 
     q_BHD: the new tokens' queries (any float dtype; the output has the same dtype).
@@ -183,6 +238,11 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
       output is zeros. Requires seq_lens_B[b] <= P * page_size.
     num_kv_splits: splits of each context; default `choose_num_kv_splits` from B, K and P * page_size.
     block_n: tokens per inner iteration (a tuning knob; default by head dim), as are num_warps and num_stages.
+    fresh: the new tokens' keys and values are not yet in the caches, and q_BHD, k and v are as the q/k/v
+      projection gives them: q/k RMSNorm and RoPE run here (as `fused.qk_norm_rope`, whose arithmetic and
+      roundings they follow), and the new keys and values are written into the caches at `fresh.slots_B` (padding
+      rows, seq_len 0, write nothing). q, k, v and the caches of one dtype; `takes_fresh(D)`;
+      `fused.rope_inv_freq`'s first call per (D, theta, device) before any CUDA-graph capture.
     Accumulates in fp32; reads only the KV of positions < seq_lens_B[b]; launches a fixed grid (graph safe).
     """
     B, H, D = q_BHD.shape
@@ -195,6 +255,15 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     assert k_cache_SKD.stride(2) == 1 and v_cache_SKD.stride(2) == 1 and q_BHD.stride(2) == 1
     assert block_table_BP.dtype == torch.int32 and seq_lens_B.dtype == torch.int32
     assert block_table_BP.shape[0] == B and seq_lens_B.shape == (B,) and block_table_BP.stride(1) == 1
+    new = (q_BHD,) * 6 + (seq_lens_B, 0, 0.0)  # (new k, v, norms, positions, inv_freq, slots, stride, eps: unread)
+    if fresh is not None:
+        k, v = fresh.k_BKD, fresh.v_BKD
+        assert takes_fresh(D) and k.shape == v.shape == (B, K, D) and k.stride() == v.stride(), (k.shape, v.shape, D)
+        assert k.stride(1) == D and k.stride(2) == 1 and q_BHD.dtype == k.dtype == v.dtype == k_cache_SKD.dtype
+        assert fresh.q_norm.shape == fresh.k_norm.shape == (D,) and fresh.positions_B.shape == (B,), D
+        assert fresh.slots_B.shape == (B,) and k_cache_SKD.is_contiguous() and v_cache_SKD.is_contiguous()
+        new = (k, v, fresh.q_norm, fresh.k_norm, fresh.positions_B, rope_inv_freq(D, fresh.theta, q_BHD.device),
+               fresh.slots_B, k.stride(0), fresh.eps)
     o_BHD = torch.empty_like(q_BHD, memory_format=torch.contiguous_format)
     if B == 0:
         return o_BHD
@@ -216,11 +285,12 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
         v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
-        scale * math.log2(math.e),
+        scale * math.log2(math.e), *new,
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
         **launch,
     )
     _merge_kernel[(B, H)](

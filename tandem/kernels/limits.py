@@ -24,3 +24,9 @@ def head_block(head_dim: int) -> int:
     """The block an attention kernel loads a head into: the next power of two (`tl.arange` needs one), at least
     16 (`tl.dot`'s minimum); the lanes past head_dim are masked."""
     return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def takes_fresh(head_dim: int) -> bool:
+    """Whether the decode attention kernel takes a step's keys and values before q/k norm and RoPE
+    (`Fresh`) at this head dim: a power of two, at least 16 (a head's lanes and its rotate-half pairs unpadded)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0

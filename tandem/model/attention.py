@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,30 @@ class AttentionContext:
         """The KV cache slot of each of the step's tokens [T] (what else is kept slot by slot goes there too);
         None without a cache."""
         return None
+
+    def takes_fresh(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether `attend_fresh` may be called with activations of this dtype and head dim."""
+        return False
+
+    def attend_fresh(self, layer: int, q_THD: torch.Tensor, fresh: Fresh) -> torch.Tensor:
+        """`attend` given the step's queries, keys and values as the q/k/v projection gives them: q/k RMSNorm and
+        RoPE (`fresh`'s weights, at its positions) are applied inside attention, and the keys and values written
+        into the cache there (at `fresh.slots_B`). Only where `takes_fresh`."""
+        raise NotImplementedError
+
+
+class Fresh(NamedTuple):
+    """A decode step's new keys and values as its q/k/v projection gives them (before q/k RMSNorm and RoPE), and
+    what those need (`AttentionContext.attend_fresh`)."""
+
+    k_BKD: torch.Tensor
+    v_BKD: torch.Tensor
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    positions_B: torch.Tensor
+    slots_B: torch.Tensor
+    theta: float
+    eps: float
 
 
 def _sdpa(q_BHQD, k_BKLD, v_BKLD, mask_BQL):
@@ -207,6 +232,11 @@ def paged_decode_reference(q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_
     return torch.einsum("bhl,blhd->bhd", probs_BHL, v_BLHD).to(q_BHD.dtype)
 
 
+@functools.cache
+def _takes_argument(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
 @dataclass
 class BlockTableDecode(AttentionContext):
     """A decode batch in fixed-shape tensors only (no Python lists), so the whole forward can be captured in
@@ -227,6 +257,15 @@ class BlockTableDecode(AttentionContext):
 
     def token_slots(self):
         return self.slots_B
+
+    def takes_fresh(self, dtype, head_dim):
+        from tandem.kernels.limits import takes_fresh
+
+        return _takes_argument(self.kernel, "fresh") and dtype == self.k_cache.dtype and takes_fresh(head_dim)
+
+    def attend_fresh(self, layer, q_THD, fresh):
+        return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.seq_lens_B,
+                           self.page_size, q_THD.shape[-1] ** -0.5, fresh=fresh)
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         if k_TKD is not None:
