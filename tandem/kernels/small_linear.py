@@ -41,6 +41,7 @@ from tandem.kernels.fused import (
 MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
 MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
 VECTOR_ROWS = 2  # up to these rows by default, `vector_blocks` (their products on the CUDA cores)
+FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in attention (`Qwen3ForCausalLM`, `Fresh`)
 VECTOR_TILE_BYTES = 16384
 
 

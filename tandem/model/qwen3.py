@@ -323,8 +323,9 @@ class Qwen3ForCausalLM(nn.Module):
         """`forward` for a few rows (one tensor-parallel rank): each projection also normalises its input, adds its
         output into the residual stream or applies SiLU-and-multiply, and the q/k/v projection also q/k-normalises,
         rotates and writes keys and values into the KV cache (`tandem.kernels.small_linear`): four kernels and
-        attention's a dense layer instead of ten. In a decode step whose attention takes them (`takes_fresh`),
-        the q/k norm, RoPE and the KV write run in attention instead, and q/k/v is a plain projection."""
+        attention's a dense layer instead of ten. In a decode step of up to `FRESH_ROWS` rows whose attention takes
+        them (`takes_fresh`), the q/k norm, RoPE and the KV write run in attention instead, and q/k/v is a plain
+        projection."""
         f, eps = self.fused, self.config.rms_norm_eps
         s = functools.partial(self.small.small_linear, arrived=self.small_arrived)
         residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
@@ -332,7 +333,7 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             dest = ctx.kv_destination(attn.layer)
-            if ctx.takes_fresh(residual.dtype, attn.head_dim):  # q/k norm, RoPE and the KV write in attention
+            if T <= self.small.FRESH_ROWS and ctx.takes_fresh(residual.dtype, attn.head_dim):  # (in attention)
                 D, H, K = attn.head_dim, attn.num_heads, attn.num_kv_heads
                 qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
                 q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, K * D, K * D], -1))
