@@ -6,7 +6,11 @@ Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
     once per group, not once per query head); writes the split's normalised partial output and its
     log-sum-exp.
   - stage 2, one program per (request, query head): merges the splits by their log-sum-exps.
-Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`.
+Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Stage 1 is a programmatic
+dependent launch that loads what the kernel before it does not write (the step's lengths and pages, the first
+block's older keys and values) before waiting for it. With `fresh`, stage 1 also applies q/k RMSNorm and RoPE to
+the step's queries and new keys and writes the new keys and values into the cache (the decode step's last
+per-layer work before attention, which a few-row step would otherwise do in its q/k/v projection).
 
 CUDA-graph safe: everything the launch depends on (grid, compile-time constants, scratch shapes) comes from
 tensor shapes and arguments, never from tensor values; the per-request work follows `seq_lens_B` on the device,

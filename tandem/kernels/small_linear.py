@@ -11,6 +11,9 @@ kernel of its own before or after it:
 - `silu=True`: w holds gate rows then up rows ([2I, E], as the fused path concatenates them) and the result is
   `silu(gate) * up` [T, I].
 
+Up to `VECTOR_ROWS` rows the products are summed on the CUDA cores over a tile of the rows there are
+(`vector_blocks`), above it in tensor-core tiles of 16 rows.
+
 Rounding contract: as `tandem.kernels.fused` (whose helpers it uses): the normalised input, the projection's output,
 silu, the product and the sum are each rounded to the activation dtype where the PyTorch model rounds them, so in
 bf16 the results differ from the unfused kernels only where the order of a sum (the dot products, the sum of
