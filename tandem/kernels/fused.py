@@ -40,7 +40,11 @@ def _interpreted() -> bool:
 def pdl_supported(device: torch.device) -> bool:
     """Whether kernels on `device` may be programmatic dependent launches (a kernel starts while the one before it
     finishes, and waits for it with `gdc_wait` before touching what that kernel wrote): Triton has them, the GPU is
-    Hopper or later, not under the interpreter, and TANDEM_PDL is not 0."""
+    Hopper or later, not under the interpreter, and TANDEM_PDL is not 0.
+
+    Every such kernel calls `gdc_launch_dependents` only after its own `gdc_wait`, so when a kernel starts, every
+    kernel before the one just before it has finished: what those wrote (the step's inputs, earlier layers' and
+    steps' KV) may be read before the wait (decode attention and the few-row projections do)."""
     return (gdc_wait is not None and os.environ.get("TANDEM_PDL", "1") != "0" and device.type == "cuda"
             and torch.cuda.get_device_capability(device)[0] >= 9 and not _interpreted())
 
