@@ -45,7 +45,8 @@ MAX_ROWS = 16  # the rows one program holds (tl.dot's smallest tile)
 MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
 VECTOR_ROWS = 2  # up to these rows by default, `vector_blocks` (their products on the CUDA cores)
 FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in attention (`Qwen3ForCausalLM`, `Fresh`)
-VECTOR_TILE_BYTES = 16384
+VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
+VECTOR_WARPS = 4
 
 
 @triton.jit
@@ -246,10 +247,10 @@ def vector_blocks(N: int, E: int, device: torch.device, split: bool = True, head
     if heads is None:
         n = max(1, min(triton.next_power_of_2(N), tile_bytes // row_bytes // (2 if paired else 1)))
         n = 1 << (n.bit_length() - 1)  # a power of two
-        return Blocks(n, triton.next_power_of_2(E), stages=1, pdl=pdl, vector=True)
+        return Blocks(n, triton.next_power_of_2(E), VECTOR_WARPS, stages=1, pdl=pdl, vector=True)
     head_rows = N // heads // 2  # a tile is half a head's rows (its pair, the other half)
     splits = max(1, min(E // 16, 2 * row_bytes * head_rows // tile_bytes)) if split else 1
-    return Blocks(head_rows, triton.next_power_of_2(triton.cdiv(E, splits)), stages=1, pdl=pdl, splits=splits,
+    return Blocks(head_rows, triton.next_power_of_2(triton.cdiv(E, splits)), VECTOR_WARPS, 1, pdl, splits,
                   vector=True)
 
 
