@@ -159,7 +159,7 @@ def _split_kernel(
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
         q = _norm_rope(q_rows, mask_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
                        k_ptr.dtype.element_ty, INTERPRET)
-        new = b * stride_nb + kv_head * HEAD_DIM
+        new = b * stride_nb + kv_head * HEAD_DIM  # (below, `+ tl.zeros([1, 1])`: the new key as a row of one)
         k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), offs_d[None, :] >= 0, offs_d,
                                       partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
                                       INTERPRET), [BLOCK_D])

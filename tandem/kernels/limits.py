@@ -28,5 +28,5 @@ def head_block(head_dim: int) -> int:
 
 def takes_fresh(head_dim: int) -> bool:
     """Whether the decode attention kernel takes a step's keys and values before q/k norm and RoPE
-    (`Fresh`) at this head dim: a power of two, at least 16 (a head's lanes and its rotate-half pairs unpadded)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    (`Fresh`) at this head dim: one its block holds unpadded (a head's lanes and its rotate-half pairs as they are)."""
+    return head_block(head_dim) == head_dim

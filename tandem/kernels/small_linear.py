@@ -46,7 +46,7 @@ MAX_COLUMN_BLOCKS = 4096  # of a split projection's output (`arrival_counts`)
 VECTOR_ROWS = 2  # up to these rows by default, `vector_blocks` (their products on the CUDA cores)
 FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in attention (`Qwen3ForCausalLM`, `Fresh`)
 VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
-VECTOR_WARPS = 4
+VECTOR_WARPS = 4  # of a vector tile's program
 
 
 @triton.jit
@@ -225,7 +225,7 @@ def default_blocks(N: int, E: int, device: torch.device, split: bool = True, hea
     that even a 1024-wide output spreads over 64 programs (`heads`: a program per head); with `split`, the input
     columns split so that about two programs run per multiprocessor. A tile holds 512 bytes of a weight row (256 columns
     of bf16, 128 of fp32: the pipeline's stages fit in shared memory)."""
-    if rows <= (1 if heads else VECTOR_ROWS):  # (a head's split tiles are slower vector at two rows)
+    if rows <= (min(1, VECTOR_ROWS) if heads else VECTOR_ROWS):  # (a head's split vector tiles: one row at most)
         return vector_blocks(N, E, device, split, heads, itemsize, paired=paired)
     pdl = pdl_supported(device)
     n, k = 16 if N <= 2048 else 32, min(512 // itemsize, triton.next_power_of_2(E))
@@ -250,8 +250,8 @@ def vector_blocks(N: int, E: int, device: torch.device, split: bool = True, head
         return Blocks(n, triton.next_power_of_2(E), VECTOR_WARPS, stages=1, pdl=pdl, vector=True)
     head_rows = N // heads // 2  # a tile is half a head's rows (its pair, the other half)
     splits = max(1, min(E // 16, 2 * row_bytes * head_rows // tile_bytes)) if split else 1
-    return Blocks(head_rows, triton.next_power_of_2(triton.cdiv(E, splits)), VECTOR_WARPS, 1, pdl, splits,
-                  vector=True)
+    return Blocks(head_rows, triton.next_power_of_2(triton.cdiv(E, splits)), VECTOR_WARPS, stages=1, pdl=pdl,
+                  splits=splits, vector=True)
 
 
 @functools.cache
