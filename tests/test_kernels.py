@@ -16,7 +16,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated, so before the import
 pytest.importorskip("triton")
 
-from tandem.kernels.decode_attention import choose_num_kv_splits, paged_decode_attention  # noqa: E402
+from tandem.kernels.decode_attention import (  # noqa: E402
+    arrival_counts,
+    choose_num_kv_splits,
+    paged_decode_attention,
+)
 from tandem.kernels.fused import qk_norm_rope  # noqa: E402
 from tandem.model.attention import Fresh, PagedAttention, paged_decode_reference  # noqa: E402
 
@@ -55,12 +59,16 @@ def check(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_spli
     q, k_cache, v_cache, block_table, lens = make_case(seq_lens, num_kv_heads, group, head_dim, page_size, dtype,
                                                        seed)
     scale = head_dim ** -0.5
-    out = paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale,
-                                 num_kv_splits=num_kv_splits)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    assert torch.isfinite(out).all()
     want = reference(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale)
-    torch.testing.assert_close(out.float().cpu(), want, **TOLERANCE[dtype])
+    arrived = arrival_counts(len(seq_lens), num_kv_heads, DEVICE)
+    # the splits merged by a second kernel, then by the last split to finish, twice: each call leaves the counts zero
+    for counts in (None, arrived, arrived):
+        out = paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], block_table, lens, page_size, scale,
+                                     num_kv_splits=num_kv_splits, arrived=counts)
+        assert out.shape == q.shape and out.dtype == q.dtype
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out.float().cpu(), want, **TOLERANCE[dtype])
+    assert not arrived.any()
 
 
 # (seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_kv_splits): small enough for the interpreter
@@ -136,8 +144,11 @@ def check_fresh(seq_lens, num_kv_heads, group, head_dim, page_size, dtype, num_k
     scale = head_dim ** -0.5
     want = paged_decode_attention(q, want_k, want_v, block_table, lens, page_size, scale, num_kv_splits)
     before_k, before_v = k_cache.clone(), v_cache.clone()
+    arrived = arrival_counts(B, K, DEVICE)
     out = paged_decode_attention(q_raw, k_cache, v_cache, block_table, lens, page_size, scale, num_kv_splits,
-                                 fresh=Fresh(k_raw, v_raw, q_norm, k_norm, positions, slots, THETA, EPS))
+                                 fresh=Fresh(k_raw, v_raw, q_norm, k_norm, positions, slots, THETA, EPS),
+                                 arrived=arrived)
+    assert not arrived.any()
     torch.testing.assert_close(out, want, **TOLERANCE[dtype])
     written = slots[valid]
     for got, ref, before in ((k_cache, want_k, before_k), (v_cache, want_v, before_v)):
