@@ -7,7 +7,7 @@ Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
     log-sum-exp.
   - the merge of a request's splits by their log-sum-exps: with arrival counts (`arrival_counts`), by the last
     program of a (request, kv head) to finish, which every program counts itself in; without, by a second kernel,
-    one program per (request, kv head). A context in one split needs no merge: its program writes the output.
+    one program per (request, query head). A context in one split needs no merge: its program writes the output.
 Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Stage 1 is a programmatic
 dependent launch that loads what the kernel before it does not write (the step's lengths and pages, the first
 block's older keys and values) before waiting for it. With `fresh`, stage 1 also applies q/k RMSNorm and RoPE to
@@ -103,24 +103,21 @@ def _norm_rope(rows, mask_rows, offs_d, partner, w_ptr, cos, sin, eps, D: tl.con
 
 
 @triton.jit
-def _merge(mid_o_ptr, mid_lse_ptr, rows, mask_h, offs_d, mask_d, num_splits, HEAD_DIM: tl.constexpr,
-           BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr):
-    """The output [BLOCK_H, BLOCK_D] of heads whose splits' partial outputs and log-sum-exps start at scratch row `rows`
-    (split 0's), weighted by their log-sum-exps, added in split order. Reads through L2 (`.cg`): other programs of
-    the same kernel may have written them."""
+def _merge(mid_o_ptr, mid_lse_ptr, row, num_splits, offs_d, mask_d, HEAD_DIM: tl.constexpr,
+           BLOCK_SPLITS: tl.constexpr):
+    """The output [BLOCK_D] of a head whose splits' partial outputs and log-sum-exps start at scratch row `row`
+    (split 0's): their sum weighted by their log-sum-exps, all loaded at once. Reads through L2 (`.cg`): other
+    programs of the same kernel may have written them."""
     offs_s = tl.arange(0, BLOCK_SPLITS)
-    lse = tl.load(mid_lse_ptr + rows[:, None] + offs_s[None, :], mask=mask_h[:, None] & (offs_s < num_splits)[None, :],
-                  other=float("-inf"), cache_modifier=".cg")
-    m = tl.max(lse, 1)
+    mask_s = offs_s < num_splits
+    lse = tl.load(mid_lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+    o = tl.load(mid_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
+    m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
-    total = tl.sum(tl.exp2(lse - m[:, None]), 1)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp2(tl.load(mid_lse_ptr + rows + s, mask=mask_h, other=float("-inf"), cache_modifier=".cg") - m)
-        o = tl.load(mid_o_ptr + (rows + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o
-    return acc / tl.where(total > 0, total, 1.0)[:, None]
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    return tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
 
 
 @triton.jit
@@ -237,31 +234,29 @@ def _split_kernel(
             tl.debug_barrier()  # every thread's partials stored before the count says so
             count = arrived_ptr + b * tl.num_programs(1) + kv_head
             if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                o = _merge(mid_o_ptr, mid_lse_ptr, rows, mask_h, offs_d, mask_d, num_splits, HEAD_DIM, BLOCK_H,
-                           BLOCK_D, BLOCK_SPLITS)
-                tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=mask_hd)
+                for h in tl.static_range(GROUP):
+                    head = kv_head * GROUP + h
+                    o = _merge(mid_o_ptr, mid_lse_ptr, (b * tl.num_programs(1) * GROUP + head) * num_splits,
+                               num_splits, offs_d, mask_d, HEAD_DIM, BLOCK_SPLITS)
+                    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty),
+                             mask=mask_d)
                 tl.atomic_xchg(count, 0)
 
 
 @triton.jit(**varying("num_splits"))
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, num_splits,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    b, kv_head = tl.program_id(0), tl.program_id(1)
-    offs_h = tl.arange(0, BLOCK_H)
+    b, head = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
-    heads = kv_head * GROUP + offs_h
-    o = _merge(mid_o_ptr, mid_lse_ptr, (b * tl.num_programs(1) * GROUP + heads) * num_splits, mask_h, offs_d, mask_d,
-               num_splits, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_SPLITS)
-    tl.store(o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=mask_h[:, None] & mask_d[None, :])
+    o = _merge(mid_o_ptr, mid_lse_ptr, (b * tl.num_programs(1) + head) * num_splits, num_splits, offs_d, mask_d,
+               HEAD_DIM, BLOCK_SPLITS)
+    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
 
 
 def arrival_counts(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
@@ -336,22 +331,22 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
-    block_h, block_splits = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(num_kv_splits)
+    block_splits = triton.next_power_of_2(num_kv_splits)
     _split_kernel[(B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, o_BHD,
         seq_lens_B if arrived is None else arrived, q_BHD.stride(0), q_BHD.stride(1), o_BHD.stride(0),
         o_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1), v_cache_SKD.stride(0), v_cache_SKD.stride(1),
         block_table_BP.stride(0), num_kv_splits, scale * math.log2(math.e), *new,
-        GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size, BLOCK_H=block_h, BLOCK_N=block_n,
-        BLOCK_SPLITS=block_splits, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, MERGE=merge, PDL=pdl,
+        GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SPLITS=block_splits,
+        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, MERGE=merge, PDL=pdl,
         FRESH=fresh is not None, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
         **launch,
     )
     if merge == "kernel":
-        _merge_kernel[(B, K)](
+        _merge_kernel[(B, H)](
             mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-            GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_H=block_h, BLOCK_SPLITS=block_splits, PDL=pdl,
-            num_warps=4, **launch,
+            HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=block_splits, PDL=pdl, num_warps=4, **launch,
         )
     return o_BHD
