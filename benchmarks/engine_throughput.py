@@ -139,19 +139,21 @@ def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: i
 
 def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
                          fresh: bool = True, vector_warps: int | None = None, merge_kernel: bool = False,
-                         context: int = 1024, iters: int = 20) -> float:
+                         whole_row_loads: bool = True, context: int = 1024, iters: int = 20) -> float:
     """`decode_step_seconds` of a variant, in a graph of its own captured here: without the few-row fusions
     (`fused=False`), with vector tiles up to `vector_rows` rows (`small_linear.VECTOR_ROWS`), or with q/k norm,
     RoPE and the KV write in the q/k/v projection rather than in attention (`fresh=False`), with vector tiles of
-    `vector_warps` warps (`small_linear.VECTOR_WARPS`), or with decode attention's splits merged by a kernel of
-    their own rather than by the last split to finish (`merge_kernel`)."""
+    `vector_warps` warps (`small_linear.VECTOR_WARPS`), with decode attention's splits merged by a kernel of
+    their own rather than by the last split to finish (`merge_kernel`), or with a tile of a whole input row
+    loaded as any other, late and twice under a norm (`whole_row_loads=False`, `small_linear.WHOLE_ROW_LOADS`)."""
     from tandem.model.attention import BlockTableDecode
 
     model, small, default_rows = engine.model, engine.model.small, small_linear.VECTOR_ROWS
     takes_fresh, default_warps = BlockTableDecode.takes_fresh, small_linear.VECTOR_WARPS
-    arrived = engine.runner.decode_arrived
+    arrived, default_loads = engine.runner.decode_arrived, small_linear.WHOLE_ROW_LOADS
     small_linear.VECTOR_WARPS = vector_warps or default_warps
     engine.runner.decode_arrived = None if merge_kernel else arrived
+    small_linear.WHOLE_ROW_LOADS = whole_row_loads and default_loads
     decode_step(engine, batch, context)  # (fills the buffers)
     model.small = small if fused else None
     small_linear.VECTOR_ROWS = default_rows if vector_rows is None else vector_rows
@@ -169,6 +171,7 @@ def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_
     finally:
         model.small, small_linear.VECTOR_ROWS, BlockTableDecode.takes_fresh = small, default_rows, takes_fresh
         small_linear.VECTOR_WARPS, engine.runner.decode_arrived = default_warps, arrived
+        small_linear.WHOLE_ROW_LOADS = default_loads
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
@@ -290,7 +293,8 @@ def main() -> None:
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
               "fusions: step ms | few-row, tensor-core / vector tiles: step ms | q/k norm and RoPE in the projection, "
               "not attention: step ms | vector tiles of 2 / 8 warps: step ms | attention's splits merged by a kernel: "
-              "step ms | through the engine's loop: step ms (tok/s) |\n" + "|---" * 12 + "|")
+              "step ms | whole input rows loaded late: step ms | through the engine's loop: step ms (tok/s) |\n"
+              + "|---" * 13 + "|")
         for batch in args.batches:
             loop = loop_step_seconds(engine, batch)
             sec = decode_step_seconds(engine, batch)
@@ -306,9 +310,10 @@ def main() -> None:
             if ab and batch <= small_linear.VECTOR_ROWS:
                 warps = " / ".join(f"{variant_step_seconds(engine, batch, vector_warps=w) * 1e3:.2f}" for w in (2, 8))
             merged = f"{variant_step_seconds(engine, batch, merge_kernel=True) * 1e3:.2f}" if args.small_ab else "-"
+            late = f"{variant_step_seconds(engine, batch, whole_row_loads=False) * 1e3:.2f}" if ab else "-"
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {merged} | {loop * 1e3:.2f} "
-                  f"({batch / loop:,.0f}) |")
+                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {merged} | {late} | "
+                  f"{loop * 1e3:.2f} ({batch / loop:,.0f}) |")
         if args.profile_batch:
             from moe_throughput import top_kernels
 

@@ -252,11 +252,12 @@ def test_small_linear_split_over_input_columns(splits):
 
 
 @pytest.mark.parametrize("T", [1, 3, 5])
-@pytest.mark.parametrize("blocks", [Blocks(4, 64, vector=True), Blocks(8, 32, splits=3, vector=True)],
-                         ids=["unsplit", "split3"])
+@pytest.mark.parametrize("blocks", [Blocks(4, 64, vector=True), Blocks(8, 32, splits=3, vector=True),
+                                    Blocks(4, 128, vector=True)], ids=["unsplit", "split3", "whole-row"])
 def test_small_linear_vector_tiles(blocks, T):
     """Products on the CUDA cores, a tile of the rows there are: several column blocks and input tiles, a short
-    last tile, split or not (the default takes them only up to `VECTOR_ROWS` rows, but any count is right)."""
+    last tile, split or not, or the whole input row in one tile (loaded once, early: `WHOLE_ROW_LOADS`) (the
+    default takes them only up to `VECTOR_ROWS` rows, but any count is right)."""
     check_small_linear(T, 100, 20, torch.float32, blocks=blocks)
     check_small_linear(T, 100, 12, torch.bfloat16, blocks=blocks)
 
