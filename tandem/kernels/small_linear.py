@@ -163,6 +163,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     residual = tl.zeros([BLOCK_T, BLOCK_N], dtype)
     if RESIDUAL and SPLITS == 1:  # (split, only the last to arrive reads it, below)
         residual = tl.load(out, mask=mask_out, other=0.0)
+    rstd = tl.zeros([BLOCK_T], tl.float32)
     if WHOLE_ROW:
         x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & (kk < E)[None, :], other=0.0)
         if NORM:
@@ -170,7 +171,6 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
             x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32) * norm_w[None, :],
                        dtype, INTERPRET)
     else:
-        rstd = tl.zeros([BLOCK_T], tl.float32)
         if NORM:  # over the whole row, whatever this program's share of it
             squares = tl.zeros([BLOCK_T], tl.float32)
             for k0 in range(0, E, NORM_BLOCK):
