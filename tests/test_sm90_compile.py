@@ -1,0 +1,76 @@
+"""The decode step's few-row and attention kernels compile for an H100/H200 (sm_90) on a CPU machine.
+
+Triton's CPU interpreter runs a kernel's body as Python, so code the compiler refuses can pass every interpreted
+test: a variable whose shape differs between the branches of an `if` that is not a constexpr's, a generator
+expression, a name defined in one branch only. This compiles the variants the 0.6B shape's decode launches
+(Triton's own ptxas, no GPU), in a process of its own: this one runs the interpreter.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+CHECK = """
+import json, sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler.errors import CompilationError
+from tandem.kernels import decode_attention, small_linear
+
+def compile_sm90(jit, types, constexprs, warps=4, stages=2):
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in jit.arg_names}
+    source = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+pointers = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "o_ptr", "new_k_ptr", "new_v_ptr", "q_norm_ptr", "k_norm_ptr",
+                          "x_ptr", "w_ptr", "out_ptr", "norm_w_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
+pointers |= dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "arrived_ptr"], "*i32")
+pointers |= dict.fromkeys(["mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "partial_ptr"], "*fp32")
+pointers |= dict.fromkeys(["pos_ptr", "slots_ptr"], "*i64") | {"qk_scale_log2": "fp32", "eps": "fp32"}
+cases = []
+for fresh in (False, True):
+    for merge in ("one split", "last", "kernel"):
+        cases.append((f"attention fresh={fresh} merge={merge}", decode_attention._split_kernel, dict(
+            GROUP=2, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_N=32, BLOCK_SPLITS=64,
+            DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", MERGE=merge, PDL=True, FRESH=fresh, INTERPRET=False), 2))
+cases.append(("attention merge", decode_attention._merge_kernel,
+              dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SPLITS=64, PDL=True), 2))
+for norm, residual, silu in ((True, False, True), (False, True, False), (True, False, False)):
+    for whole_row in (True, False):
+        cases.append((f"few-row norm={norm} residual={residual} silu={silu} whole_row={whole_row}",
+                      small_linear._small_linear_kernel, dict(
+                          NORM=norm, RESIDUAL=residual, SILU=silu, HEADS=False, SPLITS=1, BLOCK_T=1, BLOCK_N=4,
+                          BLOCK_K=1024, NORM_BLOCK=1024, WHOLE_ROW=whole_row, DOT_FP32=False, VECTOR=True, PDL=True,
+                          INTERPRET=False), 1))
+cases.append(("few-row split residual, tensor cores", small_linear._small_linear_kernel, dict(
+    NORM=False, RESIDUAL=True, SILU=False, HEADS=False, SPLITS=4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=256,
+    NORM_BLOCK=256, WHOLE_ROW=False, DOT_FP32=False, VECTOR=False, PDL=True, INTERPRET=False), 3))
+failed = {}
+for name, jit, constexprs, stages in cases:
+    try:
+        compile_sm90(jit, pointers, constexprs, stages=stages)
+    except CompilationError as e:  # the kernel's own code
+        failed[name] = str(e)[-1500:]
+    except Exception as e:  # the toolchain: no ptxas, no sm_90 backend
+        print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
+        sys.exit(0)
+print(json.dumps({"compiled": len(cases) - len(failed), "failed": failed}))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
+def test_decode_kernels_compile_for_sm90():
+    pytest.importorskip("triton")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    if "skip" in found:
+        pytest.skip(f"this Triton cannot compile for sm_90 here: {found['skip']}")
+    assert not found["failed"], "\n\n".join(f"{name}:\n{error}" for name, error in found["failed"].items())
+    assert found["compiled"] == 14
