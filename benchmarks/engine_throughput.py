@@ -12,8 +12,8 @@
     model's `_forward_fused`, a graph captured for it), the same run's A/B of the few-row fusions; and up to 8
     rows, with the few-row kernels' tensor-core tiles and with their vector tiles (`small_linear.VECTOR_ROWS`);
     with q/k norm, RoPE and the KV write in the q/k/v projection, not in decode attention (`Fresh`); and with the
-    vector tiles' programs of 2 and 8 warps. Every batch also with decode attention's splits merged by a kernel of
-    their own, not by the last split to finish (`--attention-merge-kernel`: so throughout).
+    vector tiles' programs of 2 and 8 warps; and with a tile of a whole input row loaded as any other tile
+    (`small_linear.WHOLE_ROW_LOADS`).
     `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
     `--profile-workload`: a third run of (a) under torch.profiler: the share of its wall time in which the GPU ran
     a kernel (the union of the kernels' intervals), and its top kernels: is the workload bound by the device?
@@ -138,21 +138,19 @@ def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: i
 
 
 def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
-                         fresh: bool = True, vector_warps: int | None = None, merge_kernel: bool = False,
-                         whole_row_loads: bool = True, context: int = 1024, iters: int = 20) -> float:
+                         fresh: bool = True, vector_warps: int | None = None, whole_row_loads: bool = True,
+                         context: int = 1024, iters: int = 20) -> float:
     """`decode_step_seconds` of a variant, in a graph of its own captured here: without the few-row fusions
     (`fused=False`), with vector tiles up to `vector_rows` rows (`small_linear.VECTOR_ROWS`), or with q/k norm,
     RoPE and the KV write in the q/k/v projection rather than in attention (`fresh=False`), with vector tiles of
-    `vector_warps` warps (`small_linear.VECTOR_WARPS`), with decode attention's splits merged by a kernel of
-    their own rather than by the last split to finish (`merge_kernel`), or with a tile of a whole input row
+    `vector_warps` warps (`small_linear.VECTOR_WARPS`), or with a tile of a whole input row
     loaded as any other, late and twice under a norm (`whole_row_loads=False`, `small_linear.WHOLE_ROW_LOADS`)."""
     from tandem.model.attention import BlockTableDecode
 
     model, small, default_rows = engine.model, engine.model.small, small_linear.VECTOR_ROWS
     takes_fresh, default_warps = BlockTableDecode.takes_fresh, small_linear.VECTOR_WARPS
-    arrived, default_loads = engine.runner.decode_arrived, small_linear.WHOLE_ROW_LOADS
+    default_loads = small_linear.WHOLE_ROW_LOADS
     small_linear.VECTOR_WARPS = vector_warps or default_warps
-    engine.runner.decode_arrived = None if merge_kernel else arrived
     small_linear.WHOLE_ROW_LOADS = whole_row_loads and default_loads
     decode_step(engine, batch, context)  # (fills the buffers)
     model.small = small if fused else None
@@ -170,8 +168,7 @@ def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_
         return seconds
     finally:
         model.small, small_linear.VECTOR_ROWS, BlockTableDecode.takes_fresh = small, default_rows, takes_fresh
-        small_linear.VECTOR_WARPS, engine.runner.decode_arrived = default_warps, arrived
-        small_linear.WHOLE_ROW_LOADS = default_loads
+        small_linear.VECTOR_WARPS, small_linear.WHOLE_ROW_LOADS = default_warps, default_loads
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
@@ -247,13 +244,9 @@ def main() -> None:
     parser.add_argument("--profile-workload", action="store_true", help="(a) a third time, under the profiler")
     parser.add_argument("--attention-programs-per-sm", type=int, help="decode attention's split choice (an A/B): "
                         f"programs per SM (default {decode_attention.PROGRAMS_PER_SM})")
-    parser.add_argument("--attention-merge-kernel", action="store_true", help="decode attention's splits merged by "
-                        "a kernel of their own, not by the last split to finish (an A/B; the runner gets no counts)")
     args = parser.parse_args()
     if args.attention_programs_per_sm:
         decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
-    if args.attention_merge_kernel:
-        decode_attention.arrival_counts = lambda *_: None
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
@@ -292,9 +285,8 @@ def main() -> None:
                 profile_workload(engine, prompts, outputs)
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
               "fusions: step ms | few-row, tensor-core / vector tiles: step ms | q/k norm and RoPE in the projection, "
-              "not attention: step ms | vector tiles of 2 / 8 warps: step ms | attention's splits merged by a kernel: "
-              "step ms | whole input rows loaded late: step ms | through the engine's loop: step ms (tok/s) |\n"
-              + "|---" * 13 + "|")
+              "not attention: step ms | vector tiles of 2 / 8 warps: step ms | whole input rows loaded late: step ms | "
+              "through the engine's loop: step ms (tok/s) |\n" + "|---" * 12 + "|")
         for batch in args.batches:
             loop = loop_step_seconds(engine, batch)
             sec = decode_step_seconds(engine, batch)
@@ -309,10 +301,9 @@ def main() -> None:
             warps = "-"
             if ab and batch <= small_linear.VECTOR_ROWS:
                 warps = " / ".join(f"{variant_step_seconds(engine, batch, vector_warps=w) * 1e3:.2f}" for w in (2, 8))
-            merged = f"{variant_step_seconds(engine, batch, merge_kernel=True) * 1e3:.2f}" if args.small_ab else "-"
             late = f"{variant_step_seconds(engine, batch, whole_row_loads=False) * 1e3:.2f}" if ab else "-"
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {merged} | {late} | "
+                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {late} | "
                   f"{loop * 1e3:.2f} ({batch / loop:,.0f}) |")
         if args.profile_batch:
             from moe_throughput import top_kernels

@@ -87,7 +87,7 @@ def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(
     """A decode step of few rows through the Triton decode kernel, which takes q/k/v as projected
     (`attend_fresh`: q/k norm, RoPE and the KV write inside attention), against the reference path (PyTorch ops,
     `paged_decode_reference`): the same hidden states, the same keys and values in the cache."""
-    from tandem.kernels.decode_attention import arrival_counts, paged_decode_attention
+    from tandem.kernels.decode_attention import paged_decode_attention
     from tandem.model.attention import BlockTableDecode, paged_decode_reference
 
     config = SHAPES["gqa2_tied"]
@@ -109,8 +109,7 @@ def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(
         if kernel is paged_decode_attention:
             model.use_fused_kernels()
         k_cache, v_cache = (c.clone() for c in caches)
-        ctx = BlockTableDecode(k_cache, v_cache, slots, block_table, seq_lens, P, kernel,
-                               arrival_counts(len(lens), K, DEVICE))
+        ctx = BlockTableDecode(k_cache, v_cache, slots, block_table, seq_lens, P, kernel)
         with torch.no_grad():
             results.append((model(ids, positions, ctx)[seq_lens > 0], k_cache[:, P:], v_cache[:, P:]))
     assert len(fresh_calls) == L  # the fused model's every layer attended through attend_fresh

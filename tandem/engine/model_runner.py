@@ -149,11 +149,6 @@ class ModelRunner:
         self.slots_B = torch.zeros(T, dtype=torch.long, device=self.device)
         self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
         self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
-        self.decode_arrived = None  # the Triton decode kernel's arrival counts (its splits merge in their last)
-        if self.kernel is not paged_decode_reference:
-            from tandem.kernels.decode_attention import arrival_counts
-            num_kv_heads = model.model.layers[0].self_attn.num_kv_heads  # (this rank's)
-            self.decode_arrived = arrival_counts(B, num_kv_heads, self.device)
         if self.mixed_sizes:
             from tandem.kernels.prefill_attention import choose_blocks, fill_tiles, max_tiles
             self.fill_tiles = fill_tiles
@@ -320,7 +315,7 @@ class ModelRunner:
         table to the pages in use, so the reference kernel does not gather the whole context length."""
         ctx = BlockTableDecode(self.pool.k_cache, self.pool.v_cache, self.slots_B[:bs],
                                self.block_table_BP[:bs, :width], self.seq_lens_B[:bs], self.pool.page_size,
-                               self.kernel, self.decode_arrived)
+                               self.kernel)
         hidden = self.model(self.ids_B[:bs], self.positions_B[:bs], ctx)
         return self.model.compute_logits(hidden)
 

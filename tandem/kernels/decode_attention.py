@@ -5,9 +5,8 @@ Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
     of that kv head's group at once (the group is packed into the dot's M dimension, so each KV block is read
     once per group, not once per query head); writes the split's normalised partial output and its
     log-sum-exp.
-  - the merge of a request's splits by their log-sum-exps: with arrival counts (`arrival_counts`), by the last
-    program of a (request, kv head) to finish, which every program counts itself in; without, by a second kernel,
-    one program per (request, query head). A context in one split needs no merge: its program writes the output.
+  - stage 2, one program per (request, query head): merges the splits by their log-sum-exps. With one split
+    there is nothing to merge: stage 1 writes the output and stage 2 does not run.
 Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Stage 1 is a programmatic
 dependent launch that loads what the kernel before it does not write (the step's lengths and pages, the first
 block's older keys and values) before waiting for it. With `fresh`, stage 1 also applies q/k RMSNorm and RoPE to
@@ -103,24 +102,6 @@ def _norm_rope(rows, mask_rows, offs_d, partner, w, w_partner, cos, sin, eps, D:
 
 
 @triton.jit
-def _merge(mid_o_ptr, mid_lse_ptr, row, num_splits, offs_d, mask_d, HEAD_DIM: tl.constexpr,
-           BLOCK_SPLITS: tl.constexpr):
-    """The output [BLOCK_D] of a head whose splits' partial outputs and log-sum-exps start at scratch row `row`
-    (split 0's): their sum weighted by their log-sum-exps, all loaded at once. Reads through L2 (`.cg`): other
-    programs of the same kernel may have written them."""
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    mask_s = offs_s < num_splits
-    lse = tl.load(mid_lse_ptr + row + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-    o = tl.load(mid_o_ptr + (row + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=mask_s[:, None] & mask_d[None, :], other=0.0, cache_modifier=".cg")
-    m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
-    w = tl.exp2(lse - m)
-    total = tl.sum(w, 0)
-    return tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-
-
-@triton.jit
 def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr, DOT_DTYPE: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     """One block of an online softmax: the running max m_i (log2 units), sum l_i and output acc, updated."""
@@ -137,21 +118,18 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr
 
 @triton.jit(**varying("stride_bt", "num_splits"))
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr, arrived_ptr,
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
     stride_qb, stride_qh, stride_ob, stride_oh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits,
     qk_scale_log2, new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SPLITS: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, PDL: tl.constexpr, FRESH: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ONE_SPLIT: tl.constexpr, PDL: tl.constexpr, FRESH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
     row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
     program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
     using them from registers. Else the kernel before wrote them there.
-    MERGE: "one split" (the program writes the output at o_ptr), "last" (it writes its partials and counts itself
-    in arrived_ptr[b * K + kv_head]; the last to arrive merges them into the output and zeroes the count) or
-    "kernel" (it writes its partials for `_merge_kernel`)."""
+    ONE_SPLIT: the program writes the output at o_ptr; else its partial output and log-sum-exp for stage 2."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -222,29 +200,18 @@ def _split_kernel(
         m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
                                 DOT_PRECISION)
 
-    # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in the merge
+    # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in stage 2
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     mask_hd = mask_h[:, None] & mask_d[None, :]
     o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    if MERGE == "one split":
+    if ONE_SPLIT:
         tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=mask_hd)
     else:
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        rows = (b * tl.num_programs(1) * GROUP + heads) * num_splits  # scratch is [B, H, N(, D)], contiguous
-        tl.store(mid_o_ptr + (rows + split)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_hd)
-        tl.store(mid_lse_ptr + rows + split, lse, mask=mask_h)
-        if MERGE == "last":
-            tl.debug_barrier()  # every thread's partials stored before the count says so
-            count = arrived_ptr + b * tl.num_programs(1) + kv_head
-            if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
-                for h in tl.static_range(GROUP):
-                    head = kv_head * GROUP + h
-                    merged = _merge(mid_o_ptr, mid_lse_ptr, (b * tl.num_programs(1) * GROUP + head) * num_splits,
-                                    num_splits, offs_d, mask_d, HEAD_DIM, BLOCK_SPLITS)
-                    tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, merged.to(o_ptr.dtype.element_ty),
-                             mask=mask_d)
-                tl.atomic_xchg(count, 0)
+        row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_hd)
+        tl.store(mid_lse_ptr + row, lse, mask=mask_h)
 
 
 @triton.jit(**varying("num_splits"))
@@ -256,25 +223,26 @@ def _merge_kernel(
         gdc_wait()
         gdc_launch_dependents()
     b, head = tl.program_id(0), tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
+    mask_s = offs_s < num_splits
     mask_d = offs_d < HEAD_DIM
-    o = _merge(mid_o_ptr, mid_lse_ptr, (b * tl.num_programs(1) + head) * num_splits, num_splits, offs_d, mask_d,
-               HEAD_DIM, BLOCK_SPLITS)
+    row = (b * tl.num_programs(1) + head) * num_splits + offs_s
+    lse = tl.load(mid_lse_ptr + row, mask=mask_s, other=float("-inf"))
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+                      other=0.0)
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
+    w = tl.exp2(lse - m)
+    total = tl.sum(w, 0)
+    o = tl.sum(o_split * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + b * stride_ob + head * stride_oh + offs_d, o.to(o_ptr.dtype.element_ty), mask=mask_d)
-
-
-def arrival_counts(max_batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
-    """The zeroed counts with which the last split of a request's kv head merges the splits
-    (`paged_decode_attention(arrived=...)`), for batches of up to `max_batch` and one stream of launches: kernels
-    that may run at the same time need counts of their own. Create it outside CUDA-graph capture."""
-    return torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
 
 
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
                            block_table_BP: torch.Tensor, seq_lens_B: torch.Tensor, page_size: int, scale: float,
                            num_kv_splits: int | None = None, block_n: int | None = None, *, num_warps: int = 4,
-                           num_stages: int = 2, fresh: Fresh | None = None,
-                           arrived: torch.Tensor | None = None) -> torch.Tensor:
+                           num_stages: int = 2, fresh: Fresh | None = None) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens_B[b]` cached positions.
 
     q_BHD: the new tokens' queries (any float dtype; the output has the same dtype).
@@ -290,8 +258,6 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
       roundings they follow), and the new keys and values are written into the caches at `fresh.slots_B` (padding
       rows, seq_len 0, write nothing). q, k, v and the caches of one dtype; `takes_fresh(D)`;
       `fused.rope_inv_freq`'s first call per (D, theta, device) before any CUDA-graph capture.
-    arrived: `arrival_counts` for at least B requests and K kv heads: the splits merge in the last of them to
-      finish, not in a second kernel. Zero between calls (each call leaves them so).
     Accumulates in fp32; reads only the KV of positions < seq_lens_B[b]; launches a fixed grid (graph safe).
     """
     B, H, D = q_BHD.shape
@@ -322,35 +288,31 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     block_n = block_n or (64 if D <= 64 else 32)
     group = H // K
 
-    merge = "one split" if num_kv_splits == 1 else "kernel" if arrived is None else "last"
-    if merge == "last":
-        assert arrived.dtype == torch.int32 and arrived.numel() >= B * K, (
-            f"paged_decode_attention: arrived holds {arrived.numel()} counts, {B} requests x {K} kv heads need more")
-    scratch = merge != "one split"
-    mid_o_BHND = torch.empty(B, H, num_kv_splits if scratch else 0, D, dtype=torch.float32, device=q_BHD.device)
-    mid_lse_BHN = torch.empty(B, H, num_kv_splits if scratch else 0, dtype=torch.float32, device=q_BHD.device)
+    one_split = num_kv_splits == 1
+    mid_o_BHND = torch.empty(B, H, 0 if one_split else num_kv_splits, D, dtype=torch.float32, device=q_BHD.device)
+    mid_lse_BHN = torch.empty(B, H, 0 if one_split else num_kv_splits, dtype=torch.float32, device=q_BHD.device)
     dot_precision = "ieee" if k_cache_SKD.dtype == torch.float32 else "tf32"  # no tf32 rounding of fp32 caches
     # The CPU interpreter multiplies bf16 dot operands as raw integers: it gets them upcast (exactly, after the
     # same rounding to the cache dtype), so it computes what the GPU computes.
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
-    block_splits = triton.next_power_of_2(num_kv_splits)
     _split_kernel[(B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, o_BHD,
-        seq_lens_B if arrived is None else arrived, q_BHD.stride(0), q_BHD.stride(1), o_BHD.stride(0),
-        o_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1), v_cache_SKD.stride(0), v_cache_SKD.stride(1),
+        q_BHD.stride(0), q_BHD.stride(1), o_BHD.stride(0), o_BHD.stride(1), k_cache_SKD.stride(0),
+        k_cache_SKD.stride(1), v_cache_SKD.stride(0), v_cache_SKD.stride(1),
         block_table_BP.stride(0), num_kv_splits, scale * math.log2(math.e), *new,
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, BLOCK_SPLITS=block_splits,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, MERGE=merge, PDL=pdl,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=dot_precision, ONE_SPLIT=one_split, PDL=pdl,
         FRESH=fresh is not None, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
         num_stages=num_stages, enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
         **launch,
     )
-    if merge == "kernel":
+    if not one_split:
         _merge_kernel[(B, H)](
             mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-            HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=block_splits, PDL=pdl, num_warps=4, **launch,
+            HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
+            num_warps=4, **launch,
         )
     return o_BHD

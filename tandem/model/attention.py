@@ -243,9 +243,7 @@ class BlockTableDecode(AttentionContext):
     """A decode batch in fixed-shape tensors only (no Python lists), so the whole forward can be captured in
     a CUDA graph: request b's new key/value goes to `slots_B[b]`, then its query attends over its first
     `seq_lens_B[b]` positions through `block_table_BP[b]`. `kernel` has `paged_decode_reference`'s
-    signature (the Triton kernel on GPU); `arrived`, if given, goes to a kernel that takes it (the Triton kernel's
-    arrival counts, so that a request's splits merge in its last one). Padding rows have seq_len 0 and write to a
-    scratch slot."""
+    signature (the Triton kernel on GPU). Padding rows have seq_len 0 and write to a scratch slot."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
@@ -254,7 +252,6 @@ class BlockTableDecode(AttentionContext):
     seq_lens_B: torch.Tensor
     page_size: int
     kernel: object = paged_decode_reference
-    arrived: torch.Tensor | None = None
 
     def kv_destination(self, layer):
         return self.k_cache[layer], self.v_cache[layer], self.slots_B
@@ -277,8 +274,6 @@ class BlockTableDecode(AttentionContext):
         return self._kernel(layer, q_THD)
 
     def _kernel(self, layer, q_THD, **options):
-        if self.arrived is not None and _takes_argument(self.kernel, "arrived"):
-            options["arrived"] = self.arrived
         return self.kernel(q_THD, self.k_cache[layer], self.v_cache[layer], self.block_table_BP, self.seq_lens_B,
                            self.page_size, q_THD.shape[-1] ** -0.5, **options)
 
