@@ -155,7 +155,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     if PAIRED:
         w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
     if WHOLE_ROW and NORM:
-        norm_w = tl.load(norm_w_ptr + kk, mask=kk < E, other=0.0).to(tl.float32)
+        norm_w = tl.load(norm_w_ptr + kk, mask=kk < E, other=0.0)  # (widened where used: fewer registers held)
     if PDL:
         gdc_wait()
     out = out_ptr + offs_t[:, None] * stride_o + offs_n[None, :]
@@ -168,8 +168,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
         x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & (kk < E)[None, :], other=0.0)
         if NORM:
             rstd = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / E + eps)
-            x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32) * norm_w[None, :],
-                       dtype, INTERPRET)
+            x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32)
+                       * norm_w.to(tl.float32)[None, :], dtype, INTERPRET)
     else:
         if NORM:  # over the whole row, whatever this program's share of it
             squares = tl.zeros([BLOCK_T], tl.float32)
