@@ -117,11 +117,12 @@ def decode_step_seconds(engine: Engine, batch: int, context: int = 1024, iters: 
         return seconds_per_call(decode_step(engine, batch, context), iters, engine.runner.device)
 
 
-def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: int = 256) -> float:
+def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: int = 256) -> tuple[float, dict]:
     """A decode step through the engine's loop (scheduling, the step's inputs, the graph, sampling, the outputs), where
     `decode_step_seconds` times the graph alone: `batch` greedy requests whose contexts average `context`, timed as
     the difference of two runs `tokens` apart in length (their prefills, of prompts of their own, cancel) over
-    `tokens`."""
+    `tokens`; and the longer run's host time per step, as the engine counts it (`EngineStats`: busy, and in it
+    schedule, prepare, forward + the wait for the step before, postprocess), which says whether the host keeps up."""
     def run(new_tokens: int, seed: int) -> float:
         g = torch.Generator().manual_seed(seed)
         vocab = engine.model_config.vocab_size
@@ -134,7 +135,13 @@ def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: i
         asyncio.run(go())
         return time.perf_counter() - start
     run(tokens + 32, 1)  # (warm: this batch's graphs and kernels)
-    return (run(tokens + 32, 2) - run(32, 3)) / tokens
+    before = asyncio.run(engine.get_stats())
+    long = run(tokens + 32, 2)
+    after = asyncio.run(engine.get_stats())
+    steps = max(1, after.num_steps - before.num_steps)
+    host = {k: (getattr(after, f"{k}_seconds") - getattr(before, f"{k}_seconds")) / steps
+            for k in ("busy", "schedule", "prepare", "forward", "postprocess")}
+    return (long - run(32, 3)) / tokens, host
 
 
 def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
@@ -287,8 +294,10 @@ def main() -> None:
               "fusions: step ms | few-row, tensor-core / vector tiles: step ms | q/k norm and RoPE in the projection, "
               "not attention: step ms | vector tiles of 2 / 8 warps: step ms | whole input rows loaded late: step ms | "
               "through the engine's loop: step ms (tok/s) |\n" + "|---" * 12 + "|")
+        hosts = []
         for batch in args.batches:
-            loop = loop_step_seconds(engine, batch)
+            loop, host = loop_step_seconds(engine, batch)
+            hosts.append((batch, host))
             sec = decode_step_seconds(engine, batch)
             read = weight_bytes + batch * 1024 * kv_per_token
             ab = args.small_ab and engine.model.small and batch <= engine.model.small.MAX_ROWS
@@ -305,6 +314,8 @@ def main() -> None:
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
                   f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {late} | "
                   f"{loop * 1e3:.2f} ({batch / loop:,.0f}) |")
+        print("\nthe engine's loop, host time a step (ms): " + "; ".join(
+            f"batch {b}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()) for b, host in hosts))
         if args.profile_batch:
             from moe_throughput import top_kernels
 
