@@ -162,7 +162,8 @@ def test_num_kv_splits_heuristic():
             splits = choose_num_kv_splits(batch_size, 8, max_len, num_sms=132)
             assert splits & (splits - 1) == 0 and 1 <= splits <= 64
             assert splits == 1 or max_len / splits >= 64
-    assert choose_num_kv_splits(1, 8, 32768, 132) == 64  # one long request fills the GPU through splits
+    assert choose_num_kv_splits(1, 8, 32768, 132) == 32  # one long request: two programs an SM, through splits
+    assert choose_num_kv_splits(5, 8, 32768, 132) == 64  # above a few requests, many programs an SM
     assert choose_num_kv_splits(256, 8, 32768, 132) == 2  # a large batch nearly fills it by itself
     assert choose_num_kv_splits(64, 8, 32768, 132) == 8
 

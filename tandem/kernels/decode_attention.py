@@ -53,6 +53,9 @@ MAX_KV_SPLITS = 64
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
 PROGRAMS_PER_SM = 32
+# A few requests at a time take few programs: each one's fixed work (its queries, the merge's reads of its partials)
+# outweighs the balance many programs buy (BENCHMARKS.md, "Few-row kernels", session 24)
+SMALL_BATCH, SMALL_BATCH_PROGRAMS_PER_SM = 4, 2
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -61,7 +64,8 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_s
     for a captured CUDA graph): enough (request, kv head, split) programs to give every SM `PROGRAMS_PER_SM`,
     but no split shorter than `MIN_TOKENS_PER_SPLIT` of the longest possible context, at most `MAX_KV_SPLITS`,
     rounded down to a power of two so few distinct values (and stage-2 compilations) occur."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * num_sms, max(1, batch_size * num_kv_heads))
+    per_sm = SMALL_BATCH_PROGRAMS_PER_SM if batch_size <= SMALL_BATCH else PROGRAMS_PER_SM
+    wanted = triton.cdiv(per_sm * num_sms, max(1, batch_size * num_kv_heads))
     splits = max(1, min(wanted, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), MAX_KV_SPLITS))
     return 1 << (splits.bit_length() - 1)
 
