@@ -12,8 +12,7 @@
     model's `_forward_fused`, a graph captured for it), the same run's A/B of the few-row fusions; and up to 8
     rows, with the few-row kernels' tensor-core tiles and with their vector tiles (`small_linear.VECTOR_ROWS`);
     with q/k norm, RoPE and the KV write in the q/k/v projection, not in decode attention (`Fresh`); and with the
-    vector tiles' programs of 2 and 8 warps; and with a tile of a whole input row loaded as any other tile
-    (`small_linear.WHOLE_ROW_LOADS`).
+    vector tiles' programs of 2 and 8 warps.
     `--profile-batch B`: the top kernels of one decode step at batch B (torch.profiler).
     `--profile-workload`: a third run of (a) under torch.profiler: the share of its wall time in which the GPU ran
     a kernel (the union of the kernels' intervals), and its top kernels: is the workload bound by the device?
@@ -145,20 +144,17 @@ def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: i
 
 
 def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
-                         fresh: bool = True, vector_warps: int | None = None, whole_row_loads: bool = True,
-                         context: int = 1024, iters: int = 20) -> float:
+                         fresh: bool = True, vector_warps: int | None = None, context: int = 1024,
+                         iters: int = 20) -> float:
     """`decode_step_seconds` of a variant, in a graph of its own captured here: without the few-row fusions
     (`fused=False`), with vector tiles up to `vector_rows` rows (`small_linear.VECTOR_ROWS`), or with q/k norm,
-    RoPE and the KV write in the q/k/v projection rather than in attention (`fresh=False`), with vector tiles of
-    `vector_warps` warps (`small_linear.VECTOR_WARPS`), or with a tile of a whole input row
-    loaded as any other, late and twice under a norm (`whole_row_loads=False`, `small_linear.WHOLE_ROW_LOADS`)."""
+    RoPE and the KV write in the q/k/v projection rather than in attention (`fresh=False`), or with vector tiles of
+    `vector_warps` warps (`small_linear.VECTOR_WARPS`)."""
     from tandem.model.attention import BlockTableDecode
 
     model, small, default_rows = engine.model, engine.model.small, small_linear.VECTOR_ROWS
     takes_fresh, default_warps = BlockTableDecode.takes_fresh, small_linear.VECTOR_WARPS
-    default_loads = small_linear.WHOLE_ROW_LOADS
     small_linear.VECTOR_WARPS = vector_warps or default_warps
-    small_linear.WHOLE_ROW_LOADS = whole_row_loads and default_loads
     decode_step(engine, batch, context)  # (fills the buffers)
     model.small = small if fused else None
     small_linear.VECTOR_ROWS = default_rows if vector_rows is None else vector_rows
@@ -175,7 +171,7 @@ def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_
         return seconds
     finally:
         model.small, small_linear.VECTOR_ROWS, BlockTableDecode.takes_fresh = small, default_rows, takes_fresh
-        small_linear.VECTOR_WARPS, small_linear.WHOLE_ROW_LOADS = default_warps, default_loads
+        small_linear.VECTOR_WARPS = default_warps
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
@@ -292,8 +288,8 @@ def main() -> None:
                 profile_workload(engine, prompts, outputs)
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
               "fusions: step ms | few-row, tensor-core / vector tiles: step ms | q/k norm and RoPE in the projection, "
-              "not attention: step ms | vector tiles of 2 / 8 warps: step ms | whole input rows loaded late: step ms | "
-              "through the engine's loop: step ms (tok/s) |\n" + "|---" * 12 + "|")
+              "not attention: step ms | vector tiles of 2 / 8 warps: step ms | through the engine's loop: step ms "
+              "(tok/s) |\n" + "|---" * 11 + "|")
         hosts = []
         for batch in args.batches:
             loop, host = loop_step_seconds(engine, batch)
@@ -310,9 +306,8 @@ def main() -> None:
             warps = "-"
             if ab and batch <= small_linear.VECTOR_ROWS:
                 warps = " / ".join(f"{variant_step_seconds(engine, batch, vector_warps=w) * 1e3:.2f}" for w in (2, 8))
-            late = f"{variant_step_seconds(engine, batch, whole_row_loads=False) * 1e3:.2f}" if ab else "-"
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {late} | "
+                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | "
                   f"{loop * 1e3:.2f} ({batch / loop:,.0f}) |")
         print("\nthe engine's loop, host time a step (ms): " + "; ".join(
             f"batch {b}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()) for b, host in hosts))

@@ -256,8 +256,8 @@ def test_small_linear_split_over_input_columns(splits):
                                     Blocks(4, 128, vector=True)], ids=["unsplit", "split3", "whole-row"])
 def test_small_linear_vector_tiles(blocks, T):
     """Products on the CUDA cores, a tile of the rows there are: several column blocks and input tiles, a short
-    last tile, split or not, or the whole input row in one tile (loaded once, early: `WHOLE_ROW_LOADS`) (the
-    default takes them only up to `VECTOR_ROWS` rows, but any count is right)."""
+    last tile, split or not, or the whole input row in one tile (the default takes them only up to `VECTOR_ROWS`
+    rows, but any count is right)."""
     check_small_linear(T, 100, 20, torch.float32, blocks=blocks)
     check_small_linear(T, 100, 12, torch.bfloat16, blocks=blocks)
 

@@ -91,17 +91,17 @@ def _load_kv(k_ptr, v_ptr, pages_ptr, offs_n, mask_n, kv_head, offs_d, mask_d, s
 
 
 @triton.jit
-def _norm_rope(rows, mask_rows, offs_d, partner, w, w_partner, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr,
+def _norm_rope(rows, mask_rows, offs_d, partner, w_ptr, cos, sin, eps, D: tl.constexpr, dtype: tl.constexpr,
                INTERPRET: tl.constexpr):
-    """Heads [R, D] at `rows` RMS-normalised (weight w, fp32; its lanes' partners' w_partner) then rotated, each
-    lane with its pair's lane (`partner`) and `sin` signed for its half: `fused.norm_rope`'s roundings, in
-    `dtype`."""
+    """Heads [R, D] at `rows` RMS-normalised (weight at w_ptr) then rotated, each lane with its pair's lane
+    (`partner`) and `sin` signed for its half: `fused.norm_rope`'s roundings, in `dtype`."""
     x = tl.load(rows + offs_d[None, :], mask=mask_rows, other=0.0).to(tl.float32)
     p = tl.load(rows + partner[None, :], mask=mask_rows, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
-    x = _round(_round(x * rstd, dtype, INTERPRET).to(tl.float32) * w[None, :], dtype, INTERPRET).to(tl.float32)
-    p = _round(_round(p * rstd, dtype, INTERPRET).to(tl.float32) * w_partner[None, :], dtype,
-               INTERPRET).to(tl.float32)
+    x = _round(_round(x * rstd, dtype, INTERPRET).to(tl.float32) * tl.load(w_ptr + offs_d).to(tl.float32)[None, :],
+               dtype, INTERPRET).to(tl.float32)
+    p = _round(_round(p * rstd, dtype, INTERPRET).to(tl.float32) * tl.load(w_ptr + partner).to(tl.float32)[None, :],
+               dtype, INTERPRET).to(tl.float32)
     return _round(x * cos[None, :] + p * sin[None, :], dtype, INTERPRET)
 
 
@@ -142,8 +142,7 @@ def _split_kernel(
     heads = kv_head * GROUP + offs_h
 
     # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
-    # kernels before it ran), the norms' weights and the first block's keys and values but the newest position's
-    # (which it writes).
+    # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
     # split lengths are whole blocks so no block straddles two splits
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -152,13 +151,6 @@ def _split_kernel(
     offs_n = start + tl.arange(0, BLOCK_N)
     k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, offs_n < tl.minimum(end, seq_len - 1),
                     kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
-    if FRESH:  # (BLOCK_D == HEAD_DIM)
-        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the other half's lane, rotate-half RoPE's pair
-        freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
-        cos, sin = _cos_sin(freq, INTERPRET)
-        sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
-        q_w, q_w_partner = tl.load(q_norm_ptr + offs_d).to(tl.float32), tl.load(q_norm_ptr + partner).to(tl.float32)
-        k_w, k_w_partner = tl.load(k_norm_ptr + offs_d).to(tl.float32), tl.load(k_norm_ptr + partner).to(tl.float32)
     if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
         gdc_wait()
         gdc_launch_dependents()
@@ -166,12 +158,16 @@ def _split_kernel(
     k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
     v_new = k_new
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    if FRESH:
-        q = _norm_rope(q_rows, mask_h[:, None], offs_d, partner, q_w, q_w_partner, cos, sin, eps, HEAD_DIM,
+    if FRESH:  # (BLOCK_D == HEAD_DIM)
+        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the other half's lane, rotate-half RoPE's pair
+        freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
+        cos, sin = _cos_sin(freq, INTERPRET)
+        sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
+        q = _norm_rope(q_rows, mask_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
                        k_ptr.dtype.element_ty, INTERPRET)
         new = b * stride_nb + kv_head * HEAD_DIM  # (below, `+ tl.zeros([1, 1])`: the new key as a row of one)
         k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), offs_d[None, :] >= 0, offs_d,
-                                      partner, k_w, k_w_partner, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
+                                      partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
                                       INTERPRET), [BLOCK_D])
         v_new = tl.load(new_v_ptr + new + offs_d).to(k_ptr.dtype.element_ty)
         if start <= seq_len - 1 and seq_len - 1 < end:  # this split holds the newest position: it writes it

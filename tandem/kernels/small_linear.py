@@ -47,7 +47,6 @@ VECTOR_ROWS = 2  # up to these rows by default, `vector_blocks` (their products 
 FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in attention (`Qwen3ForCausalLM`, `Fresh`)
 VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
 VECTOR_WARPS = 4  # of a vector tile's program
-WHOLE_ROW_LOADS = True  # a tile of the whole input row: it is loaded once, and early (`_small_linear_kernel`)
 
 
 @triton.jit
@@ -75,14 +74,16 @@ def _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM: tl.constexpr, dtype: t
 
 
 @triton.jit
-def _epilogue(acc, acc_up, residual, out, mask, RESIDUAL: tl.constexpr, SILU: tl.constexpr, INTERPRET: tl.constexpr):
-    """The output tile at `out` (pointers; `residual`: what it held, if RESIDUAL)."""
-    dtype = out.dtype.element_ty
+def _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL: tl.constexpr,
+              SILU: tl.constexpr, INTERPRET: tl.constexpr):
+    dtype = out_ptr.dtype.element_ty
     y = _round(acc, dtype, INTERPRET)
     if SILU:
         y = silu_times(y.to(tl.float32), _round(acc_up, dtype, INTERPRET).to(tl.float32), dtype, INTERPRET)
+    out = out_ptr + offs_t[:, None] * stride_o + offs_n[None, :]
+    mask = mask_t[:, None] & mask_n[None, :]
     if RESIDUAL:
-        y = _round(residual.to(tl.float32) + y.to(tl.float32), dtype, INTERPRET)
+        y = _round(tl.load(out, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32), dtype, INTERPRET)
     tl.store(out, y, mask=mask)
 
 
@@ -123,8 +124,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                          stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
                          RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                         WHOLE_ROW: tl.constexpr, DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, PDL: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
     SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
     [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
@@ -133,9 +133,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     HEADS: program n's columns are head n's, its first half in the first tile and the second in the second
     (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). PDL: launched as a programmatic dependent of the
     kernel before it, a program loads its first weight tile (never written by a step) while that kernel
-    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything. WHOLE_ROW: one
-    tile holds the whole input row (unsplit): the norm weight is loaded before the wait too, and after it the
-    input row once (for its norm and its products) and the residual, both at once."""
+    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
@@ -154,31 +152,17 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     w_up = w
     if PAIRED:
         w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
-    if WHOLE_ROW and NORM:
-        norm_w = tl.load(norm_w_ptr + kk, mask=kk < E, other=0.0)  # (widened where used: fewer registers held)
     if PDL:
         gdc_wait()
-    out = out_ptr + offs_t[:, None] * stride_o + offs_n[None, :]
-    mask_out = mask_t[:, None] & mask_n[None, :]
-    residual = tl.zeros([BLOCK_T, BLOCK_N], dtype)
-    if RESIDUAL and SPLITS == 1:  # (split, only the last to arrive reads it, below)
-        residual = tl.load(out, mask=mask_out, other=0.0)
     rstd = tl.zeros([BLOCK_T], tl.float32)
-    if WHOLE_ROW:
-        x = tl.load(x_rows + kk[None, :], mask=mask_t[:, None] & (kk < E)[None, :], other=0.0)
-        if NORM:
-            rstd = tl.rsqrt(tl.sum(x.to(tl.float32) * x.to(tl.float32), 1) / E + eps)
-            x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32)
-                       * norm_w.to(tl.float32)[None, :], dtype, INTERPRET)
-    else:
-        if NORM:  # over the whole row, whatever this program's share of it
-            squares = tl.zeros([BLOCK_T], tl.float32)
-            for k0 in range(0, E, NORM_BLOCK):
-                cols = k0 + tl.arange(0, NORM_BLOCK)
-                x = tl.load(x_rows + cols[None, :], mask=mask_t[:, None] & (cols < E)[None, :], other=0.0)
-                squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
-            rstd = tl.rsqrt(squares / E + eps)
-        x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
+    if NORM:  # over the whole row, whatever this program's share of it
+        squares = tl.zeros([BLOCK_T], tl.float32)
+        for k0 in range(0, E, NORM_BLOCK):
+            cols = k0 + tl.arange(0, NORM_BLOCK)
+            x = tl.load(x_rows + cols[None, :], mask=mask_t[:, None] & (cols < E)[None, :], other=0.0)
+            squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
+        rstd = tl.rsqrt(squares / E + eps)
+    x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
     acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32, VECTOR)
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PAIRED:
@@ -211,14 +195,12 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                     acc_up += tl.load(partial_ptr + (s * 2 + 1) * BLOCK_T * N + tile, mask=mask_n[None, :],
                                       other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(arrived_ptr + pid_n, 0)
-            if RESIDUAL:
-                residual = tl.load(out, mask=mask_out, other=0.0)
     if write:
         if HEADS:
             _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
                             out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
         else:
-            _epilogue(acc, acc_up, residual, out, mask_out, RESIDUAL, SILU, INTERPRET)
+            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
 
 
 @dataclass(frozen=True)
@@ -373,7 +355,6 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, T, N, E, x_TE.stride(0), w_NE.stride(0),
         y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
         RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
-        NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)),
-        WHOLE_ROW=WHOLE_ROW_LOADS and splits == 1 and b.k >= E and not HEADS, VECTOR=b.vector,
+        NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
         DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=b.stages, enable_fp_fusion=not HEADS, **pdl)  # RoPE without FMA, as PyTorch

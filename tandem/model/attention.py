@@ -233,7 +233,6 @@ def paged_decode_reference(q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_
 
 
 @functools.cache
-@functools.cache
 def _takes_argument(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
