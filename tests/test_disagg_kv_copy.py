@@ -235,16 +235,9 @@ def test_the_kernel_compiles_for_sm90_with_128_bit_accesses():
     the default tiles, compiles for an H100/H200 (sm_90) and reads (and, fused, writes) the KV in 128-bit accesses:
     the copy's own width. (In a process of its own: this one runs Triton's interpreter.)"""
     pytest.importorskip("triton")
-    import json
-    import subprocess
-    import sys
+    from sm90 import run_compile_check
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", SM90_CHECK], capture_output=True, text=True, env=env, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in found:
-        pytest.skip(f"this Triton cannot compile for sm_90 here: {found['skip']}")
+    found = run_compile_check(SM90_CHECK, timeout=120)
     for name in ("fused", "sums", "fused, deferred"):
         assert any(a.startswith("ld") for a in found[name]), found
         assert name == "sums" or any(a.startswith("st") for a in found[name]), found

@@ -6,13 +6,9 @@ expression, a name defined in one branch only. This compiles the variants the 0.
 (Triton's own ptxas, no GPU), in a process of its own: this one runs the interpreter.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from sm90 import run_compile_check
 
 CHECK = """
 import json, sys
@@ -66,11 +62,6 @@ print(json.dumps({"compiled": len(cases) - len(failed), "failed": failed}))
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
 def test_decode_kernels_compile_for_sm90():
     pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    run = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = json.loads(run.stdout.strip().splitlines()[-1])
-    if "skip" in found:
-        pytest.skip(f"this Triton cannot compile for sm_90 here: {found['skip']}")
+    found = run_compile_check(CHECK)
     assert not found["failed"], "\n\n".join(f"{name}:\n{error}" for name, error in found["failed"].items())
     assert found["compiled"] == 10
