@@ -4,7 +4,7 @@
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
-#                        [pd_transfer_ab] (with OLD=DIR) [pd_doorbells] [fresh]
+#                        [pd_transfer_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 # (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -108,6 +108,7 @@ for part in $parts; do
                timeout 220 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py \
                    tests/test_fused_model.py tests/test_engine_gpu.py -k "fresh or reference_gpu or graph or model \
                    or at_a_time or small_batch_kernels" ;;
+        floor) timeout 150 python3 benchmarks/kernel_floor.py ;;
         handover) timeout 120 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" &&
                   timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
