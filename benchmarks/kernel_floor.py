@@ -24,6 +24,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from decode_attention_bench import copy_bandwidth, graph_seconds_per_call
 
 from tandem.kernels.fused import gdc_launch_dependents, gdc_wait, pdl_supported
 
@@ -48,36 +49,18 @@ def _link(x_ptr, y_ptr, w_ptr, WIDTH: tl.constexpr, ROWS: tl.constexpr, HOP: tl.
             tl.store(y_ptr + pid, tl.sum(x, 0).to(tl.bfloat16))
 
 
-def chain_seconds(kernels: int, programs: int, rows: int, width: int, hop: bool, weights: bool, pdl: bool,
-                  replays: int = 20, trials: int = 5) -> float:
-    """Seconds a kernel, the best of `trials` replays of a graph of `kernels` dependent launches."""
+def chain_seconds(kernels: int, programs: int, rows: int, width: int, hop: bool, weights: bool, pdl: bool) -> float:
+    """Seconds a kernel in a graph of `kernels` dependent launches (`graph_seconds_per_call`)."""
     outputs = max(width, programs * rows)
     buffers = [torch.ones(outputs, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     tiles = [torch.randn(programs * rows, width, dtype=torch.bfloat16, device="cuda") if weights else buffers[0]
              for _ in range(kernels)]
     launch = {"launch_pdl": True} if pdl else {}
 
-    def run():
-        for i in range(kernels):
-            _link[(programs,)](buffers[i % 2], buffers[1 - i % 2], tiles[i], WIDTH=width, ROWS=rows, HOP=hop,
-                               WEIGHTS=weights, PDL=pdl, num_warps=4, **launch)
-
-    run()  # (compiled outside the capture)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    best = float("inf")
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / (replays * kernels))
-    return best
+    def link(i: int):
+        return lambda: _link[(programs,)](buffers[i % 2], buffers[1 - i % 2], tiles[i], WIDTH=width, ROWS=rows,
+                                          HOP=hop, WEIGHTS=weights, PDL=pdl, num_warps=4, **launch)
+    return graph_seconds_per_call([link(i) for i in range(kernels)], replays=20)
 
 
 def main() -> None:
@@ -89,17 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernel_floor: needs a GPU")
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dst.copy_(src)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    bw = 2 * src.numel() * 10 / (start.elapsed_time(end) / 1e3)  # read + write
-    del src, dst
+    bw = copy_bandwidth()  # read + write
     pdl = pdl_supported(torch.device("cuda"))
     print(f"## kernel floor ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"triton {triton.__version__})\ncommand: python {' '.join(sys.argv)}\ndevice-to-device copy: "
