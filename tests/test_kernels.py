@@ -68,7 +68,7 @@ SMALL_CASES = [
     ([1], 2, 1, 64, 16, torch.float32, None),
     ([15, 16, 37], 2, 4, 128, 16, torch.float32, 3),  # tail of a page, a full page, several splits
     ([3], 1, 4, 64, 16, torch.float32, 8),  # most splits empty
-    ([15, 0, 33], 2, 2, 64, 16, torch.float32, 1),  # one split: stage 1 writes the output, no stage 2
+    ([15, 0, 33], 2, 2, 64, 16, torch.float32, 1),  # one split (and a padding row)
     ([0, 31, 70], 1, 4, 64, 32, torch.bfloat16, 2),  # a padding row, bf16
     ([40, 0, 63], 2, 1, 128, 64, torch.bfloat16, None),
     ([1, 5, 0, 9, 16, 2, 33, 7, 12, 0, 4, 20, 17, 3, 8, 30, 11], 1, 4, 64, 16, torch.float32, 2),  # batch 17

@@ -5,8 +5,7 @@ Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
     of that kv head's group at once (the group is packed into the dot's M dimension, so each KV block is read
     once per group, not once per query head); writes the split's normalised partial output and its
     log-sum-exp.
-  - stage 2, one program per (request, query head): merges the splits by their log-sum-exps. With one split
-    there is nothing to merge: stage 1 writes the output and stage 2 does not run.
+  - stage 2, one program per (request, query head): merges the splits by their log-sum-exps.
 Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Stage 1 is a programmatic
 dependent launch that loads what the kernel before it does not write (the step's lengths and pages, the first
 block's older keys and values) before waiting for it. With `fresh`, stage 1 also applies q/k RMSNorm and RoPE to
@@ -61,7 +60,8 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
     """How many splits to cut each request's context into, from host-known values only (so the choice is fixed
-    for a captured CUDA graph): enough (request, kv head, split) programs to give every SM `PROGRAMS_PER_SM`,
+    for a captured CUDA graph): enough (request, kv head, split) programs to give every SM `PROGRAMS_PER_SM`
+    (`SMALL_BATCH_PROGRAMS_PER_SM` up to `SMALL_BATCH` requests),
     but no split shorter than `MIN_TOKENS_PER_SPLIT` of the longest possible context, at most `MAX_KV_SPLITS`,
     rounded down to a power of two so few distinct values (and stage-2 compilations) occur."""
     per_sm = SMALL_BATCH_PROGRAMS_PER_SM if batch_size <= SMALL_BATCH else PROGRAMS_PER_SM
@@ -122,18 +122,17 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr
 
 @triton.jit(**varying("stride_bt", "num_splits"))
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, o_ptr,
-    stride_qb, stride_qh, stride_ob, stride_oh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits,
-    qk_scale_log2, new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
+    new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ONE_SPLIT: tl.constexpr, PDL: tl.constexpr, FRESH: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, FRESH: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
     row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
     program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
-    using them from registers. Else the kernel before wrote them there.
-    ONE_SPLIT: the program writes the output at o_ptr; else its partial output and log-sum-exp for stage 2."""
+    using them from registers. Else the kernel before wrote them there."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -203,15 +202,10 @@ def _split_kernel(
     # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in stage 2
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    mask_hd = mask_h[:, None] & mask_d[None, :]
-    o_rows = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
-    if ONE_SPLIT:
-        tl.store(o_rows, o.to(o_ptr.dtype.element_ty), mask=mask_hd)
-    else:
-        lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-        row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
-        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_hd)
-        tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + row, lse, mask=mask_h)
 
 
 @triton.jit(**varying("num_splits"))
@@ -223,13 +217,13 @@ def _merge_kernel(
         gdc_wait()
         gdc_launch_dependents()
     b, head = tl.program_id(0), tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_SPLITS)
+    offs_n = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_s = offs_s < num_splits
+    mask_n = offs_n < num_splits
     mask_d = offs_d < HEAD_DIM
-    row = (b * tl.num_programs(1) + head) * num_splits + offs_s
-    lse = tl.load(mid_lse_ptr + row, mask=mask_s, other=float("-inf"))
-    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_s[:, None] & mask_d[None, :],
+    row = (b * tl.num_programs(1) + head) * num_splits + offs_n
+    lse = tl.load(mid_lse_ptr + row, mask=mask_n, other=float("-inf"))
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
                       other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
@@ -288,9 +282,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     block_n = block_n or (64 if D <= 64 else 32)
     group = H // K
 
-    one_split = num_kv_splits == 1
-    mid_o_BHND = torch.empty(B, H, 0 if one_split else num_kv_splits, D, dtype=torch.float32, device=q_BHD.device)
-    mid_lse_BHN = torch.empty(B, H, 0 if one_split else num_kv_splits, dtype=torch.float32, device=q_BHD.device)
+    mid_o_BHND = torch.empty(B, H, num_kv_splits, D, dtype=torch.float32, device=q_BHD.device)
+    mid_lse_BHN = torch.empty(B, H, num_kv_splits, dtype=torch.float32, device=q_BHD.device)
     dot_precision = "ieee" if k_cache_SKD.dtype == torch.float32 else "tf32"  # no tf32 rounding of fp32 caches
     # The CPU interpreter multiplies bf16 dot operands as raw integers: it gets them upcast (exactly, after the
     # same rounding to the cache dtype), so it computes what the GPU computes.
@@ -298,21 +291,20 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
     _split_kernel[(B, K, num_kv_splits)](
-        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, o_BHD,
-        q_BHD.stride(0), q_BHD.stride(1), o_BHD.stride(0), o_BHD.stride(1), k_cache_SKD.stride(0),
-        k_cache_SKD.stride(1), v_cache_SKD.stride(0), v_cache_SKD.stride(1),
-        block_table_BP.stride(0), num_kv_splits, scale * math.log2(math.e), *new,
+        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
+        q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
+        v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
+        scale * math.log2(math.e), *new,
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
-        DOT_PRECISION=dot_precision, ONE_SPLIT=one_split, PDL=pdl,
-        FRESH=fresh is not None, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
-        num_stages=num_stages, enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
+        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
         **launch,
     )
-    if not one_split:
-        _merge_kernel[(B, H)](
-            mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-            HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
-            num_warps=4, **launch,
-        )
+    _merge_kernel[(B, H)](
+        mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
+        num_warps=4, **launch,
+    )
     return o_BHD
