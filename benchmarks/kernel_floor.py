@@ -2,8 +2,8 @@
 
     python benchmarks/kernel_floor.py [--kernels 28] [--programs 256] [--rows 8] [--width 1024]
 
-A decode step of a few rows runs about 145 kernels one after another, and each costs a few microseconds besides its
-bytes (BENCHMARKS.md, "Few-row kernels"). This times chains of `--kernels` synthetic kernels, each chain captured in
+A decode step of a few rows runs its kernels one after another, and each costs a fixed time besides its bytes
+(BENCHMARKS.md, "Few-row kernels"). This times chains of `--kernels` synthetic kernels, each chain captured in
 one CUDA graph, each kernel a programmatic dependent launch (PDL) as the step's are, or a plain launch, and prints
 microseconds a kernel for:
   (a) empty: every program waits for the kernel before (PDL), lets the next one launch, and exits;

@@ -53,7 +53,7 @@ MAX_KV_SPLITS = 64
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
 PROGRAMS_PER_SM = 32
 # A few requests at a time take few programs: each one's fixed work (its queries, the merge's reads of its partials)
-# outweighs the balance many programs buy (BENCHMARKS.md, "Few-row kernels", session 24)
+# outweighs the balance many programs buy (BENCHMARKS.md, "Few-row kernels", has the A/B)
 SMALL_BATCH, SMALL_BATCH_PROGRAMS_PER_SM = 4, 2
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 

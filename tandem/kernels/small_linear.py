@@ -223,8 +223,8 @@ def default_blocks(N: int, E: int, device: torch.device, split: bool = True, hea
                    itemsize: int = 2, rows: int = MAX_ROWS, paired: bool = False) -> Blocks:
     """Up to `VECTOR_ROWS` rows (one with `heads`), vector tiles (`vector_blocks`). Else narrow output tiles, so
     that even a 1024-wide output spreads over 64 programs (`heads`: a program per head); with `split`, the input
-    columns split so that about two programs run per multiprocessor. A tile holds 512 bytes of a weight row (256 columns
-    of bf16, 128 of fp32: the pipeline's stages fit in shared memory)."""
+    columns split so that about two programs run per multiprocessor. A tile holds 512 bytes of a weight row (256
+    columns of bf16, 128 of fp32: the pipeline's stages fit in shared memory)."""
     if rows <= (min(1, VECTOR_ROWS) if heads else VECTOR_ROWS):  # (a head's split vector tiles: one row at most)
         return vector_blocks(N, E, device, split, heads, itemsize, paired=paired)
     pdl = pdl_supported(device)
