@@ -87,20 +87,26 @@ class SlowIterations(logging.Handler):
 class Collections:
     """The garbage collector's passes in this process (they hold every thread, the engine's too when colocated)
     once the run has started (the placement froze the heap built until then: `freeze_heap`): how many, and the
-    longest, by generation; and the longest before."""
+    longest, by generation; and the longest before. It runs at every pass, so it must cost next to nothing:
+    `gc.get_freeze_count` walks every frozen object (milliseconds over a run's heap), so it is asked only until the
+    heap is frozen."""
 
     def __init__(self):
         self.started = 0.0
+        self.frozen = False
         self.ms: dict[int, list[float]] = {0: [], 1: [], 2: []}
         self.before_ms = 0.0
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
             self.started = time.perf_counter()
-        elif gc.get_freeze_count():
-            self.ms[info["generation"]].append(1e3 * (time.perf_counter() - self.started))
+            return
+        ms = 1e3 * (time.perf_counter() - self.started)
+        self.frozen = self.frozen or gc.get_freeze_count() > 0  # (cheap while nothing is frozen)
+        if self.frozen:
+            self.ms[info["generation"]].append(ms)
         else:
-            self.before_ms = max(self.before_ms, 1e3 * (time.perf_counter() - self.started))
+            self.before_ms = max(self.before_ms, ms)
 
     def summary(self) -> dict:
         return {**{f"gc{g}": (len(ms), max(ms, default=0.0)) for g, ms in self.ms.items()},

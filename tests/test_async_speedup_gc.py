@@ -1,0 +1,30 @@
+"""The async benchmark's collector hook (`Collections`) must cost next to nothing: it runs at every pass of the
+garbage collector, hundreds a second in a trainer's process, and `gc.get_freeze_count` walks every frozen object.
+Asking it at every pass made the measured trainer's process slower (its steps and its agents' turns)."""
+
+import importlib.util
+from pathlib import Path
+
+spec = importlib.util.spec_from_file_location(
+    "async_speedup", Path(__file__).parents[1] / "benchmarks" / "async_speedup.py")
+async_speedup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(async_speedup)
+
+
+def test_collections_asks_for_the_freeze_count_only_until_the_heap_is_frozen(monkeypatch):
+    frozen_counts = iter([0, 0, 7] + [7] * 10)
+    asked = []
+
+    def get_freeze_count():
+        asked.append(1)
+        return next(frozen_counts)
+
+    monkeypatch.setattr(async_speedup.gc, "get_freeze_count", get_freeze_count)
+    hook = async_speedup.Collections()
+    for generation in [0, 1, 0, 2, 0, 0, 1]:
+        hook("start", {"generation": generation})
+        hook("stop", {"generation": generation})
+    assert len(asked) == 3  # two passes before the freeze, then the first after it: never again
+    summary = hook.summary()
+    assert (summary["gc0"][0], summary["gc1"][0], summary["gc2"][0]) == (3, 1, 1)  # passes 3-7
+    assert summary["longest_before_start_ms"] >= 0.0
