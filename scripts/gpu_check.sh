@@ -119,7 +119,7 @@ for part in $parts; do
                    timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" rollout.pause_mode=in_place ;;
         async1gpu) timeout 580 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   --model qwen3-0.6b --placement colocated shared --steps 8 --warmup 2 --staleness 2 \
+                   --model qwen3-0.6b --placement shared colocated --steps 20 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
         tier_sweep) timeout 590 python3 benchmarks/host_tier.py --sweep --points 0,1 --out "$OUT/sweep_a.json" ;;
         pd_transfer) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
