@@ -4,8 +4,8 @@
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
-#                        [pd_transfer_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
-# (no argument: tests throughput host_tier; tp, tp_tests, async*, prefill, graphs, staleness, kv_reuse, learn, sync*
+#                        [pd_transfer_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor] [async_spy]
+# (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs, staleness, kv_reuse, learn, sync*
 # and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
@@ -13,6 +13,7 @@
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl fastapi starlette pydantic \
 #       pydantic_core uvicorn typing-inspection annotated-types opentelemetry-api aiohttp aiohappyeyeballs \
 #       aiosignal attrs frozenlist multidict propcache yarl idna
+# (async_spy also needs py-spy's wheel there: the same download with --platform manylinux1_x86_64 py-spy)
 # carry .whl, and start the command with
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -o pipefail
@@ -114,6 +115,12 @@ for part in $parts; do
                   timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement colocated --steps 10 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
+        async_spy) spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # every process's stacks, idle ones too
+                   timeout 300 "$spy" record -r 100 -f raw --subprocesses --idle --threads -o /tmp/async_spy.txt -- \
+                       python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                       --model qwen3-0.6b --placement shared --steps 8 --warmup 2 --staleness 2 \
+                       --pause-modes in_place --out "$OUT/async_spy.json";
+                   gzip -c /tmp/async_spy.txt > "$OUT/async_spy.txt.gz" ;;  # (uncompressed it is too large to return)
         handover2) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_pending_sync.py \
                    tests/test_placement.py tests/test_transport_handover.py &&
                    timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
@@ -121,6 +128,12 @@ for part in $parts; do
         async1gpu) timeout 580 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement shared colocated --steps 20 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
+        async_spy) spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # every process's stacks, idle ones too
+                   timeout 300 "$spy" record -r 100 -f raw --subprocesses --idle --threads -o /tmp/async_spy.txt -- \
+                       python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                       --model qwen3-0.6b --placement shared --steps 8 --warmup 2 --staleness 2 \
+                       --pause-modes in_place --out "$OUT/async_spy.json";
+                   gzip -c /tmp/async_spy.txt > "$OUT/async_spy.txt.gz" ;;  # (uncompressed it is too large to return)
         tier_sweep) timeout 590 python3 benchmarks/host_tier.py --sweep --points 0,1 --out "$OUT/sweep_a.json" ;;
         pd_transfer) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider \
                    tests/test_disagg_checksum.py tests/test_disagg_transfer.py tests/test_disagg_kv_copy.py \
