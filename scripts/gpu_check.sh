@@ -115,12 +115,6 @@ for part in $parts; do
                   timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement colocated --steps 10 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
-        async_spy) spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # every process's stacks, idle ones too
-                   timeout 300 "$spy" record -r 100 -f raw --subprocesses --idle --threads -o /tmp/async_spy.txt -- \
-                       python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                       --model qwen3-0.6b --placement shared --steps 8 --warmup 2 --staleness 2 \
-                       --pause-modes in_place --out "$OUT/async_spy.json";
-                   gzip -c /tmp/async_spy.txt > "$OUT/async_spy.txt.gz" ;;  # (uncompressed it is too large to return)
         handover2) timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_pending_sync.py \
                    tests/test_placement.py tests/test_transport_handover.py &&
                    timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
