@@ -201,6 +201,41 @@ def test_a_step_whose_engine_calls_fail_after_training_is_still_recorded(tmp_pat
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 2
 
 
+def test_the_agents_go_on_while_a_step_checkpoint_is_written(tmp_path):
+    """A step's checkpoint is written by a thread: for a GPU model (float32 masters and the optimizer's state) the
+    write takes seconds, and on the event loop it would hold every agent's turn, and so the engine's work, as long.
+    The write is slowed here; a task of the run's loop must keep ticking through it."""
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=3", *TINY]))
+    write, ticks, during = run._write_checkpoint, [0], []
+
+    def slow_write(state):
+        before = ticks[0]
+        time.sleep(0.5)
+        during.append(ticks[0] - before)
+        write(state)
+
+    async def main():
+        async def tick():
+            while True:
+                await asyncio.sleep(0.01)
+                ticks[0] += 1
+
+        ticker = asyncio.create_task(tick())
+        try:
+            await run.train()
+        finally:
+            ticker.cancel()
+
+    run._write_checkpoint = slow_write
+    try:
+        asyncio.run(main())
+    finally:
+        run.shutdown()
+    assert len(during) == 4  # after steps 1, 2 and 3, and the run's end (which nothing runs beside)
+    assert all(n >= 10 for n in during[:3]), during  # 0 where the loop waits for the write
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 3
+
+
 def test_a_checkpoint_written_after_the_next_batch_was_taken_keeps_its_groups(tmp_path):
     """A step's end (which checkpoints) goes on beside the wait for the next batch, so the next batch may be handed
     out first. Every checkpoint must still be one a resume loses nothing from: its taken batches equal the trained
@@ -208,19 +243,23 @@ def test_a_checkpoint_written_after_the_next_batch_was_taken_keeps_its_groups(tm
     four groups lost when the trainer was killed after such a checkpoint.) The step's end is slowed here, so the
     next batch is surely taken first."""
     run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=4", *TINY]))
-    get_stats, save, trained, saved = run.engine.get_stats, run._save_checkpoint, [], []
+    get_stats, take, write, trained, saved = run.engine.get_stats, run._checkpoint_state, run._write_checkpoint, [], []
 
     async def slow_stats():
         await asyncio.sleep(0.3)
         return await get_stats()
 
-    def checked_save():
-        save()
-        state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    def checked_state():
+        state = take()
         saved.append({"version": state["trainer"]["version"], "manager": state["manager"],
                       "taken": run.manager.batches_taken})
+        return state
 
-    run.engine.get_stats, run._save_checkpoint = slow_stats, checked_save
+    def checked_write(state):  # what is written is the state taken
+        write(state)
+        assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["manager"] == state["manager"]
+
+    run.engine.get_stats, run._checkpoint_state, run._write_checkpoint = slow_stats, checked_state, checked_write
     run.on_batch = lambda version, batch: trained.append((version, [g.index for g in batch]))
     try:
         asyncio.run(run.train())

@@ -80,6 +80,7 @@ class Run:
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
         self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
         self._last_push = LastPush()  # the trainer's hook fences it (it holds no reference to the run: no cycle)
+        self._writing: asyncio.Future | None = None  # a step's checkpoint being written by a thread
         self.trainer.before_weight_write = self._last_push.fence
 
     @contextlib.asynccontextmanager
@@ -158,6 +159,8 @@ class Run:
                 await self._settle_step(*self._training)
             await self.manager.stop()
             await self.placement.disconnect()
+            if self._writing is not None:  # (one writer of the file at a time: a step's may still write)
+                await asyncio.gather(self._writing, return_exceptions=True)
             self._save_checkpoint()
         if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every:  # (else written above)
             export_trainer(cfg, self.trainer)
@@ -207,7 +210,11 @@ class Run:
         if on_step:
             on_step(record)
         if cfg.checkpoint_every and pending.version % cfg.checkpoint_every == 0:
-            self._save_checkpoint()
+            # written by a thread: the agents' turns go on meanwhile (seconds for a GPU model's masters and optimizer
+            # state). The next step, which awaits this one's end, waits for it: the live tensors are written, not a
+            # copy (which would need the whole state in host memory at once)
+            self._writing = asyncio.ensure_future(asyncio.to_thread(self._write_checkpoint, self._checkpoint_state()))
+            await asyncio.shield(self._writing)
         if cfg.trainer.export_every and pending.version % cfg.trainer.export_every == 0:
             await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
 
@@ -242,8 +249,15 @@ class Run:
         tmp.replace(path)
 
     def _save_checkpoint(self) -> None:
-        state = {"trainer": self.trainer.state_dict(), "manager": self.manager.state_dict(self.trainer.version),
-                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        self._write_checkpoint(self._checkpoint_state())
+
+    def _checkpoint_state(self) -> dict:
+        """What a checkpoint holds, taken on the event loop's thread (the manager's state is a copy; the trainer's
+        tensors are the live ones: write them before its next step)."""
+        return {"trainer": self.trainer.state_dict(), "manager": self.manager.state_dict(self.trainer.version),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+
+    def _write_checkpoint(self, state: dict) -> None:
         tmp = self.out_dir / (CHECKPOINT + ".tmp")
         torch.save(state, tmp)
         tmp.replace(self.out_dir / CHECKPOINT)  # atomic: a crash mid-save keeps the previous checkpoint
