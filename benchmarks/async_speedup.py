@@ -336,7 +336,10 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
             f"trainer_device={trainer_device}", f"engine.device={engine_device}", "rollout.group_size=4",
             "rollout.batch_groups=4", "rollout.num_in_flight=64", "random_agent.response_len_median=16",
             "random_agent.response_len_sigma=1.2", "random_agent.response_len_max=512",
-            "engine.measure_ideal_reuse=true"]
+            "engine.measure_ideal_reuse=true",
+            # no checkpoint mid-run: on a GPU one takes seconds that the trainer waits (the same in every row), which
+            # would dilute what this compares (only the end's, after the last record)
+            "checkpoint_every=0"]
     if engine_device != "cpu":  # bf16 weights and KV in the engine, bf16 compute over fp32 masters in the trainer
         base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.8 if placement == 'separate' else 0.5}",
                  "engine_dtype=bfloat16", "trainer.param_dtype=bfloat16"]
