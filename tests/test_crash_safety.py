@@ -19,6 +19,7 @@ from tandem.engine.client import EngineUnreachable
 from tandem.rollout import manager as manager_module
 from tandem.rollout.manager import ENGINE_RETRIES, RolloutManager
 from tandem.rollout.random_agent import RandomAgentEnv
+from tandem.run import checkpoint
 from tandem.run.loop import CHECKPOINT, Run
 from tandem.run.main import main as run_main
 from tandem.types import FinishReason, GenerateOutput
@@ -201,17 +202,30 @@ def test_a_step_whose_engine_calls_fail_after_training_is_still_recorded(tmp_pat
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 2
 
 
-def test_the_agents_go_on_while_a_step_checkpoint_is_written(tmp_path):
+@pytest.mark.parametrize("fits", [True, False], ids=["copied", "live"])
+def test_a_step_checkpoint_is_written_beside_the_run(tmp_path, monkeypatch, fits):
     """A step's checkpoint is written by a thread: for a GPU model (float32 masters and the optimizer's state) the
     write takes seconds, and on the event loop it would hold every agent's turn, and so the engine's work, as long.
-    The write is slowed here; a task of the run's loop must keep ticking through it."""
-    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=3", *TINY]))
-    write, ticks, during = run._write_checkpoint, [0], []
+    Where host memory holds a copy of the state, the trainer goes on during the write too, and what is written stays
+    the state of its step; where it does not, the live tensors are written and the next step waits. Each write here
+    waits (at most a few seconds) for the trainer to go past the step it writes, while a task of the loop ticks."""
+    monkeypatch.setattr(checkpoint, "fits_in_host_memory", lambda state: fits)
+    steps = 3
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", f"steps={steps}", *TINY]))
+    write, ticks, writes = run._write_checkpoint, [0], []
+
+    def weights(state):
+        return [t.clone() for t in state["trainer"]["model"].values()]
 
     def slow_write(state):
-        before = ticks[0]
-        time.sleep(0.5)
-        during.append(ticks[0] - before)
+        version, before = state["trainer"]["version"], ticks[0]
+        if version < steps:  # (the last step's, and the run's end, have no step after them)
+            taken, deadline = weights(state), time.monotonic() + (20 if fits else 2)
+            while run.trainer.version <= version and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.1)
+            unchanged = all(torch.equal(a, b) for a, b in zip(taken, weights(state), strict=True))
+            writes.append((version, run.trainer.version > version, unchanged, ticks[0] - before))
         write(state)
 
     async def main():
@@ -231,9 +245,33 @@ def test_the_agents_go_on_while_a_step_checkpoint_is_written(tmp_path):
         asyncio.run(main())
     finally:
         run.shutdown()
-    assert len(during) == 4  # after steps 1, 2 and 3, and the run's end (which nothing runs beside)
-    assert all(n >= 10 for n in during[:3]), during  # 0 where the loop waits for the write
-    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 3
+    # the trainer went past each step's version while it was written only from a copy, which that left as it was
+    assert [(v, went_on, unchanged) for v, went_on, unchanged, _ in writes] == [(1, fits, True), (2, fits, True)], \
+        writes
+    assert all(n >= 5 for *_, n in writes), writes  # the loop ticked through every write
+    state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    assert state["trainer"]["version"] == steps and state["manager"]["batches_taken"] == steps
+
+
+def test_a_checkpoint_copy_is_the_state_in_host_memory():
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    state = {"trainer": {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "version": 4},
+             "rng": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)}}
+    copy = checkpoint.copied(state)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    assert not torch.equal(copy["trainer"]["model"]["weight"], model.weight)  # a copy, not the live tensor
+    assert torch.equal(copy["trainer"]["model"]["weight"] + 1.0, model.weight)
+    assert copy["trainer"]["model"]._metadata == state["trainer"]["model"]._metadata
+    live = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(copy["trainer"]["optimizer"]["state"][0]["exp_avg"], live)
+    assert copy["trainer"]["optimizer"]["state"][0]["exp_avg"].data_ptr() != live.data_ptr()
+    assert copy["trainer"]["optimizer"]["param_groups"] == state["trainer"]["optimizer"]["param_groups"]
+    assert copy["rng"]["python"] == (3, (1, 2), None) and copy["trainer"]["version"] == 4
+    assert checkpoint.tensor_bytes(state) == 4 * (6 + 2) * 3 + 4 * 2 + state["rng"]["torch"].numel()
 
 
 def test_a_checkpoint_written_after_the_next_batch_was_taken_keeps_its_groups(tmp_path):

@@ -31,6 +31,7 @@ from tandem.engine.client import EngineUnreachable
 from tandem.model.loader import build_model
 from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
+from tandem.run import checkpoint
 from tandem.run.export import export_trainer
 from tandem.run.pending import PendingSync
 from tandem.run.placement import place
@@ -80,7 +81,7 @@ class Run:
         self.on_batch: Callable[[int, list[Group]], None] | None = None  # sees each batch and its version
         self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
         self._last_push = LastPush()  # the trainer's hook fences it (it holds no reference to the run: no cycle)
-        self._writing: asyncio.Future | None = None  # a step's checkpoint being written by a thread
+        self._writing: asyncio.Future | None = None  # a step's checkpoint being written (`_checkpoint_beside`)
         self.trainer.before_weight_write = self._last_push.fence
 
     @contextlib.asynccontextmanager
@@ -210,11 +211,7 @@ class Run:
         if on_step:
             on_step(record)
         if cfg.checkpoint_every and pending.version % cfg.checkpoint_every == 0:
-            # written by a thread: the agents' turns go on meanwhile (seconds for a GPU model's masters and optimizer
-            # state). The next step, which awaits this one's end, waits for it: the live tensors are written, not a
-            # copy (which would need the whole state in host memory at once)
-            self._writing = asyncio.ensure_future(asyncio.to_thread(self._write_checkpoint, self._checkpoint_state()))
-            await asyncio.shield(self._writing)
+            await self._checkpoint_beside()
         if cfg.trainer.export_every and pending.version % cfg.trainer.export_every == 0:
             await asyncio.to_thread(export_trainer, cfg, self.trainer)  # (rollouts go on meanwhile)
 
@@ -251,6 +248,23 @@ class Run:
     def _save_checkpoint(self) -> None:
         self._write_checkpoint(self._checkpoint_state())
 
+    async def _checkpoint_beside(self) -> None:
+        """A checkpoint of now, written by a thread: the agents' turns go on meanwhile (seconds for a GPU model's
+        masters and optimizer state). Where host memory holds a copy of the state (`tandem.run.checkpoint`), a thread
+        copies it first and the run goes on once it has (the next step, which awaits this step's end, waits for the
+        copy only); else the live tensors are written and the next step waits for the write. The write before is
+        awaited first (one writer of the file at a time; its error raised here)."""
+        if self._writing is not None:
+            await asyncio.shield(self._writing)
+        state = self._checkpoint_state()
+        copy = checkpoint.fits_in_host_memory(state)
+        if copy:
+            state = await asyncio.to_thread(checkpoint.copied, state)
+        self._writing = asyncio.ensure_future(asyncio.to_thread(self._write_checkpoint, state))
+        self._writing.add_done_callback(_log_failed_write)
+        if not copy:
+            await asyncio.shield(self._writing)
+
     def _checkpoint_state(self) -> dict:
         """What a checkpoint holds, taken on the event loop's thread (the manager's state is a copy; the trainer's
         tensors are the live ones: write them before its next step)."""
@@ -285,6 +299,11 @@ class LastPush:
     def fence(self) -> None:
         if (pending := self.pending) is not None:
             pending.fence()
+
+
+def _log_failed_write(writing: asyncio.Future) -> None:
+    if not writing.cancelled() and writing.exception() is not None:
+        log.error("checkpoint: writing %s failed (the one before stays): %r", CHECKPOINT, writing.exception())
 
 
 async def _unless_failed(coro, monitor: asyncio.Task, abandoned: Callable[[object], None],
