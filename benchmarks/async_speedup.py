@@ -33,6 +33,7 @@ update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause
 target reads it: the trainer's wait median and longest, the pause median and longest, and when the engine had
 applied the update, from the push's start: on one GPU the push returns once the load is queued), how often the
 engine's loop was held past 200 ms by one step or command (colocated, from its log; the reports follow the table),
+the run's event loop likewise (any placement: every episode waited; where it was held follows the table),
 staleness (mean, max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and
 last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes between the same two
 devices with the same backend, measured in the same run: what the sync could reach; on one GPU, one
@@ -49,6 +50,7 @@ import logging
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -69,19 +71,24 @@ ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "schedule_s", "prepare_s", "postp
                         "running_request_steps", "waiting_request_steps", "command_waits")
 
 
-class SlowIterations(logging.Handler):
-    """Collects the engine's reports of a step or command that held its loop past `SLOW_ITERATION_S` (an engine in
-    this process only: placement colocated)."""
+class Holds(logging.Handler):
+    """Collects the warnings of `logger` that report a hold past 200 ms: "engine": a step or command of the engine's
+    loop (an engine in this process only: placement colocated); "run": the run's event loop, where every episode
+    waits (`tandem.run.loop_lag`)."""
 
-    def __init__(self):
+    PHRASES = {"tandem.engine.core": "every request waited for it",
+               "tandem.run.loop_lag": "every episode waited for it"}
+
+    def __init__(self, logger: str):
         super().__init__(logging.WARNING)
+        self.logger, self.phrase = logging.getLogger(logger), self.PHRASES[logger]
         self.ms: list[float] = []
         self.what: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        if "every request waited for it" in (message := record.getMessage()):
+        if self.phrase in (message := record.getMessage()):
             self.what.append(message)
-            self.ms.append(float(message.split(" took ")[1].split(" ms")[0]))
+            self.ms.append(float(re.search(r"(?:took|held) (\d+) ms", message).group(1)))
 
 
 class Collections:
@@ -116,14 +123,15 @@ class Collections:
 def measure(overrides: list[str], warmup: int) -> dict:
     """One run; rates and fractions over the steps after the first `warmup` (the first steps pay for CUDA
     kernels' first launches and the allocators' growth)."""
-    slow, collections = SlowIterations(), Collections()
-    core_log = logging.getLogger("tandem.engine.core")
-    core_log.addHandler(slow)
+    slow, held, collections = Holds("tandem.engine.core"), Holds("tandem.run.loop_lag"), Collections()
+    for holds in (slow, held):
+        holds.logger.addHandler(holds)
     gc.callbacks.append(collections)
     try:
         _, history, _ = run_recording(RunConfig.load(None, overrides))
     finally:
-        core_log.removeHandler(slow)
+        for holds in (slow, held):
+            holds.logger.removeHandler(holds)
         gc.callbacks.remove(collections)
     gc.collect()  # (the run's objects go now, not at a later full pass: the next run's engine sizes its pool from
     # the memory left; a run is meant to hold no cycle, tests/test_run_release.py)
@@ -173,6 +181,9 @@ def measure(overrides: list[str], warmup: int) -> dict:
         # the engine's loop held past 200 ms (colocated: its log; with the steps' numbers), over the whole run
         "slow_iterations": len(slow.ms), "slowest_iteration_ms": max(slow.ms, default=0.0),
         "slow_iteration_reports": slow.what[:20],
+        # the run's event loop held past 200 ms (every episode waited), over the whole run, where it was held
+        "loop_holds": len(held.ms), "loop_longest_hold_ms": max(held.ms, default=0.0),
+        "loop_hold_reports": held.what[:20],
         # the collector's passes over the whole run: generation -> (count, longest ms)
         "gc": collections.summary(),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
@@ -424,6 +435,10 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
               f"(async, mean); one plain {backend} broadcast of the same bytes between the same devices in this run: "
               f"{plain:.3g} GB/s ({idle_gb_s / plain:.0%} and {busy_gb_s / plain:.0%} of it); tandem's transport "
               f"alone (no HTTP, no engine) on tensors of the same shapes: {alone:.3g} GB/s ({alone / plain:.0%})")
+    for name, r in rows:
+        if r["loop_holds"]:
+            print(f"the run's event loop held > 200 ms in {name}: {r['loop_holds']} times, longest "
+                  f"{r['loop_longest_hold_ms']:.0f} ms: " + "; ".join(r["loop_hold_reports"][:3]))
     for name, r in rows:  # a full pass holds every thread of the process: the engine's too when colocated
         print(f"garbage collections in {name} (this process, once started), count (longest ms) by generation: "
               + ", ".join(f"{g}: {r['gc'][g][0]} ({r['gc'][g][1]:.0f})" for g in ("gc0", "gc1", "gc2"))

@@ -249,6 +249,7 @@ def test_a_step_checkpoint_is_written_beside_the_run(tmp_path, monkeypatch, fits
     assert [(v, went_on, unchanged) for v, went_on, unchanged, _ in writes] == [(1, fits, True), (2, fits, True)], \
         writes
     assert all(n >= 5 for *_, n in writes), writes  # the loop ticked through every write
+    assert not any("slow_write" in where for _, where in run.loop_lag.holds), run.loop_lag.holds  # (nor held there)
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
     assert state["trainer"]["version"] == steps and state["manager"]["batches_taken"] == steps
 

@@ -33,6 +33,7 @@ from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
 from tandem.run import checkpoint
 from tandem.run.export import export_trainer
+from tandem.run.loop_lag import LoopLag
 from tandem.run.pending import PendingSync
 from tandem.run.placement import place
 from tandem.trainer.trainer import Trainer
@@ -82,6 +83,7 @@ class Run:
         self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
         self._last_push = LastPush()  # the trainer's hook fences it (it holds no reference to the run: no cycle)
         self._writing: asyncio.Future | None = None  # a step's checkpoint being written (`_checkpoint_beside`)
+        self.loop_lag = LoopLag()  # (started with the run: its event loop's holds)
         self.trainer.before_weight_write = self._last_push.fence
 
     @contextlib.asynccontextmanager
@@ -108,6 +110,7 @@ class Run:
         start = time.perf_counter()
         idle0 = (await self.engine.get_stats()).idle_seconds
         runner = asyncio.create_task(self.manager.run())
+        self.loop_lag = LoopLag().start()
         self._weights_lock = asyncio.Lock()
         monitor = asyncio.create_task(self.placement.monitor(self._current_weights))
         waited = trained = 0.0
@@ -151,6 +154,7 @@ class Run:
                 await finishing
                 finishing = None
         finally:
+            self.loop_lag.stop()
             runner.cancel()
             monitor.cancel()  # (first: nothing may read the weights while a step's thread still runs)
             if finishing is not None:
@@ -205,6 +209,8 @@ class Run:
             cache_hit_rate=stats.cache_hit_rate,
             cache_reuse_vs_ideal=stats.reuse_vs_ideal if stats.ideal_measured else None,
             dropped=dict(self.manager.dropped),
+            # the event loop held past `loop_lag.HELD_S` so far (every episode waited): how often, the longest
+            loop_holds=len(self.loop_lag.holds), loop_longest_hold_s=self.loop_lag.longest_s,
             **self.placement.view(),
         )
         self._append_record(record)
