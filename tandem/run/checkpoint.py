@@ -1,9 +1,8 @@
 """A run's checkpoint state copied off the live tensors, where host memory holds the copy.
 
 A step's checkpoint is written by a thread (`tandem.run.loop.Run`). Its trainer tensors are the live ones, which the
-next optimizer step overwrites: copied to host memory first, they may be written while the trainer goes on (the
-write takes seconds for a GPU model's float32 masters and optimizer state, the copy a fraction of that); where the
-copy would not fit, the live tensors are written and the next step waits for the write.
+next optimizer step overwrites: copied to host memory first, they may be written while the trainer goes on; where
+the copy would not fit, the live tensors are written and the next step waits for the write.
 """
 
 from __future__ import annotations

@@ -255,11 +255,11 @@ class Run:
         self._write_checkpoint(self._checkpoint_state())
 
     async def _checkpoint_beside(self) -> None:
-        """A checkpoint of now, written by a thread: the agents' turns go on meanwhile (seconds for a GPU model's
-        masters and optimizer state). Where host memory holds a copy of the state (`tandem.run.checkpoint`), a thread
-        copies it first and the run goes on once it has (the next step, which awaits this step's end, waits for the
-        copy only); else the live tensors are written and the next step waits for the write. The write before is
-        awaited first (one writer of the file at a time; its error raised here)."""
+        """A checkpoint of now, written by a thread: the agents' turns go on meanwhile. Where host memory holds a
+        copy of the state (`tandem.run.checkpoint`), a thread copies it first and the run goes on once it has (the
+        next step, which awaits this step's end, waits for the copy only); else the live tensors are written and the
+        next step waits for the write. The write before is awaited first (one writer of the file at a time; its
+        error raised here)."""
         if self._writing is not None:
             await asyncio.shield(self._writing)
         state = self._checkpoint_state()
