@@ -72,9 +72,9 @@ ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "schedule_s", "prepare_s", "postp
 
 
 class Holds(logging.Handler):
-    """Collects the warnings of `logger` that report a hold past 200 ms: "engine": a step or command of the engine's
-    loop (an engine in this process only: placement colocated); "run": the run's event loop, where every episode
-    waits (`tandem.run.loop_lag`)."""
+    """Collects the warnings of `logger` that report a hold past 200 ms: "tandem.engine.core", a step or command of
+    the engine's loop (an engine in this process only: placement colocated); "tandem.run.loop_lag", the run's event
+    loop, where every episode waits."""
 
     PHRASES = {"tandem.engine.core": "every request waited for it",
                "tandem.run.loop_lag": "every episode waited for it"}
@@ -95,8 +95,7 @@ class Collections:
     """The garbage collector's passes in this process (they hold every thread, the engine's too when colocated)
     once the run has started (the placement froze the heap built until then: `freeze_heap`): how many, and the
     longest, by generation; and the longest before. It runs at every pass, so it must cost next to nothing:
-    `gc.get_freeze_count` walks every frozen object (milliseconds over a run's heap), so it is asked only until the
-    heap is frozen."""
+    `gc.get_freeze_count` walks every frozen object, so it is asked only until the heap is frozen."""
 
     def __init__(self):
         self.started = 0.0
@@ -348,8 +347,8 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
             "rollout.batch_groups=4", "rollout.num_in_flight=64", "random_agent.response_len_median=16",
             "random_agent.response_len_sigma=1.2", "random_agent.response_len_max=512",
             "engine.measure_ideal_reuse=true",
-            # no checkpoint mid-run: on a GPU one takes seconds that the trainer waits (the same in every row), which
-            # would dilute what this compares (only the end's, after the last record)
+            # no checkpoint mid-run: its cost, the same in every row, would dilute what this compares (the run's
+            # end still writes one, after the last record)
             "checkpoint_every=0"]
     if engine_device != "cpu":  # bf16 weights and KV in the engine, bf16 compute over fp32 masters in the trainer
         base += ["engine.num_pages=0", f"engine.kv_memory_fraction={0.8 if placement == 'separate' else 0.5}",

@@ -1,7 +1,6 @@
 """The async benchmark's collector hook (`Collections`) must cost next to nothing: it runs at every pass of the
-garbage collector (about a thousand times in a one-GPU run's trainer process), and `gc.get_freeze_count` walks
-every frozen object. Asking it at every pass made the measured trainer's process slower (its steps and its agents'
-turns)."""
+garbage collector, and `gc.get_freeze_count` walks every frozen object, so asking it at every pass slows the
+measured trainer's process (its steps and its agents' turns)."""
 
 import importlib.util
 from pathlib import Path

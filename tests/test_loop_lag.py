@@ -37,3 +37,25 @@ def test_a_loop_that_awaits_has_no_holds():
         return lag
 
     assert asyncio.run(main()).holds == []
+
+
+def test_a_run_records_the_holds_of_its_event_loop(tmp_path):
+    """`Run` watches its event loop while it trains: a step's end that blocks the loop (here the step callback, which
+    runs on it) shows in the later records' counts, and the hold's report names where it was held."""
+    from tandem.config import RunConfig
+    from tandem.run.loop import Run
+
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=2", "checkpoint_every=0",
+                                    "rollout.batch_groups=2", "rollout.group_size=2"]))
+
+    def hold_on_step(record: dict) -> None:
+        if record["step"] == 1:
+            hold_the_loop(0.5)
+
+    try:
+        history = asyncio.run(run.train(on_step=hold_on_step))
+    finally:
+        run.shutdown()
+    assert history[-1]["loop_holds"] >= 1 and history[-1]["loop_longest_hold_s"] > 0.4, history[-1]
+    assert any(where.startswith("hold_the_loop") and "_finish_step (loop.py:" in where
+               for _, where in run.loop_lag.holds), run.loop_lag.holds

@@ -83,7 +83,7 @@ class Run:
         self._weights_lock: asyncio.Lock | None = None  # held while a trainer step changes the weights
         self._last_push = LastPush()  # the trainer's hook fences it (it holds no reference to the run: no cycle)
         self._writing: asyncio.Future | None = None  # a step's checkpoint being written (`_checkpoint_beside`)
-        self.loop_lag = LoopLag()  # (started with the run: its event loop's holds)
+        self.loop_lag = LoopLag()  # the event loop's holds, watched while `train` runs
         self.trainer.before_weight_write = self._last_push.fence
 
     @contextlib.asynccontextmanager
@@ -110,7 +110,7 @@ class Run:
         start = time.perf_counter()
         idle0 = (await self.engine.get_stats()).idle_seconds
         runner = asyncio.create_task(self.manager.run())
-        self.loop_lag = LoopLag().start()
+        self.loop_lag.start()
         self._weights_lock = asyncio.Lock()
         monitor = asyncio.create_task(self.placement.monitor(self._current_weights))
         waited = trained = 0.0
