@@ -275,3 +275,22 @@ def test_a_step_or_command_that_stalls_the_engine_is_logged_naming_it(caplog, mo
     assert any("(requests 1, tokens 5) took" in m for m in logged), logged  # the prefill
     assert any("(requests 1, tokens 1) took" in m for m in logged), logged  # the decode step
     assert any(m.startswith("engine: command Snapshot took") for m in logged), logged
+
+
+def test_a_slow_step_is_logged_with_where_the_engine_thread_was_held(caplog):
+    """The slow iteration's warning also names where the engine's thread spent the time (its stack, taken by a
+    watching thread while the step ran past the threshold), so the stall can be found, not only seen."""
+    with Engine("tiny") as engine:
+        schedule = engine.core.scheduler.schedule
+
+        def schedule_slowly():
+            if any(r.prompt_len == 5 for r in engine.core.scheduler.waiting):
+                time.sleep(0.4)  # (what a slow call does to the step: every request waits)
+            return schedule()
+
+        engine.core.scheduler.schedule = schedule_slowly
+        with caplog.at_level("WARNING", logger="tandem.engine.core"):
+            asyncio.run(engine.generate([9, 8, 7, 6, 5], SamplingParams(max_new_tokens=2, temperature=0)))
+    logged = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert "held in: schedule_slowly (test_engine_rl.py:" in logged[0] and "< _step (core.py:" in logged[0], logged

@@ -62,6 +62,7 @@ from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
 from tandem.engine.scheduler import PENDING, Chunk, Scheduler
 from tandem.engine.streams import StreamRuntime, engine_placements
+from tandem.holds import HoldWatch
 from tandem.model.loader import WeightLoader, build_model
 from tandem.model.qwen3 import Qwen3ForCausalLM
 from tandem.types import HANDED_BACK, PAUSED_ABORT, EngineStats, FinishReason, GenerateOutput, TokenDelta
@@ -143,6 +144,7 @@ class EngineCore(DecodeImports):
         self._arrival = itertools.count()
         self._inflight: Launched | None = None  # the launched step whose sampled tokens are not applied yet
         self._last_chunks: list[Chunk] = []  # what the last step scheduled (named if it was slow)
+        self._hold_watch = HoldWatch(SLOW_ITERATION_S)  # (and where the thread was, if so)
         self._applied_digest = 0  # of the tokens the last drain applied (for the lockstep sentinel)
         self._applied_routing = 0  # the model's routing checksum after the step the last drain applied
         self._held: list[tuple[Request, KVPages | MappedKV]] = []  # imports that arrived while paused, in order
@@ -190,6 +192,7 @@ class EngineCore(DecodeImports):
         every request in it (a bug must not leave clients waiting); ranks out of lockstep also set `fatal`: the
         engine must stop."""
         t0 = time.perf_counter()
+        self._hold_watch.begin()
         while self._unpins:  # (before any command that could allocate)
             self.pool.decref(self._unpins.popleft())
         if not isinstance(command, commands.Step):
@@ -239,12 +242,14 @@ class EngineCore(DecodeImports):
                 raise  # the command's own refusal
             self._engine_error(e)
         finally:
+            where = self._hold_watch.end()
             if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
                 chunks = self._last_chunks
                 what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "
                         f"{sum(c.num_tokens for c in chunks)})" if isinstance(command, commands.Step)
                         else f"command {type(command).__name__}")
-                log.warning("engine: %s took %.0f ms; every request waited for it", what, 1e3 * spent)
+                log.warning("engine: %s took %.0f ms; every request waited for it; held in: %s", what, 1e3 * spent,
+                            where or "(not taken)")
 
     def _engine_error(self, error: Exception) -> None:
         log.error("engine step failed", exc_info=error)

@@ -32,6 +32,7 @@ from tandem.model.loader import build_model
 from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
 from tandem.run import checkpoint
+from tandem.run.engine_process import freeze_heap
 from tandem.run.export import export_trainer
 from tandem.run.loop_lag import LoopLag
 from tandem.run.pending import PendingSync
@@ -114,6 +115,7 @@ class Run:
         self._weights_lock = asyncio.Lock()
         monitor = asyncio.create_task(self.placement.monitor(self._current_weights))
         waited = trained = 0.0
+        first_step = True
         finishing: asyncio.Task | None = None  # the last step's end: once the engine applied its weights
         try:
             while self.trainer.version < cfg.steps:
@@ -137,6 +139,9 @@ class Run:
                     self._training = asyncio.get_running_loop().run_in_executor(None, self.trainer.step, batch), batch
                     metrics = await asyncio.shield(self._training[0])
                     self._training = None
+                if first_step:  # what the first step built (a compiled step's caches) lives as long as the run: it
+                    freeze_heap()  # is left out of the collector's full passes, which hold the agents and the engine
+                    first_step = False
                 metrics["group_ids"] = [g.index for g in batch]  # what this step trained (a soak checks it)
                 t2 = time.perf_counter()
                 try:  # returns once the engine holds the weights, or (one GPU) once their load is queued to it
