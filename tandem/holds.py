@@ -4,11 +4,14 @@ can name the call that held it, not only its length.
 
 `HoldWatch.begin()` on the working thread as a unit starts, `end()` as it ends: `end` returns where that thread was
 once the unit had run `held_s` (None if the unit ended sooner, or before the watcher looked). One daemon thread
-per process looks at every live watch every `POLL_S`; it takes stacks only while some unit is past its limit.
+per process looks at every live watch every `POLL_S`; it takes stacks only while some unit is past its limit. When
+the watcher itself wakes `INTERPRETER_HELD_S` late, no thread could run Python meanwhile: that is logged with each
+thread's stack as the watcher finds them, the holder's among them (it has just let go).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -16,7 +19,10 @@ import time
 import traceback
 import weakref
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.05
+INTERPRETER_HELD_S = 0.2  # the watcher itself woke this late: logged, with every thread's stack
 STACK_FRAMES = 5  # of tandem's own frames, innermost first, after the innermost frame of all
 
 
@@ -70,16 +76,30 @@ def _register(watch: HoldWatch) -> None:
 
 def _watch_all() -> None:
     while True:
+        slept = time.monotonic()
         time.sleep(POLL_S)
+        now = time.monotonic()
+        if (late := now - slept - POLL_S) > INTERPRETER_HELD_S:
+            _interpreter_held(late)
         with _lock:
             watches = list(_watches)
-        now = time.monotonic()
         overdue = [(w, unit) for w in watches if (unit := w._overdue(now)) is not None]
         if overdue:
             frames = sys._current_frames()
             for watch, unit in overdue:
                 watch._take(unit, frames)
         del watches, overdue
+
+
+def _interpreter_held(late: float) -> None:
+    """This thread woke `late`: no thread could run Python meanwhile (a call that keeps the interpreter's lock, a
+    collector pass), or the process did not run. Whoever held it has just let go: each thread's stack now names it."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    me = threading.get_ident()
+    stacks = "; ".join(f"{names.get(ident, ident)}: {where(traceback.extract_stack(frame))}"
+                       for ident, frame in sys._current_frames().items() if ident != me)
+    log.warning("the interpreter was held %.0f ms: every thread of this process waited; threads then: %s",
+                1e3 * late, stacks)
 
 
 def _forked() -> None:  # a forked child has no watcher thread: the next watch starts one
