@@ -74,10 +74,12 @@ ENGINE_STEP_COUNTERS = ("busy_s", "forward_s", "schedule_s", "prepare_s", "postp
 class Holds(logging.Handler):
     """Collects the warnings of `logger` that report a hold past 200 ms: "tandem.engine.core", a step or command of
     the engine's loop (an engine in this process only: placement colocated); "tandem.run.loop_lag", the run's event
-    loop, where every episode waits."""
+    loop, where every episode waits; "tandem.holds", the interpreter's lock kept (every thread of this process
+    waited), with each thread's stack."""
 
     PHRASES = {"tandem.engine.core": "every request waited for it",
-               "tandem.run.loop_lag": "every episode waited for it"}
+               "tandem.run.loop_lag": "every episode waited for it",
+               "tandem.holds": "every thread of this process waited"}
 
     def __init__(self, logger: str):
         super().__init__(logging.WARNING)
@@ -122,14 +124,15 @@ class Collections:
 def measure(overrides: list[str], warmup: int) -> dict:
     """One run; rates and fractions over the steps after the first `warmup` (the first steps pay for CUDA
     kernels' first launches and the allocators' growth)."""
-    slow, held, collections = Holds("tandem.engine.core"), Holds("tandem.run.loop_lag"), Collections()
-    for holds in (slow, held):
+    slow, held, locked = Holds("tandem.engine.core"), Holds("tandem.run.loop_lag"), Holds("tandem.holds")
+    collections = Collections()
+    for holds in (slow, held, locked):
         holds.logger.addHandler(holds)
     gc.callbacks.append(collections)
     try:
         _, history, _ = run_recording(RunConfig.load(None, overrides))
     finally:
-        for holds in (slow, held):
+        for holds in (slow, held, locked):
             holds.logger.removeHandler(holds)
         gc.callbacks.remove(collections)
     gc.collect()  # (the run's objects go now, not at a later full pass: the next run's engine sizes its pool from
@@ -183,6 +186,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
         # the run's event loop held past 200 ms (every episode waited), over the whole run, where it was held
         "loop_holds": len(held.ms), "loop_longest_hold_ms": max(held.ms, default=0.0),
         "loop_hold_reports": held.what[:20],
+        # the interpreter's lock kept past 200 ms (every thread of this process waited), with every thread's stack
+        "interpreter_holds": len(locked.ms), "interpreter_hold_reports": locked.what[:20],
         # the collector's passes over the whole run: generation -> (count, longest ms)
         "gc": collections.summary(),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),
@@ -438,6 +443,9 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
         if r["loop_holds"]:
             print(f"the run's event loop held > 200 ms in {name}: {r['loop_holds']} times, longest "
                   f"{r['loop_longest_hold_ms']:.0f} ms: " + "; ".join(r["loop_hold_reports"][:3]))
+        if r["interpreter_holds"]:
+            print(f"the interpreter's lock kept > 200 ms in {name}: {r['interpreter_holds']} times: "
+                  + " | ".join(r["interpreter_hold_reports"][:3]))
     for name, r in rows:  # a full pass holds every thread of the process: the engine's too when colocated
         print(f"garbage collections in {name} (this process, once started), count (longest ms) by generation: "
               + ", ".join(f"{g}: {r['gc'][g][0]} ({r['gc'][g][1]:.0f})" for g in ("gc0", "gc1", "gc2"))
