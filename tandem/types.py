@@ -268,6 +268,10 @@ class EngineStats:
     running_request_steps: int = 0  # requests in each step, summed over steps (/ num_steps: the mean batch)
     waiting_request_steps: int = 0  # requests waiting for admission at each step, summed
     command_waits: int = 0  # commands that waited for the step in flight (the device then waits for the host)
+    # steps or commands that held every request past `tandem.engine.core.SLOW_ITERATION_S` (each logged, with where
+    # the engine's thread was held), and the longest of them
+    slow_iterations: int = 0
+    slowest_iteration_seconds: float = 0.0
     busy_seconds: float = 0.0  # time spent in steps
     idle_seconds: float = 0.0  # time with nothing to run (no requests, or paused); the rest: commands, the loop
     # where the busy time goes: scheduling, building the step's inputs on the host, the forward pass and

@@ -292,6 +292,8 @@ def test_a_slow_step_is_logged_with_where_the_engine_thread_was_held(caplog):
         engine.core.scheduler.schedule = schedule_slowly
         with caplog.at_level("WARNING", logger="tandem.engine.core"):
             asyncio.run(engine.generate([9, 8, 7, 6, 5], SamplingParams(max_new_tokens=2, temperature=0)))
+        stats = asyncio.run(engine.get_stats())  # (counted where a client sees them, over HTTP too)
+    assert stats.slow_iterations == 1 and 0.4 < stats.slowest_iteration_seconds < 2.0, stats
     logged = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
     assert len(logged) == 1, logged
     assert "held in: schedule_slowly (test_engine_rl.py:" in logged[0] and "< _step (core.py:" in logged[0], logged

@@ -445,3 +445,13 @@ def test_router_command_line_mistakes_are_clear_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli_main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_servers_stats_sum_as_one_engines():
+    """Counters add up; the weight version is the lowest any server holds, the slowest iteration the longest."""
+    from tandem.server.router import _sum_stats
+
+    a = dict(num_steps=2, slow_iterations=1, slowest_iteration_seconds=0.3, weight_version=3, ideal_measured=True)
+    b = dict(num_steps=3, slow_iterations=2, slowest_iteration_seconds=0.5, weight_version=5, ideal_measured=False)
+    assert _sum_stats([a, b]) == dict(num_steps=5, slow_iterations=3, slowest_iteration_seconds=0.5, weight_version=3,
+                                      ideal_measured=False)

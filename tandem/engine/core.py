@@ -250,6 +250,8 @@ class EngineCore(DecodeImports):
                         else f"command {type(command).__name__}")
                 log.warning("engine: %s took %.0f ms; every request waited for it; held in: %s", what, 1e3 * spent,
                             where or "(not taken)")
+                self.stats.slow_iterations += 1
+                self.stats.slowest_iteration_seconds = max(self.stats.slowest_iteration_seconds, spent)
 
     def _engine_error(self, error: Exception) -> None:
         log.error("engine step failed", exc_info=error)

@@ -312,12 +312,15 @@ def _prompts(body) -> list[list[int]]:
 
 
 def _sum_stats(stats: list[dict]) -> dict:
-    """One engine's stats from several: counters and gauges summed, flags all of them, `weight_version` the lowest."""
+    """One engine's stats from several: counters and gauges summed, flags all of them, `weight_version` the lowest,
+    `slowest_iteration_seconds` the longest."""
     total = {}
     for key, value in stats[0].items():
         values = [s.get(key, value) for s in stats]
         if key == "weight_version":
             total[key] = min(values)
+        elif key == "slowest_iteration_seconds":
+            total[key] = max(values)
         elif isinstance(value, bool):
             total[key] = all(values)
         elif isinstance(value, int | float):
