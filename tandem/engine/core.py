@@ -18,9 +18,9 @@ PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the sta
 
 Prefill/decode disaggregation: a prefill server's request (`AddRequest.export_kv_from`) hands its prompt's KV out
 with its output, read from its pages as it finishes (or its pages pinned until `unpin`: `export_pinned`); a decode
-server's `ImportRequest` writes such KV into fresh
-pages (behind the cached ones it already held) and queues the request with them and its first token: admitted, it
-decodes at once, and its KV joins the prefix cache when it ends, as any request's does. Both ends run between
+server's `ImportRequest` writes such KV into fresh pages (behind the cached ones it already held) and queues the
+request with them and its first token: admitted, it decodes at once, and its KV joins the prefix cache when it
+ends, as any request's does. Both ends run between
 steps in this thread: no page is freed or reused while its content moves. While paused, imports wait (`_held`)
 and nothing is written; `Resume` places them, an abort pause ends them. A decode server's engine
 (`EngineConfig.role`) hands its running requests back when it pauses in mode retract, and an import whose KV is of
@@ -135,8 +135,7 @@ class EngineCore(DecodeImports):
         self.stats = EngineStats(pages_total=self.pool.num_pages)
         self.fatal: Exception | None = None  # set when the engine must stop (TP ranks out of lockstep)
         self._cache_age = 0  # weight updates since the prefix cache was last emptied
-        # host seconds from the last weight load's start to the launch of the first step on its weights
-        self.load_gap_s: float | None = None
+        self.load_gap_s: float | None = None  # host seconds from the last load's start to its first step's launch
         self._load_started: float | None = None
         self._requests: dict[str, Request] = {}
         self._finished: list[GenerateOutput] = []
@@ -153,9 +152,8 @@ class EngineCore(DecodeImports):
         self._expected: dict[str, str | None] = {}  # probed imports not yet arrived -> the abort that ended them
         self._reserved: dict[str, Reservation] = {}  # pages set aside for probed imports (`Probe(reserve=True)`)
         self._gate = threading.RLock()  # held by a write out of this thread, and to pause or drop a reservation
-        # a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned (as its step
-        # is launched), then with (rid, PinnedKV) once it is ready to read; quick, in this thread
-        # (`disagg_mailbox.MailSender.pinned` and `.ready`)
+        # a prefill server's: called with (rid, PinnedKV, its weight version) as an export is pinned (as its step is
+        # launched), then with (rid, PinnedKV) once it is ready to read; quick, in this thread (`disagg_mailbox`)
         self.on_pinned = self.on_ready = None
         self._early: dict[str, PinnedKV] = {}  # exports pinned as their step was launched (`_pin_launched`)
         # the last step scheduled nothing with nothing in flight: requests wait for pages another holds (a pinned
@@ -242,16 +240,15 @@ class EngineCore(DecodeImports):
                 raise  # the command's own refusal
             self._engine_error(e)
         finally:
-            where = self._hold_watch.end()
+            where, s = self._hold_watch.end(), self.stats
             if (spent := time.perf_counter() - t0) > SLOW_ITERATION_S:
                 chunks = self._last_chunks
-                what = (f"step {self.stats.num_steps} (requests {len(chunks)}, tokens "
-                        f"{sum(c.num_tokens for c in chunks)})" if isinstance(command, commands.Step)
-                        else f"command {type(command).__name__}")
+                what = (f"step {s.num_steps} (requests {len(chunks)}, tokens {sum(c.num_tokens for c in chunks)})"
+                        if isinstance(command, commands.Step) else f"command {type(command).__name__}")
                 log.warning("engine: %s took %.0f ms; every request waited for it; held in: %s", what, 1e3 * spent,
                             where or "(not taken)")
-                self.stats.slow_iterations += 1
-                self.stats.slowest_iteration_seconds = max(self.stats.slowest_iteration_seconds, spent)
+                s.slow_iterations += 1
+                s.slowest_iteration_seconds = max(s.slowest_iteration_seconds, spent)
 
     def _engine_error(self, error: Exception) -> None:
         log.error("engine step failed", exc_info=error)
@@ -321,8 +318,7 @@ class EngineCore(DecodeImports):
 
     def _abort_all(self, message: str) -> None:
         self._expected = dict.fromkeys(self._expected, message)
-        held = [req for req, _ in self._held]
-        for req in list(self.scheduler.running) + list(self.scheduler.waiting) + held:
+        for req in [*self.scheduler.running, *self.scheduler.waiting, *(req for req, _ in self._held)]:
             self._finish(req, FinishReason("abort", message=message))
 
     def _pause(self, mode: PauseMode) -> None:
