@@ -120,7 +120,7 @@ for part in $parts; do
                    timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" rollout.pause_mode=in_place ;;
         async1gpu) timeout 580 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   --model qwen3-0.6b --placement shared colocated --steps 20 --warmup 2 --staleness 2 \
+                   --model qwen3-0.6b --placement shared colocated --steps 40 --warmup 2 --staleness 2 \
                    --pause-modes in_place --out "$OUT/async1gpu.json" ;;
         async_spy) spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # every process's stacks, idle ones too
                    timeout 300 "$spy" record -r 100 -f raw --subprocesses --idle --threads -o /tmp/async_spy.txt -- \
