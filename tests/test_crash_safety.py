@@ -9,6 +9,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -310,3 +311,24 @@ def test_a_checkpoint_written_after_the_next_batch_was_taken_keeps_its_groups(tm
         done = {i for version, ids in trained if version < s["version"] for i in ids}
         kept = done | {int(i) for i in m["buffer"]} | set(m["rerun"]) | set(m["dropped_indices"])
         assert m["batches_taken"] == s["version"] and kept == set(range(m["next_index"])), (s, trained)
+
+
+def test_the_runs_last_checkpoint_is_written_from_a_copy_off_the_event_loop(tmp_path):
+    """The run's end writes its checkpoint as a step's: from a host copy (a device tensor's storage copied by
+    `torch.save` keeps the interpreter's lock, and a colocated engine's thread waits), by a thread."""
+    run = Run(RunConfig.load(None, [f"out_dir={tmp_path}", "steps=2", *TINY]))
+    write, writes = run._write_checkpoint, []
+
+    def recorded_write(state):
+        live = dict(run.trainer.state_dict()["model"])
+        copied = all(state["trainer"]["model"][k].data_ptr() != t.data_ptr() for k, t in live.items())
+        writes.append((state["trainer"]["version"], threading.current_thread() is threading.main_thread(), copied))
+        write(state)
+
+    run._write_checkpoint = recorded_write
+    try:
+        asyncio.run(run.train())
+    finally:
+        run.shutdown()
+    assert writes[-1] == (2, False, True), writes  # (the last: the run's end)
+    assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["trainer"]["version"] == 2

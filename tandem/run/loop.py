@@ -171,7 +171,9 @@ class Run:
             await self.placement.disconnect()
             if self._writing is not None:  # (one writer of the file at a time: a step's may still write)
                 await asyncio.gather(self._writing, return_exceptions=True)
-            self._save_checkpoint()
+                self._writing = None
+            await self._checkpoint_beside()  # the run's end, as a step's: off the loop, an engine's thread beside it
+            await self._writing  # runs on (colocated), nor does the copy hold the interpreter's lock
         if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every:  # (else written above)
             export_trainer(cfg, self.trainer)
         return self.history
@@ -256,9 +258,6 @@ class Run:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(kept))
         tmp.replace(path)
-
-    def _save_checkpoint(self) -> None:
-        self._write_checkpoint(self._checkpoint_state())
 
     async def _checkpoint_beside(self) -> None:
         """A checkpoint of now, written by a thread: the agents' turns go on meanwhile. Where host memory holds a
