@@ -86,11 +86,21 @@ class Holds(logging.Handler):
         self.logger, self.phrase = logging.getLogger(logger), self.PHRASES[logger]
         self.ms: list[float] = []
         self.what: list[str] = []
+        self.when: list[float] = []  # (`time.time()` of each warning: placed among the steps by `placed`)
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.phrase in (message := record.getMessage()):
             self.what.append(message)
+            self.when.append(record.created)
             self.ms.append(float(re.search(r"(?:took|held) (\d+) ms", message).group(1)))
+
+
+def placed(holds: Holds, history: list[dict]) -> list[str]:
+    """Each hold's report, prefixed with the step it fell in (the first whose record came after it), or "after
+    the last step" (the run's end: its last checkpoint, the engine's stop), which no measured figure includes."""
+    def step(t: float) -> str:
+        return next((f"[in step {r['step']}]" for r in history if r["time"] >= t), "[after the last step]")
+    return [f"{step(t)} {what}" for t, what in zip(holds.when, holds.what, strict=True)]
 
 
 class Collections:
@@ -184,12 +194,12 @@ def measure(overrides: list[str], warmup: int) -> dict:
         # steps' sizes and where it was held from its log, an engine in this process only)
         "slow_iterations": last.get("engine_slow_iterations", 0),
         "slowest_iteration_ms": 1e3 * last.get("engine_slowest_iteration_s", 0.0),
-        "slow_iteration_reports": slow.what[:20],
+        "slow_iteration_reports": placed(slow, history)[:20],
         # the run's event loop held past 200 ms (every episode waited), over the whole run, where it was held
         "loop_holds": len(held.ms), "loop_longest_hold_ms": max(held.ms, default=0.0),
-        "loop_hold_reports": held.what[:20],
+        "loop_hold_reports": placed(held, history)[:20],
         # the interpreter's lock kept past 200 ms (every thread of this process waited), with every thread's stack
-        "interpreter_holds": len(locked.ms), "interpreter_hold_reports": locked.what[:20],
+        "interpreter_holds": len(locked.ms), "interpreter_hold_reports": placed(locked, history)[:20],
         # the collector's passes over the whole run: generation -> (count, longest ms)
         "gc": collections.summary(),
         "stale_mean": statistics.mean(h["staleness_mean"] for h in steady),

@@ -195,7 +195,7 @@ class Run:
             raise
         wall = time.perf_counter() - start
         record = dict(
-            step=pending.version, version=stats.weight_version, wall_s=wall,
+            step=pending.version, version=stats.weight_version, wall_s=wall, time=time.time(),
             **metrics, **self.manager.summary(),
             wait_s=wait_s, train_s=train_s, transfer_s=sync.transfer_s, transfer_wait_s=sync.wait_s,
             pause_s=sync.pause_s, sync_s=sync.sync_s, applied_s=sync.applied_s, sync_bytes=sync.num_bytes,
