@@ -27,6 +27,8 @@ STACK_FRAMES = 5  # of tandem's own frames, innermost first, after the innermost
 
 
 class HoldWatch:
+    """Units of work on one thread at a time, each located on its thread's stack once past `held_s`."""
+
     def __init__(self, held_s: float):
         self.held_s = held_s
         self._unit: tuple[int, float] | None = None  # (thread, start) of the unit under way

@@ -19,12 +19,12 @@ PipelineRL keeps in-flight KV; the sampled tokens' logprobs are those of the sta
 Prefill/decode disaggregation: a prefill server's request (`AddRequest.export_kv_from`) hands its prompt's KV out
 with its output, read from its pages as it finishes (or its pages pinned until `unpin`: `export_pinned`); a decode
 server's `ImportRequest` writes such KV into fresh pages (behind the cached ones it already held) and queues the
-request with them and its first token: admitted, it decodes at once, and its KV joins the prefix cache when it
-ends, as any request's does. Both ends run between
-steps in this thread: no page is freed or reused while its content moves. While paused, imports wait (`_held`)
-and nothing is written; `Resume` places them, an abort pause ends them. A decode server's engine
-(`EngineConfig.role`) hands its running requests back when it pauses in mode retract, and an import whose KV is of
-other weights than it holds: they end with `HANDED_BACK`, and its server has a prefill server compute them again.
+request with them and its first token: admitted, it decodes at once, and its KV joins the prefix cache when it ends,
+as any request's does. Both ends run between steps in this thread: no page is freed or reused while its content
+moves. While paused, imports wait (`_held`) and nothing is written; `Resume` places them, an abort pause ends them.
+A decode server's engine (`EngineConfig.role`) hands its running requests back when it pauses in mode retract, and
+an import whose KV is of other weights than it holds: they end with `HANDED_BACK`, and its server has a prefill
+server compute them again.
 
 Isolation: a request whose inputs make a step fail (a value the validation let through) is identified and
 finished with an abort naming the error; the step's other requests are not touched and run in the next step. Only

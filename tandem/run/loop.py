@@ -172,8 +172,9 @@ class Run:
             if self._writing is not None:  # (one writer of the file at a time: a step's may still write)
                 await asyncio.gather(self._writing, return_exceptions=True)
                 self._writing = None
-            await self._checkpoint_beside()  # the run's end, as a step's: off the loop, an engine's thread beside it
-            await self._writing  # runs on (colocated), nor does the copy hold the interpreter's lock
+            # the run's end, as a step's: copied and written by threads, the engine's own thread going on meanwhile
+            await self._checkpoint_beside()
+            await self._writing
         if cfg.trainer.export_every and self.trainer.version % cfg.trainer.export_every:  # (else written above)
             export_trainer(cfg, self.trainer)
         return self.history
