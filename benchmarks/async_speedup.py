@@ -32,8 +32,9 @@ episodes in flight on average (admitted, not ended: those not in the engine are 
 update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause ms; the handover as the one-GPU
 target reads it: the trainer's wait median and longest, the pause median and longest, and when the engine had
 applied the update, from the push's start: on one GPU the push returns once the load is queued), how often the
-engine's loop was held past 200 ms by one step or command (colocated, from its log; the reports follow the table),
-the run's event loop likewise (any placement: every episode waited; where it was held follows the table),
+engine's loop was held past 200 ms by one step or command (any placement, from its stats; with colocated, the
+reports from its log follow the table), the run's event loop and the interpreter's lock likewise (each report
+after the table, placed in the step it fell in or after the last),
 staleness (mean, max, and the share of trained tokens at each), prefix-cache reuse, and the reward of the first and
 last quarter of the steps. With `separate`, also a plain broadcast of one update's bytes between the same two
 devices with the same backend, measured in the same run: what the sync could reach; on one GPU, one

@@ -90,7 +90,7 @@ def _watch_all() -> None:
             frames = sys._current_frames()
             for watch, unit in overdue:
                 watch._take(unit, frames)
-        del watches, overdue
+        del watches, overdue  # (no strong reference while asleep: a watch goes when its owner does)
 
 
 def _interpreter_held(late: float) -> None:

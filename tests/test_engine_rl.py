@@ -292,7 +292,7 @@ def test_a_slow_step_is_logged_with_where_the_engine_thread_was_held(caplog):
         engine.core.scheduler.schedule = schedule_slowly
         with caplog.at_level("WARNING", logger="tandem.engine.core"):
             asyncio.run(engine.generate([9, 8, 7, 6, 5], SamplingParams(max_new_tokens=2, temperature=0)))
-        stats = asyncio.run(engine.get_stats())  # (counted where a client sees them, over HTTP too)
+        stats = asyncio.run(engine.get_stats())  # (counted in the stats a client reads)
     assert stats.slow_iterations == 1 and 0.4 < stats.slowest_iteration_seconds < 2.0, stats
     logged = [r.getMessage() for r in caplog.records if "took" in r.getMessage()]
     assert len(logged) == 1, logged

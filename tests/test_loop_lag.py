@@ -1,5 +1,6 @@
 """`LoopLag`: a hold of the run's event loop is noticed, measured and located (the rollouts' agents all wait on it,
-and nothing else reports it); a loop that only awaits has none."""
+and nothing else reports it); a loop that only awaits has none. And `Run` keeps what its first step built out of
+the collector's full passes, which hold the loop too."""
 
 import asyncio
 import time

@@ -4,9 +4,8 @@ A step's checkpoint, and the run's last, is written by a thread (`tandem.run.loo
 live ones, which the next optimizer step overwrites: copied to host memory first, they may be written while the
 trainer goes on; where the copy would not fit, the live tensors are written and the next step waits for the write.
 The copy (`Tensor.to`) also lets every other thread run: `torch.save` copies a device tensor's storage to the host
-keeping the interpreter's lock throughout (hundreds of ms for a GPU model's state), so a colocated engine's thread
-and the event loop wait on a write of live device tensors, even from a thread of its own: where the copy does not
-fit, they do.
+keeping the interpreter's lock throughout, so a colocated engine's thread and the event loop wait on a write of
+live device tensors, even from a thread of its own: where the copy does not fit, they do.
 """
 
 from __future__ import annotations

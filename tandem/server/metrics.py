@@ -39,7 +39,8 @@ _COUNTERS = [
     ("running_request_steps", "Requests in each step, summed over steps", lambda s: s.running_request_steps),
     ("waiting_request_steps", "Requests waiting at each step, summed over steps", lambda s: s.waiting_request_steps),
     ("command_waits", "Commands that waited for the step in flight", lambda s: s.command_waits),
-    ("slow_iterations", "Engine steps or commands that held every request past 200 ms", lambda s: s.slow_iterations),
+    ("slow_iterations", "Engine steps or commands slow enough to be logged (every request waited)",
+     lambda s: s.slow_iterations),
 ]
 
 
