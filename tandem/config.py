@@ -28,7 +28,7 @@ from tandem.model_config import PRESETS, Dtype, ModelConfig, resolve_model  # no
 # ---- the choices, each declared once (their tuples via get_args) ----------------------------------------------
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = get_args(PauseMode)
-Placement = Literal["colocated", "separate", "disaggregated", "ray"]
+Placement = Literal["auto", "colocated", "separate", "disaggregated", "ray"]
 WeightTransport = Literal["auto", "group", "ipc"]
 BatchOrder = Literal["deadline", "admission"]
 Advantage = Literal["grpo", "rloo"]
@@ -240,13 +240,16 @@ class RunConfig:
     """Everything `tandem run` needs. The embedded default: the random agent on the tiny model, on CPU.
 
     `task`: a registered task name or `package.module:factory` (checked by `tandem.rollout.registry`).
-    Placement: "colocated" runs the engine in a thread of the trainer's process, weights handed over in memory (the
-    default, for CPU development; on one GPU "separate" with ipc is the one to use, BENCHMARKS.md says why);
-    "separate" runs the engine in a process of its own behind its HTTP server; "disaggregated" a prefill server and a
-    decode server, each in a process of its own, behind a router in the trainer's process (weights by ipc to both);
-    "ray" the trainer and `rollout.num_engines` engine replicas as Ray actors (`tandem.run.ray_placement`). With
-    several engines (`rollout.num_engines`, or `rollout.restart_engines`) "separate" and "ray" run replicas behind a
-    router in the trainer's process, all updated by one broadcast over a group (`tandem.run.replicas`).
+    Placement: "auto" (the default) is "separate" when the trainer and the engine are both on CUDA (one GPU or two:
+    in a process of its own the engine's host work does not wait for the trainer's Python to let go of the
+    interpreter; BENCHMARKS.md, one-GPU handover, compares the two) or engine replicas are asked for, else
+    "colocated"; `__post_init__` decides it. "colocated" runs the engine in a thread of the trainer's process,
+    weights handed over in memory (CPU development: one process fewer); "separate" runs the engine in a process of
+    its own behind its HTTP server; "disaggregated" a prefill server and a decode server, each in a process of its
+    own, behind a router in the trainer's process (weights by ipc to both); "ray" the trainer and
+    `rollout.num_engines` engine replicas as Ray actors (`tandem.run.ray_placement`). With several engines
+    (`rollout.num_engines`, or `rollout.restart_engines`) "separate" and "ray" run replicas behind a router in the
+    trainer's process, all updated by one broadcast over a group (`tandem.run.replicas`).
     The separate engine's weights, by `weight_transport`:
     "group", broadcast over a torch.distributed group (NCCL when the trainer is on CUDA, else gloo) in buckets of
     `weight_bucket_bytes`; "ipc", handed over by reference through the pipe to the engine's process (CUDA IPC, or
@@ -268,7 +271,7 @@ class RunConfig:
     wandb: bool = False  # also log scalars to Weights & Biases (needs the wandb package; WANDB_MODE=offline works)
     wandb_project: str = "tandem"
     compare_sync: bool = False  # afterwards, run synchronous RL (max_staleness 0) on the same seed and compare
-    placement: Placement = "colocated"
+    placement: Placement = "auto"
     trainer_device: str | None = None
     engine_dtype: RunDtype = "float32"  # the engine's weights and KV (the trainer's: trainer.param_dtype)
     weight_transport: WeightTransport = "auto"
@@ -285,6 +288,10 @@ class RunConfig:
     def __post_init__(self):
         check_fields(self)
         trainer, engine = self.trainer_device or self.engine.device, self.engine.device
+        if self.placement == "auto":
+            on_cuda = trainer.startswith("cuda") and engine.startswith("cuda")
+            replicas = self.rollout.num_engines > 1 or self.rollout.restart_engines
+            self.placement = "separate" if on_cuda or replicas else "colocated"
         if self.placement == "separate" and trainer.startswith("cuda") != engine.startswith("cuda"):
             raise ValueError(f"run.trainer_device: with placement separate the trainer ({trainer}) and the engine "
                              f"({engine}) must both be on CUDA (NCCL) or both on the CPU (gloo)")

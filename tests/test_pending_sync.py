@@ -305,7 +305,7 @@ def test_colocated_send_on_the_gpu_the_trainers_write_at_once_never_reaches_the_
     fresh engine on the pushed weights generates."""
     from test_placement import assert_pushed_versions_generate_as_fresh_engines, generate_greedy
 
-    placement = place(RunConfig.load(None, ["engine.device=cuda:0", "engine.num_pages=512",
+    placement = place(RunConfig.load(None, ["placement=colocated", "engine.device=cuda:0", "engine.num_pages=512",
                                             "weight_sync_timeout_s=30"]))
     engine_stream = placement.engine.core.order.stream("compute")
 

@@ -7,6 +7,7 @@ push and the next one."""
 import asyncio
 import concurrent.futures
 import copy
+import dataclasses
 import gc
 import os
 import re
@@ -39,7 +40,7 @@ def make_run(tmp_path, *overrides) -> Run:
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["placement=apart"], "run.placement: must be colocated, separate, disaggregated or ray"),
+    (["placement=apart"], "run.placement: must be auto, colocated, separate, disaggregated or ray"),
     (["placement=separate", "trainer_device=cuda:0"], "must both be on CUDA (NCCL) or both on the CPU"),
     (["placement=separate", "trainer_device=cuda", "engine.device=cuda:0", "weight_transport=group"],
      "group needs two GPUs"),
@@ -52,6 +53,21 @@ def make_run(tmp_path, *overrides) -> Run:
 def test_bad_placement_is_a_value_error_naming_the_field(overrides, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         RunConfig.load(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, placement", [
+    ([], "colocated"),  # CPU development
+    (["trainer_device=cuda", "engine.device=cuda:0"], "separate"),  # one GPU
+    (["trainer_device=cuda:0", "engine.device=cuda:1"], "separate"),
+    (["trainer_device=cpu", "engine.device=cuda:0"], "colocated"),  # (separate needs both on CUDA or both not)
+    (["rollout.num_engines=2"], "separate"),  # replicas
+    (["rollout.restart_engines=true"], "separate"),
+    (["placement=colocated", "engine.device=cuda:0"], "colocated"),  # asked for: kept
+])
+def test_the_default_placement_is_separate_with_both_on_cuda_else_colocated(overrides, placement):
+    cfg = RunConfig.load(None, overrides)
+    assert cfg.placement == placement
+    assert dataclasses.replace(cfg).placement == placement  # (decided once: a copy keeps it)
 
 
 def test_one_gpu_for_both_defaults_to_the_ipc_transport():
@@ -374,7 +390,7 @@ def assert_pushed_versions_generate_as_fresh_engines(placement, pushed) -> None:
 def test_colocated_engine_on_its_stream_generates_as_a_fresh_engine_on_each_pushed_version():
     """The engine on a stream of its own, the weights by reference: after each push (the trainer changing its
     tensors at once, on its own stream) the engine generates exactly what a fresh engine on those weights does."""
-    config = ["engine.device=cuda:0", "engine.num_pages=512", "weight_sync_timeout_s=30"]
+    config = ["placement=colocated", "engine.device=cuda:0", "engine.num_pages=512", "weight_sync_timeout_s=30"]
     placement = place(RunConfig.load(None, config))
 
     async def pushed():

@@ -101,6 +101,6 @@ def task(cfg: RunConfig, vocab_size: int) -> EnvFactory:
     if tokenizer is None:
         if cfg.placement != "colocated":
             raise ValueError(f"run.task: chat_agent with placement {cfg.placement} needs a model directory that "
-                             f"holds a tokenizer ({cfg.model!r} has none)")
+                             f"holds a tokenizer ({cfg.model!r} has none), or placement=colocated")
         tokenizer = train_tokenizer(Path(cfg.out_dir) / "tokenizer", vocab_size=min(400, vocab_size))
     return lambda group_seed, sample: ChatAgentEnv(group_seed, tokenizer)

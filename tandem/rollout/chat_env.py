@@ -7,7 +7,7 @@ session's token history becomes the episode: the sampled ids with their logprobs
 the tokens of the messages the server rendered around them (loss mask 0). Nothing is re-tokenized on the way, so the
 trainer scores the tokens the engine sampled, whatever the template and BPE would make of their text later.
 
-Where the endpoint is: with the engine in this process (placement `colocated`, the default), an app of the
+Where the endpoint is: with the engine in this process (placement `colocated`, the default on the CPU), an app of the
 OpenAI-compatible routes around it, called in process (httpx's ASGI transport: no socket, no port); with the engine
 behind its HTTP server (placement `separate`), that server (its model directory must hold a tokenizer). A router
 does not forward sessions (placement `disaggregated` is refused).

@@ -1,17 +1,17 @@
 """Where the engine runs relative to the trainer, and how new weights reach it.
 
-`Colocated` (the default, for CPU development): the engine's thread in the trainer's process, on a CUDA stream of
-its own; weights handed over by reference in memory (`InProcessSender`): the engine copies the trainer's tensors
-into its parameters, ordered on the device. `Disaggregated`: a prefill and a decode server behind a router.
-`Separate`: the engine in a process of its own (`EngineProcess`), driven over its HTTP API (`EngineClient`). Its
-weights, by `RunConfig.weight_transport`:
+`Colocated` (the default on the CPU, `RunConfig.placement`): the engine's thread in the trainer's process, on a
+CUDA stream of its own; weights handed over by reference in memory (`InProcessSender`): the engine copies the
+trainer's tensors into its parameters, ordered on the device. `Disaggregated`: a prefill and a decode server behind
+a router. `Separate` (the default on CUDA): the engine in a process of its own (`EngineProcess`), driven over its
+HTTP API (`EngineClient`). Its weights, by `RunConfig.weight_transport`:
 - "group": broadcast SGLang-style over a torch.distributed group (NCCL on CUDA, gloo on CPU): the trainer has the
   engine join with `/init_weights_update_group` once, then per update calls `/update_weights_from_distributed`
   while its `DistSender` broadcasts the buckets (pipelined, see `tandem.transport.dist`). Never a call per tensor.
-- "ipc" (the default when both share one GPU, where NCCL cannot run two ranks; on one GPU the placement to use,
-  BENCHMARKS.md says why): the trainer's tensors go to the engine's process by reference (`IpcSender`: CUDA IPC
-  handles, or shared memory on a CPU) through a pipe of its own, and per update the trainer asks the engine's
-  process to receive and load them (`EngineProcess.update_weights`).
+- "ipc" (the default when both share one GPU, where NCCL cannot run two ranks): the trainer's tensors go to the
+  engine's process by reference (`IpcSender`: CUDA IPC handles, or shared memory on a CPU) through a pipe of its
+  own, and per update the trainer asks the engine's process to receive and load them
+  (`EngineProcess.update_weights`).
 
 Every sync is the same two sides run together: the trainer's `WeightSender.send`, and the engine's
 `receive_and_load` (its receiver's `receive`, the load, `release`), which replies with a `SyncReply`. What excludes
