@@ -80,6 +80,27 @@ def test_matches_reference_small(case):
     check(*case)
 
 
+class _NanScratch:
+    """`torch` for decode_attention's module, but its `empty` scratch starts as NaN (what unwritten memory may
+    hold)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, **kwargs):
+        return torch.full(shape, float("nan"), **kwargs)
+
+
+def test_the_merge_reads_no_output_an_empty_split_did_not_write(monkeypatch):
+    """A split past its request's end writes only its log-sum-exp (-inf): the merge must neither weigh nor read
+    that split's output, which is never written (NaN here)."""
+    from tandem.kernels import decode_attention
+
+    monkeypatch.setattr(decode_attention, "torch", _NanScratch())
+    check([3, 0, 40], 2, 2, 64, 16, torch.float32, num_kv_splits=8)  # most splits empty, a padding row
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_any_even_head_dim_matches_reference(head_dim):
     """Head dims that are not powers of two run in a padded block whose extra lanes are masked: a lane read past

@@ -154,6 +154,10 @@ def _split_kernel(
         gdc_wait()
         gdc_launch_dependents()
     newest = offs_n == seq_len - 1
+    work = start < end  # else a split past the request's end: it reads nothing and writes only its lse
+    # (as vectors, not `mask & work`: the CPU interpreter takes no scalar in a mask)
+    rows_h = offs_h < tl.where(work, GROUP, 0)  # the group's heads; none in an empty split
+    lanes = offs_d < tl.where(work, BLOCK_D, 0)
     k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
     v_new = k_new
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
@@ -162,13 +166,13 @@ def _split_kernel(
         freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
         cos, sin = _cos_sin(freq, INTERPRET)
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
-        q = _norm_rope(q_rows, mask_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
+        q = _norm_rope(q_rows, rows_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
                        k_ptr.dtype.element_ty, INTERPRET)
         new = b * stride_nb + kv_head * HEAD_DIM  # (below, `+ tl.zeros([1, 1])`: the new key as a row of one)
-        k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), offs_d[None, :] >= 0, offs_d,
-                                      partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
+        k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), lanes[None, :],
+                                      offs_d, partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
                                       INTERPRET), [BLOCK_D])
-        v_new = tl.load(new_v_ptr + new + offs_d).to(k_ptr.dtype.element_ty)
+        v_new = tl.load(new_v_ptr + new + offs_d, mask=lanes, other=0.0).to(k_ptr.dtype.element_ty)
         if start <= seq_len - 1 and seq_len - 1 < end:  # this split holds the newest position: it writes it
             slot = tl.load(slots_ptr + b).to(tl.int64)
             tl.store(k_ptr + slot * stride_ks + kv_head * stride_kk + offs_d, k_new)
@@ -178,12 +182,12 @@ def _split_kernel(
             k_now, v_now = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, newest, kv_head, offs_d,
                                     mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
             k, v = tl.where(newest[:, None], k_now, k), tl.where(newest[:, None], v_now, v)
-        q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(q_rows + offs_d[None, :], mask=rows_h[:, None] & mask_d[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if start < end:
+    if work:
         if FRESH:
             k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty,
@@ -199,12 +203,14 @@ def _split_kernel(
         m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
                                 DOT_PRECISION)
 
-    # an empty split (past the request's end) leaves l_i == 0: it writes zeros and lse = -inf, weight 0 in stage 2
+    # an empty split (past the request's end) leaves l_i == 0: it writes lse = -inf and no output, which stage 2
+    # then neither weighs nor reads
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
     row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
-    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+             mask=(mask_h & nonempty)[:, None] & mask_d[None, :])
     tl.store(mid_lse_ptr + row, lse, mask=mask_h)
 
 
@@ -223,7 +229,8 @@ def _merge_kernel(
     mask_d = offs_d < HEAD_DIM
     row = (b * tl.num_programs(1) + head) * num_splits + offs_n
     lse = tl.load(mid_lse_ptr + row, mask=mask_n, other=float("-inf"))
-    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+    written = mask_n & (lse > float("-inf"))  # (an empty split wrote no output)
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=written[:, None] & mask_d[None, :],
                       other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
