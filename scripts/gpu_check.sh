@@ -4,7 +4,8 @@
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
-#                        [pd_transfer_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor] [async_spy]
+#                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
+#                        [async_spy]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync* and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -143,6 +144,15 @@ for part in $parts; do
                      timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --no-doorbells \
                    --out "$OUT/disagg_no_doorbells.json";
                      timeout 60 python3 benchmarks/cold_host_ops.py ;;
+        engine_ab) for i in 1 2; do  # OLD: another tree, e.g. `git archive REV | tar -x -C ab_old` (not ignored)
+                     for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
+                         (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python3 \
+                             benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 4 8 16 \
+                             --skip-workload); done
+                     done;
+                   timeout 60 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
+                   timeout 80 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 8 \
+                       --skip-workload --profile-batch 8 ;;
         pd_transfer_ab) for i in 1 2; do  # OLD: another tree to compare, e.g. `git archive REV | tar -x -C ab_old`
                      for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
