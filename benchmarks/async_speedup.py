@@ -28,7 +28,8 @@ Prints a markdown table: wall time per trained token, trained tokens/s and the s
 idle fractions (the engine's: nothing to run, or paused; in brackets, its thread between steps: commands and its
 loop, while the device may still run the step in flight), the engine's steps (what one costs, the share that only
 decode, the commands that made the engine wait for its step in flight, requests running and waiting per step), the
-episodes in flight on average (admitted, not ended: those not in the engine are between turns), the weight sync per
+episodes in flight on average (admitted, not ended: those not in the engine are between turns; in brackets the
+share of the wall in which a group's slots were free but the staleness bound admitted none), the weight sync per
 update (transfer ms and GB/s, the trainer's wait: mean and longest, engine pause ms; the handover as the one-GPU
 target reads it: the trainer's wait median and longest, the pause median and longest, and when the engine had
 applied the update, from the push's start: on one GPU the push returns once the load is queued), how often the
@@ -152,7 +153,7 @@ def measure(overrides: list[str], warmup: int) -> dict:
         torch.cuda.empty_cache()
     first = history[warmup - 1] if warmup else dict.fromkeys(  # the counters before the first step
         ["wall_s", "prefill_tokens_computed", "engine_idle_s", *(f"engine_{k}" for k in ENGINE_STEP_COUNTERS),
-         "engine_steps", "episode_seconds"], 0)
+         "engine_steps", "episode_seconds", "bound_seconds"], 0)
     steady = history[warmup:]
     last, quarter = history[-1], max(1, len(history) // 4)
     wall = last["wall_s"] - first["wall_s"]
@@ -166,6 +167,8 @@ def measure(overrides: list[str], warmup: int) -> dict:
         "trainer_idle": sum(h["wait_s"] for h in steady) / wall, "engine_idle": idle / wall,
         # episodes admitted and not yet ended, on average (the engine runs or queues some; the rest are between turns)
         "episodes": (last["episode_seconds"] - first["episode_seconds"]) / wall,
+        # the share of the wall in which a group's slots were free but the staleness bound admitted none
+        "bound": (last["bound_seconds"] - first["bound_seconds"]) / wall,
         "engine_between": 1 - (busy + idle) / wall,
         "train_ms": 1e3 * statistics.median(h["train_s"] for h in steady),
         # the engine's prefill work per trained token: grows when updates make it recompute in-flight KV
@@ -382,7 +385,7 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
     print("| mode | wall s | trained tokens | us / trained token | trained tok/s | speedup | trainer idle | "
           "engine idle (between steps) | engine ms / step (forward) | host ms / step: schedule, inputs, results | "
           "decode-only steps | commands waiting for a step / step | requests / step (waiting) | "
-          "episodes in flight | "
+          "episodes in flight (admission held by the staleness bound) | "
           "prefill computed / trained token | train ms / step | "
           "transfer ms / update (waiting for the engine) | sync GB/s | trainer waits ms / update (longest) | "
           "pause ms / update | handover ms: trainer waits median (longest), pause median (longest), "
@@ -411,7 +414,8 @@ def run_placement(args, placement: str, save=lambda placement, figures: None) ->
               f"{1e3 * r['busy_s']:.2f} ({1e3 * r['forward_s']:.2f}) | "
               f"{1e3 * r['schedule_s']:.2f}, {1e3 * r['prepare_s']:.2f}, {1e3 * r['postprocess_s']:.2f} | "
               f"{r['decode_steps']:.0%} | {r['command_waits']:.2f} | "
-              f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | {r['episodes']:.1f} | "
+              f"{r['running_request_steps']:.1f} ({r['waiting_request_steps']:.1f}) | {r['episodes']:.1f} "
+              f"({r['bound']:.0%}) | "
               f"{r['prefill_per_token']:.2f} | {r['train_ms']:.0f} | "
               f"{r['transfer_ms']:.1f} ({r['transfer_wait_ms']:.1f}) | {r['sync_gb_s']:.3g} | "
               f"{r['sync_ms']:.1f} ({r['sync_max_ms']:.1f}) | {r['pause_ms']:.1f} | "

@@ -112,6 +112,26 @@ def test_checkpoint_resume_loses_nothing_and_keeps_the_bound(tmp_path, order):
                 assert all(version - v <= 2 for v, m in zip(e.versions, e.loss_mask, strict=True) if m)
 
 
+def test_time_the_staleness_bound_held_admission_is_integrated(monkeypatch):
+    """The manager's bound-seconds: time in which a group's slots were free but the staleness bound admitted no
+    group; not while the slots are full (the slots, not the bound, hold admission then)."""
+    now = [10.0]
+    monkeypatch.setattr(manager_module.time, "perf_counter", lambda: now[0])
+    cfg = RolloutConfig(group_size=2, batch_groups=1, max_staleness=0, num_in_flight=4)
+    m = manager_module.RolloutManager(None, None, cfg, 64, 0, lambda: 0)
+    m.next_index = m.admission_limit  # every group version 0 allows is admitted
+    m.fill()  # room for a group and none allowed: held from 10
+    now[0] = 12.0
+    m.num_in_flight_episodes = 4  # the slots full from 12
+    m.fill()
+    now[0] = 15.0
+    assert m.summary()["bound_seconds"] == 2.0
+    m.num_in_flight_episodes = 0
+    m.fill()  # held again from 15
+    now[0] = 16.5
+    assert m.summary()["bound_seconds"] == 3.5
+
+
 def test_episodes_in_flight_are_integrated_over_time(monkeypatch):
     """The manager's episode-seconds: two episodes for 1 s, then one for 2 s, make 4 (each change first adds the
     time at the old count)."""

@@ -104,6 +104,9 @@ class RolloutManager:
         # episodes in flight integrated over time (episode-seconds): over a window, / its length = how many were in
         # flight on average; less the engine's requests per step, how many were between turns, on the agents' side
         self._episode_seconds, self._counted_at = 0.0, time.perf_counter()
+        # how long the staleness bound, not the slots, kept a whole group's free slots empty (seconds, and since
+        # when it does now): the engine then runs what is in flight only, waiting for the trainer's next version
+        self._bound_seconds, self._bound_since = 0.0, None
         self._tasks: set[asyncio.Task] = set()
         self._admit_wake = asyncio.Event()
         self._batch_wake = asyncio.Event()
@@ -124,6 +127,13 @@ class RolloutManager:
         while not self._readmit and self._has_room() and self.next_index < self.admission_limit:
             self._start(self.next_index)
             self.next_index += 1
+        self._held_by_bound(not self._readmit and self._has_room())
+
+    def _held_by_bound(self, held: bool) -> None:
+        now = time.perf_counter()
+        if self._bound_since is not None:
+            self._bound_seconds += now - self._bound_since
+        self._bound_since = now if held else None
 
     async def run(self) -> None:
         """Keep admitting until cancelled. Wakes on every completion and every version change."""
@@ -285,6 +295,9 @@ class RolloutManager:
 
     def summary(self) -> dict:
         self._count(0)
+        if self._bound_since is not None:
+            self._held_by_bound(True)
         return {"in_flight_episodes": self.num_in_flight_episodes, "episode_seconds": self._episode_seconds,
+                "bound_seconds": self._bound_seconds,
                 "buffered_groups": len(self.buffer), "admitted_groups": self.next_index,
                 "dropped_groups": sum(self.dropped.values()), "rerun_groups": self.rerun_groups}
