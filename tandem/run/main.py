@@ -144,7 +144,8 @@ def run_with_display(cfg: RunConfig, console: Console) -> list[dict]:
         first, last = records[0], records[-1]
         console.print(f"\ndone: {last['step']} steps in {last['wall_s']:.1f} s; reward {first['reward_mean']:+.3f} -> "
                       f"{last['reward_mean']:+.3f}; {last['trained_tokens_per_s']:.0f} trained tok/s; trainer idle "
-                      f"{last['trainer_idle_frac']:.0%}, engine idle {last['engine_idle_frac']:.0%}; weight sync "
+                      f"{last['trainer_idle_frac']:.0%}, engine idle {last['engine_idle_frac']:.0%}, admission held by "
+                      f"the staleness bound {min(1.0, last['bound_seconds'] / last['wall_s']):.0%}; weight sync "
                       f"{1e3 * last['transfer_s']:.1f} ms ({last['sync_gb_per_s']:.2f} GB/s), generation paused "
                       f"{1e3 * last['pause_s']:.1f} ms; dropped groups {last['dropped_groups']}; metrics in "
                       f"{run.out_dir / 'metrics.jsonl'}")
