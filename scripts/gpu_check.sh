@@ -151,6 +151,8 @@ for part in $parts; do
                              --skip-workload); done
                      done;
                    timeout 60 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
+                   timeout 80 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 8 16 64 \
+                       --skip-workload --attention-programs-per-sm 8;  # (fewer programs above 4 requests: an A/B)
                    timeout 80 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 8 \
                        --skip-workload --profile-batch 8 ;;
         pd_transfer_ab) for i in 1 2; do  # OLD: another tree to compare, e.g. `git archive REV | tar -x -C ab_old`
