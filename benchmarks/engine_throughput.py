@@ -247,14 +247,24 @@ def main() -> None:
     parser.add_argument("--profile-workload", action="store_true", help="(a) a third time, under the profiler")
     parser.add_argument("--attention-programs-per-sm", type=int, help="decode attention's split choice (an A/B): "
                         f"programs per SM (default {decode_attention.PROGRAMS_PER_SM})")
+    parser.add_argument("--attention-balance", type=int, help="decode attention's balanced split (an A/B): programs "
+                        f"per SM (default {decode_attention.BALANCED_PROGRAMS_PER_SM}; 0: each context cut into the "
+                        "graph's split count)")
+    parser.add_argument("--attention-max-split", type=int, help="decode attention's longest balanced split, tokens "
+                        f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     args = parser.parse_args()
     if args.attention_programs_per_sm:
         decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
+    if args.attention_balance is not None:
+        decode_attention.BALANCED_PROGRAMS_PER_SM = args.attention_balance
+    if args.attention_max_split:
+        decode_attention.MAX_BALANCED_SPLIT = args.attention_max_split
     bw = copy_bandwidth()
     print(f"## engine throughput ({datetime.date.today()}, {torch.cuda.get_device_name()}, torch {torch.__version__})")
     print(f"command: python {' '.join(sys.argv)}")
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
-          "programs per SM\n")
+          f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
+          f"most {decode_attention.MAX_BALANCED_SPLIT} tokens\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]

@@ -101,6 +101,35 @@ def test_the_merge_reads_no_output_an_empty_split_did_not_write(monkeypatch):
     check([3, 0, 40], 2, 2, 64, 16, torch.float32, num_kv_splits=8)  # most splits empty, a padding row
 
 
+@pytest.mark.parametrize("cap, splits", [(512, [6, 1, 1, 1, 0]), (128, [8, 1, 1, 1, 0])])
+def test_splits_follow_the_batchs_context_tokens(monkeypatch, cap, splits):
+    """With the default split count (8 here), a split holds at least the batch's context tokens over
+    BALANCED_PROGRAMS_PER_SM programs an SM, at most MAX_BALANCED_SPLIT: 1,240 tokens over 4 x 4 / 2 kv heads = 8
+    programs a kv head makes splits of 155, in blocks of 64 192 tokens, so 1,000 positions take 6 splits and the
+    short contexts one each, where cutting each context into 8 would make 8, 2, 2, 1 splits; capped at 128 tokens,
+    the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others, -inf, wrote
+    nothing, and the output still matches the reference)."""
+    from tandem.kernels import decode_attention
+
+    class Spy(_NanScratch):
+        lse = []
+
+        @staticmethod
+        def empty(*shape, **kwargs):
+            out = _NanScratch.empty(*shape, **kwargs)
+            if len(shape) == 3:  # [B, H, N]: the splits' log-sum-exps
+                Spy.lse.append(out)
+            return out
+
+    monkeypatch.setattr(decode_attention, "torch", Spy())
+    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(decode_attention, "MAX_BALANCED_SPLIT", cap)
+    check([1000, 100, 100, 40, 0], 2, 2, 64, 16, torch.float32)
+    (lse,) = Spy.lse
+    assert lse.shape[2] == 8
+    assert (lse[:, 0] > float("-inf")).sum(1).tolist() == splits
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_any_even_head_dim_matches_reference(head_dim):
     """Head dims that are not powers of two run in a padded block whose extra lanes are masked: a lane read past

@@ -48,6 +48,10 @@ if TYPE_CHECKING:
     from tandem.model.attention import Fresh
 
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traffic) outweighs its parallelism
+# At run time a split holds at least the batch's context tokens over this many programs an SM (the graph's split
+# count is an upper bound for the longest context), but at most MAX_BALANCED_SPLIT tokens: few requests' splits
+# stay few and long, and no program of a large batch is long enough to leave a tail (BENCHMARKS.md, "Few-row kernels")
+BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
@@ -120,10 +124,11 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr
     return m_new, l_i, acc
 
 
-@triton.jit(**varying("stride_bt", "num_splits"))
+@triton.jit(**varying("stride_bt", "num_splits", "split_programs", "max_balanced"))
 def _split_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, qk_scale_log2,
+    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, split_programs,
+    max_balanced, qk_scale_log2,
     new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -132,7 +137,9 @@ def _split_kernel(
     """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
     row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
     program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
-    using them from registers. Else the kernel before wrote them there."""
+    using them from registers. Else the kernel before wrote them there. split_programs > 0: a split holds at
+    least sum(seq_lens) / split_programs tokens (at most max_balanced), so the batch's programs per kv head are
+    about split_programs, each of about equal length; 0: every request's context is cut into num_splits."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -143,8 +150,15 @@ def _split_kernel(
     # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
     # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
+    least = BLOCK_N
+    if split_programs > 0:
+        total = 0
+        for first in range(0, tl.num_programs(0), 64):  # the batch's context tokens
+            rows = first + tl.arange(0, 64)
+            total += tl.sum(tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0))
+        least = tl.minimum(tl.cdiv(total, split_programs), max_balanced)
     # split lengths are whole blocks so no block straddles two splits
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), least), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -252,7 +266,9 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     block_table_BP: int32 page ids per request, padded with any valid page id (e.g. 0) past the request's end.
     seq_lens_B: int32 positions each request attends to (new token included); 0 marks a padding row, whose
       output is zeros. Requires seq_lens_B[b] <= P * page_size.
-    num_kv_splits: splits of each context; default `choose_num_kv_splits` from B, K and P * page_size.
+    num_kv_splits: splits of each context; default `choose_num_kv_splits` from B, K and P * page_size, and then
+      each split at least the batch's context tokens over `BALANCED_PROGRAMS_PER_SM` programs an SM (at most
+      `MAX_BALANCED_SPLIT`), so a short context takes fewer splits than that (the rest do no reads).
     block_n: tokens per inner iteration (a tuning knob; default by head dim), as are num_warps and num_stages.
     fresh: the new tokens' keys and values are not yet in the caches, and q_BHD, k and v are as the q/k/v
       projection gives them: q/k RMSNorm and RoPE run here (as `fused.qk_norm_rope`, whose arithmetic and
@@ -283,9 +299,11 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     o_BHD = torch.empty_like(q_BHD, memory_format=torch.contiguous_format)
     if B == 0:
         return o_BHD
+    split_programs = 0  # (an explicit split count: every context cut into exactly that many)
     if num_kv_splits is None:
         max_len = block_table_BP.shape[1] * page_size
         num_kv_splits = choose_num_kv_splits(B, K, max_len, _num_sms(q_BHD.device))
+        split_programs = BALANCED_PROGRAMS_PER_SM and max(1, BALANCED_PROGRAMS_PER_SM * _num_sms(q_BHD.device) // K)
     block_n = block_n or (64 if D <= 64 else 32)
     group = H // K
 
@@ -300,8 +318,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     _split_kernel[(B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
-        v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits,
-        scale * math.log2(math.e), *new,
+        v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs,
+        MAX_BALANCED_SPLIT, scale * math.log2(math.e), *new,
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
