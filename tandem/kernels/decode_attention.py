@@ -138,8 +138,9 @@ def _split_kernel(
     row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
     program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
     using them from registers. Else the kernel before wrote them there. split_programs > 0: a split holds at
-    least sum(seq_lens) / split_programs tokens (at most max_balanced), so the batch's programs per kv head are
-    about split_programs, each of about equal length; 0: every request's context is cut into num_splits."""
+    least min(sum(seq_lens) / split_programs, max_balanced) tokens (whole blocks), so the batch's programs per kv
+    head are about split_programs, of about equal length, unless that cap binds; 0: every request's context is cut
+    into num_splits."""
     b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -150,13 +151,13 @@ def _split_kernel(
     # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
     # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
-    least = BLOCK_N
-    if split_programs > 0:
-        total = 0
-        for first in range(0, tl.num_programs(0), 64):  # the batch's context tokens
-            rows = first + tl.arange(0, 64)
-            total += tl.sum(tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0))
-        least = tl.minimum(tl.cdiv(total, split_programs), max_balanced)
+    # the batch's context tokens (none read with split_programs 0)
+    lens = tl.zeros([64], tl.int32)
+    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), 64):
+        rows = first + tl.arange(0, 64)
+        lens += tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0)
+    least = tl.where(split_programs > 0,
+                     tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
     # split lengths are whole blocks so no block straddles two splits
     tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), least), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
