@@ -87,8 +87,9 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"## few-row projections ({datetime.date.today()}, {torch.cuda.get_device_name()}, {args.model}, {L} "
           f"layers; copy {bw / 1e12:.2f} TB/s)\n")
-    tilings = [Blocks(n, k, 4, 3, True, splits) for n, k, splits in itertools.product((16, 32), (128, 256),
-                                                                                        (1, 2, 4, 8))]
+    # (narrow tiles and 8 warps too: at 3-16 rows the default's paired tiles spill registers, kernel_resources.py)
+    tilings = [Blocks(n, k, warps, 3, True, splits) for n, k, warps, splits in itertools.product(
+        (16, 32), (64, 128, 256), (4, 8), (1, 2, 4, 8))]
     results = {"model": args.model, "copy_bytes_per_s": bw, "rows": {}}
     for T in args.rows:
         layers = [projections(cfg, T) for _ in range(L)]

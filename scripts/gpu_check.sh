@@ -5,7 +5,7 @@
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
-#                        [async_spy]
+#                        [async_spy] [balance] [blocks8]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync* and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -144,6 +144,12 @@ for part in $parts; do
                      timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --no-doorbells \
                    --out "$OUT/disagg_no_doorbells.json";
                      timeout 60 python3 benchmarks/cold_host_ops.py ;;
+        balance) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # the balanced split's A/B
+                 timeout 60 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
+                 for a in "" "--attention-balance 0" "--attention-max-split 1024"; do
+                     timeout 70 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
+                 for a in "" "--attention-balance 0"; do timeout 100 $E --batches 1 $a; done ;;
+        blocks8) timeout 300 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json" ;;
         engine_ab) for i in 1 2; do  # OLD: another tree, e.g. `git archive REV | tar -x -C ab_old` (not ignored)
                      for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python3 \
