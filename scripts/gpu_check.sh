@@ -5,7 +5,7 @@
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
-#                        [async_spy] [balance] [blocks8]
+#                        [async_spy] [balance] [blocks8] [async1gpu_colocated]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync* and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -120,9 +120,13 @@ for part in $parts; do
                    tests/test_placement.py tests/test_transport_handover.py &&
                    timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" rollout.pause_mode=in_place ;;
-        async1gpu) timeout 580 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   --model qwen3-0.6b --placement shared colocated --steps 40 --warmup 2 --staleness 2 \
-                   --pause-modes in_place --out "$OUT/async1gpu.json" ;;
+        async1gpu) timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement shared --steps 24 --warmup 2 --staleness 2 \
+                   --pause-modes in_place --out "$OUT/async1gpu.json" ;;  # (the default on one GPU; colocated:
+                   # async1gpu_colocated)
+        async1gpu_colocated) timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
+                   weight_sync_timeout_s=60 --model qwen3-0.6b --placement colocated --steps 24 --warmup 2 \
+                   --staleness 2 --pause-modes in_place --out "$OUT/async1gpu_colocated.json" ;;
         async_spy) spy=$(command -v py-spy || echo /tmp/site/bin/py-spy)  # every process's stacks, idle ones too
                    timeout 300 "$spy" record -r 100 -f raw --subprocesses --idle --threads -o /tmp/async_spy.txt -- \
                        python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
