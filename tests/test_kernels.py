@@ -130,6 +130,29 @@ def test_splits_follow_the_batchs_context_tokens(monkeypatch, cap, splits):
     assert (lse[:, 0] > float("-inf")).sum(1).tolist() == splits
 
 
+def test_the_balance_counts_every_request_of_a_large_batch(monkeypatch):
+    """The batch's context tokens are summed 256 requests at a time: the 257th request's 512 tokens count too (a
+    total of 768 over 4 programs: splits of 192, so 3 of them for that request; its 4 splits of 128 if only the
+    first 256 counted)."""
+    from tandem.kernels import decode_attention
+
+    lse = []
+
+    class Spy(_NanScratch):
+        @staticmethod
+        def empty(*shape, **kwargs):
+            out = _NanScratch.empty(*shape, **kwargs)
+            if len(shape) == 3:
+                lse.append(out)
+            return out
+
+    monkeypatch.setattr(decode_attention, "torch", Spy())
+    monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 1024)  # (4 splits of each context at most)
+    check([1] * 256 + [512], 1, 1, 64, 16, torch.float32)
+    assert lse[0].shape[2] == 4
+    assert (lse[0][-1, 0] > float("-inf")).sum().item() == 3
+
+
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_any_even_head_dim_matches_reference(head_dim):
     """Head dims that are not powers of two run in a padded block whose extra lanes are masked: a lane read past

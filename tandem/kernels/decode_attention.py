@@ -151,10 +151,10 @@ def _split_kernel(
     # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
     # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
-    # the batch's context tokens (none read with split_programs 0)
-    lens = tl.zeros([64], tl.int32)
-    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), 64):
-        rows = first + tl.arange(0, 64)
+    # the batch's context tokens (none read with split_programs 0; one load up to 256 requests)
+    lens = tl.zeros([256], tl.int32)
+    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), 256):
+        rows = first + tl.arange(0, 256)
         lens += tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0)
     least = tl.where(split_programs > 0,
                      tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
