@@ -92,6 +92,25 @@ class _NanScratch:
         return torch.full(shape, float("nan"), **kwargs)
 
 
+def spy_on_split_lse(monkeypatch) -> list[torch.Tensor]:
+    """Give decode_attention's module `_NanScratch` and return the list its [B, H, N] scratch tensors (the splits'
+    log-sum-exps) are appended to, one per call."""
+    from tandem.kernels import decode_attention
+
+    found = []
+
+    class Spy(_NanScratch):
+        @staticmethod
+        def empty(*shape, **kwargs):
+            out = _NanScratch.empty(*shape, **kwargs)
+            if len(shape) == 3:
+                found.append(out)
+            return out
+
+    monkeypatch.setattr(decode_attention, "torch", Spy())
+    return found
+
+
 def test_the_merge_reads_no_output_an_empty_split_did_not_write(monkeypatch):
     """A split past its request's end writes only its log-sum-exp (-inf): the merge must neither weigh nor read
     that split's output, which is never written (NaN here)."""
@@ -105,27 +124,17 @@ def test_the_merge_reads_no_output_an_empty_split_did_not_write(monkeypatch):
 def test_splits_follow_the_batchs_context_tokens(monkeypatch, cap, splits):
     """With the default split count (8 here), a split holds at least the batch's context tokens over
     BALANCED_PROGRAMS_PER_SM programs an SM, at most MAX_BALANCED_SPLIT: 1,240 tokens over 4 x 4 / 2 kv heads = 8
-    programs a kv head makes splits of 155, in blocks of 64 192 tokens, so 1,000 positions take 6 splits and the
-    short contexts one each, where cutting each context into 8 would make 8, 2, 2, 1 splits; capped at 128 tokens,
-    the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others, -inf, wrote
-    nothing, and the output still matches the reference)."""
+    programs a kv head makes splits of at least 155 tokens, whole blocks of 64: 192, so 1,000 positions take 6
+    splits and the short contexts one each, where cutting each context into 8 would make 8, 2, 2, 1 splits; capped
+    at 128 tokens, the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others,
+    -inf, wrote nothing, and the output still matches the reference)."""
     from tandem.kernels import decode_attention
 
-    class Spy(_NanScratch):
-        lse = []
-
-        @staticmethod
-        def empty(*shape, **kwargs):
-            out = _NanScratch.empty(*shape, **kwargs)
-            if len(shape) == 3:  # [B, H, N]: the splits' log-sum-exps
-                Spy.lse.append(out)
-            return out
-
-    monkeypatch.setattr(decode_attention, "torch", Spy())
+    found = spy_on_split_lse(monkeypatch)
     monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 4)
     monkeypatch.setattr(decode_attention, "MAX_BALANCED_SPLIT", cap)
     check([1000, 100, 100, 40, 0], 2, 2, 64, 16, torch.float32)
-    (lse,) = Spy.lse
+    (lse,) = found
     assert lse.shape[2] == 8
     assert (lse[:, 0] > float("-inf")).sum(1).tolist() == splits
 
@@ -136,21 +145,12 @@ def test_the_balance_counts_every_request_of_a_large_batch(monkeypatch):
     first 256 counted)."""
     from tandem.kernels import decode_attention
 
-    lse = []
-
-    class Spy(_NanScratch):
-        @staticmethod
-        def empty(*shape, **kwargs):
-            out = _NanScratch.empty(*shape, **kwargs)
-            if len(shape) == 3:
-                lse.append(out)
-            return out
-
-    monkeypatch.setattr(decode_attention, "torch", Spy())
+    found = spy_on_split_lse(monkeypatch)
     monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 1024)  # (4 splits of each context at most)
     check([1] * 256 + [512], 1, 1, 64, 16, torch.float32)
-    assert lse[0].shape[2] == 4
-    assert (lse[0][-1, 0] > float("-inf")).sum().item() == 3
+    lse = found[0]
+    assert lse.shape[2] == 4
+    assert (lse[-1, 0] > float("-inf")).sum().item() == 3
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
