@@ -120,10 +120,10 @@ for part in $parts; do
                    tests/test_placement.py tests/test_transport_handover.py &&
                    timeout 150 python3 benchmarks/weight_sync.py --model qwen3-0.6b --placement colocated shared \
                    --busy 64 --reps 8 --out "$OUT/handover.json" rollout.pause_mode=in_place ;;
-        async1gpu) timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
-                   --model qwen3-0.6b --placement shared --steps 24 --warmup 2 --staleness 2 \
-                   --pause-modes in_place --out "$OUT/async1gpu.json" ;;  # (the default on one GPU; colocated:
-                   # async1gpu_colocated)
+        async1gpu) timeout 560 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
+                   --model qwen3-0.6b --placement shared --steps 20 --warmup 2 --staleness 2 \
+                   --pause-modes in_place --cache-max-ages 0 2 --out "$OUT/async1gpu.json" ;;  # (the default
+                   # placement on one GPU; colocated: async1gpu_colocated. Age 2: no history prefilled again)
         async1gpu_colocated) timeout 420 python3 benchmarks/async_speedup.py engine_timeout_s=120 \
                    weight_sync_timeout_s=60 --model qwen3-0.6b --placement colocated --steps 24 --warmup 2 \
                    --staleness 2 --pause-modes in_place --out "$OUT/async1gpu_colocated.json" ;;
