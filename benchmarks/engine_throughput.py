@@ -25,9 +25,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import random
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -143,18 +145,46 @@ def loop_step_seconds(engine: Engine, batch: int, context: int = 1024, tokens: i
     return (long - run(32, 3)) / tokens, host
 
 
+def swept_tilings(path: str, cfg) -> Callable:
+    """A stand-in for `small_linear.default_blocks` that returns the best tilings `small_linear_blocks.py --out
+    path` found for this model's projections: at R rows, those of the fewest swept rows at least R (below the
+    fewest swept, only at VECTOR_ROWS rows and above); the default's tiling elsewhere, and without a split's counts."""
+    with open(path) as f:
+        swept = json.load(f)
+    E, H, K, D, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+                         cfg.intermediate_size)
+    keys = {"qkv": ((H + 2 * K) * D, E, True, False), "o": (E, H * D, False, False),
+            "gate_up": (inter, E, False, True), "down": (E, inter, False, False)}  # (N, E, heads, paired)
+    table = {int(rows): {keys[p["projection"]]: small_linear.Blocks(**p["best"]) for p in sweep["projections"]}
+             for rows, sweep in swept["rows"].items()}
+    default = small_linear.default_blocks
+
+    def tuned(N, E, device, split=True, heads=None, itemsize=2, rows=small_linear.MAX_ROWS, paired=False):
+        covering = [r for r in sorted(table) if r >= rows]
+        if split and covering and (rows > small_linear.VECTOR_ROWS or covering[0] == rows):
+            found = table[covering[0]].get((N, E, heads is not None, paired))
+            if found is not None:
+                return found
+        return default(N, E, device, split, heads, itemsize, rows, paired)
+
+    return tuned
+
+
 def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
-                         fresh: bool = True, vector_warps: int | None = None, context: int = 1024,
-                         iters: int = 20) -> float:
+                         fresh: bool = True, vector_warps: int | None = None, tilings: Callable | None = None,
+                         context: int = 1024, iters: int = 20) -> float:
     """`decode_step_seconds` of a variant, in a graph of its own captured here: without the few-row fusions
     (`fused=False`), with vector tiles up to `vector_rows` rows (`small_linear.VECTOR_ROWS`), or with q/k norm,
     RoPE and the KV write in the q/k/v projection rather than in attention (`fresh=False`), or with vector tiles of
-    `vector_warps` warps (`small_linear.VECTOR_WARPS`)."""
+    `vector_warps` warps (`small_linear.VECTOR_WARPS`), or with the projections' tilings `tilings` chooses (a
+    stand-in for `small_linear.default_blocks`, `swept_tilings`)."""
     from tandem.model.attention import BlockTableDecode
 
     model, small, default_rows = engine.model, engine.model.small, small_linear.VECTOR_ROWS
     takes_fresh, default_warps = BlockTableDecode.takes_fresh, small_linear.VECTOR_WARPS
+    default_blocks = small_linear.default_blocks
     small_linear.VECTOR_WARPS = vector_warps or default_warps
+    small_linear.default_blocks = tilings or default_blocks
     decode_step(engine, batch, context)  # (fills the buffers)
     model.small = small if fused else None
     small_linear.VECTOR_ROWS = default_rows if vector_rows is None else vector_rows
@@ -171,7 +201,7 @@ def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_
         return seconds
     finally:
         model.small, small_linear.VECTOR_ROWS, BlockTableDecode.takes_fresh = small, default_rows, takes_fresh
-        small_linear.VECTOR_WARPS = default_warps
+        small_linear.VECTOR_WARPS, small_linear.default_blocks = default_warps, default_blocks
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
@@ -250,6 +280,8 @@ def main() -> None:
     parser.add_argument("--attention-balance", type=int, help="decode attention's balanced split (an A/B): programs "
                         f"per SM (default {decode_attention.BALANCED_PROGRAMS_PER_SM}; 0: each context cut into the "
                         "graph's split count)")
+    parser.add_argument("--small-tilings", help="a column more: batches of few rows with the projections' tilings "
+                        "that `small_linear_blocks.py --out FILE` found best (FILE)")
     parser.add_argument("--attention-max-split", type=int, help="decode attention's longest balanced split, tokens "
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     args = parser.parse_args()
@@ -298,8 +330,9 @@ def main() -> None:
                 profile_workload(engine, prompts, outputs)
         print("\n| batch | step ms | tok/s | bytes/step GB | achieved GB/s | of copy BW | without the few-row "
               "fusions: step ms | few-row, tensor-core / vector tiles: step ms | q/k norm and RoPE in the projection, "
-              "not attention: step ms | vector tiles of 2 / 8 warps: step ms | through the engine's loop: step ms "
-              "(tok/s) |\n" + "|---" * 11 + "|")
+              "not attention: step ms | vector tiles of 2 / 8 warps: step ms | the swept tilings (--small-tilings): "
+              "step ms | through the engine's loop: step ms (tok/s) |\n" + "|---" * 12 + "|")
+        tilings = args.small_tilings and swept_tilings(args.small_tilings, cfg)
         hosts = []
         for batch in args.batches:
             loop, host = loop_step_seconds(engine, batch)
@@ -316,8 +349,11 @@ def main() -> None:
             warps = "-"
             if ab and batch <= small_linear.VECTOR_ROWS:
                 warps = " / ".join(f"{variant_step_seconds(engine, batch, vector_warps=w) * 1e3:.2f}" for w in (2, 8))
+            swept = "-"
+            if tilings and engine.model.small and batch <= small_linear.MAX_ROWS:
+                swept = f"{variant_step_seconds(engine, batch, tilings=tilings) * 1e3:.2f}"
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
-                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | "
+                  f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {swept} | "
                   f"{loop * 1e3:.2f} ({batch / loop:,.0f}) |")
         print("\nthe engine's loop, host time a step (ms): " + "; ".join(
             f"batch {b}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()) for b, host in hosts))

@@ -141,9 +141,9 @@ def main() -> None:
               f"{chain_default * 1e3:.3f} ms, matrix multiplies + fused norm/SiLU kernels {chain_matmul * 1e3:.3f} ms "
               f"({chain_matmul / chain_small:.2f}x); the weights' bytes at the copy's bandwidth "
               f"{weight_bytes / bw * 1e3:.3f} ms\n")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        if args.out:  # (after each row count: a call cut short keeps what it measured)
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1, default=str)
 
 
 def chains(layers, best) -> tuple[float, float, float]:

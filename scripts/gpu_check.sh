@@ -153,7 +153,9 @@ for part in $parts; do
                  for a in "" "--attention-balance 0" "--attention-max-split 1024"; do
                      timeout 70 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
                  for a in "" "--attention-balance 0"; do timeout 100 $E --batches 1 $a; done ;;
-        blocks8) timeout 300 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json" ;;
+        blocks8) timeout 330 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json";
+                 timeout 120 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 3 4 8 16 \
+                     --skip-workload --small-tilings "$OUT/blocks8.json" ;;  # (the sweep's best in the step)
         engine_ab) for i in 1 2; do  # OLD: another tree, e.g. `git archive REV | tar -x -C ab_old` (not ignored)
                      for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- run $i, tree $tree";
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 80 python3 \
