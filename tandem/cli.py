@@ -11,7 +11,6 @@ import ipaddress
 import logging
 import os
 import signal
-import socket
 import sys
 from typing import get_args
 
@@ -23,7 +22,7 @@ def _serve(args) -> None:
     from tandem.distributed.parallel import SINGLE
     from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
-    from tandem.run.tp import init_tp, start_followers
+    from tandem.run.tp import init_tp, rendezvous_store, start_followers
     from tandem.server.http import serve
 
     options = _server_options(args)
@@ -47,13 +46,10 @@ def _serve(args) -> None:
             raise ValueError(f"--ep {args.ep}: must divide the model's num_experts ({model_config.num_experts})")
     tp, followers, size = SINGLE, [], args.tp * args.ep
     if size > 1:  # ranks 1.. in their own processes; this one is rank 0 and serves
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        store = rendezvous_store(size)
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
-        followers = start_followers(size, init_method, backend, args.model, config, args.dtype, args.seed,
-                                    ep=args.ep)
-        tp = init_tp(0, size, init_method, backend, ep=args.ep)
+        followers = start_followers(size, store, backend, args.model, config, args.dtype, args.seed, ep=args.ep)
+        tp = init_tp(0, size, store, backend, ep=args.ep)
     engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed, tp=tp)
     install_handlers(engine.watchdog)  # `kill -USR1 PID` dumps the flight recorder and every thread's stack
     mc = engine.model_config

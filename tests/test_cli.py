@@ -86,7 +86,7 @@ def test_serve_answers_on_its_port_and_bad_config_is_a_clear_error(tp, capsys):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    log = proc.stdout.read()
+    log = proc.communicate(timeout=30)[0]  # (the end of output too: no follower keeps the pipe open)
     assert b"KV cache: 64 device pages" in log and (b"128 host pages" in log) == (tp == 2)  # the start-up sizes
     from tandem.cli import main  # (in this process: the same `main` a subprocess runs, without its second start-up)
 

@@ -10,7 +10,11 @@ import json
 import multiprocessing
 import os
 import queue
+import signal
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -310,3 +314,33 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial
         if p.exitcode == 70:
             dumps = list(tmp_path.glob(f"tandem_dump.*.rank{rank}.*.json"))
             assert json.loads(dumps[0].read_text())["state"]["watchdog"]["stalled_s"] <= 2 * WATCHDOG_S
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="followers die with their parent on Linux")
+def test_a_follower_whose_rank_0_ended_does_not_wait_for_it(tmp_path):
+    """A rank 0 that ends without clean-up (killed, crashed) right after starting its follower: the follower ends too,
+    where it would otherwise wait up to 30 minutes for a store that is gone (holding its GPU, and any pipe it
+    inherited: `tandem serve --tp 2`'s test once hung on one)."""
+    code = ("import os; from tandem.config import EngineConfig; from tandem.run.tp import rendezvous_store, "
+            "start_followers; store = rendezvous_store(2); "
+            "[p] = start_followers(2, store, 'gloo', 'tiny', EngineConfig()); print(p.pid, flush=True); os._exit(0)")
+    with open(tmp_path / "out", "w") as out:  # (a file: a pipe would stay open as long as the follower lives)
+        subprocess.run([sys.executable, "-c", code], stdout=out, timeout=60, check=True)
+    pid = int((tmp_path / "out").read_text().split()[0])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.2)
+        assert not _alive(pid), f"follower {pid} outlived its rank 0"
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (an orphan's exit waits for whoever adopts it to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

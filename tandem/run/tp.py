@@ -8,9 +8,13 @@ Rank 0 runs the async facade (`tandem.engine.engine.Engine`), which publishes ev
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import logging
 import multiprocessing
+import os
+import signal
+import sys
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,7 @@ from tandem.engine.core import EngineCore, EngineError
 from tandem.engine.engine import Engine, make_watchdog
 
 log = logging.getLogger(__name__)
+PR_SET_PDEATHSIG = 1  # prctl(2)
 
 
 def run_follower(core: EngineCore, watchdog: Watchdog | None = None) -> None:
@@ -51,15 +56,19 @@ def run_follower(core: EngineCore, watchdog: Watchdog | None = None) -> None:
         watchdog.stop()
 
 
-def init_tp(rank: int, size: int, init_method: str, backend: str = "gloo", ep: int = 1) -> TPGroup:
+JOIN_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def init_tp(rank: int, size: int, init_method: str | dist.Store, backend: str = "gloo", ep: int = 1) -> TPGroup:
     """Join the process group of `size` ranks and make the engine's groups: the model's collectives on `backend`,
-    the control channel on gloo. `ep` > 1: expert parallelism over a grid of tp = size / ep by ep ranks (rank
-    r is dense rank r % tp of dense group r // tp, expert rank r // tp of expert group r % tp; see `TPGroup`).
-    Every rank must call this with the same arguments."""
+    the control channel on gloo. `init_method`: a URL, or the ranks' store (`rendezvous_store` and the followers'
+    clients of it, as `start_followers` makes them). `ep` > 1: expert parallelism over a grid of tp = size / ep by
+    ep ranks (rank r is dense rank r % tp of dense group r // tp, expert rank r // tp of expert group r % tp; see
+    `TPGroup`). Every rank must call this with the same arguments (one kind of `init_method`)."""
     if ep < 1 or size % ep:
         raise ValueError(f"expert parallelism: ep ({ep}) must divide the number of ranks ({size})")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                            timeout=datetime.timedelta(minutes=30))
+    where = {"store": init_method} if isinstance(init_method, dist.Store) else {"init_method": init_method}
+    dist.init_process_group(backend, rank=rank, world_size=size, timeout=JOIN_TIMEOUT, **where)
     data = dist.new_group(backend=backend, group_desc="tp")
     ctrl = dist.new_group(backend="gloo", group_desc="ctrl")
     if ep == 1:
@@ -74,9 +83,28 @@ def init_tp(rank: int, size: int, init_method: str, backend: str = "gloo", ep: i
                    experts=TPGroup(rank // tp, ep, experts[rank % tp], kind="expert"))
 
 
-def _follower_main(rank: int, size: int, init_method: str, backend: str, model, config, dtype, seed,
-                   ep: int = 1) -> None:
-    tp = init_tp(rank, size, init_method, backend, ep)
+def rendezvous_store(size: int, host: str = "127.0.0.1") -> dist.TCPStore:
+    """Rank 0's store for `init_tp` and `start_followers`: listening from here on, on a port the system chose
+    (`.port`), so no other process can take it between its choice and its use."""
+    return dist.TCPStore(host, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the system kill this process when its parent dies (Linux), however the parent ends: a follower whose
+    rank 0 is gone has nothing to do, and would otherwise wait for it (up to `JOIN_TIMEOUT` in the rendezvous)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the request took effect
+        os._exit(1)
+
+
+def _follower_main(rank: int, size: int, store_address: tuple[str, int], backend: str, model, config, dtype, seed,
+                   ep: int = 1, parent: int | None = None) -> None:
+    if parent is not None:
+        _die_with_parent(parent)
+    host, port = store_address
+    store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
+    tp = init_tp(rank, size, store, backend, ep)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
     core = EngineCore(model, config, dtype=dtype, seed=seed, tp=tp)
@@ -86,13 +114,17 @@ def _follower_main(rank: int, size: int, init_method: str, backend: str, model, 
         run_follower(core, watchdog)
 
 
-def start_followers(size: int, init_method: str, backend: str, model, config, dtype=None, seed: int = 0,
+def start_followers(size: int, store: dist.TCPStore, backend: str, model, config, dtype=None, seed: int = 0,
                     ep: int = 1):
-    """Spawn ranks 1..size-1 as processes running `run_follower`; the caller is rank 0 (`init_tp` with the same
-    size and `ep`)."""
+    """Spawn ranks 1..size-1 as processes running `run_follower`, each joining through `store` (rank 0's,
+    `rendezvous_store`); the caller is rank 0 (`init_tp(0, size, store, ...)` with the same size and `ep`). The
+    followers die with the thread that starts them (on Linux; start them from the main thread): none outlives a
+    rank 0 that crashed or was killed."""
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_follower_main, args=(r, size, init_method, backend, model, config, dtype, seed, ep),
-                         name=f"tandem-tp-rank{r}", daemon=True) for r in range(1, size)]
+    address = (store.host, store.port)
+    procs = [ctx.Process(target=_follower_main, name=f"tandem-tp-rank{r}", daemon=True,
+                         args=(r, size, address, backend, model, config, dtype, seed, ep, os.getpid()))
+             for r in range(1, size)]
     for p in procs:
         p.start()
     return procs
