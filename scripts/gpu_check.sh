@@ -150,7 +150,7 @@ for part in $parts; do
                      timeout 60 python3 benchmarks/cold_host_ops.py ;;
         balance) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # the balanced split's A/B
                  timeout 60 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
-                 for a in "" "--attention-balance 0" "--attention-max-split 1024"; do
+                 for a in "" "--attention-balance 0"; do
                      timeout 70 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
                  for a in "" "--attention-balance 0"; do timeout 100 $E --batches 1 $a; done ;;
         blocks8) timeout 330 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json";
