@@ -22,7 +22,7 @@ def _serve(args) -> None:
     from tandem.distributed.parallel import SINGLE
     from tandem.distributed.watchdog import install_handlers
     from tandem.engine.engine import Engine
-    from tandem.run.tp import init_tp, rendezvous_store, start_followers
+    from tandem.run.tp import await_followers, init_tp, rendezvous_store, start_followers
     from tandem.server.http import serve
 
     options = _server_options(args)
@@ -49,6 +49,7 @@ def _serve(args) -> None:
         store = rendezvous_store(size)
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
         followers = start_followers(size, store, backend, args.model, config, args.dtype, args.seed, ep=args.ep)
+        await_followers(store, followers)
         tp = init_tp(0, size, store, backend, ep=args.ep)
     engine = Engine(args.model, config, dtype=args.dtype, seed=args.seed, tp=tp)
     install_handlers(engine.watchdog)  # `kill -USR1 PID` dumps the flight recorder and every thread's stack

@@ -344,3 +344,17 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_rank_0_names_a_follower_that_ended_before_joining():
+    """Where rank 0 would wait for it the whole join timeout (30 minutes) in the rendezvous, it names the follower and
+    its exit code at once (here a follower that refuses its grid: ep 3 does not divide 2 ranks)."""
+    from tandem.run.tp import await_followers, rendezvous_store, start_followers
+
+    store = rendezvous_store(2)
+    [p] = start_followers(2, store, "gloo", "tiny", EngineConfig(), ep=3)
+    try:
+        with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {p.pid}\) exited with code 1 before joining"):
+            await_followers(store, [p], timeout_s=60)
+    finally:
+        p.kill()

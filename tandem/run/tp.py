@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,7 @@ def init_tp(rank: int, size: int, init_method: str | dist.Store, backend: str = 
     clients of it, as `start_followers` makes them). `ep` > 1: expert parallelism over a grid of tp = size / ep by
     ep ranks (rank r is dense rank r % tp of dense group r // tp, expert rank r // tp of expert group r % tp; see
     `TPGroup`). Every rank must call this with the same arguments (one kind of `init_method`)."""
-    if ep < 1 or size % ep:
-        raise ValueError(f"expert parallelism: ep ({ep}) must divide the number of ranks ({size})")
+    _check_grid(size, ep)
     where = {"store": init_method} if isinstance(init_method, dist.Store) else {"init_method": init_method}
     dist.init_process_group(backend, rank=rank, world_size=size, timeout=JOIN_TIMEOUT, **where)
     data = dist.new_group(backend=backend, group_desc="tp")
@@ -81,6 +81,11 @@ def init_tp(rank: int, size: int, init_method: str | dist.Store, backend: str = 
     return TPGroup(rank, size, data, ctrl,
                    dense=TPGroup(rank % tp, tp, dense[rank // tp]) if dense else TPGroup(),
                    experts=TPGroup(rank // tp, ep, experts[rank % tp], kind="expert"))
+
+
+def _check_grid(size: int, ep: int) -> None:
+    if ep < 1 or size % ep:
+        raise ValueError(f"expert parallelism: ep ({ep}) must divide the number of ranks ({size})")
 
 
 def rendezvous_store(size: int, host: str = "127.0.0.1") -> dist.TCPStore:
@@ -104,6 +109,8 @@ def _follower_main(rank: int, size: int, store_address: tuple[str, int], backend
         _die_with_parent(parent)
     host, port = store_address
     store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
+    _check_grid(size, ep)  # (init_tp's first check: before this rank says it is about to join)
+    store.set(_arrived(rank), "1")
     tp = init_tp(rank, size, store, backend, ep)
     if config.device.startswith("cuda"):
         torch.cuda.set_device(rank)
@@ -114,12 +121,33 @@ def _follower_main(rank: int, size: int, store_address: tuple[str, int], backend
         run_follower(core, watchdog)
 
 
+def _arrived(rank: int) -> str:
+    return f"tandem/follower{rank}/arrived"
+
+
+def await_followers(store: dist.Store, procs, timeout_s: float = JOIN_TIMEOUT.total_seconds(),
+                    poll_s: float = 0.1) -> None:
+    """Rank 0, before `init_tp`: wait until every follower `start_followers` started is about to join, and raise
+    RuntimeError naming the first one that ended before that (its exit code), or TimeoutError after `timeout_s`, where
+    joining would wait for it the whole `JOIN_TIMEOUT`."""
+    deadline = time.monotonic() + timeout_s
+    for rank, p in enumerate(procs, 1):
+        while not store.check([_arrived(rank)]):
+            if p.exitcode is not None:
+                raise RuntimeError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} before "
+                                   "joining; its error is in the log above")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tensor-parallel rank {rank} (pid {p.pid}) did not come to join in "
+                                   f"{timeout_s:.0f} s")
+            time.sleep(poll_s)
+
+
 def start_followers(size: int, store: dist.TCPStore, backend: str, model, config, dtype=None, seed: int = 0,
                     ep: int = 1):
     """Spawn ranks 1..size-1 as processes running `run_follower`, each joining through `store` (rank 0's,
     `rendezvous_store`); the caller is rank 0 (`init_tp(0, size, store, ...)` with the same size and `ep`). The
     followers die with the thread that starts them (on Linux; start them from the main thread): none outlives a
-    rank 0 that crashed or was killed."""
+    rank 0 that crashed or was killed. Then `await_followers`, which notices one that ends before joining."""
     ctx = multiprocessing.get_context("spawn")
     address = (store.host, store.port)
     procs = [ctx.Process(target=_follower_main, name=f"tandem-tp-rank{r}", daemon=True,
