@@ -357,6 +357,6 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
         NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
         DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
-        num_warps=b.warps, num_stages=1 if k_split <= b.k else b.stages, enable_fp_fusion=not HEADS, **pdl)
-    # (one tile a program: its loop never runs, and pipeline stages would only hold shared memory, most of an SM's
-    # for q/k/v at 3-16 rows; no FMA fusion with heads: RoPE rounds as PyTorch's does)
+        num_warps=b.warps, num_stages=min(b.stages, k_split // b.k), enable_fp_fusion=not HEADS, **pdl)
+    # (no more stages than a program has tiles: its loop runs one time fewer, and a stage it cannot fill would only
+    # hold shared memory, most of an SM's for q/k/v at 3-16 rows; no FMA fusion with heads: RoPE rounds as PyTorch's)
