@@ -1,4 +1,5 @@
-"""The decode step's few-row and attention kernels compile for an H100/H200 (sm_90) on a CPU machine.
+"""The decode step's few-row and attention kernels compile for an H100/H200 (sm_90) on a CPU machine, and the few-row
+projections compile as the GPU's JIT compiles them without spills or idle pipeline stages.
 
 Triton's CPU interpreter runs a kernel's body as Python, so code the compiler refuses can pass every interpreted
 test: a variable whose shape differs between the branches of an `if` that is not a constexpr's, or
@@ -64,3 +65,36 @@ def test_decode_kernels_compile_for_sm90():
     found = run_compile_check(CHECK)
     assert not found["failed"], "\n\n".join(f"{name}:\n{error}" for name, error in found["failed"].items())
     assert found["compiled"] == 8
+
+
+RESOURCES = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+import kernel_resources as kr
+from tandem.config import PRESETS
+from tandem.kernels import small_linear
+
+small_linear._multiprocessors, small_linear.pdl_supported = (lambda device: 132), (lambda device: True)
+found = {}
+try:
+    for name, (N, E, keywords, call) in kr.projection_calls(PRESETS["qwen3-0.6b"], 8).items():
+        blocks = small_linear.default_blocks(N, E, kr.H100(), rows=8, **keywords)
+        [launch] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
+        found[name] = dict(zip(("registers", "spilled", "shared"), kr.resources(*launch)))
+except Exception as e:  # the toolchain: no ptxas, no sm_90 backend
+    print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
+    sys.exit(0)
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
+def test_few_row_projections_at_8_rows_neither_spill_nor_fill_an_sm():
+    """Compiled as the GPU's JIT compiles the model's own launches: no projection spills registers, and none takes
+    shared memory for pipeline stages its programs cannot fill (three stages of q/k/v's single tile took 153 KiB,
+    leaving one program an SM)."""
+    pytest.importorskip("triton")
+    found = run_compile_check(RESOURCES)
+    assert set(found) == {"q/k/v", "o", "gate/up", "down"}
+    for name, r in found.items():
+        assert r["spilled"] == 0 and r["shared"] <= 64 * 1024, (name, r)
