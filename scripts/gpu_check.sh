@@ -153,6 +153,12 @@ for part in $parts; do
                  for a in "" "--attention-balance 0"; do
                      timeout 70 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
                  for a in "" "--attention-balance 0"; do timeout 100 $E --batches 1 $a; done ;;
+        s29) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # OLD: the tree before the stage rule
+             timeout 100 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py \
+                 tests/test_fused_kernels.py;
+             for a in "" "--attention-balance 0"; do timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
+             (cd "${OLD:?set OLD}" && PYTHONPATH=$PWD timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload);
+             for a in "" "--attention-balance 0"; do timeout 90 $E --batches 1 $a; done ;;
         blocks8) timeout 330 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json";
                  timeout 120 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 3 4 8 16 \
                      --skip-workload --small-tilings "$OUT/blocks8.json" ;;  # (the sweep's best in the step)
