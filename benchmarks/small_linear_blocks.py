@@ -87,8 +87,7 @@ def main() -> None:
     bw = copy_bandwidth()
     print(f"## few-row projections ({datetime.date.today()}, {torch.cuda.get_device_name()}, {args.model}, {L} "
           f"layers; copy {bw / 1e12:.2f} TB/s)\n")
-    # (narrow tiles and 8 warps too: at 3-16 rows the default q/k/v tile takes 153 KiB of shared memory, one
-    # program an SM, kernel_resources.py)
+    # (narrow tiles and 8 warps too: fewer registers and less shared memory a program, kernel_resources.py)
     tilings = [Blocks(n, k, warps, 3, True, splits) for n, k, warps, splits in itertools.product(
         (16, 32), (64, 128, 256), (4, 8), (1, 2, 4, 8))]
     results = {"model": args.model, "copy_bytes_per_s": bw, "rows": {}}

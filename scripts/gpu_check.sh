@@ -5,7 +5,7 @@
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
-#                        [async_spy] [balance] [blocks8] [async1gpu_colocated]
+#                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync* and buckets need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -148,17 +148,14 @@ for part in $parts; do
                      timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --no-doorbells \
                    --out "$OUT/disagg_no_doorbells.json";
                      timeout 60 python3 benchmarks/cold_host_ops.py ;;
-        balance) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # the balanced split's A/B
-                 timeout 60 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
-                 for a in "" "--attention-balance 0"; do
-                     timeout 70 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
-                 for a in "" "--attention-balance 0"; do timeout 100 $E --batches 1 $a; done ;;
-        s29) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # OLD: the tree before the stage rule
-             timeout 100 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py \
-                 tests/test_fused_kernels.py;
-             for a in "" "--attention-balance 0"; do timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
-             (cd "${OLD:?set OLD}" && PYTHONPATH=$PWD timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload);
-             for a in "" "--attention-balance 0"; do timeout 90 $E --batches 1 $a; done ;;
+        balance) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # the balanced split's A/B; with
+                 # OLD=DIR also the sweep in that tree (e.g. the one before the few-row projections' stage rule)
+                 timeout 100 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py \
+                     tests/test_fused_kernels.py;
+                 for a in "" "--attention-balance 0"; do timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
+                 if [ -n "$OLD" ]; then
+                     (cd "$OLD" && PYTHONPATH=$PWD timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload); fi;
+                 for a in "" "--attention-balance 0"; do timeout 90 $E --batches 1 $a; done ;;
         blocks8) timeout 330 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json";
                  timeout 120 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 3 4 8 16 \
                      --skip-workload --small-tilings "$OUT/blocks8.json" ;;  # (the sweep's best in the step)

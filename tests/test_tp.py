@@ -320,7 +320,7 @@ def test_a_rank_that_skips_a_collective_is_named_by_the_analyzer(tmp_path, trial
 def test_a_follower_whose_rank_0_ended_does_not_wait_for_it(tmp_path):
     """A rank 0 that ends without clean-up (killed, crashed) right after starting its follower: the follower ends too,
     where it would otherwise wait up to 30 minutes for a store that is gone (holding its GPU, and any pipe it
-    inherited: `tandem serve --tp 2`'s test once hung on one)."""
+    inherited)."""
     code = ("import os; from tandem.config import EngineConfig; from tandem.run.tp import rendezvous_store, "
             "start_followers; store = rendezvous_store(2); "
             "[p] = start_followers(2, store, 'gloo', 'tiny', EngineConfig()); print(p.pid, flush=True); os._exit(0)")

@@ -359,4 +359,4 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=min(b.stages, k_split // b.k), enable_fp_fusion=not HEADS, **pdl)
     # (no more stages than a program has tiles: its loop runs one time fewer, and a stage it cannot fill would only
-    # hold shared memory, most of an SM's for q/k/v at 3-16 rows; no FMA fusion with heads: RoPE rounds as PyTorch's)
+    # hold shared memory; no FMA fusion with heads: RoPE rounds as PyTorch's)

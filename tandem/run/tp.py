@@ -104,9 +104,8 @@ def _die_with_parent(parent: int) -> None:
 
 
 def _follower_main(rank: int, size: int, store_address: tuple[str, int], backend: str, model, config, dtype, seed,
-                   ep: int = 1, parent: int | None = None) -> None:
-    if parent is not None:
-        _die_with_parent(parent)
+                   ep: int, parent: int) -> None:
+    _die_with_parent(parent)
     host, port = store_address
     store = dist.TCPStore(host, port, size, is_master=False, timeout=JOIN_TIMEOUT)
     _check_grid(size, ep)  # (init_tp's first check: before this rank says it is about to join)
