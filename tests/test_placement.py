@@ -12,6 +12,7 @@ import gc
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -85,12 +86,25 @@ def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_pa
     snapshots = {0: copy.deepcopy(run.trainer.model)}  # the trainer's weights of every version
     batches = []
     run.on_batch = lambda version, batch: batches.append(batch)
-    engine = run.placement.process
+    engine, free = run.placement.process, []
+    if transport == "group":  # the group's port is held from its choice on: no other process can take it first
+        join = run.placement.engine.init_weights_update_group
+
+        def racing(host, port, *args):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))  # (another process taking the port)
+                    free.append(True)
+                except OSError:
+                    free.append(False)
+            return join(host, port, *args)
+        run.placement.engine.init_weights_update_group = racing
     try:
         history = asyncio.run(run.train(lambda r: snapshots.update({r["step"]: copy.deepcopy(run.trainer.model)})))
     finally:
         run.shutdown()
     assert engine.pid != os.getpid() and engine.process.exitcode == 0  # its own process, stopped cleanly
+    assert free == ([False] if transport == "group" else []), "the weight group's port was free before it was used"
 
     # the engine's own version (from its stats, over HTTP) follows the trainer's after every step
     assert [(h["step"], h["version"]) for h in history] == [(s, s) for s in range(1, 5)]

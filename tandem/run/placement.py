@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import gc
 import os
-import socket
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractAsyncContextManager
@@ -44,7 +43,7 @@ from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
 from tandem.run.engine_process import EngineProcess, freeze_heap
 from tandem.run.pending import PendingSync, SyncStats
-from tandem.transport.dist import DistSender
+from tandem.transport.dist import DistSender, rendezvous
 from tandem.transport.inprocess import InProcessSender
 from tandem.transport.ipc import IpcSender
 from tandem.transport.switch import switching
@@ -229,11 +228,9 @@ class Separate(Placement):
             self.sender = IpcSender(self.process.weights_conn, timeout_s, str(self.process))
             freeze_heap()  # (this process's: its event loop runs the agents)
             return await self.push(named_weights, version)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        joined = self.engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, self.backend, timeout_s)
-        sender = asyncio.to_thread(DistSender, f"tcp://127.0.0.1:{port}", 2, 0, self.backend, timeout_s,
+        store = rendezvous("127.0.0.1", timeout_s)
+        joined = self.engine.init_weights_update_group("127.0.0.1", store.port, 1, 2, GROUP, self.backend, timeout_s)
+        sender = asyncio.to_thread(DistSender, store, 2, 0, self.backend, timeout_s,
                                    self.cfg.weight_bucket_bytes, f"trainer pid {os.getpid()}",
                                    self.device if self.backend == "nccl" else None)
         self.sender, _ = await self._both(sender, joined, "joining the weight group")

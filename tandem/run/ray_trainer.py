@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import socket
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -26,11 +25,12 @@ from tandem.config import LossConfig, TrainerConfig
 class TrainerRank:
     """One rank: joins the group, then builds the sharded trainer (the same seed on every rank: the same weights)."""
 
-    def address(self) -> tuple[str, int]:
-        """This node's address and a free port on it (rank 0 hosts the group's store there)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+    def address(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: hosts the group's store on this node from here on; its address and port."""
+        from tandem.transport.dist import rendezvous
+
+        self.store = rendezvous(ray.util.get_node_ip_address(), timeout_s)
+        return self.store.host, self.store.port
 
     def setup(self, rank: int, world: int, master: tuple[str, int], model: str, cfg: TrainerConfig,
               loss: LossConfig, temperature: float, seed: int, cuda: bool, timeout_s: float) -> None:
@@ -40,8 +40,9 @@ class TrainerRank:
         from tandem.model.loader import build_model
         from tandem.trainer.trainer import Trainer
 
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = self.store if rank == 0 else dist.TCPStore(*master, None, False, timeout)  # (both ends: a store)
+        dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         if not cuda:
             torch.set_num_threads(1)
         torch.manual_seed(seed)
@@ -71,16 +72,17 @@ def start_followers(pg, world: int, cfg, cuda: bool, timeout_s: float) -> list:
     hosts; returns them once this process has joined too (it must build its trainer the same way: `setup`'s)."""
     import torch.distributed as dist
 
+    from tandem.transport.dist import rendezvous
+
     followers = [TrainerRank.options(num_cpus=1, num_gpus=1 if cuda else 0, max_restarts=0,
                                      scheduling_strategy=PlacementGroupSchedulingStrategy(
                                          pg, placement_group_bundle_index=r)).remote() for r in range(1, world)]
-    with socket.socket() as s:
-        s.bind(("", 0))
-        master = ray.util.get_node_ip_address(), s.getsockname()[1]
+    store = rendezvous(ray.util.get_node_ip_address(), timeout_s)
+    master = store.host, store.port
     refs = [a.setup.remote(r, world, master, cfg.model, cfg.trainer, cfg.loss, cfg.rollout.temperature, cfg.seed,
                            cuda, timeout_s) for r, a in enumerate(followers, 1)]
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{master[0]}:{master[1]}", rank=0,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=0, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
     return followers, refs
 
 
@@ -130,7 +132,7 @@ class RayTrainers:
                                           scheduling_strategy=PlacementGroupSchedulingStrategy(
                                               pg, placement_group_bundle_index=first_bundle + r)).remote()
                       for r in range(world)]
-        master = ray.get(self.ranks[0].address.remote(), timeout=timeout_s)
+        master = ray.get(self.ranks[0].address.remote(timeout_s), timeout=timeout_s)
         ray.get([a.setup.remote(r, world, master, model, cfg, loss, temperature, seed, cuda, timeout_s)
                  for r, a in enumerate(self.ranks)], timeout=timeout_s)
 

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import NoReturn, Protocol
@@ -32,7 +31,7 @@ from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineClientError, EngineUnreachable
 from tandem.run.engine_process import EngineProcess
 from tandem.run.placement import MONITOR_S, CurrentWeights, NamedTensors, Placement, SyncStats
-from tandem.transport.dist import DistSender
+from tandem.transport.dist import DistSender, rendezvous
 from tandem.transport.weights import TransportError
 
 log = logging.getLogger(__name__)
@@ -197,11 +196,10 @@ class Replicas(Placement):
         await self._leave_group()
         self._generation += 1
         self.group_name = f"{GROUP}-{self._generation}"
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
         timeout_s, world = self.cfg.weight_sync_timeout_s, len(self.members) + 1
-        sender = asyncio.to_thread(DistSender, f"tcp://{self.host}:{port}", world, 0, self.backend, timeout_s,
+        store = rendezvous(self.host, timeout_s)
+        port = store.port
+        sender = asyncio.to_thread(DistSender, store, world, 0, self.backend, timeout_s,
                                    self.cfg.weight_bucket_bytes, self.label,
                                    self.device if self.backend == "nccl" else None)
         joins = [m.client.init_weights_update_group(self.host, port, rank, world, self.group_name, self.backend,

@@ -81,12 +81,24 @@ class _Laps:
 # ---- torch.distributed -----------------------------------------------------------------------------------------
 
 
+def rendezvous(host: str, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store for a group (a weight group, the trainer's ranks): listening from here on, on a port the
+    system chose (`.port`), so no other process can take the port between its choice and the other ranks' joining
+    (tcp://host:port). A weight group's rank 0 passes it to `DistSender` as its `init_method`."""
+    return dist.TCPStore(host, 0, None, True, timedelta(seconds=check_timeout(timeout_s)), wait_for_workers=False)
+
+
 class _DistEnd:
     """What both ends share: the rendezvous, the two groups, the rank labels, and waits that fail loudly.
     The groups are standalone (not `init_process_group`), so they live beside any default group of the process."""
 
-    def __init__(self, init_method: str, world_size: int, rank: int, backend: str, timeout_s: float,
-                 label: str | None, device: str | torch.device | None):
+    def __init__(self, init_method: str | dist.TCPStore, world_size: int, rank: int, backend: str,
+                 timeout_s: float, label: str | None, device: str | torch.device | None):
+        store = init_method if isinstance(init_method, dist.TCPStore) else None
+        if store is not None:
+            if rank != 0:
+                raise ValueError(f"init_method: a store is rank 0's (`rendezvous`), got one for rank {rank}")
+            init_method = f"tcp://{store.host}:{store.port}"
         url = urlparse(init_method)
         if url.scheme != "tcp" or not url.hostname or not url.port:
             raise ValueError(f"init_method: expected tcp://host:port, got {init_method!r}")
@@ -110,7 +122,8 @@ class _DistEnd:
         self._failed_works: list = []  # kept alive until close: gloo may still touch their buffers
 
         try:
-            self.store = dist.TCPStore(url.hostname, url.port, None, rank == 0, self.timeout, wait_for_workers=False)
+            self.store = store or dist.TCPStore(url.hostname, url.port, None, rank == 0, self.timeout,
+                                                wait_for_workers=False)
         except RuntimeError as e:
             where = "host" if rank == 0 else "reach rank 0's"
             raise TransportError(f"weights (rank {rank}): could not {where} rendezvous store at {url.netloc} "
@@ -245,13 +258,14 @@ class _DistEnd:
 
 class DistSender(_DistEnd, WeightSender):
     """Rank 0 of the weight group: the trainer. `bucket_bytes` bounds one bucket (slime uses 512 MiB, AReaL 1 GiB);
-    a bigger tensor travels alone. The constructor blocks until every rank has joined (at most `timeout_s`).
-    `label` names this rank in the peers' error messages, e.g. "trainer at 10.0.0.1". `device` (nccl only): the
-    CUDA device buckets are flattened on (default: the current one). `pipeline`: overlap gathering and flattening
-    the next bucket with the broadcast of this one (see the module docstring); False waits for every broadcast
-    before touching the next bucket (the reference the pipelined path is tested against)."""
+    a bigger tensor travels alone. `init_method`: tcp://host:port, or (better) the store `rendezvous` made, whose
+    port the receivers join. The constructor blocks until every rank has joined (at most `timeout_s`). `label`
+    names this rank in the peers' error messages, e.g. "trainer at 10.0.0.1". `device` (nccl only): the CUDA
+    device buckets are flattened on (default: the current one). `pipeline`: overlap gathering and flattening the
+    next bucket with the broadcast of this one (see the module docstring); False waits for every broadcast before
+    touching the next bucket (the reference the pipelined path is tested against)."""
 
-    def __init__(self, init_method: str, world_size: int, rank: int = 0, backend: str = "gloo",
+    def __init__(self, init_method: str | dist.TCPStore, world_size: int, rank: int = 0, backend: str = "gloo",
                  timeout_s: float = 60.0, bucket_bytes: int = 512 << 20, label: str | None = None,
                  device: str | torch.device | None = None, pipeline: bool = True):
         if rank != 0:
