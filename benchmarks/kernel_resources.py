@@ -116,7 +116,8 @@ def attention_call(cfg, batch: int, fresh: bool, context: int = 1024, page_size:
 
 def projection_calls(cfg, rows: int) -> dict:
     """name -> (N, E, default_blocks' keywords, call(blocks)): each projection of a dense layer as the model launches
-    it at `rows` rows, on CPU tensors of its shapes."""
+    it at `rows` rows (q/k/v with its head epilogue above `FRESH_ROWS`, plain up to it), on CPU tensors of its
+    shapes."""
     E, H, K, D, inter = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
                          cfg.intermediate_size)
     arrived = small_linear.arrival_counts("cpu")
@@ -129,7 +130,12 @@ def projection_calls(cfg, rows: int) -> dict:
         small_linear.small_qkv(t(rows, E), t((H + 2 * K) * D, E), t(E), 1e-6, t(D), t(D), torch.arange(rows), 1e6,
                                H, caches, arrived, blocks)
 
-    return {"q/k/v": ((H + 2 * K) * D, E, {"heads": H + 2 * K}, qkv),
+    if rows <= small_linear.FRESH_ROWS:  # a plain projection: attention takes q/k norm, RoPE and the KV write
+        qkv_entry = ((H + 2 * K) * D, E, {}, lambda b: small_linear.small_linear(t(rows, E), t((H + 2 * K) * D, E),
+                                                                                t(E), 1e-6, blocks=b, arrived=arrived))
+    else:
+        qkv_entry = ((H + 2 * K) * D, E, {"heads": H + 2 * K}, qkv)
+    return {"q/k/v": qkv_entry,
             "o": (E, H * D, {}, lambda b: small_linear.small_linear(t(rows, H * D), t(E, H * D), out=t(rows, E),
                                                                     blocks=b, arrived=arrived)),
             "gate/up": (inter, E, {"paired": True},

@@ -251,7 +251,7 @@ def test_small_linear_split_over_input_columns(splits):
     check_small_linear(2, 300, 24, torch.bfloat16, blocks=Blocks(16, 32, splits=splits))
 
 
-@pytest.mark.parametrize("T", [1, 3, 5])
+@pytest.mark.parametrize("T", [1, 2, 3, 5])  # (a row at a time up to `ROWWISE_ROWS`, all together above)
 @pytest.mark.parametrize("blocks", [Blocks(4, 64, vector=True), Blocks(8, 32, splits=3, vector=True),
                                     Blocks(4, 128, vector=True)], ids=["unsplit", "split3", "whole-row"])
 def test_small_linear_vector_tiles(blocks, T):

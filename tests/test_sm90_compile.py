@@ -7,6 +7,8 @@ a name defined in one branch only. This compiles the variants the 0.6B shape's d
 (Triton's own ptxas, no GPU), in a process of its own: this one runs the interpreter.
 """
 
+import functools
+
 import pytest
 import torch
 from sm90 import run_compile_check
@@ -77,10 +79,11 @@ from tandem.kernels import small_linear
 small_linear._multiprocessors, small_linear.pdl_supported = (lambda device: 132), (lambda device: True)
 found = {}
 try:
-    for name, (N, E, keywords, call) in kr.projection_calls(PRESETS["qwen3-0.6b"], 8).items():
-        blocks = small_linear.default_blocks(N, E, kr.H100(), rows=8, **keywords)
-        [launch] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
-        found[name] = dict(zip(("registers", "spilled", "shared"), kr.resources(*launch)))
+    for rows in (1, 2, 8):
+        for name, (N, E, keywords, call) in kr.projection_calls(PRESETS["qwen3-0.6b"], rows).items():
+            blocks = small_linear.default_blocks(N, E, kr.H100(), rows=rows, **keywords)
+            [launch] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
+            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared"), kr.resources(*launch)))
 except Exception as e:  # the toolchain: no ptxas, no sm_90 backend
     print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
     sys.exit(0)
@@ -88,12 +91,29 @@ print(json.dumps(found))
 """
 
 
+@functools.cache
+def projection_resources() -> dict:
+    pytest.importorskip("triton")
+    return run_compile_check(RESOURCES)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
 def test_few_row_projections_at_8_rows_neither_spill_nor_fill_an_sm():
     """Compiled as the GPU's JIT compiles the model's own launches: no projection spills registers, and none takes
     shared memory for pipeline stages its programs cannot fill (q/k/v's programs hold a single tile each)."""
-    pytest.importorskip("triton")
-    found = run_compile_check(RESOURCES)
+    found = projection_resources()["8"]
     assert set(found) == {"q/k/v", "o", "gate/up", "down"}
     for name, r in found.items():
         assert r["spilled"] == 0 and r["shared"] <= 64 * 1024, (name, r)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_one_or_two_rows_weight_tiles_never_pass_through_shared_memory(rows):
+    """At the rows a step's products are summed a row at a time (`small_linear.ROWWISE_ROWS`), each projection
+    uses shared memory for its reductions' partial sums only: summed as one 3-d product, the compiler stages the
+    whole weight tile there to change its layout, with a barrier around each piece."""
+    found = projection_resources()[str(rows)]
+    assert set(found) == {"q/k/v", "o", "gate/up", "down"}
+    for name, r in found.items():
+        assert r["spilled"] == 0 and r["shared"] <= 1024, (name, r)

@@ -12,7 +12,9 @@ kernel of its own before or after it:
   `silu(gate) * up` [T, I].
 
 Up to `VECTOR_ROWS` rows the products are summed on the CUDA cores over a tile of the rows there are
-(`vector_blocks`), above it in tensor-core tiles of 16 rows.
+(`vector_blocks`), above it in tensor-core tiles of 16 rows. Up to `ROWWISE_ROWS` rows a vector tile's products
+are summed a row at a time, in the layout the weight tile is loaded in: summed as one [rows, columns, inputs]
+product, the compiler moves the whole tile through shared memory into that product's layout first.
 
 Rounding contract: as `tandem.kernels.fused` (whose helpers it uses): the normalised input, the projection's output,
 silu, the product and the sum are each rounded to the activation dtype where the PyTorch model rounds them, so in
@@ -47,11 +49,17 @@ VECTOR_ROWS = 2  # up to these rows by default, `vector_blocks` (their products 
 FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in attention (`Qwen3ForCausalLM`, `Fresh`)
 VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
 VECTOR_WARPS = 4  # of a vector tile's program
+ROWWISE_ROWS = 2  # up to these rows a vector tile's products are summed a row at a time (`_dot`; not with heads)
 
 
 @triton.jit
-def _dot(acc, x, w, DOT_FP32: tl.constexpr, VECTOR: tl.constexpr):
-    if VECTOR:  # a row or a few: products summed on the CUDA cores, no tensor-core tile padded to 16 rows
+def _dot(acc, x, w, DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, ROWWISE: tl.constexpr):
+    if ROWWISE:  # a row or two, one at a time: each product in the weight tile's own layout (as loaded)
+        rows = tl.arange(0, x.shape[0])[:, None]
+        for t in tl.static_range(x.shape[0]):
+            x_t = tl.sum(tl.where(rows == t, x.to(tl.float32), 0.0), 0)
+            acc += tl.where(rows == t, tl.sum(x_t[None, :] * w.to(tl.float32), 1)[None, :], 0.0)
+    elif VECTOR:  # a row or a few: products summed on the CUDA cores, no tensor-core tile padded to 16 rows
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
     elif DOT_FP32:  # fp32 weights, or the CPU interpreter (its bf16 dots are wrong): exact fp32 products
         acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -124,7 +132,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                          stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
                          RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-                         DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, PDL: tl.constexpr, INTERPRET: tl.constexpr):
+                         DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, ROWWISE: tl.constexpr, PDL: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
     SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
     [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
@@ -163,18 +172,18 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         rstd = tl.rsqrt(squares / E + eps)
     x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
-    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32, VECTOR)
+    acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32, VECTOR, ROWWISE)
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PAIRED:
-        acc_up = _dot(acc_up, x, w_up, DOT_FP32, VECTOR)
+        acc_up = _dot(acc_up, x, w_up, DOT_FP32, VECTOR, ROWWISE)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
         w_mask = mask_n[:, None] & (kk < k_end)[None, :]
-        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR)
+        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR, ROWWISE)
         if PAIRED:
             acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32,
-                              VECTOR)
+                          VECTOR, ROWWISE)
     if PDL:
         gdc_launch_dependents()
     write = True  # this program writes the output: always unsplit, else the last of its column block to arrive
@@ -356,6 +365,7 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
         RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
         NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
+        ROWWISE=b.vector and not HEADS and block_t <= ROWWISE_ROWS,
         DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=min(b.stages, k_split // b.k), enable_fp_fusion=not HEADS, **pdl)
     # (no more stages than a program has tiles: its loop runs one time fewer, and a stage it cannot fill would only
