@@ -284,7 +284,11 @@ def main() -> None:
                         "that `small_linear_blocks.py --out FILE` found best (FILE)")
     parser.add_argument("--attention-max-split", type=int, help="decode attention's longest balanced split, tokens "
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
+    parser.add_argument("--small-rowwise", type=int, help="rows up to which the few-row projections sum their "
+                        f"products a row at a time (an A/B; default {small_linear.ROWWISE_ROWS}, 0: never)")
     args = parser.parse_args()
+    if args.small_rowwise is not None:
+        small_linear.ROWWISE_ROWS = args.small_rowwise
     if args.attention_programs_per_sm:
         decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
     if args.attention_balance is not None:
@@ -296,7 +300,8 @@ def main() -> None:
     print(f"command: python {' '.join(sys.argv)}")
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
-          f"most {decode_attention.MAX_BALANCED_SPLIT} tokens\n")
+          f"most {decode_attention.MAX_BALANCED_SPLIT} tokens; few-row products a row at a time up to "
+          f"{small_linear.ROWWISE_ROWS} rows\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]

@@ -148,14 +148,17 @@ for part in $parts; do
                      timeout 240 python3 benchmarks/disaggregation.py --model qwen3-0.6b --no-doorbells \
                    --out "$OUT/disagg_no_doorbells.json";
                      timeout 60 python3 benchmarks/cold_host_ops.py ;;
-        balance) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b"  # the balanced split's A/B; with
-                 # OLD=DIR also the sweep in that tree (e.g. the one before the few-row projections' stage rule)
+        balance) E="python3 benchmarks/engine_throughput.py --models qwen3-0.6b --skip-workload"  # the A/Bs of the
+                 # balanced split (8-64 requests), rows a row at a time (1-2) and, with OLD=DIR (a tree before the
+                 # stage rule), the stage rule (4-16); then the workload with and without the balance
                  timeout 100 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py \
                      tests/test_fused_kernels.py;
-                 for a in "" "--attention-balance 0"; do timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload $a; done;
-                 if [ -n "$OLD" ]; then
-                     (cd "$OLD" && PYTHONPATH=$PWD timeout 60 $E --batches 1 4 8 16 32 64 --skip-workload); fi;
-                 for a in "" "--attention-balance 0"; do timeout 90 $E --batches 1 $a; done ;;
+                 timeout 60 $E --batches 1 2 4 8 16 32 64;
+                 timeout 50 $E --batches 1 2 --small-rowwise 0;
+                 timeout 50 $E --batches 8 16 32 64 --attention-balance 0;
+                 if [ -n "$OLD" ]; then (cd "$OLD" && PYTHONPATH=$PWD timeout 50 $E --batches 4 8 16); fi;
+                 for a in "" "--attention-balance 0"; do
+                     timeout 90 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 $a; done ;;
         blocks8) timeout 330 python3 benchmarks/small_linear_blocks.py --rows 4 8 16 --out "$OUT/blocks8.json";
                  timeout 120 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 3 4 8 16 \
                      --skip-workload --small-tilings "$OUT/blocks8.json" ;;  # (the sweep's best in the step)
