@@ -46,7 +46,7 @@ def _serve(args) -> None:
             raise ValueError(f"--ep {args.ep}: must divide the model's num_experts ({model_config.num_experts})")
     tp, followers, size = SINGLE, [], args.tp * args.ep
     if size > 1:  # ranks 1.. in their own processes; this one is rank 0 and serves
-        store = rendezvous_store(size)
+        store = rendezvous_store()
         backend = "nccl" if args.device.startswith("cuda") else "gloo"
         followers = start_followers(size, store, backend, args.model, config, args.dtype, args.seed, ep=args.ep)
         await_followers(store, followers)

@@ -322,7 +322,7 @@ def test_a_follower_whose_rank_0_ended_does_not_wait_for_it(tmp_path):
     where it would otherwise wait up to 30 minutes for a store that is gone (holding its GPU, and any pipe it
     inherited)."""
     code = ("import os; from tandem.config import EngineConfig; from tandem.run.tp import rendezvous_store, "
-            "start_followers; store = rendezvous_store(2); "
+            "start_followers; store = rendezvous_store(); "
             "[p] = start_followers(2, store, 'gloo', 'tiny', EngineConfig()); print(p.pid, flush=True); os._exit(0)")
     with open(tmp_path / "out", "w") as out:  # (a file: a pipe would stay open as long as the follower lives)
         subprocess.run([sys.executable, "-c", code], stdout=out, timeout=60, check=True)
@@ -351,7 +351,7 @@ def test_rank_0_names_a_follower_that_ended_before_joining():
     its exit code at once (here a follower that refuses its grid: ep 3 does not divide 2 ranks)."""
     from tandem.run.tp import await_followers, rendezvous_store, start_followers
 
-    store = rendezvous_store(2)
+    store = rendezvous_store()
     [p] = start_followers(2, store, "gloo", "tiny", EngineConfig(), ep=3)
     try:
         with pytest.raises(RuntimeError, match=rf"rank 1 \(pid {p.pid}\) exited with code 1 before joining"):

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tandem.engine.kv_shared import _gpu_uuid, kv_header, transfer_stream
+from tandem.transport.dist import rendezvous
 
 if TYPE_CHECKING:
     from tandem.engine.kv_transfer import KVPages
@@ -144,7 +145,7 @@ class P2PExport:
 
 def host_store(timeout_s: float = P2P_TIMEOUT_S) -> dist.TCPStore:
     """A rendezvous store for one link, served by this process on a free port (`.port`), every interface."""
-    return dist.TCPStore("0.0.0.0", 0, None, True, timedelta(seconds=timeout_s), wait_for_workers=False)
+    return rendezvous("0.0.0.0", timeout_s)
 
 
 def join_store(host: str, port: int, timeout_s: float = P2P_TIMEOUT_S) -> dist.TCPStore:

@@ -25,6 +25,7 @@ from tandem.distributed.watchdog import Watchdog, install_handlers
 from tandem.engine.commands import Idle, Stop
 from tandem.engine.core import EngineCore, EngineError
 from tandem.engine.engine import Engine, make_watchdog
+from tandem.transport.dist import rendezvous
 
 log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1  # prctl(2)
@@ -88,10 +89,10 @@ def _check_grid(size: int, ep: int) -> None:
         raise ValueError(f"expert parallelism: ep ({ep}) must divide the number of ranks ({size})")
 
 
-def rendezvous_store(size: int, host: str = "127.0.0.1") -> dist.TCPStore:
+def rendezvous_store(host: str = "127.0.0.1") -> dist.TCPStore:
     """Rank 0's store for `init_tp` and `start_followers`: listening from here on, on a port the system chose
     (`.port`), so no other process can take it between its choice and its use."""
-    return dist.TCPStore(host, 0, size, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+    return rendezvous(host, JOIN_TIMEOUT.total_seconds())
 
 
 def _die_with_parent(parent: int) -> None:
