@@ -1,8 +1,9 @@
-"""What a decode step's few-row projections and decode attention cost an H100/H200's SM in registers, spills and
-shared memory, found on a CPU: each launch compiled for sm_90 by Triton's own compiler and ptxas, as the GPU's JIT
-would compile it (no GPU needed).
+"""What a decode step's few-row projections and decode attention cost an H100/H200's SM in registers, spills,
+shared memory and block-wide barriers, found on a CPU: each launch compiled for sm_90 by Triton's own compiler and
+ptxas, as the GPU's JIT would compile it (no GPU needed).
 
     python benchmarks/kernel_resources.py [--model qwen3-0.6b] [--rows 1 4 8 16] [--k 128 256] [--warps 4 8]
+                                          [--rowwise R]
 
 For each row count, each projection of a dense layer (q/k/v with its head epilogue, o with the residual add, gate/up
 with the norm and SiLU, down with the residual add) at `small_linear.default_blocks`' tiling, then, above
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import os
 import re
 import subprocess
 import tempfile
@@ -63,8 +65,9 @@ def launches(module, names: tuple[str, ...], call) -> list[tuple[object, tuple, 
     return captured
 
 
-def resources(jit, args: tuple, kwargs: dict) -> tuple[int, int, int]:
-    """(registers a thread, bytes spilled a thread, shared memory bytes) of `jit` launched with `args` and `kwargs`,
+def resources(jit, args: tuple, kwargs: dict) -> tuple[int, int, int, int]:
+    """(registers a thread, bytes spilled a thread, shared memory bytes, block-wide barriers in its SASS, both
+    copies of a peeled loop counted) of `jit` launched with `args` and `kwargs`,
     compiled for sm_90 as Triton's JIT would compile that launch: each argument specialised as the JIT specialises
     it (unless the kernel says not to: an integer 1 a constant; a multiple of 16, or a 16-byte aligned pointer,
     known divisible by 16, which is what lets loads be vectorised)."""
@@ -90,7 +93,12 @@ def resources(jit, args: tuple, kwargs: dict) -> tuple[int, int, int]:
                                  "/dev/null"], capture_output=True, text=True, check=True).stderr
     registers = int(re.search(r"Used (\d+) registers", report).group(1))
     spilled = int(re.search(r"(\d+) bytes spill stores", report).group(1))
-    return registers, spilled, kernel.metadata.shared
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([os.path.join(os.path.dirname(get_ptxas(ARCH).path), "nvdisasm"), "-c", cubin.name],
+                              capture_output=True, text=True, check=True).stdout
+    return registers, spilled, kernel.metadata.shared, len(re.findall(r"\bBAR\.SYNC", sass))
 
 
 def per_sm(registers: int, shared: int, warps: int) -> int:
@@ -152,13 +160,18 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors (an H100 SXM's 132)")
+    parser.add_argument("--rowwise", type=int, help="small_linear.ROWWISE_ROWS (default "
+                        f"{small_linear.ROWWISE_ROWS}; 0: every vector tile's products summed as one 3-d product)")
     args = parser.parse_args()
+    if args.rowwise is not None:
+        small_linear.ROWWISE_ROWS = args.rowwise
     cfg = PRESETS[args.model]
     small_linear._multiprocessors = decode_attention._num_sms = lambda device: args.sms
     small_linear.pdl_supported = decode_attention.pdl_supported = lambda device: True
-    print(f"## few-row projections' sm_{ARCH} resources ({args.model}, {args.sms} SMs; Triton {triton.__version__})\n")
-    print("| rows | projection | tiling | programs | registers a thread | spilled bytes a thread | shared KiB | "
-          "programs an SM (registers, shared memory, warps) |\n|---|---|---|---|---|---|---|---|")
+    print(f"## few-row projections' sm_{ARCH} resources ({args.model}, {args.sms} SMs; Triton {triton.__version__}; "
+          f"products a row at a time up to {small_linear.ROWWISE_ROWS} rows)\n")
+    print("| rows | projection | tiling | programs | registers a thread | spilled bytes a thread | shared bytes | "
+          "barriers | programs an SM (registers, shared memory, warps) |\n|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
         for name, (N, E_in, keywords, call) in projection_calls(cfg, rows).items():
             default = small_linear.default_blocks(N, E_in, H100(), rows=rows, **keywords)
@@ -168,25 +181,26 @@ def main() -> None:
                             if (k, w) != (default.k, default.warps)]
             for blocks in tilings:
                 [launch] = launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
-                registers, spilled, shared = resources(*launch)
+                registers, spilled, shared, barriers = resources(*launch)
                 k_split = triton.cdiv(triton.cdiv(E_in, blocks.splits), blocks.k) * blocks.k
                 column_blocks = keywords.get("heads") or triton.cdiv(N, blocks.n)
                 tag = "default: " if blocks is default else ""
                 width = f"2 x {cfg.head_dim // 2}" if "heads" in keywords else blocks.n
                 print(f"| {rows} | {name} | {tag}{width} x {blocks.k}, {blocks.warps} warps, {blocks.splits} "
                       f"split(s){', vector' if blocks.vector else ''} | {column_blocks * triton.cdiv(E_in, k_split)} "
-                      f"| {registers} | {spilled} | {shared / 1024:.0f} | {per_sm(registers, shared, blocks.warps)} |")
-    print("\n| requests | decode attention kernel | registers a thread | spilled bytes a thread | shared KiB | "
-          "programs an SM |\n|---|---|---|---|---|---|")
+                      f"| {registers} | {spilled} | {shared} | {barriers} | "
+                      f"{per_sm(registers, shared, blocks.warps)} |")
+    print("\n| requests | decode attention kernel | registers a thread | spilled bytes a thread | shared bytes | "
+          "barriers | programs an SM |\n|---|---|---|---|---|---|---|")
     for batch in args.rows:
         for fresh in (False, True):
             for jit, launch_args, launch_kwargs in launches(decode_attention, ("_split_kernel", "_merge_kernel"),
                                                             lambda b=batch, f=fresh: attention_call(cfg, b, f)):
                 if jit is decode_attention._merge_kernel and fresh:
                     continue  # (the same merge)
-                registers, spilled, shared = resources(jit, launch_args, launch_kwargs)
+                registers, spilled, shared, barriers = resources(jit, launch_args, launch_kwargs)
                 name = "merge" if jit is decode_attention._merge_kernel else f"first stage{', fresh keys' * fresh}"
-                print(f"| {batch} | {name} | {registers} | {spilled} | {shared / 1024:.0f} | "
+                print(f"| {batch} | {name} | {registers} | {spilled} | {shared} | {barriers} | "
                       f"{per_sm(registers, shared, launch_kwargs['num_warps'])} |")
 
 

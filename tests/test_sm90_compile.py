@@ -83,7 +83,8 @@ try:
         for name, (N, E, keywords, call) in kr.projection_calls(PRESETS["qwen3-0.6b"], rows).items():
             blocks = small_linear.default_blocks(N, E, kr.H100(), rows=rows, **keywords)
             [launch] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
-            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared"), kr.resources(*launch)))
+            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared", "barriers"),
+                                                         kr.resources(*launch)))
 except Exception as e:  # the toolchain: no ptxas, no sm_90 backend
     print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
     sys.exit(0)
