@@ -5,14 +5,14 @@ ptxas, as the GPU's JIT would compile it (no GPU needed).
     python benchmarks/kernel_resources.py [--model qwen3-0.6b] [--rows 1 4 8 16] [--k 128 256] [--warps 4 8]
                                           [--rowwise R]
 
-For each row count, each projection of a dense layer (q/k/v with its head epilogue, o with the residual add, gate/up
-with the norm and SiLU, down with the residual add) at `small_linear.default_blocks`' tiling, then, above
-`VECTOR_ROWS` rows, every other tensor-core tile width (`--k`, input columns a tile) and warp count (`--warps`); then
-decode attention's kernels at as many requests of 1,024 positions. Each launch is captured as the model makes it
-(on CPU tensors) and its arguments specialised as the JIT specialises them: compiled without that, the same kernel
-loads two bytes an instruction and spills registers it does not spill on the GPU. Registers past 255 a thread spill to
-local memory; registers, shared memory and warps bound the programs an SM holds. Counts, not timings: which tiling
-is fastest only a GPU says (`small_linear_blocks.py`).
+For each row count, each projection of a dense layer as the model launches it (q/k/v with its head epilogue, plain up
+to `FRESH_ROWS` rows; o with the residual add, gate/up with the norm and SiLU, down with the residual add) at
+`small_linear.default_blocks`' tiling, then, above `VECTOR_ROWS` rows, every other tensor-core tile width (`--k`,
+input columns a tile) and warp count (`--warps`); then decode attention's kernels at as many requests of 1,024
+positions. Each launch is captured as the model makes it (on CPU tensors) and its arguments specialised as the JIT
+specialises them: compiled without that, the same kernel loads two bytes an instruction and spills registers it does
+not spill on the GPU. Registers past 255 a thread spill to local memory; registers, shared memory and warps bound the
+programs an SM holds. Counts, not timings: which tiling is fastest only a GPU says (`small_linear_blocks.py`).
 Run with TRITON_INTERPRET unset (the interpreter's kernels cannot be compiled).
 """
 

@@ -54,7 +54,7 @@ ROWWISE_ROWS = 2  # up to these rows a vector tile's products are summed a row a
 
 @triton.jit
 def _dot(acc, x, w, DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, ROWWISE: tl.constexpr):
-    if ROWWISE:  # a row or two, one at a time: each product in the weight tile's own layout (as loaded)
+    if ROWWISE:  # (up to `ROWWISE_ROWS` rows) a row at a time: each product in the weight tile's loaded layout
         rows = tl.arange(0, x.shape[0])[:, None]
         for t in tl.static_range(x.shape[0]):
             x_t = tl.sum(tl.where(rows == t, x.to(tl.float32), 0.0), 0)

@@ -122,8 +122,8 @@ class _DistEnd:
         self._failed_works: list = []  # kept alive until close: gloo may still touch their buffers
 
         try:
-            self.store = store or dist.TCPStore(url.hostname, url.port, None, rank == 0, self.timeout,
-                                                wait_for_workers=False)
+            self.store = store if store is not None else dist.TCPStore(url.hostname, url.port, None, rank == 0,
+                                                                       self.timeout, wait_for_workers=False)
         except RuntimeError as e:
             where = "host" if rank == 0 else "reach rank 0's"
             raise TransportError(f"weights (rank {rank}): could not {where} rendezvous store at {url.netloc} "
