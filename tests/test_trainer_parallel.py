@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_tp import rank_processes
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from tandem.config import LossConfig, TrainerConfig
+from tandem.distributed import collectives
 from tandem.model.loader import build_model
 from tandem.model.qwen3 import attention_inputs
 from tandem.trainer import parallel
@@ -236,6 +238,8 @@ def _fsdp_rank(rank, world, port, groups, out_dir, results):
     out["per_rank_mean"] = weights(falsified)
     parallel.sync_batch = real
 
+    out["gathered"] = gathered_checks(trainer)
+
     mixed = make_trainer(fsdp=True, param_dtype="bfloat16")
     out["bf16_loss"] = mixed.step(groups)["loss"]
     out["bf16_dtypes"] = ({p.dtype for p in mixed.master.parameters()}, {t.dtype for _, t in mixed.named_weights()},
@@ -243,6 +247,26 @@ def _fsdp_rank(rank, world, port, groups, out_dir, results):
     torch.save(out, out_dir / f"rank{rank}.pt")  # not through the queue: it would share tensors by file descriptor
     dist.destroy_process_group()
     results.put(rank)
+
+
+def gathered_checks(trainer: Trainer) -> list[tuple[int, bool]]:
+    """`parallel.gathered` over the trainer's parameters and three of dim 0 that 2 ranks cannot split evenly (one
+    rank holds nothing of the last), at three bucket sizes: (all-gathers made, each tensor bit for bit its
+    `full_tensor()`) per size."""
+    mesh = next(trainer.model.parameters()).device_mesh
+    rng = torch.Generator().manual_seed(0)  # (the same tensors on every rank, as `distribute_tensor` needs)
+    odd = [(f"odd{n}", distribute_tensor(torch.randn(n, 3, generator=rng), mesh, [Shard(0)])) for n in (7, 3, 1)]
+    named = [*trainer.model.named_parameters(), *odd]
+    expected = {name: p.detach().to(torch.bfloat16).full_tensor() for name, p in named}
+    recorder, checks = collectives.get_recorder(), []
+    for bucket_bytes in (1, 4096, 1 << 30):
+        first = recorder.entries()[-1]["record_id"] + 1 if recorder.entries() else 0
+        got = list(parallel.gathered(named, torch.bfloat16, bucket_bytes))
+        gathers = [e for e in recorder.entries() if e["record_id"] >= first]
+        assert all(e["profiling_name"] == "gloo:all_gather_into_tensor" for e in gathers), gathers
+        checks.append((len(gathers), [n for n, _ in got] == list(expected)
+                       and all(torch.equal(t, expected[n]) for n, t in got)))
+    return checks
 
 
 def run_fsdp(world, groups, out_dir, timeout=120) -> list[dict]:
@@ -302,6 +326,9 @@ def test_fsdp_step_equals_single_process_step(tmp_path):
         assert_weights_close(out["restored"], out["weights"], rtol=0, atol=0)
         assert_weights_close(out["restored_second"], out["second"], rtol=0, atol=0)
         assert out["bf16_dtypes"] == ({torch.float32}, {torch.bfloat16}, {torch.float32})
+        # a parameter a bucket, some to a bucket, all in one: the same tensors, with that many all-gathers
+        (one, each), (some, ok), (whole, all_ok) = out["gathered"]
+        assert each and ok and all_ok and one == len(expected_weights) + 3 and 1 < some < one and whole == 1
         assert out["bf16_loss"] == pytest.approx(expected["loss"], rel=0.05)
     assert_weights_close(ranks[0]["state_model"], single.state_dict()["model"], **tol)
     assert ranks[1]["state_model"] == {}  # the full state is gathered on rank 0 only

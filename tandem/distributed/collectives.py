@@ -69,6 +69,11 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
                   lambda: dist.all_gather(tensor_list, tensor, group=group))
 
 
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None):
+    return _issue("all_gather_into_tensor", group, [tensor], [output],
+                  lambda: dist.all_gather_into_tensor(output, tensor, group=group))
+
+
 def barrier(group=None):
     return _issue("barrier", group, [], [], lambda: dist.barrier(group=group))
 

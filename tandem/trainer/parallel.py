@@ -1,5 +1,6 @@
 """How the trainer spreads over ranks and saves memory: FSDP2 sharding, the split of a batch's episodes across
-data-parallel ranks, the reduction of metrics, and activation checkpointing.
+data-parallel ranks, the reduction of metrics, the full weights gathered for the engine, and activation
+checkpointing.
 
 Under FSDP every rank receives the whole batch, computes the advantages of every group itself, and trains on its
 share of the episodes (`split_episodes`). The gradient of the batch is the sum over ranks of each rank's gradient
@@ -10,11 +11,14 @@ weighted by its policy tokens over the batch's, so FSDP must sum gradients rathe
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 from tandem.distributed import collectives
@@ -87,3 +91,64 @@ def reduce_metrics(sums: dict[str, float], extremes: dict[str, float], device) -
     collectives.all_reduce(e, op=dist.ReduceOp.MAX)
     sums.update(zip(keys, s.tolist(), strict=True))
     extremes.update((k, v if k.endswith("_max") else -v) for k, v in zip(ext, e.tolist(), strict=True))
+
+
+GATHER_BUCKET_BYTES = 256 << 20  # of full weights (in the compute dtype) one all-gather of `gathered` makes at most
+
+
+def gathered(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+             bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor in `dtype`) for each of `named`, in order: FSDP's parameters (DTensors sharded on dim 0
+    over a 1-d mesh) gathered a bucket of up to `bucket_bytes` at a time in one all-gather (not one a parameter:
+    a push of the 0.6B shape's 311 parameters is then a handful of collectives), bit for bit what each one's
+    `full_tensor()` gives; any other DTensor by its own `full_tensor()`, a plain tensor as it is (detached). A
+    collective: every rank iterates it to the end, with the same parameters and `bucket_bytes`."""
+    bucket, size = [], 0
+    for name, p in named:
+        if not _dim0_sharded(p):
+            yield from _gather_bucket(bucket, dtype)
+            bucket, size = [], 0
+            yield name, (p.detach().to(dtype).full_tensor() if isinstance(p, DTensor) else p.detach())
+            continue
+        nbytes = p.numel() * dtype.itemsize
+        if bucket and size + nbytes > bucket_bytes:
+            yield from _gather_bucket(bucket, dtype)
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += nbytes
+    yield from _gather_bucket(bucket, dtype)
+
+
+def _dim0_sharded(p: torch.Tensor) -> bool:
+    return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.ndim > 0
+
+
+def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """One all-gather of the bucket's local shards, each padded to its whole chunk (`torch.chunk`'s split of dim 0,
+    as FSDP shards: the first ranks hold ceil(rows / world) rows, the last ones fewer or none), laid end to end in
+    the same order on every rank; then each full tensor cut out of every rank's part."""
+    if not bucket:
+        return
+    group = bucket[0][1].device_mesh.get_group()
+    world, device = dist.get_world_size(group), bucket[0][1].to_local().device
+    layout, offset = [], 0  # per parameter: where its chunk starts in a rank's part, its rows a chunk, a row's size
+    for _, p in bucket:
+        chunk, row = -(-p.shape[0] // world), math.prod(p.shape[1:])
+        layout.append((offset, chunk, row))
+        offset += chunk * row
+    part = torch.zeros(offset, dtype=dtype, device=device)  # (padding: zeros, never read back)
+    for (name, p), (start, chunk, _) in zip(bucket, layout, strict=True):
+        local = p.to_local()
+        assert local.shape[0] == _rows(p.shape[0], chunk, dist.get_rank(group)), (name, local.shape, p.shape)
+        part[start:start + local.numel()].copy_(local.detach().reshape(-1))  # (rounded to dtype as `.to` rounds)
+    parts = torch.empty(world * offset, dtype=dtype, device=device)
+    collectives.all_gather_into_tensor(parts, part, group=group)
+    parts = parts.view(world, offset)
+    for (name, p), (start, chunk, row) in zip(bucket, layout, strict=True):
+        pieces = [parts[r, start:start + _rows(p.shape[0], chunk, r) * row] for r in range(world)]
+        yield name, torch.cat(pieces).view(p.shape)
+
+
+def _rows(rows: int, chunk: int, rank: int) -> int:
+    """Rows of dim 0 that `rank` holds when `rows` are cut into chunks of `chunk`."""
+    return max(0, min(chunk, rows - rank * chunk))
