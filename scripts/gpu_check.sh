@@ -6,8 +6,9 @@
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
+#                        [fsdp_gather]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
-# staleness, kv_reuse, learn, sync* and buckets need two GPUs).
+# staleness, kv_reuse, learn, sync*, buckets and fsdp_gather need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -178,6 +179,7 @@ for part in $parts; do
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
                              benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only --transfer-reps 10); done
                      done ;;
+        fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
     echo "exit ${PIPESTATUS[0]}" | tee -a "$OUT/summary.txt"

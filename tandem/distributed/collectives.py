@@ -69,9 +69,10 @@ def all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group=None
                   lambda: dist.all_gather(tensor_list, tensor, group=group))
 
 
-def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None):
-    return _issue("all_gather_into_tensor", group, [tensor], [output],
-                  lambda: dist.all_gather_into_tensor(output, tensor, group=group))
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None):
+    """Every rank's `tensor` (the same size on each), end to end in rank order, into `output` (flat)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the name before torch 2.13)
+    return _issue("all_gather_single", group, [tensor], [output], lambda: gather(output, tensor, group=group))
 
 
 def barrier(group=None):

@@ -142,7 +142,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype) -> Ite
         assert local.shape[0] == _rows(p.shape[0], chunk, dist.get_rank(group)), (name, local.shape, p.shape)
         part[start:start + local.numel()].copy_(local.detach().reshape(-1))  # (rounded to dtype as `.to` rounds)
     parts = torch.empty(world * offset, dtype=dtype, device=device)
-    collectives.all_gather_into_tensor(parts, part, group=group)
+    collectives.all_gather_single(parts, part, group=group)
     parts = parts.view(world, offset)
     for (name, p), (start, chunk, row) in zip(bucket, layout, strict=True):
         pieces = [parts[r, start:start + _rows(p.shape[0], chunk, r) * row] for r in range(world)]
