@@ -2,7 +2,7 @@
 all-gather a parameter (each DTensor's `full_tensor()`, as before `parallel.gathered`) against a bucket of
 parameters a gather, in the same run, on `--ranks` processes (gloo on CPUs, NCCL on GPUs, one each).
 
-    python benchmarks/fsdp_gather.py [--model small] [--ranks 2] [--reps 3] [--bucket-mb 256 16]
+    python benchmarks/fsdp_gather.py [--model small] [--ranks 2] [--reps 3] [--bucket-mb 32 256]
 
 Prints, per way, the median wall time of a whole gather over `--reps` (after one warm-up) and the bytes of full
 weights gathered per second; the ways take turns within each repetition.
@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--model", default="small")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[parallel.GATHER_BUCKET_BYTES >> 20, 16])
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[parallel.GATHER_BUCKET_BYTES >> 20, 256])
     args = parser.parse_args()
     store = rendezvous("127.0.0.1", 120)  # (held until the ranks are done)
     mp.spawn(rank_main, args=(args, (store.host, store.port)), nprocs=args.ranks)

@@ -93,37 +93,52 @@ def reduce_metrics(sums: dict[str, float], extremes: dict[str, float], device) -
     extremes.update((k, v if k.endswith("_max") else -v) for k, v in zip(ext, e.tolist(), strict=True))
 
 
-GATHER_BUCKET_BYTES = 256 << 20  # of full weights (in the compute dtype) one all-gather of `gathered` makes at most
+GATHER_BUCKET_BYTES = 32 << 20  # of full weights (in the compute dtype) one all-gather of `gathered` makes at most
 
 
 def gathered(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
              bucket_bytes: int = GATHER_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor in `dtype`) for each of `named`, in order: FSDP's parameters (DTensors sharded on dim 0
-    over a 1-d mesh) gathered a bucket of up to `bucket_bytes` at a time in one all-gather (not one a parameter:
-    a push of the 0.6B shape's 311 parameters is then a handful of collectives), bit for bit what each one's
-    `full_tensor()` gives; any other DTensor by its own `full_tensor()`, a plain tensor as it is (detached). A
-    collective: every rank iterates it to the end, with the same parameters and `bucket_bytes`."""
-    bucket, size = [], 0
+    over a 1-d mesh) gathered a bucket of up to `bucket_bytes` at a time in one all-gather, not one a parameter
+    (fewer collectives; a bucket costs a copy in and a copy out), bit for bit what each one's `full_tensor()`
+    gives; any other DTensor by its own `full_tensor()`, a plain tensor as it is (detached). A collective: every
+    rank iterates it to the end, with the same parameters and `bucket_bytes`."""
+    bucket, size, buffers = [], 0, _Buffers()
     for name, p in named:
         if not _dim0_sharded(p):
-            yield from _gather_bucket(bucket, dtype)
+            yield from _gather_bucket(bucket, dtype, buffers)
             bucket, size = [], 0
             yield name, (p.detach().to(dtype).full_tensor() if isinstance(p, DTensor) else p.detach())
             continue
         nbytes = p.numel() * dtype.itemsize
         if bucket and size + nbytes > bucket_bytes:
-            yield from _gather_bucket(bucket, dtype)
+            yield from _gather_bucket(bucket, dtype, buffers)
             bucket, size = [], 0
         bucket.append((name, p))
         size += nbytes
-    yield from _gather_bucket(bucket, dtype)
+    yield from _gather_bucket(bucket, dtype, buffers)
+
+
+class _Buffers:
+    """A rank's part and every rank's parts of a bucket, kept for the next bucket (grown when one needs more): a
+    fresh buffer a bucket costs its pages' first touch each time."""
+
+    def __init__(self):
+        self.part = self.parts = None
+
+    def get(self, numel: int, world: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.part is None or self.part.numel() < numel:
+            self.part = torch.empty(numel, dtype=dtype, device=device)
+            self.parts = torch.empty(world * numel, dtype=dtype, device=device)
+        return self.part[:numel], self.parts[:world * numel]
 
 
 def _dim0_sharded(p: torch.Tensor) -> bool:
     return isinstance(p, DTensor) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) and p.ndim > 0
 
 
-def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype,
+                   buffers: _Buffers) -> Iterator[tuple[str, torch.Tensor]]:
     """One all-gather of the bucket's local shards, each padded to its whole chunk (`torch.chunk`'s split of dim 0,
     as FSDP shards: the first ranks hold ceil(rows / world) rows, the last ones fewer or none), laid end to end in
     the same order on every rank; then each full tensor cut out of every rank's part."""
@@ -136,12 +151,11 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype) -> Ite
         chunk, row = -(-p.shape[0] // world), math.prod(p.shape[1:])
         layout.append((offset, chunk, row))
         offset += chunk * row
-    part = torch.zeros(offset, dtype=dtype, device=device)  # (padding: zeros, never read back)
+    part, parts = buffers.get(offset, world, dtype, device)  # (the padding is sent, never read back)
     for (name, p), (start, chunk, _) in zip(bucket, layout, strict=True):
         local = p.to_local()
         assert local.shape[0] == _rows(p.shape[0], chunk, dist.get_rank(group)), (name, local.shape, p.shape)
         part[start:start + local.numel()].copy_(local.detach().reshape(-1))  # (rounded to dtype as `.to` rounds)
-    parts = torch.empty(world * offset, dtype=dtype, device=device)
     collectives.all_gather_single(parts, part, group=group)
     parts = parts.view(world, offset)
     for (name, p), (start, chunk, row) in zip(bucket, layout, strict=True):
