@@ -140,16 +140,17 @@ def test_splits_follow_the_batchs_context_tokens(monkeypatch, cap, splits):
 
 
 def test_the_balance_counts_every_request_of_a_large_batch(monkeypatch):
-    """The batch's context tokens are summed 256 requests at a time: the 257th request's 512 tokens count too (a
-    total of 768 over 4 programs: splits of 192, so 3 of them for that request; its 4 splits of 128 if only the
-    first 256 counted)."""
+    """The batch's context tokens are summed `LENS_BLOCK` requests at a time (4 here, 256 on a GPU): the fifth
+    request's 512 tokens count too (a total of 516 over 4 programs: splits of at least 129 tokens, whole blocks of
+    64, so 192, and 3 of them for that request; if only the first 4 requests counted, 8 splits of 64)."""
     from tandem.kernels import decode_attention
 
     found = spy_on_split_lse(monkeypatch)
-    monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 1024)  # (4 splits of each context at most)
-    check([1] * 256 + [512], 1, 1, 64, 16, torch.float32)
+    monkeypatch.setattr(decode_attention, "PROGRAMS_PER_SM", 1024)  # (as many splits as the context allows: 8)
+    monkeypatch.setattr(decode_attention, "LENS_BLOCK", 4)
+    check([1] * 4 + [512], 1, 1, 64, 16, torch.float32)
     lse = found[0]
-    assert lse.shape[2] == 4
+    assert lse.shape[2] == 8
     assert (lse[-1, 0] > float("-inf")).sum().item() == 3
 
 

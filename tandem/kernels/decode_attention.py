@@ -53,6 +53,7 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traf
 # stay few and long, and no program of a large batch is long enough to leave a tail (BENCHMARKS.md, "Few-row kernels")
 BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
+LENS_BLOCK = 256  # requests whose lengths stage 1 loads at once to sum the batch's context tokens
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
 PROGRAMS_PER_SM = 32
@@ -132,7 +133,7 @@ def _split_kernel(
     new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, FRESH: tl.constexpr, INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
     row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
@@ -151,10 +152,10 @@ def _split_kernel(
     # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
     # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
-    # the batch's context tokens (none read with split_programs 0; one load up to 256 requests)
-    lens = tl.zeros([256], tl.int32)
-    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), 256):
-        rows = first + tl.arange(0, 256)
+    # the batch's context tokens (none read with split_programs 0; one load up to LENS_BLOCK requests)
+    lens = tl.zeros([LENS_BLOCK], tl.int32)
+    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), LENS_BLOCK):
+        rows = first + tl.arange(0, LENS_BLOCK)
         lens += tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0)
     least = tl.where(split_programs > 0,
                      tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
@@ -324,7 +325,8 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
-        INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps, num_stages=num_stages,
+        LENS_BLOCK=LENS_BLOCK, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
+        num_stages=num_stages,
         enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
         **launch,
     )
