@@ -35,7 +35,7 @@ cases = []
 for fresh in (False, True):
     cases.append((f"attention fresh={fresh}", decode_attention._split_kernel, dict(
         GROUP=2, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_N=32, DOT_DTYPE=tl.bfloat16,
-        DOT_PRECISION="tf32", PDL=True, FRESH=fresh, INTERPRET=False), 2))
+        DOT_PRECISION="tf32", PDL=True, FRESH=fresh, LENS_BLOCK=decode_attention.LENS_BLOCK, INTERPRET=False), 2))
 cases.append(("attention merge", decode_attention._merge_kernel,
               dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SPLITS=64, PDL=True), 2))
 for norm, residual, silu in ((True, False, True), (False, True, False), (True, False, False)):
