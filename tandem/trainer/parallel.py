@@ -111,7 +111,7 @@ def gathered(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
             yield name, (p.detach().to(dtype).full_tensor() if isinstance(p, DTensor) else p.detach())
             continue
         nbytes = p.numel() * dtype.itemsize
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and (size + nbytes > bucket_bytes or p.device_mesh != bucket[0][1].device_mesh):  # (one group)
             yield from _gather_bucket(bucket, dtype, buffers)
             bucket, size = [], 0
         bucket.append((name, p))
