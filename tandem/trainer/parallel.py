@@ -145,7 +145,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype,
     if not bucket:
         return
     group = bucket[0][1].device_mesh.get_group()
-    world, device = dist.get_world_size(group), bucket[0][1].to_local().device
+    world, rank, device = dist.get_world_size(group), dist.get_rank(group), bucket[0][1].to_local().device
     layout, offset = [], 0  # per parameter: where its chunk starts in a rank's part, its rows a chunk, a row's size
     for _, p in bucket:
         chunk, row = -(-p.shape[0] // world), math.prod(p.shape[1:])
@@ -154,7 +154,7 @@ def _gather_bucket(bucket: list[tuple[str, DTensor]], dtype: torch.dtype,
     part, parts = buffers.get(offset, world, dtype, device)  # (the padding is sent, never read back)
     for (name, p), (start, chunk, _) in zip(bucket, layout, strict=True):
         local = p.to_local()
-        assert local.shape[0] == _rows(p.shape[0], chunk, dist.get_rank(group)), (name, local.shape, p.shape)
+        assert local.shape[0] == _rows(p.shape[0], chunk, rank), (name, local.shape, p.shape)
         part[start:start + local.numel()].copy_(local.detach().reshape(-1))  # (rounded to dtype as `.to` rounds)
     collectives.all_gather_single(parts, part, group=group)
     parts = parts.view(world, offset)
