@@ -134,6 +134,12 @@ def test_continuous_batching_equals_running_alone():
     assert stats.num_retractions == 0 and stats.num_steps < 200
 
 
+def test_one_token_chunks_that_do_not_sample_leave_the_other_rows_tokens_alone():
+    """A budget of one prefill token a step: every step is chunks of one token, prompts' chunks that do not
+    sample beside decodes that do (or none that do). Each row keeps its own token, as if it ran alone."""
+    _alone_and_together(EngineConfig(page_size=4, num_pages=1024, max_prefill_tokens=1), n=8)
+
+
 def test_step_counters_count_decode_steps_the_batch_and_the_queue():
     # three requests of 5 prompt tokens and 4 new, at most 2 running: A and B take one prefill step and 3 decode
     # steps while C waits, then C takes 4 steps alone

@@ -191,7 +191,9 @@ class ModelRunner:
                 sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
         except (RuntimeError, OverflowError, TypeError, ValueError) as e:
             raise StepInputError(f"the step's sampling parameters: {e}") from e
-        if all(c.num_tokens == 1 for c in chunks) and len(chunks) <= self.batch_sizes[-1]:
+        # (a one-token chunk that does not sample, a prompt cut short by the budget or the pool, goes the mixed
+        # way, which samples the rows that ask: the decode way samples every row)
+        if len(sampling_reqs) == len(chunks) <= self.batch_sizes[-1] and all(c.num_tokens == 1 for c in chunks):
             logits = self._decode(chunks, prev)
         elif self.mixed_sizes and sum(c.num_tokens for c in chunks) <= self.mixed_sizes[-1]:
             logits = self._mixed_static(chunks, prev)
