@@ -103,10 +103,11 @@ def decode_step(engine: Engine, batch: int, context: int = 1024):
     pages_per_row = cdiv(context, P)
     assert batch * pages_per_row <= pool.num_pages, "KV pool too small for the sweep"
     table = torch.arange(batch * pages_per_row, dtype=torch.int32).view(batch, pages_per_row)
+    inputs = runner.decode_in.views(batch)
     runner.block_table_BP[:batch, :pages_per_row].copy_(table)
-    runner.seq_lens_B[:batch].fill_(context)
-    runner.positions_B[:batch].fill_(context - 1)
-    runner.slots_B[:batch].copy_(table[:, -1].long() * P + (context - 1) % P)
+    inputs["seq_lens"].fill_(context)
+    inputs["positions"].fill_(context - 1)
+    inputs["slots"].copy_(table[:, -1].long() * P + (context - 1) % P)
     if batch in runner.graphs:
         return runner.graphs[batch][0].replay
     return lambda: runner._forward_decode(batch, pages_per_row)

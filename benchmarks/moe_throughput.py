@@ -112,7 +112,8 @@ async def engine_job(engine: Engine, batch: int, new_tokens: int) -> tuple[float
 def sweep_step(engine: Engine, batch: int, context: int, gen: torch.Generator):
     """`decode_step` with random input ids (the same token in every row would route every row alike)."""
     step = decode_step(engine, batch, context)
-    engine.runner.ids_B[:batch].copy_(torch.randint(engine.model_config.vocab_size, (batch,), generator=gen))
+    ids = torch.randint(engine.model_config.vocab_size, (batch,), generator=gen)
+    engine.runner.decode_in.views(batch)["ids"].copy_(ids)
     return step
 
 

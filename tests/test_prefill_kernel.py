@@ -286,7 +286,7 @@ def test_engine_steps_in_the_fixed_mixed_buffers_equal_the_reference_path(monkey
         assert runner.mixed_sizes == ([16, 20] if max_graph_tokens == 20 else [16, 32])
         forward, mixed = runner._forward_mixed, runner._mixed
         monkeypatch.setattr(runner, "_forward_mixed", lambda size: sizes.append(size) or forward(size))
-        monkeypatch.setattr(runner, "_mixed", lambda chunks, prev: eager.append(chunks) or mixed(chunks, prev))
+        monkeypatch.setattr(runner, "_mixed", lambda chunks, *rest: eager.append(chunks) or mixed(chunks, *rest))
         got = run(engine)
     assert 16 in sizes and bool(eager) == (max_graph_tokens == 20), (sizes, len(eager))
     assert max_graph_tokens == 20 or 32 in sizes, sizes

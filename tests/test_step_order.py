@@ -91,8 +91,11 @@ def test_the_mutant_switch(monkeypatch):
         engine_placements()
 
 
+STEP_STARTS = ("sampling_params", "step_inputs")  # (an eager step's first work, a decode step's)
+
+
 def _in_order(trace: list[str], placement) -> bool:
-    """Whether one step's traced works (from its sampling params to the next step's) appear in the placement's
+    """Whether one step's traced works (from its first, `STEP_STARTS`, to the next step's) appear in the placement's
     issue order. The tier's copies are left out: the host issues backups wherever requests finish or prefixes
     complete, and the checker's model places them where they wait for the least (`after` the compute so far)."""
     names = [w.name for w in placement.works if w.phase != "schedule"]
@@ -127,7 +130,7 @@ def test_the_engine_issues_exactly_the_described_work_in_the_described_order():
     assert issued == described - cpu_only_absent, (issued ^ (described - cpu_only_absent))
     steps, current = [], []
     for name in trace:
-        if name == "sampling_params" and current:
+        if name in STEP_STARTS and current:
             steps.append(current)
             current = []
         current.append(name)
@@ -164,10 +167,10 @@ def test_prefill_and_decode_servers_issue_their_kv_copies_as_described():
     assert "kv_export" in exported and "kv_import" in imported and "kv_pin" in exported
     pinning = exported[:exported.index("kv_pin") + 1]  # (pinned as its step was launched, before its result)
     assert "forward" in pinning and "read_tokens" not in pinning[pinning.index("forward"):], pinning
-    starts = [i for i, name in enumerate(exported) if name == "sampling_params"] + [len(exported)]
+    starts = [i for i, name in enumerate(exported) if name in STEP_STARTS] + [len(exported)]
     for a, b in itertools.pairwise(starts):  # (step by step: the two requests' steps, each with what follows it)
         assert _in_order(exported[a:b], step_order.PREFILL_SERVER), exported[a:b]
-    assert imported.index("kv_import") < imported.index("sampling_params")
+    assert imported.index("kv_import") < imported.index("step_inputs")
 
 
 def test_race_guard_counts_changes_during_a_replay():
@@ -203,7 +206,7 @@ def test_race_guard_around_the_engines_fixed_buffer_replays(monkeypatch):
 
     def racing(self, bs, width=None):
         out = forward(self, bs, width)
-        self.seq_lens_B[:bs] += 1  # the next step's inputs landing while this one runs
+        self.decode_in.views(bs)["seq_lens"].add_(1)  # the next step's inputs landing while this one runs
         return out
 
     monkeypatch.setattr(ModelRunner, "_forward_decode", racing)
@@ -243,7 +246,7 @@ def test_gpu_the_engine_issues_the_described_work_on_cuda():
     with Engine("tiny", EngineConfig(device="cuda", page_size=4, num_pages=64)) as engine:
         engine.core.order.trace = trace = []
         asyncio.run(engine.generate([5, 6, 7], SamplingParams(temperature=0, max_new_tokens=4)))
-    assert {"sampling_params", "input_ids", "step_inputs", "replay", "sample", "copy_out", "read_tokens"} <= set(trace)
-    first = trace.index("sampling_params")
-    step = trace[first:trace.index("sampling_params", first + 1)] if trace.count("sampling_params") > 1 else trace
+    assert {"input_ids", "step_inputs", "replay", "sample", "copy_out", "read_tokens"} <= set(trace)
+    first = trace.index("step_inputs")
+    step = trace[first:trace.index("step_inputs", first + 1)] if trace.count("step_inputs") > 1 else trace
     assert _in_order(step, DECODE), trace

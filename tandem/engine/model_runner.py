@@ -20,7 +20,6 @@ while step n runs and read step n's tokens without waiting for step n+1.
 
 from __future__ import annotations
 
-import array
 import bisect
 import contextlib
 import functools
@@ -39,6 +38,7 @@ from tandem.engine.kv_pool import KVPool
 from tandem.engine.request import Request
 from tandem.engine.sampler import SamplingBatch, sample, top_logprobs, with_requests
 from tandem.engine.scheduler import PENDING, Chunk
+from tandem.engine.step_inputs import DecodeInputs, block_table
 from tandem.engine.streams import RaceGuard, StreamRuntime, engine_placements
 from tandem.model.attention import BlockTableDecode, BlockTablePrefill, PagedAttention, paged_decode_reference
 from tandem.model.qwen3 import Qwen3ForCausalLM
@@ -94,18 +94,6 @@ class Launched:
         return int(self.host_routing if self.ready is not None else self.routing)
 
 
-def _block_table(reqs: list[Request], width: int, num_rows: int | None = None) -> torch.Tensor:
-    """int32 [num_rows, width]: row i holds the first `width` pages of `reqs[i]`, then zeros (rows past the end
-    are all zeros). Copied from each request's page array, so no Python int is converted per step."""
-    num_rows = len(reqs) if num_rows is None else num_rows
-    flat = array.array("i", bytes(4 * num_rows * width))
-    for i, req in enumerate(reqs):
-        pages = req.page_array()
-        n = min(width, len(pages))
-        flat[i * width:i * width + n] = pages[:n]
-    return torch.frombuffer(flat, dtype=torch.int32).view(num_rows, width)
-
-
 def _kernels(device: torch.device, enabled: bool):
     """(decode kernel, prefill kernel or None): Triton's on CUDA, else the PyTorch references."""
     if device.type != "cuda" or not enabled:
@@ -148,7 +136,8 @@ class ModelRunner:
         self.positions_B = torch.zeros(T, dtype=torch.long, device=self.device)
         self.slots_B = torch.zeros(T, dtype=torch.long, device=self.device)
         self.block_table_BP = torch.zeros(B, P, dtype=torch.int32, device=self.device)
-        self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self.seq_lens_B = torch.zeros(B, dtype=torch.int32, device=self.device)  # (mixed steps')
+        self.decode_in = DecodeInputs(self.batch_sizes, self.device)  # (decode steps' ids, ..., seq_lens)
         if self.mixed_sizes:
             from tandem.kernels.prefill_attention import choose_blocks, fill_tiles, max_tiles
             self.fill_tiles = fill_tiles
@@ -164,7 +153,8 @@ class ModelRunner:
         self.last_prepare_seconds = 0.0
         self.guard = None
         if config.race_guard:
-            inputs = [self.ids_B, self.positions_B, self.slots_B, self.block_table_BP, self.seq_lens_B]
+            inputs = [self.ids_B, self.positions_B, self.slots_B, self.block_table_BP, self.seq_lens_B,
+                      self.decode_in.buffer]
             self.guard = RaceGuard(inputs + ([self.q_starts_S1, self.tiles_2N] if self.mixed_sizes else []))
         triton = self.kernel is not paged_decode_reference
         capturable = self.tp.size == 1 or dist.get_backend(self.tp.group) == "nccl"
@@ -186,19 +176,14 @@ class ModelRunner:
         page). Sets `last_prepare_seconds`: host time spent building inputs before the forward pass."""
         self._t0 = time.perf_counter()
         sampling_reqs = [c.req for c in chunks if c.sample]
-        try:
-            with self.order.work("sampling_params"):
-                sampling = self._sampling_batch(sampling_reqs) if sampling_reqs else None
-        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
-            raise StepInputError(f"the step's sampling parameters: {e}") from e
         # (a one-token chunk that does not sample, a prompt cut short by the budget or the pool, goes the mixed
         # way, which samples the rows that ask: the decode way samples every row)
         if len(sampling_reqs) == len(chunks) <= self.batch_sizes[-1] and all(c.num_tokens == 1 for c in chunks):
-            logits = self._decode(chunks, prev)
+            logits, sampling = self._decode(chunks, prev)
         elif self.mixed_sizes and sum(c.num_tokens for c in chunks) <= self.mixed_sizes[-1]:
-            logits = self._mixed_static(chunks, prev)
+            logits, sampling = self._mixed_static(chunks, prev, sampling_reqs)
         else:
-            logits = self._mixed(chunks, prev)
+            logits, sampling = self._mixed(chunks, prev, sampling_reqs)
         launched = Launched(chunks, order=self.order)
         if logits is None:
             return launched
@@ -251,6 +236,13 @@ class ModelRunner:
             out[self._to_device(rows)] = prev.tokens[self._to_device(src)]
         return out
 
+    def _sampling(self, reqs) -> SamplingBatch | None:
+        """`_sampling_batch` of the step's sampling requests (None if none), its failures a `StepInputError`."""
+        try:
+            return self._sampling_batch(reqs) if reqs else None
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+            raise StepInputError(f"the step's sampling parameters: {e}") from e
+
     def _pinned(self, host: torch.Tensor) -> torch.Tensor:
         """A copy from pageable memory makes CUDA wait for the stream (the step in flight) first; from pinned
         memory it does not, which is what lets the host run ahead."""
@@ -269,38 +261,30 @@ class ModelRunner:
         return token
 
     # ---- decode: fixed shapes, graphs on CUDA -------------------------------------------------------------
-    def _decode(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor:
+    def _decode(self, chunks: list[Chunk], prev: Launched | None) -> tuple[torch.Tensor, SamplingBatch]:
+        """Every chunk one token that samples: the inputs in one pinned buffer, one copy (`DecodeInputs`)."""
         n = len(chunks)
         bs = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
-        page_size = self.pool.page_size
-        width = max(cdiv(c.start + 1, page_size) for c in chunks)
         # only the columns in use: entries past a row's length are never read (its seq_len bounds the kernel)
-        table = _block_table([c.req for c in chunks], width, bs)
-        starts = [c.start for c in chunks]
-        pad = bs - n
-        pending: list[tuple[int, int]] = []
-        ids = [self._pending(i, c.req, c.req.tokens[c.start], pending) for i, c in enumerate(chunks)]
-        with self.order.work("input_ids"):
-            self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:bs])
-        host = {
-            "positions": torch.tensor(starts + [0] * pad),
-            "slots": torch.tensor([c.req.pages[s // page_size] * page_size + s % page_size
-                                   for c, s in zip(chunks, starts, strict=True)]
-                                  + [self.pool.scratch_slot] * pad),
-            "seq_lens": torch.tensor([s + 1 for s in starts] + [0] * pad, dtype=torch.int32),
-        }
+        width = max(cdiv(c.start + 1, self.pool.page_size) for c in chunks)
         with self.order.work("step_inputs"):
-            self.positions_B[:bs].copy_(self._pinned(host["positions"]), non_blocking=True)
-            self.slots_B[:bs].copy_(self._pinned(host["slots"]), non_blocking=True)
-            self.seq_lens_B[:bs].copy_(self._pinned(host["seq_lens"]), non_blocking=True)
-            self.block_table_BP[:bs, :width].copy_(self._pinned(table), non_blocking=True)
+            try:
+                pending, sampling = self.decode_in.send(chunks, bs, self.pool, self.block_table_BP[:bs, :width],
+                                                            self.model.config.vocab_size)
+                sampling = with_requests(sampling, [c.req for c in chunks], self.model.config.eos_token_id)
+            except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+                raise StepInputError(f"the step's inputs: {e}") from e
+        with self.order.work("input_ids"):
+            if pending is not None:
+                rows, src = pending
+                self.decode_in.views(bs)["ids"][rows] = prev.tokens[src]
         self.last_prepare_seconds = time.perf_counter() - self._t0
         with self.order.work("replay"), self._guarded():
             if bs in self.graphs:
                 graph, logits, ops = self.graphs[bs]
                 collectives.replay(graph, bs, ops, self.tp.group)
-                return logits[:n]
-            return self._forward_decode(bs, width)[:n]
+                return logits[:n], sampling
+            return self._forward_decode(bs, width)[:n], sampling
 
     @contextlib.contextmanager
     def _guarded(self):
@@ -315,10 +299,10 @@ class ModelRunner:
     def _forward_decode(self, bs: int, width: int | None = None) -> torch.Tensor:
         """Logits [bs, V] of the decode batch in the static buffers. `width` (eager only) limits the block
         table to the pages in use, so the reference kernel does not gather the whole context length."""
-        ctx = BlockTableDecode(self.pool.k_cache, self.pool.v_cache, self.slots_B[:bs],
-                               self.block_table_BP[:bs, :width], self.seq_lens_B[:bs], self.pool.page_size,
-                               self.kernel)
-        hidden = self.model(self.ids_B[:bs], self.positions_B[:bs], ctx)
+        inputs = self.decode_in.views(bs)
+        ctx = BlockTableDecode(self.pool.k_cache, self.pool.v_cache, inputs["slots"],
+                               self.block_table_BP[:bs, :width], inputs["seq_lens"], self.pool.page_size, self.kernel)
+        hidden = self.model(inputs["ids"], inputs["positions"], ctx)
         return self.model.compute_logits(hidden)
 
     def _capture(self) -> None:
@@ -326,6 +310,8 @@ class ModelRunner:
         rows (seq_len 0, or the empty padding sequence) write only to the scratch slot, so capturing with
         zeroed buffers touches no request's KV."""
         self.slots_B.fill_(self.pool.scratch_slot)
+        for bs in self.batch_sizes:
+            self.decode_in.views(bs)["slots"].fill_(self.pool.scratch_slot)
         if self.mixed_sizes:
             self.tiles_2N[0].fill_(self.pad_seq)  # every tile on the padding sequence
         pool = torch.cuda.graph_pool_handle()
@@ -381,7 +367,10 @@ class ModelRunner:
                 sample_rows.append(row - 1)
         return ids, positions, sample_rows, pending
 
-    def _mixed(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+    def _mixed(self, chunks: list[Chunk], prev: Launched | None, sampling_reqs) -> tuple[torch.Tensor | None,
+                                                                                          SamplingBatch | None]:
+        with self.order.work("sampling_params"):
+            sampling = self._sampling(sampling_reqs)
         ids, positions, sample_rows, pending = self._flatten(chunks)
         with self.order.work("eager_inputs"):
             ctx = self._kernel_context(chunks) if self.prefill_kernel is not None else self._reference_context(chunks)
@@ -390,17 +379,16 @@ class ModelRunner:
         self.last_prepare_seconds = time.perf_counter() - self._t0
         with self.order.work("forward"):
             hidden = self.model(*inputs, ctx)
-            return None if rows is None else self.model.compute_logits(hidden[rows])
+            return None if rows is None else self.model.compute_logits(hidden[rows]), sampling
 
-    def _mixed_static(self, chunks: list[Chunk], prev: Launched | None) -> torch.Tensor | None:
+    def _mixed_static(self, chunks: list[Chunk], prev: Launched | None, sampling_reqs) -> tuple[
+            torch.Tensor | None, SamplingBatch | None]:
         """The step in the fixed buffers of the next mixed size up: padding tokens write the scratch slot,
         sequences past the step's have empty chunks, and the kernel's tiles past the step's point at one."""
         ids, positions, sample_rows, pending = self._flatten(chunks)
         n, S = len(ids), self.pad_seq
         size = self.mixed_sizes[bisect.bisect_left(self.mixed_sizes, n)]
         pad = size - n
-        with self.order.work("input_ids"):
-            self._input_ids(ids + [0] * pad, pending, prev, out=self.ids_B[:size])
         slots, q_starts, kv_lens, table = self._chunk_layout(chunks)
         host = {
             "positions": torch.tensor(positions + [0] * pad),
@@ -410,12 +398,18 @@ class ModelRunner:
             "tiles": self.fill_tiles([c.num_tokens for c in chunks], self.block_m, self.num_tiles[size], pad_seq=S),
         }
         with self.order.work("step_inputs"):
+            sampling = self._sampling(sampling_reqs)
+            self._input_ids(ids + [0] * pad, [], prev, out=self.ids_B[:size])
             self.positions_B[:size].copy_(self._pinned(host["positions"]), non_blocking=True)
             self.slots_B[:size].copy_(self._pinned(host["slots"]), non_blocking=True)
             self.q_starts_S1.copy_(self._pinned(host["q_starts"]), non_blocking=True)
             self.seq_lens_B[:len(chunks)].copy_(self._pinned(host["kv_lens"]), non_blocking=True)
             self.tiles_2N[:, :self.num_tiles[size]].copy_(self._pinned(host["tiles"]), non_blocking=True)
             self.block_table_BP[:len(chunks), :table.shape[1]].copy_(self._pinned(table), non_blocking=True)
+        with self.order.work("input_ids"):
+            if pending:
+                rows, src = zip(*pending, strict=True)
+                self.ids_B[self._to_device(rows)] = prev.tokens[self._to_device(src)]
         self.last_prepare_seconds = time.perf_counter() - self._t0
         with self.order.work("replay"):
             rows = self._to_device(sample_rows) if sample_rows else None
@@ -425,7 +419,7 @@ class ModelRunner:
                     collectives.replay(graph, size, ops, self.tp.group)
                 else:
                     hidden = self._forward_mixed(size)
-            return None if rows is None else self.model.compute_logits(hidden[rows])
+            return None if rows is None else self.model.compute_logits(hidden[rows]), sampling
 
     def _forward_mixed(self, size: int) -> torch.Tensor:
         """Hidden states [size, E] of the mixed step in the static buffers."""
@@ -444,7 +438,7 @@ class ModelRunner:
         q_starts = list(itertools.accumulate((c.num_tokens for c in chunks), initial=0))
         width = max(cdiv(c.start + c.num_tokens, page_size) for c in chunks)
         kv_lens = [c.start + c.num_tokens for c in chunks]
-        return new_slots, q_starts, kv_lens, _block_table([c.req for c in chunks], width)
+        return new_slots, q_starts, kv_lens, block_table([c.req for c in chunks], width)
 
     def _kernel_context(self, chunks: list[Chunk]) -> BlockTablePrefill:
         """The step over block tables built on the host and copied without waiting for the device."""
@@ -465,7 +459,7 @@ class ModelRunner:
         if decodes and self.kernel is not paged_decode_reference:  # GPU: no gather of every decode's context
             width = max(cdiv(c.start + 1, self.pool.page_size) for c in decodes)
             ctx.decode_kernel, ctx.page_size = self.kernel, self.pool.page_size
-            ctx.decode_block_table = self._to_device(_block_table([c.req for c in decodes], width))
+            ctx.decode_block_table = self._to_device(block_table([c.req for c in decodes], width))
         return ctx
 
     def check_inputs(self, req: Request) -> str | None:

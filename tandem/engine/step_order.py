@@ -97,7 +97,7 @@ class Placement:
 
 
 GRAPH_INPUTS = ("ids", "positions", "slots", "seq_lens", "block_table")
-_FRESH = frozenset({"sampling", "tokens", "host_tokens", "eager_inputs", "received", "backup_staged",
+_FRESH = frozenset({"tokens", "host_tokens", "eager_inputs", "received", "backup_staged",
                     "load_staged", "prefetch_staged"})
 
 # The host-tier copies: the backups and prefetches the engine issues after the step before was launched (here at
@@ -130,13 +130,13 @@ TIER_DIRECT = (
     Work("tier_take_prefetch", "compute", "copy", "schedule", reads=("prefetch_staged", "prefetch_staged@-1"),
          writes=("kv",), after=("tier",)),
 )
-# A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs copied
-# there from pinned memory (no host sync), sampled ids copied to pinned memory behind an event the host reads
-# after launching the next step.
+# A decode step through a captured CUDA graph (or the same buffers eagerly) on the compute stream; inputs and
+# sampling parameters copied there from pinned memory (no host sync) into buffers every step of the size reuses,
+# then the rows whose token the step in flight samples gathered from it; sampled ids copied to pinned memory
+# behind an event the host reads after launching the next step.
 STEP = (
-    Work("sampling_params", "compute", "copy", "prepare", writes=("sampling",)),
-    Work("input_ids", "compute", "copy", "prepare", reads=("tokens@-1",), writes=("ids",)),
-    Work("step_inputs", "compute", "copy", "prepare", writes=GRAPH_INPUTS[1:]),
+    Work("step_inputs", "compute", "copy", "prepare", writes=(*GRAPH_INPUTS, "sampling")),
+    Work("input_ids", "compute", "kernel", "prepare", reads=("tokens@-1",), writes=("ids",)),
     Work("replay", "compute", "replay", "forward", reads=(*GRAPH_INPUTS, "kv", "weights"),
          writes=("kv", "logits"), collective="tp"),
     Work("sample", "compute", "kernel", "forward", reads=("logits", "sampling"), writes=("tokens",)),
@@ -151,7 +151,7 @@ EAGER_STEP = (
     Work("eager_inputs", "compute", "copy", "prepare", reads=("tokens@-1",), writes=("eager_inputs",)),
     Work("forward", "compute", "kernel", "forward", reads=("eager_inputs", "kv", "weights"),
          writes=("kv", "logits"), collective="tp"),
-    *STEP[4:],
+    *STEP[3:],
 )
 # A weight update between steps (the engine is paused): the receive on the transport's own stream (so NCCL does
 # not wait for every step queued on the compute stream), the host waits for it, then copies into the parameters
@@ -184,10 +184,11 @@ IN_USE = (DECODE, EAGER, UPDATE, DECODE_SERVER, PREFILL_SERVER, DECODE_DIRECT, E
           PREFILL_SERVER_DIRECT)  # the iteration kinds the engine runs
 # kinds only one-rank engines run (`--role` refuses --tp and --ep)
 SINGLE_RANK = {DECODE_SERVER, PREFILL_SERVER, DECODE_SERVER_DIRECT, PREFILL_SERVER_DIRECT}
-# The graph's inputs copied on a stream of their own, done right: the copies wait for the replay before (write
-# after read), the replay waits for them (read after write). Accepted, not used (it buys nothing measurable:
-# the copies are a few microseconds); the race guard's mutant arm runs it without its first edge.
-PREP = DECODE.replaced("step_inputs", stream="prep", after=("replay@-1",)).replaced("replay", after=("step_inputs",))
+# The step's inputs copied on a stream of their own, done right: the copy waits for the step before's sampling,
+# the last reader of those buffers (write after read), the gather and the replay wait for it (read after write).
+# Accepted, not used (it buys nothing measurable: the copy is a few microseconds); the race guard's mutant arm
+# runs it without its first edge.
+PREP = DECODE.replaced("step_inputs", stream="prep", after=("sample@-1",)).replaced("input_ids", after=("step_inputs",))
 
 
 def mutants() -> dict[str, tuple[str, Placement]]:
