@@ -168,6 +168,33 @@ def test_prefill_and_decode_servers_over_http():
             assert httpx.get(f"{ds.url}/engine_stats").json()["pages_free"] == free
 
 
+def test_a_first_token_outside_the_vocabulary_ends_only_its_request(monkeypatch):
+    """A prefill server that answers with a token the model has no row for: the decode server ends that request
+    with an abort naming the server and the token, its pages back, and decodes the next request as before (the
+    token would otherwise reach the decode engine's embedding and fail every request of its step)."""
+    with Engine("tiny", PREFILL) as p, Engine("tiny", DECODE) as d:
+        generate, vocab = p.generate, p.model_config.vocab_size
+
+        async def past_the_vocabulary(*args, **kwargs):
+            out = await generate(*args, **kwargs)
+            out.output_ids[-1] = vocab + 3
+            return out
+
+        with ServerThread(p) as ps, ServerThread(d) as ds:
+            body = {"input_ids": prompt(30), "sampling_params": {"max_new_tokens": 6, "seed": 1, "ignore_eos": True},
+                    "bootstrap": {"prefill_url": ps.url}}
+            free = httpx.get(f"{ds.url}/engine_stats").json()["pages_free"]
+            monkeypatch.setattr(p, "generate", past_the_vocabulary)
+            r = httpx.post(f"{ds.url}/generate", json=body, timeout=60)
+            finish = r.json()["meta_info"]["finish_reason"]
+            assert r.status_code == 200 and finish["type"] == "abort", r.text
+            assert ps.url in finish["message"] and f"sent token {vocab + 3}" in finish["message"], finish
+            assert httpx.get(f"{ds.url}/engine_stats").json()["pages_free"] == free
+            monkeypatch.undo()
+            r = httpx.post(f"{ds.url}/generate", json=body, timeout=60)
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 6, r.text
+
+
 def test_kv_of_other_weights_is_not_imported_the_prompt_is_recomputed():
     """A decode engine updated since the prefill engine computed the KV takes only the first token (with its
     version) and computes the prompt itself, under its own weights."""

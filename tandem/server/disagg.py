@@ -371,10 +371,15 @@ class PrefillClient(KVImports):
                 clock = kv.clock
             else:
                 kv = await self._take(url, data, clock, meta)
+            problem, token, vocab = None, meta["first"][0], self.engine.model_config.vocab_size
             if kv.start != kv_from or kv.end != len(input_ids):
+                problem = f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})"
+            elif type(token) is not int or not 0 <= token < vocab:  # (else it would fail this engine's whole step)
+                problem = f"sent token {token!r}, not a token id in [0, {vocab})"
+            if problem is not None:
                 if isinstance(kv, MappedKV):  # (never to be written: its pages go back now)
                     await asyncio.shield(self._release(url, kv.export_id))
-                raise ValueError(f"sent positions [{kv.start}, {kv.end}), asked for [{kv_from}, {len(input_ids)})")
+                raise ValueError(problem)
             return meta["first"], kv.with_clock(clock), meta
         finally:
             if mail is not None:
