@@ -6,6 +6,7 @@ clearly (a temperature off by 10% gives three times the bound; renormalising in 
 token outside the allowed set).
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -214,3 +215,33 @@ def test_a_row_without_truncation_keeps_every_token_when_batched_with_truncating
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(0)) * 3
     filtered = _filter(logits, batch(2, top_k=torch.tensor([5, -1])))
     assert torch.isfinite(filtered[1]).all(), f"{int(torch.isinf(filtered[1]).sum())} tokens dropped"
+
+
+
+def _banning(device: str) -> tuple[SamplingBatch, list]:
+    """A one-row batch on `device` and its request, under its min_new_tokens with stop tokens 9 and 11."""
+    from tandem.engine.request import Request
+    from tandem.types import SamplingParams
+
+    req = Request(rid="r", tokens=[5, 6, 7], prompt_len=3, seed=1, arrival=0,
+                  sampling=SamplingParams(min_new_tokens=4, stop_token_ids=[9, 11]))
+    b = batch(1)
+    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
+                                     if isinstance(getattr(b, f.name), torch.Tensor)}), [req]
+
+
+def test_a_request_under_its_min_new_tokens_bans_its_stop_tokens_and_eos():
+    out = sampler.with_requests(*_banning("cpu"), eos_token_id=2)
+    assert out.banned[0].tolist() == [0, 0, 0] and out.banned[1].tolist() == [9, 11, 2]
+
+
+@pytest.mark.gpu
+def test_banned_tokens_reach_the_device_without_the_host_waiting_for_it():
+    """The banned ids go to the device without the host waiting for the work queued before them (the step in
+    flight; here a sleep of about a second), as every input of a step does."""
+    b, reqs = _banning("cuda")
+    torch.cuda._sleep(2_000_000_000)  # (clock cycles: about a second of queued work)
+    out = sampler.with_requests(b, reqs, eos_token_id=2)
+    assert not torch.cuda.current_stream().query(), "the host waited for the queued work"
+    torch.cuda.synchronize()
+    assert out.banned[0].tolist() == [0, 0, 0] and out.banned[1].tolist() == [9, 11, 2]

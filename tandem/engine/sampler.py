@@ -80,8 +80,10 @@ def with_requests(batch: SamplingBatch, reqs, eos_token_id: int | None) -> Sampl
             rows += [row] * len(stops)
             ids += stops
     device = batch.seeds.device
-    if rows:
-        batch.banned = (torch.tensor(rows, device=device), torch.tensor(ids, device=device))
+    if rows:  # (through pinned memory on CUDA: a pageable copy would make the host wait for the step in flight)
+        banned = torch.tensor([rows, ids])
+        banned = banned.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else banned.to(device)
+        batch.banned = (banned[0], banned[1])
     batch.top_logprobs_num = max((r.sampling.top_logprobs_num for r in reqs), default=0)
     return batch
 
