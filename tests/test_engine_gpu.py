@@ -3,6 +3,7 @@ reference path on the same weights, and against Hugging Face's greedy generation
 
 import asyncio
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -125,3 +126,23 @@ def test_gpu_engine_greedy_equals_hugging_face_one_or_two_at_a_time(at_once):
         want = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=24, min_new_tokens=24,
                            do_sample=False)[0, len(prompt):]
         assert out.output_ids == want.tolist()
+
+
+def test_a_steps_results_are_read_without_waiting_for_the_step_launched_after_it():
+    """Sampled ids, logprobs and top logprobs reach pinned host memory behind the step's own event: reading them
+    never waits for the work queued after it (the next step; here a sleep of about a second)."""
+    from types import SimpleNamespace
+
+    from tandem.engine.model_runner import Launched, ModelRunner
+    from tandem.engine.streams import StreamRuntime, engine_placements
+
+    device = torch.device("cuda")
+    on = functools.partial(torch.tensor, device=device)
+    launched = Launched([], tokens=on([5, 7]), logprobs=on([-1.0, -2.0]),
+                        top=(on([[-1.0, -3.0], [-2.0, -4.0]]), on([[5, 6], [7, 8]])))
+    ModelRunner._copy_out(SimpleNamespace(order=StreamRuntime(engine_placements(), device)), launched)
+    torch.cuda._sleep(2_000_000_000)  # (clock cycles: the step launched next)
+    assert launched.result() == ([5, 7], [-1.0, -2.0])
+    assert launched.top_result() == [[(-1.0, 5), (-3.0, 6)], [(-2.0, 7), (-4.0, 8)]]
+    assert not torch.cuda.current_stream().query(), "reading the results waited for the work queued after them"
+    torch.cuda.synchronize()

@@ -200,7 +200,8 @@ class ModelRunner:
         return launched
 
     def _copy_out(self, launched: Launched) -> None:
-        """The sampled ids (and logprobs, routing checksum) on their way to pinned host memory, behind an event."""
+        """The sampled ids (and logprobs, routing checksum, top logprobs) on their way to pinned host memory, behind
+        an event."""
         with self.order.work("copy_out"):
             launched.host_tokens = torch.empty(launched.tokens.shape, dtype=torch.long, pin_memory=True)
             launched.host_logprobs = torch.empty(launched.logprobs.shape, dtype=torch.float32, pin_memory=True)
@@ -209,6 +210,9 @@ class ModelRunner:
             if launched.routing is not None:
                 launched.host_routing = torch.empty((), dtype=torch.long, pin_memory=True)
                 launched.host_routing.copy_(launched.routing, non_blocking=True)
+            if launched.top is not None:  # (read after `result`: not behind the step launched next)
+                launched.top = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                                     for t in launched.top)
             launched.ready = torch.cuda.Event()
             launched.ready.record()
 
