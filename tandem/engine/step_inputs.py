@@ -79,7 +79,7 @@ class DecodeInputs:
             self._views[bs] = {name: block[i] for (names, _, _), block in zip(GROUPS, blocks, strict=True)
                                for i, name in enumerate(names)}
             start += ROW_BYTES * bs
-        self._sliced: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}  # (bs, n) -> views [:n], made once
+        self._sliced: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (bs, n, *names) -> views [:n], made once
 
     def views(self, bs: int) -> dict[str, torch.Tensor]:
         return self._views[bs]
