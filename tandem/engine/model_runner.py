@@ -235,10 +235,14 @@ class ModelRunner:
         the step in flight. Writes into `out` if given."""
         host = self._pinned(torch.tensor(ids))
         out = host.to(self.device, non_blocking=True) if out is None else out.copy_(host, non_blocking=True)
+        self._gather_pending(out, pending, prev)
+        return out
+
+    def _gather_pending(self, out: torch.Tensor, pending: list[tuple[int, int]], prev: Launched | None) -> None:
+        """The rows of `out` listed in `pending` ((row, index in prev's samples)) taken from the step in flight."""
         if pending:
             rows, src = zip(*pending, strict=True)
             out[self._to_device(rows)] = prev.tokens[self._to_device(src)]
-        return out
 
     def _sampling(self, reqs) -> SamplingBatch | None:
         """`_sampling_batch` of the step's sampling requests (None if none), its failures a `StepInputError`."""
@@ -411,9 +415,7 @@ class ModelRunner:
             self.tiles_2N[:, :self.num_tiles[size]].copy_(self._pinned(host["tiles"]), non_blocking=True)
             self.block_table_BP[:len(chunks), :table.shape[1]].copy_(self._pinned(table), non_blocking=True)
         with self.order.work("input_ids"):
-            if pending:
-                rows, src = zip(*pending, strict=True)
-                self.ids_B[self._to_device(rows)] = prev.tokens[self._to_device(src)]
+            self._gather_pending(self.ids_B, pending, prev)
         self.last_prepare_seconds = time.perf_counter() - self._t0
         with self.order.work("replay"):
             rows = self._to_device(sample_rows) if sample_rows else None

@@ -309,11 +309,7 @@ class Trainer:
         (a tied head only once), for the engine. Without FSDP the tensors are the live weights (detached, not
         copies): read them before the next `step`. Under FSDP they are all-gathered a bucket at a time
         (`parallel.gathered`): every rank iterates it in step and every rank gets every full tensor (a copy)."""
-        named = self.model.named_parameters()
-        if not self.cfg.fsdp:
-            yield from ((name, p.detach()) for name, p in named)
-        else:
-            yield from parallel.gathered(named, self.param_dtype)
+        yield from parallel.gathered(self.model.named_parameters(), self.param_dtype)
 
     def state_dict(self) -> dict:
         """The float32 master weights, the optimizer's state and the version; tensors may be the live ones (as in
