@@ -204,14 +204,15 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PAIRED:
         acc_up = _dot(acc_up, x, w_up, DOT_FP32, VECTOR, ROWWISE)
-    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
-        w_mask = mask_n[:, None] & (kk < k_end)[None, :]
-        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR, ROWWISE)
-        if PAIRED:
-            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32,
-                          VECTOR, ROWWISE)
+    if not MERGE:  # (MERGE: the program's one tile is its share; no loop to compile over the splits' fp32)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
+            w_mask = mask_n[:, None] & (kk < k_end)[None, :]
+            acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR, ROWWISE)
+            if PAIRED:
+                acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32,
+                              VECTOR, ROWWISE)
     if PDL:
         gdc_launch_dependents()
     write = True  # this program writes the output: always unsplit, else the last of its column block to arrive
