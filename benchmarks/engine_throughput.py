@@ -287,11 +287,7 @@ def main() -> None:
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     parser.add_argument("--small-rowwise", type=int, help="rows up to which the few-row projections sum their "
                         f"products a row at a time (an A/B; default {small_linear.ROWWISE_ROWS}, 0: never)")
-    parser.add_argument("--merge-attention", type=int, help="1: a decode step of few rows merges attention's splits "
-                        f"in its o projection, 0: in stage 2 (an A/B; default {int(small_linear.MERGE_ATTENTION)})")
     args = parser.parse_args()
-    if args.merge_attention is not None:
-        small_linear.MERGE_ATTENTION = bool(args.merge_attention)
     if args.small_rowwise is not None:
         small_linear.ROWWISE_ROWS = args.small_rowwise
     if args.attention_programs_per_sm:
@@ -306,8 +302,7 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
           f"most {decode_attention.MAX_BALANCED_SPLIT} tokens; few-row products a row at a time up to "
-          f"{small_linear.ROWWISE_ROWS} rows; attention's splits merged in "
-          f"{'the o projection' if small_linear.MERGE_ATTENTION else 'stage 2'}\n")
+          f"{small_linear.ROWWISE_ROWS} rows\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]

@@ -6,7 +6,7 @@
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
-#                        [fsdp_gather] [merge_ab]
+#                        [fsdp_gather]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets and fsdp_gather need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -179,15 +179,6 @@ for part in $parts; do
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
                              benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only --transfer-reps 10); done
                      done ;;
-        merge_ab) for i in 1 2; do for m in 0 1; do echo "--- run $i, merge-attention $m";  # (the A/B first)
-                      timeout 60 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 16 \
-                          --skip-workload --merge-attention $m; done; done;
-                  timeout 60 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 \
-                      --skip-workload --profile-batch 1;
-                  timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_fused_kernels.py \
-                      tests/test_fused_model.py tests/test_kernels.py -k "merges or small_linear or reference_gpu or fresh \
-                      or graph or model";
-                  timeout 200 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_engine_gpu.py ;;
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"

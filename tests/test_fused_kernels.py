@@ -19,7 +19,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from tandem.engine.sampler import SamplingBatch, hash_uniform, sample  # noqa: E402
-from tandem.kernels.decode_attention import Splits  # noqa: E402
 from tandem.kernels.fused import fused_add_rmsnorm, qk_norm_rope, rmsnorm, silu_mul, silu_mul_merged  # noqa: E402
 from tandem.kernels.sampling import sample_gumbel  # noqa: E402
 from tandem.kernels.small_linear import (  # noqa: E402
@@ -263,40 +262,6 @@ def test_small_linear_vector_tiles(blocks, T):
     check_small_linear(T, 100, 12, torch.bfloat16, blocks=blocks)
 
 
-def check_merging_linear(T, H, S, D, N, dtype, padding_row=False):
-    """`small_linear` of decode attention's unmerged splits against the splits merged in PyTorch (as stage 2
-    merges them, rounded to the dtype) and then projected, with and without the residual add. Each head's last
-    split is empty (lse -inf) and its output NaN, as an unwritten split's may be: it must not be read. A padding
-    row has every split empty and its merged input is zeros."""
-    arrived = arrival_counts(DEVICE)
-    o = randn(T, H, S, D, seed=13)
-    lse = randn(T, H, S, seed=14, scale=4.0)
-    lse[:, :, -1], o[:, :, -1] = float("-inf"), float("nan")
-    if padding_row:
-        lse[-1], o[-1] = float("-inf"), float("nan")
-    w = randn(N, H * D, dtype=dtype, seed=15, scale=(H * D) ** -0.5)
-    weights = torch.exp2(lse - lse.amax(-1, keepdim=True).nan_to_num(neginf=0.0))
-    merged = (torch.where(weights[..., None] > 0, o, 0.0) * weights[..., None]).sum(2)
-    merged = (merged / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)).to(dtype)
-    want = F.linear(merged.reshape(T, -1).float(), w.float()).to(dtype)
-    with torch.no_grad():
-        assert_bits(split_linear(Splits(o, lse), w, arrived=arrived), want, max_bf16_mismatch=0.005)
-        residual = randn(T, N, dtype=dtype, seed=16)
-        out = residual.clone()
-        assert split_linear(Splits(o, lse), w, out=out, arrived=arrived) is out
-        torch.testing.assert_close(out.float(), (residual.float() + want.float()), rtol=2e-2, atol=2e-2)
-    if padding_row:
-        assert (want[-1] == 0).all()
-    assert not arrived.any()
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,S,padding_row", [(1, 4, False), (2, 3, True)])
-def test_small_linear_merges_attentions_splits(T, S, padding_row, dtype):
-    """Four heads of 32 (a program merges one), three or four splits a head, 24 outputs."""
-    check_merging_linear(T, 4, S, 32, 24, dtype, padding_row)
-
-
 def test_vector_blocks_are_whole_rows_or_split_heads():
     """The default tiling below `VECTOR_ROWS` rows: whole input rows a tile unless a program holds a head."""
     cpu = torch.device("cpu")
@@ -420,13 +385,6 @@ def test_small_linear_gpu(T, E, N, dtype):
 @pytest.mark.parametrize("T,E,H,K", [(1, 1024, 16, 8), (2, 4096, 32, 8), (16, 4096, 32, 8), (5, 2048, 16, 2)])
 def test_small_qkv_gpu(T, E, H, K, dtype):
     check_small_qkv(T, E, H, K, 128, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T,H,S,N", [(1, 16, 32, 1024), (2, 16, 7, 1024), (1, 32, 64, 4096), (2, 64, 16, 5120)])
-def test_small_linear_merges_attentions_splits_gpu(T, H, S, N, dtype):
-    check_merging_linear(T, H, S, 128, N, dtype, padding_row=T > 1)
 
 
 @pytest.mark.gpu

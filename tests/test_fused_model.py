@@ -82,21 +82,13 @@ def test_packed_varlen_attention_and_its_gradients_equal_the_per_sequence_refere
         assert err < 1e-2, (name, err)
 
 
-@pytest.mark.parametrize("merge", [True, False], ids=["o-proj-merges", "stage-2"])
 @pytest.mark.parametrize("lens", [[9], [20, 0]], ids=["one-row", "two-rows-one-padding"])
-def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(lens, merge, monkeypatch):
+def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(lens, monkeypatch):
     """A decode step of few rows through the Triton decode kernel, which takes q/k/v as projected
     (`attend_fresh`: q/k norm, RoPE and the KV write inside attention), against the reference path (PyTorch ops,
-    `paged_decode_reference`): the same hidden states, the same keys and values in the cache. With `merge`, the
-    o projection merges attention's splits (`small_linear.MERGE_ATTENTION`) and stage 2 never runs."""
-    from tandem.kernels import decode_attention, small_linear
+    `paged_decode_reference`): the same hidden states, the same keys and values in the cache."""
     from tandem.kernels.decode_attention import paged_decode_attention
     from tandem.model.attention import BlockTableDecode, paged_decode_reference
-
-    monkeypatch.setattr(small_linear, "MERGE_ATTENTION", merge)
-    stage_2 = []
-    monkeypatch.setattr(decode_attention, "merge_splits",
-                        lambda *a, _f=decode_attention.merge_splits: stage_2.append(1) or _f(*a))
 
     config = SHAPES["gqa2_tied"]
     hf = hf_model(config)
@@ -109,9 +101,8 @@ def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(
     slots = torch.where(seq_lens > 0, block_table[:, 0].long() * P + positions, 0)  # padding: the scratch slot 0
     ids = torch.randint(0, config.vocab_size, (len(lens),), generator=gen).to(DEVICE)
     fresh_calls = []
-    attend_fresh = BlockTableDecode.attend_fresh
     monkeypatch.setattr(BlockTableDecode, "attend_fresh",
-                        lambda self, *a, **kw: fresh_calls.append(1) or attend_fresh(self, *a, **kw))
+                        lambda self, *a, _f=BlockTableDecode.attend_fresh: fresh_calls.append(1) or _f(self, *a))
     results = []
     for kernel in (paged_decode_attention, paged_decode_reference):
         model = tandem_twin(hf, config).to(DEVICE)
@@ -122,6 +113,5 @@ def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(
         with torch.no_grad():
             results.append((model(ids, positions, ctx)[seq_lens > 0], k_cache[:, P:], v_cache[:, P:]))
     assert len(fresh_calls) == L  # the fused model's every layer attended through attend_fresh
-    assert len(stage_2) == (0 if merge else L)
     for fast, ref in zip(*results, strict=True):
         torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)

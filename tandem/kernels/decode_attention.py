@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -61,16 +61,6 @@ PROGRAMS_PER_SM = 32
 # outweighs the balance many programs buy (BENCHMARKS.md, "Few-row kernels", has the A/B)
 SMALL_BATCH, SMALL_BATCH_PROGRAMS_PER_SM = 4, 2
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
-
-
-class Splits(NamedTuple):
-    """Attention's output before stage 2: each split's normalised partial output o_BHND and log-sum-exp lse_BHN
-    (log2 units; -inf for a split that read nothing, whose output was not written), fp32, contiguous. Stage 2
-    (`merge_splits`), or a kernel that merges them as it reads them (`small_linear.small_linear`), weighs the
-    splits by exp2(lse - max lse)."""
-
-    o_BHND: torch.Tensor
-    lse_BHN: torch.Tensor
 
 
 def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_sms: int) -> int:
@@ -269,8 +259,7 @@ def _merge_kernel(
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
                            block_table_BP: torch.Tensor, seq_lens_B: torch.Tensor, page_size: int, scale: float,
                            num_kv_splits: int | None = None, block_n: int | None = None, *, num_warps: int = 4,
-                           num_stages: int = 2, fresh: Fresh | None = None,
-                           merged: bool = True) -> torch.Tensor | Splits:
+                           num_stages: int = 2, fresh: Fresh | None = None) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens_B[b]` cached positions.
 
     q_BHD: the new tokens' queries (any float dtype; the output has the same dtype).
@@ -288,8 +277,6 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
       roundings they follow), and the new keys and values are written into the caches at `fresh.slots_B` (padding
       rows, seq_len 0, write nothing). q, k, v and the caches of one dtype; `takes_fresh(D)`;
       `fused.rope_inv_freq`'s first call per (D, theta, device) before any CUDA-graph capture.
-    merged: False returns the splits' outputs unmerged (`Splits`; stage 2 not launched), for a kernel that
-      merges them as it reads them.
     Accumulates in fp32; reads only the KV of positions < seq_lens_B[b]; launches a fixed grid (graph safe).
     """
     B, H, D = q_BHD.shape
@@ -311,6 +298,9 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         assert fresh.slots_B.shape == (B,) and k_cache_SKD.is_contiguous() and v_cache_SKD.is_contiguous()
         new = (k, v, fresh.q_norm, fresh.k_norm, fresh.positions_B, rope_inv_freq(D, fresh.theta, q_BHD.device),
                fresh.slots_B, k.stride(0), fresh.eps)
+    o_BHD = torch.empty_like(q_BHD, memory_format=torch.contiguous_format)
+    if B == 0:
+        return o_BHD
     split_programs = 0  # (an explicit split count: every context cut into exactly that many)
     if num_kv_splits is None:
         max_len = block_table_BP.shape[1] * page_size
@@ -327,35 +317,22 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
-    if B > 0:
-        _split_kernel[(B, K, num_kv_splits)](
-            q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
-            q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
-            v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs,
-            MAX_BALANCED_SPLIT, scale * math.log2(math.e), *new,
-            GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
-            BLOCK_H=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
-            LENS_BLOCK=LENS_BLOCK, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
-            num_stages=num_stages,
-            enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
-            **launch,
-        )
-    splits = Splits(mid_o_BHND, mid_lse_BHN)
-    return merge_splits(splits, torch.empty_like(q_BHD, memory_format=torch.contiguous_format)) if merged else splits
-
-
-def merge_splits(splits: Splits, o_BHD: torch.Tensor) -> torch.Tensor:
-    """Stage 2: the splits' outputs weighed by their log-sum-exps, written into o_BHD [B, H, D] (any float dtype,
-    last dim contiguous) and returned; a row whose every split is empty (seq_len 0) gets zeros."""
-    B, H, N, D = splits.o_BHND.shape
-    assert o_BHD.shape == (B, H, D) and o_BHD.stride(2) == 1 and splits.lse_BHN.shape == (B, H, N), o_BHD.shape
-    if B == 0:
-        return o_BHD
-    pdl = pdl_supported(o_BHD.device)
+    _split_kernel[(B, K, num_kv_splits)](
+        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
+        q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
+        v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs,
+        MAX_BALANCED_SPLIT, scale * math.log2(math.e), *new,
+        GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
+        LENS_BLOCK=LENS_BLOCK, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
+        num_stages=num_stages,
+        enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
+        **launch,
+    )
     _merge_kernel[(B, H)](
-        splits.o_BHND, splits.lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), N,
-        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(N), PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
+        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
+        num_warps=4, **launch,
     )
     return o_BHD

@@ -9,9 +9,7 @@ kernel of its own before or after it:
   row, so no normalised copy is written);
 - `out`: y is added into it in place (the residual stream's `x = x + sublayer(x)`);
 - `silu=True`: w holds gate rows then up rows ([2I, E], as the fused path concatenates them) and the result is
-  `silu(gate) * up` [T, I];
-- x as decode attention's unmerged splits (`decode_attention.Splits`): each program merges the one head its input
-  columns hold, as attention's stage 2 would, so stage 2 is not launched (`MERGE_ATTENTION`).
+  `silu(gate) * up` [T, I].
 
 Up to `VECTOR_ROWS` rows the products are summed on the CUDA cores over a tile of the rows there are
 (`vector_blocks`), above it in tensor-core tiles of 16 rows. Up to `ROWWISE_ROWS` rows a vector tile's products
@@ -33,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_attention import Splits
 from tandem.kernels.fused import (
     _cos_sin,
     _interpreted,
@@ -53,7 +50,6 @@ FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in atte
 VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
 VECTOR_WARPS = 4  # of a vector tile's program
 ROWWISE_ROWS = 2  # up to these rows a vector tile's products are summed a row at a time (`_dot`; not with heads)
-MERGE_ATTENTION = True  # a decode step's o projection merges attention's splits (`Qwen3ForCausalLM._forward_small`)
 
 
 @triton.jit
@@ -83,23 +79,6 @@ def _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM: tl.constexpr, dtype: t
         x = _round(_round(x.to(tl.float32) * rstd[:, None], dtype, INTERPRET).to(tl.float32) * norm_w[None, :],
                    dtype, INTERPRET)
     return x
-
-
-@triton.jit
-def _merged_input(o_ptr, lse_ptr, offs_t, mask_t, head, H, num_splits, D: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                  dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """Head `head` of attention's output for the rows, from its splits (`Splits`: o [T, H, S, D], lse [T, H, S])
-    weighed as stage 2 weighs them (`decode_attention._merge_kernel`) and rounded to dtype as stage 2 stores it."""
-    offs_s = tl.arange(0, BLOCK_SPLITS)
-    row = (offs_t[:, None] * H + head) * num_splits + offs_s[None, :]
-    lse = tl.load(lse_ptr + row, mask=mask_t[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"))
-    written = lse > float("-inf")  # (an empty split wrote no output)
-    o = tl.load(o_ptr + row[:, :, None] * D + tl.arange(0, D)[None, None, :], mask=written[:, :, None], other=0.0)
-    m = tl.max(lse, 1)
-    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (a padding row): every weight 0, output 0
-    w = tl.exp2(lse - m[:, None])
-    total = tl.sum(w, 1)
-    return _round(tl.sum(o * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None], dtype, INTERPRET)
 
 
 @triton.jit
@@ -149,10 +128,9 @@ def _heads_epilogue(acc, acc_hi, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, 
 
 @triton.jit
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived_ptr, q_norm_ptr, k_norm_ptr, pos_ptr,
-                         inv_freq_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, lse_ptr, T, N, E, stride_x,
-                         stride_w, stride_o, up_rows, k_split, H, K, num_splits, eps, NORM: tl.constexpr,
-                         RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, MERGE: tl.constexpr,
-                         BLOCK_SPLITS: tl.constexpr, SPLITS: tl.constexpr,
+                         inv_freq_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, N, E, stride_x,
+                         stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
+                         RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
                          DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, ROWWISE: tl.constexpr, PDL: tl.constexpr,
                          INTERPRET: tl.constexpr):
@@ -162,9 +140,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     partials in split order (the result does not depend on which is last), resets the count to zero for the next
     launch, and writes the output. SILU: a second tile `up_rows` rows below the first (the up projection's);
     HEADS: program n's columns are head n's, its first half in the first tile and the second in the second
-    (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). MERGE: x_ptr and lse_ptr are attention's splits
-    (`Splits`, H heads of BLOCK_K columns, num_splits each), program (n, s) merging head s as its input (its one
-    tile: k_split is BLOCK_K). PDL: launched as a programmatic dependent of the
+    (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). PDL: launched as a programmatic dependent of the
     kernel before it, a program loads its first weight tile (never written by a step) while that kernel
     finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
@@ -195,24 +171,19 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
             x = tl.load(x_rows + cols[None, :], mask=mask_t[:, None] & (cols < E)[None, :], other=0.0)
             squares += tl.sum(x.to(tl.float32) * x.to(tl.float32), 1)
         rstd = tl.rsqrt(squares / E + eps)
-    if MERGE:
-        x = _merged_input(x_ptr, lse_ptr, offs_t, mask_t, pid_s, H, num_splits, BLOCK_K, BLOCK_SPLITS, dtype,
-                          INTERPRET)
-    else:
-        x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
+    x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
     acc = _dot(tl.zeros([BLOCK_T, BLOCK_N], tl.float32), x, w, DOT_FP32, VECTOR, ROWWISE)
     acc_up = tl.zeros([BLOCK_T, BLOCK_N], tl.float32)
     if PAIRED:
         acc_up = _dot(acc_up, x, w_up, DOT_FP32, VECTOR, ROWWISE)
-    if not MERGE:  # (MERGE: the program's one tile is its share; no loop to compile over the splits' fp32)
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
-            w_mask = mask_n[:, None] & (kk < k_end)[None, :]
-            acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR, ROWWISE)
-            if PAIRED:
-                acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32,
-                              VECTOR, ROWWISE)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        x = _input(x_rows, norm_w_ptr, kk, mask_t, k_end, rstd, NORM, dtype, INTERPRET)
+        w_mask = mask_n[:, None] & (kk < k_end)[None, :]
+        acc = _dot(acc, x, tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0), DOT_FP32, VECTOR, ROWWISE)
+        if PAIRED:
+            acc_up = _dot(acc_up, x, tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0), DOT_FP32,
+                          VECTOR, ROWWISE)
     if PDL:
         gdc_launch_dependents()
     write = True  # this program writes the output: always unsplit, else the last of its column block to arrive
@@ -303,21 +274,17 @@ def arrival_counts(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(MAX_COLUMN_BLOCKS, dtype=torch.int32, device=device)
 
 
-def small_linear(x_TE: torch.Tensor | Splits, w_NE: torch.Tensor, norm_weight: torch.Tensor | None = None,
-                 eps: float = 0.0, out: torch.Tensor | None = None, silu: bool = False, blocks: Blocks | None = None,
+def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                 out: torch.Tensor | None = None, silu: bool = False, blocks: Blocks | None = None,
                  arrived: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T` for T <= MAX_ROWS rows (see the module docstring for what it fuses).
 
-    x_TE: [T, E], last dim contiguous, any row stride; or attention's unmerged splits (`takes_splits`), x the
-    merged [T, H * D] (heads in order), which needs `arrived` and takes no norm or silu (and no `blocks`: a
-    program merges one head). w_NE: [N, E] contiguous, x's dtype. norm_weight: [E], RMSNorm
+    x_TE: [T, E], last dim contiguous, any row stride; w_NE: [N, E] contiguous, x's dtype. norm_weight: [E], RMSNorm
     x first (with `eps`). out: a [T, N] tensor (last dim contiguous) the result is ADDED INTO in place and which is
     returned (the residual); else a new contiguous tensor is returned. silu: w is [2I, E], gate then up; returns
     `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None). arrived: the
     counts of `arrival_counts`, which splitting the input columns over programs needs (without, no split); the
     kernel leaves them zero."""
-    if isinstance(x_TE, Splits):
-        return _merging_linear(x_TE, w_NE, out, arrived)
     T, E = x_TE.shape
     assert T <= MAX_ROWS, f"small_linear: at most {MAX_ROWS} rows, got {T}"
     assert w_NE.shape[1] == E and w_NE.is_contiguous() and w_NE.dtype == x_TE.dtype, (x_TE.shape, w_NE.shape)
@@ -338,32 +305,6 @@ def small_linear(x_TE: torch.Tensor | Splits, w_NE: torch.Tensor, norm_weight: t
                                  paired=silu)
     _launch(x_TE, w_NE, y, norm_weight, eps, b, arrived, N, triton.cdiv(N, b.n), b.n, RESIDUAL=out is not None,
             SILU=silu, HEADS=False)
-    return y
-
-
-def takes_splits(head_dim: int, rows: int) -> bool:
-    """Whether `small_linear` merges attention's splits of this head dim and rows itself: few enough rows for
-    vector tiles, and a head that is one power-of-two tile."""
-    return rows <= VECTOR_ROWS and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-
-
-def _merging_linear(splits: Splits, w_NE: torch.Tensor, out: torch.Tensor | None, arrived: torch.Tensor | None):
-    """`small_linear` of attention's unmerged splits: program (n, h) merges head h and multiplies it by its D
-    input columns of w; the heads' partial sums meet as a split projection's do (`arrived`)."""
-    o, lse = splits
-    T, H, S, D = o.shape
-    N, E = w_NE.shape
-    assert takes_splits(D, T) and E == H * D and w_NE.is_contiguous(), (o.shape, w_NE.shape)
-    assert o.dtype == lse.dtype == torch.float32 and o.is_contiguous() and lse.is_contiguous(), (o.dtype, lse.dtype)
-    assert arrived is not None, "small_linear: merging attention's splits needs `arrived` (arrival_counts)"
-    y = torch.empty(T, N, dtype=w_NE.dtype, device=w_NE.device) if out is None else out
-    assert y.shape == (T, N) and y.dtype == w_NE.dtype and y.stride(1) == 1, (y.shape, T, N)
-    if T == 0:
-        return y
-    n = max(1, min(triton.next_power_of_2(N), VECTOR_TILE_BYTES // (D * w_NE.itemsize)))
-    b = Blocks(n, D, VECTOR_WARPS, stages=1, pdl=pdl_supported(w_NE.device), splits=H, vector=True)
-    _launch(o, w_NE, y, None, 0.0, b, arrived, N, triton.cdiv(N, n), n, RESIDUAL=out is not None, SILU=False,
-            HEADS=False, merge=(lse, H, S), shape=(T, E))
     return y
 
 
@@ -406,8 +347,8 @@ def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor
 
 
 def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_blocks, block_n, RESIDUAL, SILU, HEADS,
-            heads=None, merge=None, shape=None) -> None:
-    T, E = shape or x_TE.shape
+            heads=None) -> None:
+    T, E = x_TE.shape
     k_split = triton.cdiv(triton.cdiv(E, b.splits), b.k) * b.k  # a whole number of tiles each
     splits = triton.cdiv(E, k_split)
     partial = x_TE  # (not read without splits)
@@ -416,21 +357,16 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
             "small_linear: splitting the input columns needs `arrived` (arrival_counts)")
         partial = torch.empty(splits, 2, MAX_ROWS, N, dtype=torch.float32, device=x_TE.device)
     q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, H, K = heads or (x_TE,) * 7 + (0, 0)
-    lse, merge_splits = x_TE, 1
-    if merge is not None:
-        lse, H, merge_splits = merge
     pdl = {"launch_pdl": True} if b.pdl else {}
     block_t = triton.next_power_of_2(T) if b.vector else MAX_ROWS
     _small_linear_kernel[(column_blocks, splits)](
         x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, partial, arrived if splits > 1 else x_TE,
-        q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, lse, T, N, E, x_TE.stride(0), w_NE.stride(0),
-        y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, merge_splits, eps,
-        NORM=norm_weight is not None, RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, MERGE=merge is not None,
-        BLOCK_SPLITS=triton.next_power_of_2(merge_splits), SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n,
-        BLOCK_K=b.k,
+        q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, T, N, E, x_TE.stride(0), w_NE.stride(0),
+        y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
+        RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
         NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
         ROWWISE=b.vector and not HEADS and block_t <= ROWWISE_ROWS,
-        DOT_FP32=w_NE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
+        DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=min(b.stages, k_split // b.k), enable_fp_fusion=not HEADS, **pdl)
     # (no more stages than a program has tiles: its loop runs one time fewer, and a stage it cannot fill would only
     # hold shared memory; no FMA fusion with heads: RoPE rounds as PyTorch's)

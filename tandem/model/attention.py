@@ -44,11 +44,10 @@ class AttentionContext:
         """Whether `attend_fresh` may be called with activations of this dtype and head dim."""
         return False
 
-    def attend_fresh(self, layer: int, q_THD: torch.Tensor, fresh: Fresh, merged: bool = True):
+    def attend_fresh(self, layer: int, q_THD: torch.Tensor, fresh: Fresh) -> torch.Tensor:
         """`attend` given the step's queries, keys and values as the q/k/v projection gives them: q/k RMSNorm and
         RoPE (`fresh`'s weights, at its positions) are applied inside attention, and the keys and values written
-        into the cache there (at `fresh.slots_B`). Only where `takes_fresh`. merged=False: the kernel's splits
-        unmerged (`decode_attention.Splits`) where it returns them, else the output as with True."""
+        into the cache there (at `fresh.slots_B`). Only where `takes_fresh`."""
         raise NotImplementedError
 
 
@@ -264,9 +263,8 @@ class BlockTableDecode(AttentionContext):
 
         return _takes_argument(self.kernel, "fresh") and dtype == self.k_cache.dtype and takes_fresh(head_dim)
 
-    def attend_fresh(self, layer, q_THD, fresh, merged=True):
-        unmerged = {} if merged or not _takes_argument(self.kernel, "merged") else {"merged": False}
-        return self._kernel(layer, q_THD, fresh=fresh, **unmerged)
+    def attend_fresh(self, layer, q_THD, fresh):
+        return self._kernel(layer, q_THD, fresh=fresh)
 
     def attend(self, layer, q_THD, k_TKD, v_TKD):
         if k_TKD is not None:

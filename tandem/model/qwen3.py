@@ -339,9 +339,7 @@ class Qwen3ForCausalLM(nn.Module):
                 q, k, v = (t.view(T, -1, D) for t in qkv.split([H * D, K * D, K * D], -1))
                 fresh = Fresh(k, v, attn.q_norm.weight, attn.k_norm.weight, positions_T, dest[2],
                               self.config.rope_theta, eps)
-                merged = not (self.small.MERGE_ATTENTION and self.small.takes_splits(D, T))
-                o = ctx.attend_fresh(attn.layer, q, fresh, merged=merged)  # (unmerged: o_proj merges them)
-                o = o if isinstance(o, self.small.Splits) else o.reshape(T, -1)
+                o = ctx.attend_fresh(attn.layer, q, fresh).reshape(T, -1)
             elif dest is not None and dest[0].dtype == residual.dtype and self.small.takes_heads(attn.head_dim):
                 q = self.small.small_qkv(residual, attn.qkv_weight, layer.input_layernorm.weight, eps,
                                          attn.q_norm.weight, attn.k_norm.weight, positions_T, self.config.rope_theta,
