@@ -14,6 +14,8 @@ import torch
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.engine.engine import Engine
+from tandem.engine.kv_pool import KVPool
+from tandem.engine.request import Outbox
 from tandem.model import moe
 from tandem.model.attention import PackedCausal
 from tandem.server.http import ServerThread
@@ -142,6 +144,50 @@ def test_over_http_in_sglangs_form_and_clear_errors():
         assert r.status_code == 400 and "keeps no routing" in r.text
     with pytest.raises(ValueError, match="no mixture-of-experts"):
         Engine("tiny", dataclasses.replace(CONFIG))
+
+
+class Copy:
+    """A stand-in for a copy's CUDA event: done when told."""
+
+    def __init__(self):
+        self.done = self.waited = False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = True
+
+
+def test_an_output_waits_for_its_routings_copy_unless_no_step_is_left_to_overlap_the_wait():
+    """`Outbox`: an output whose routed experts are still being copied to the host is held back (the engine goes on
+    stepping) until its copy is done; the others pass it; with nothing left to overlap it is waited for."""
+    box, copies = Outbox(), [Copy(), Copy()]
+    box.put("a", copies[0])
+    box.put("b")
+    box.put("c", copies[1])
+    assert box.take(wait=False) == ["b"] and not copies[0].waited
+    copies[1].done = True
+    assert box.take(wait=False) == ["c"]
+    assert box.take(wait=True) == ["a"] and copies[0].waited
+    assert box.take(wait=True) == []
+
+
+@pytest.mark.gpu
+def test_a_finishing_requests_routing_reaches_the_host_without_waiting_for_the_step_in_flight():
+    """`KVPool.read_routing` (what a finishing request that asked for its routed experts reads) returns while the
+    work queued before it (the step in flight; here a sleep of about a second) still runs, and its pinned rows are
+    the routing once its event has completed."""
+    pool = KVPool(MODEL, 8, 4, torch.bfloat16, torch.device("cuda"), routing=True)
+    pool.routing.copy_(torch.randint(0, 6, pool.routing.shape, dtype=torch.int16))
+    pages = [5, 2, 7]
+    want = pool.routing[pool.slots(pages, 0, 10)].cpu()
+    torch.cuda._sleep(2_000_000_000)  # (clock cycles)
+    rows, copied = pool.read_routing(pages, 10)
+    assert not torch.cuda.current_stream().query(), "the host waited for the queued work"
+    assert rows.is_pinned() and not copied.query()
+    copied.synchronize()
+    assert torch.equal(rows, want)
 
 
 @pytest.mark.gpu

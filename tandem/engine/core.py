@@ -59,7 +59,7 @@ from tandem.engine.lockstep import Lockstep, LockstepError, stable_hash, step_di
 from tandem.engine.model_runner import Launched, ModelRunner, StepInputError
 from tandem.engine.observers import IdealReuse
 from tandem.engine.radix_cache import RadixCache
-from tandem.engine.request import Request, Status
+from tandem.engine.request import Outbox, Request, Status
 from tandem.engine.scheduler import PENDING, Chunk, Scheduler
 from tandem.engine.streams import StreamRuntime, engine_placements
 from tandem.holds import HoldWatch
@@ -138,7 +138,7 @@ class EngineCore(DecodeImports):
         self.load_gap_s: float | None = None  # host seconds from the last load's start to its first step's launch
         self._load_started: float | None = None
         self._requests: dict[str, Request] = {}
-        self._finished: list[GenerateOutput] = []
+        self._outbox = Outbox()
         self._rng = random.Random(config.seed)
         self._arrival = itertools.count()
         self._inflight: Launched | None = None  # the launched step whose sampled tokens are not applied yet
@@ -168,9 +168,9 @@ class EngineCore(DecodeImports):
         return self.paused is None and bool(self.scheduler.running or self.scheduler.waiting)
 
     def take_finished(self) -> list[GenerateOutput]:
-        """The outputs of the requests that ended since the last call (finished, stopped or aborted)."""
-        finished, self._finished = self._finished, []
-        return finished
+        """The outputs of the requests that ended since the last call (finished, stopped or aborted), each once it
+        can be read (`Outbox`: routed experts still on their way wait, but not when no step is left to overlap)."""
+        return self._outbox.take(wait=not self.busy)
 
     def progress(self, rid: str, start: int) -> TokenDelta | None:
         """The output tokens of request `rid` sampled so far from index `start` on (those of steps applied), or None
@@ -284,7 +284,7 @@ class EngineCore(DecodeImports):
             self._finish(req, FinishReason("length", length=0))
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
-        kv = routed = None
+        kv = routed = copying = None
         pinned = req.rid in self._pinned_exports
         self._pinned_exports.discard(req.rid)
         if held := [kv for r, kv in self._held if r is req]:
@@ -307,14 +307,14 @@ class EngineCore(DecodeImports):
                         self._tell(self.on_ready, req.rid, kv)
             if req.return_routed_experts:  # every token but the last (those of the cache: as they were computed)
                 known = req.tokens.index(PENDING) if PENDING in req.tokens else len(req.tokens)
-                routed = self.pool.routing[self.pool.slots(req.pages, 0, min(req.num_computed, known - 1))].cpu()
+                routed, copying = self.pool.read_routing(req.pages, min(req.num_computed, known - 1))
             self.scheduler.finish(req, reason)
         self._requests.pop(req.rid, None)
         self.stats.num_finished += 1
         self.stats.num_aborted += reason.type == "abort"
         out = req.output(self.weight_version)
         out.kv, out.routed_experts = kv, routed
-        self._finished.append(out)
+        self._outbox.put(out, copying)
 
     def _abort_all(self, message: str) -> None:
         self._expected = dict.fromkeys(self._expected, message)

@@ -182,6 +182,19 @@ class KVPool(PageAllocator):
             self.sums[dst] = self.sums[src]
             self.summed[dst_page] = self.summed[src_page]
 
+    def read_routing(self, pages: list[int], end: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The routing of token positions [0, end) of a sequence with page table `pages`, on the host ([end,
+        layers, k] int16), without waiting for the device's queued work: on CUDA a pinned tensor an asynchronous copy
+        fills behind that work, to be read once the event returned has completed (None: ready now)."""
+        slots = self.slots(pages, 0, end, device="cpu")
+        if not self.routing.is_cuda:
+            return self.routing[slots], None
+        rows = self.routing[slots.pin_memory().to(self.routing.device, non_blocking=True)]
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.routing.device))
+        return host, copied
+
     def slots(self, pages: list[int], start: int, end: int, device=None) -> torch.Tensor:
         """Slot indices of token positions [start, end) of a sequence with page table `pages`."""
         pos = torch.arange(start, end)

@@ -97,3 +97,30 @@ def validate_request(input_ids, sampling: SamplingParams, rid: str, vocab: int, 
     if total - 1 > kv_capacity:
         raise ValueError(f"input_ids: prompt plus max_new_tokens ({total}) exceeds the KV pool "
                          f"({kv_capacity} tokens)")
+
+
+class Outbox:
+    """The outputs of ended requests, each taken once it can be read: one whose routed experts an asynchronous copy
+    is still bringing to the host (`KVPool.read_routing`) waits for its copy's event."""
+
+    def __init__(self):
+        self._ready: list[GenerateOutput] = []
+        self._copying: list[tuple[object, GenerateOutput]] = []  # (the copy's CUDA event, the output)
+
+    def put(self, out: GenerateOutput, copying=None) -> None:
+        if copying is None:
+            self._ready.append(out)
+        else:
+            self._copying.append((copying, out))
+
+    def take(self, wait: bool) -> list[GenerateOutput]:
+        """The outputs readable now, and with `wait` every other one too, after waiting for its copy."""
+        copying, self._copying = self._copying, []
+        for event, out in copying:
+            if wait or event.query():
+                event.synchronize()
+                self._ready.append(out)
+            else:
+                self._copying.append((event, out))
+        ready, self._ready = self._ready, []
+        return ready
