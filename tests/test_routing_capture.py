@@ -37,13 +37,18 @@ def reference_routing(model, tokens: list[int]) -> torch.Tensor:
         return weights, ids
     layer = [b.layer for b in model.moe_blocks]
     device = next(model.parameters()).device
+    kernels = [b.route_kernel for b in model.moe_blocks]  # (the GPU's fused routing bypasses `moe.route`)
     moe.route = recording
     try:
+        for block in model.moe_blocks:
+            block.route_kernel = None
         with torch.no_grad():
             model(torch.tensor(tokens, device=device), torch.arange(len(tokens), device=device),
                   PackedCausal([len(tokens)]))
     finally:
         moe.route = original
+        for block, kernel in zip(model.moe_blocks, kernels, strict=True):
+            block.route_kernel = kernel
     return rows
 
 
