@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import random
@@ -37,6 +38,7 @@ from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
 from tandem.engine.engine import Engine
 from tandem.kernels import decode_attention, small_linear
+from tandem.run.engine_process import frozen_heap
 from tandem.types import SamplingParams
 
 
@@ -310,6 +312,8 @@ def main() -> None:
         engine = Engine(name, EngineConfig(device="cuda", num_pages=0, page_size=16, max_running_requests=256,
                                            max_prefill_tokens=8192), dtype="bfloat16")
         startup = time.perf_counter() - t0
+        heap = contextlib.ExitStack()
+        heap.enter_context(frozen_heap())  # (no full pass of the heap, every thread held, while timed)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
         print(f"### {name}: {weight_bytes / 1e9:.2f} GB of weights, {kv_per_token // 1024} KiB KV per token, "
@@ -372,6 +376,7 @@ def main() -> None:
                   "| kernel | calls / step | us / step | share |\n|---|---|---|---|")
             for k in rows:
                 print(f"| `{k['kernel'][:80]}` | {k['calls']:g} | {k['us']:,.1f} | {k['share']:.0%} |")
+        heap.close()
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from test_transport import digest, free_port, run_pair
 
 from tandem.config import RunConfig
 from tandem.model.loader import build_model
+from tandem.run.engine_process import frozen_heap
 from tandem.run.loop import Run
 from tandem.run.placement import place
 from tandem.transport import dist as weights_dist
@@ -418,3 +420,18 @@ def test_colocated_engine_on_its_stream_generates_as_a_fresh_engine_on_each_push
         return outputs
 
     assert_pushed_versions_generate_as_fresh_engines(placement, pushed)
+
+
+def test_frozen_heap_leaves_the_heap_out_while_it_lasts_and_collects_what_was_built_within():
+    """`frozen_heap` (a benchmark's configurations, one engine after another): what exists at entry is frozen, no
+    longer at exit, and a cycle built and dropped within (as a closed engine's objects) is collected at exit."""
+    class Node:
+        pass
+
+    with frozen_heap():
+        assert gc.get_freeze_count() > 0
+        node = Node()
+        node.self = node  # (a cycle: only a pass of the collector frees it)
+        gone = weakref.ref(node)
+        del node
+    assert gc.get_freeze_count() == 0 and gone() is None

@@ -67,6 +67,20 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+@contextlib.contextmanager
+def frozen_heap():
+    """`freeze_heap` for a while, in a process that builds engines one after another (a benchmark's
+    configurations): collected first (a full pass, before the work that follows), let back and collected at exit,
+    so what was built within (an engine closed there) does not stay frozen for the process's life."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        gc.collect()
+
+
 class EngineProcess:
     """Spawns the engine and blocks until its server listens, at most `timeout_s`. Raises ValueError when the engine
     refuses its configuration, EngineUnreachable when the process dies or does not start in time. `ipc_timeout_s`:
