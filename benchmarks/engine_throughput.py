@@ -87,10 +87,12 @@ def workload(num_seqs: int, seed: int = 0, vocab_size: int = 10000, lengths: tup
     return prompts, outputs
 
 
-async def run_workload(engine: Engine, prompts, outputs) -> float:
+async def run_workload(engine: Engine, prompts, outputs, routed: bool = False) -> float:
+    """Output tokens per second of the workload (`routed`: every request returns its routed experts)."""
     params = [SamplingParams(max_new_tokens=n, temperature=0.6, ignore_eos=True) for n in outputs]
     t0 = time.perf_counter()
-    outs = await asyncio.gather(*[engine.generate(p, sp) for p, sp in zip(prompts, params, strict=True)])
+    outs = await asyncio.gather(*[engine.generate(p, sp, return_routed_experts=routed)
+                                  for p, sp in zip(prompts, params, strict=True)])
     elapsed = time.perf_counter() - t0
     assert [len(o.output_ids) for o in outs] == outputs
     return sum(outputs) / elapsed

@@ -16,6 +16,8 @@ Random bf16 weights (the engine's own seeded init), CUDA graphs and fused kernel
     MLPs, lm_head), the embedding rows of the batch, the experts the step routed to (distinct ids per MoE layer,
     recorded by hooks on an eager run of the same step), and each row's KV. Against a device-to-device copy.
 (e) `torch.profiler` over the decode step at `--profile-batch`: the top kernels (on a CPU: the top operators).
+(f) `--routing-return` (instead of (a)-(e)): the workload of (b) with and without every request returning its
+    routed experts (`return_routed_experts`), twice each in turn, on one engine that keeps the routing.
 """
 
 from __future__ import annotations
@@ -272,6 +274,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-only", action="store_true", help="only the decode sweep (d) and profile (e)")
     parser.add_argument("--routing-ab", action="store_true", help="(d) also with the routing by PyTorch ops (GPU)")
     parser.add_argument("--profile-workload", action="store_true", help="(b) a third time, under the profiler")
+    parser.add_argument("--routing-return", action="store_true", help="only (f): the workload with and without "
+                        "returning every request's routed experts")
     return parse_with_quick(parser, QUICK)
 
 
@@ -299,13 +303,18 @@ def measure(args: argparse.Namespace, results: dict) -> None:
           f"({config.num_experts_per_tok} per token) in {len(model.moe_blocks)} of {config.num_hidden_layers} "
           f"layers, built in {time.perf_counter() - t0:.1f} s\n")
 
-    if not args.decode_only:
+    if not (args.decode_only or args.routing_return):
         hf_runs = hf_part(model, args, results, device)
     t0 = time.perf_counter()
     engine = Engine(model, EngineConfig(device=args.device, num_pages=0 if cuda else 4096, page_size=16,
-                                        max_running_requests=max(256, *args.batches), max_prefill_tokens=8192))
+                                        max_running_requests=max(256, *args.batches), max_prefill_tokens=8192,
+                                        enable_return_routed_experts=args.routing_return))
     print(f"engine start-up (pool of {engine.pool.num_pages} pages, graphs): {time.perf_counter() - t0:.1f} s; "
           f"CUDA graphs {bool(engine.runner.graphs)}, fused kernels {model.fused is not None}\n")
+    if args.routing_return:
+        routing_return_part(engine, config, args, results)
+        engine.shutdown()
+        return
     if not args.decode_only:
         workload_part(engine, config, args, results, hf_runs)
     decode_part(engine, model, args, results, device)
@@ -364,6 +373,22 @@ def workload_part(engine, config, args, results: dict, hf_runs: dict) -> None:
     same = [a == b for batch in args.batches for a, b in zip(jobs[batch][1], hf_runs[batch][1], strict=True)]
     results["first_token_agreement"] = sum(same) / len(same)
     print(f"first generated token equal to HF's in {sum(same)} of {len(same)} rows of the jobs\n")
+
+
+def routing_return_part(engine, config, args, results: dict) -> None:
+    """(f) the workload of (b) without and with every request returning its routed experts, twice each in turn."""
+    prompts, outputs = workload(args.num_seqs, vocab_size=min(10000, config.vocab_size), lengths=args.lengths)
+    warm = max(1, len(prompts) // 4)
+    asyncio.run(run_workload(engine, prompts[:warm], [min(n, 32) for n in outputs[:warm]], routed=True))
+    runs = results["routing_return_tok_s"] = {"without": [], "with": []}
+    for _ in range(2):
+        for routed in (False, True):
+            asyncio.run(engine.flush_cache())  # (each run prefills its prompts again)
+            runs["with" if routed else "without"].append(asyncio.run(run_workload(engine, prompts, outputs, routed)))
+    without, with_ = (sum(runs[k]) / 2 for k in ("without", "with"))
+    print(f"(f) {args.num_seqs} sequences, in/out uniform {args.lengths}, output tok/s: without the routed experts "
+          f"{', '.join(f'{v:,.0f}' for v in runs['without'])}; with every request's "
+          f"{', '.join(f'{v:,.0f}' for v in runs['with'])}: **{with_ / without:.3f}x** (means)")
 
 
 def decode_part(engine, model, args, results: dict, device) -> None:

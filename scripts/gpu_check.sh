@@ -6,7 +6,7 @@
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
-#                        [fsdp_gather]
+#                        [fsdp_gather] [routing_return]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets and fsdp_gather need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -179,6 +179,8 @@ for part in $parts; do
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
                              benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only --transfer-reps 10); done
                      done ;;
+        routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
+                            --out "$OUT/routing_return.json" ;;  # (the cost of returning routed experts: an A/B)
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)
         *) echo "unknown part $part" ;;
     esac 2>&1 | tee "$OUT/$part.txt"
