@@ -79,6 +79,7 @@ from kv_copy_bench import report as report_kernel
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
+from tandem.run.engine_process import freeze_heap
 from tandem.server.http import ServerThread
 from tandem.server.router import build_router_app
 from tandem.server.router_config import RouterConfig
@@ -114,6 +115,7 @@ def _serve(model: str, config: EngineConfig, dtype: str, gpu: str | None, conn) 
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
     conn.send(("url", server.url))
+    freeze_heap()  # (as an engine's own process does: no full pass of the collector over what is built)
     try:
         while conn.recv() == "times":
             snapshot = dict(times)

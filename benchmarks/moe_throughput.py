@@ -50,6 +50,7 @@ from tandem.kernels import moe as moe_kernels
 from tandem.model.loader import build_model
 from tandem.model.moe import route
 from tandem.model.qwen3 import Qwen3ForCausalLM
+from tandem.run.engine_process import frozen_heap
 from tandem.types import SamplingParams
 
 PROMPT_LEN = 128  # of the Hugging Face comparison's job
@@ -311,14 +312,14 @@ def measure(args: argparse.Namespace, results: dict) -> None:
                                         enable_return_routed_experts=args.routing_return))
     print(f"engine start-up (pool of {engine.pool.num_pages} pages, graphs): {time.perf_counter() - t0:.1f} s; "
           f"CUDA graphs {bool(engine.runner.graphs)}, fused kernels {model.fused is not None}\n")
-    if args.routing_return:
-        routing_return_part(engine, config, args, results)
-        engine.shutdown()
-        return
-    if not args.decode_only:
-        workload_part(engine, config, args, results, hf_runs)
-    decode_part(engine, model, args, results, device)
-    print_tables(results, args, config.num_experts, bw)
+    with frozen_heap():  # (no full pass of the collector, every thread held, while timed)
+        if args.routing_return:
+            routing_return_part(engine, config, args, results)
+        else:
+            if not args.decode_only:
+                workload_part(engine, config, args, results, hf_runs)
+            decode_part(engine, model, args, results, device)
+            print_tables(results, args, config.num_experts, bw)
     engine.shutdown()
 
 

@@ -70,15 +70,14 @@ def freeze_heap() -> None:
 @contextlib.contextmanager
 def frozen_heap():
     """`freeze_heap` for a while, in a process that builds engines one after another (a benchmark's
-    configurations): collected first (a full pass, before the work that follows), let back and collected at exit,
-    so what was built within (an engine closed there) does not stay frozen for the process's life."""
+    configurations): collected first (a full pass, before the work that follows), let back at exit, so what was
+    built within (an engine closed there) goes at a later pass (the next `frozen_heap`'s first), not never."""
     gc.collect()
     gc.freeze()
     try:
         yield
     finally:
         gc.unfreeze()
-        gc.collect()
 
 
 class EngineProcess:
