@@ -31,7 +31,8 @@ for part in $parts; do
         tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
                    tests/test_prefill_kernel.py tests/test_fused_kernels.py tests/test_moe_kernels.py \
                    tests/test_fused_model.py tests/test_engine_gpu.py tests/test_host_tier.py tests/test_placement.py tests/test_transport.py tests/test_transport_dist.py tests/test_holds.py \
-                   tests/test_trainer_parallel.py tests/test_sampler.py tests/test_step_order.py -rs -s &&
+                   tests/test_trainer_parallel.py tests/test_sampler.py tests/test_step_order.py \
+                   tests/test_routing_capture.py -rs -s &&
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         moe_tests) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
