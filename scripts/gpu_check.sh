@@ -6,9 +6,9 @@
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
-#                        [fsdp_gather] [routing_return] [tests_rest]
+#                        [fsdp_gather] [routing_return] [tests_rest] [tests_two]
 # (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
-# staleness, kv_reuse, learn, sync*, buckets and fsdp_gather need two GPUs).
+# staleness, kv_reuse, learn, sync*, buckets, fsdp_gather and tests_two need two GPUs).
 # tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -35,7 +35,8 @@ for part in $parts; do
                    tests/test_routing_capture.py -rs -s &&
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
         tests_rest) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flight_recorder.py \
-                       tests/test_host_tier_direct.py tests/test_page_move.py -rs ;;  # (test_disagg_p2p: two GPUs)
+                       tests/test_host_tier_direct.py tests/test_page_move.py -rs ;;
+        tests_two) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_disagg_p2p.py -rs ;;  # (two GPUs)
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         moe_tests) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
         moe) timeout 560 python3 benchmarks/moe_throughput.py --routing-ab --profile-workload --out "$OUT/moe.json" ;;
