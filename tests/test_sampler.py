@@ -6,6 +6,7 @@ clearly (a temperature off by 10% gives three times the bound; renormalising in 
 token outside the allowed set).
 """
 
+import asyncio
 import dataclasses
 import math
 
@@ -245,3 +246,40 @@ def test_banned_tokens_reach_the_device_without_the_host_waiting_for_it():
     assert not torch.cuda.current_stream().query(), "the host waited for the queued work"
     torch.cuda.synchronize()
     assert out.banned[0].tolist() == [0, 0, 0] and out.banned[1].tolist() == [9, 11, 2]
+
+
+def on(device: str, b: SamplingBatch) -> SamplingBatch:
+    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
+                                     if isinstance(getattr(b, f.name), torch.Tensor)})
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5), dict(min_p=0.2)])
+def test_logits_in_bf16_sample_exactly_what_their_fp32_conversion_samples(device, filters):
+    """The engine hands the sampler its logits in the model's dtype (`compute_logits(float32=False)`): sampling
+    them (every path: the fused pass on CUDA, the filters, banned tokens, top logprobs) gives the very tokens and
+    logprobs that sampling their exact fp32 conversion gives."""
+    B, V = 6, 151936
+    logits = (torch.randn(B, V, generator=torch.Generator().manual_seed(3)) * 4).to(device, torch.bfloat16)
+    b = on(device, batch(B, temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.5, 2.0]), seeds=torch.arange(B) * 7,
+                         positions=torch.arange(B), **filters))
+    b.needs_filter = bool(filters)
+    b.banned = (torch.tensor([1, 1, 4], device=device), torch.tensor([0, 17, 99], device=device))
+    b.top_logprobs_num = 3
+    for got, want in ((sample(logits, b), sample(logits.float(), b)),
+                      (sampler.top_logprobs(logits, b), sampler.top_logprobs(logits.float(), b))):
+        assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_the_engine_hands_the_sampler_its_logits_in_the_models_dtype(monkeypatch):
+    """No conversion pass over [rows, vocab] before sampling: a bf16 model's logits reach `sample` in bf16 (the
+    decode and the mixed steps alike), and the tokens are the model's own (greedy, the same as with fp32)."""
+    from tandem.engine import model_runner
+    from tandem.engine.engine import Engine
+    from tandem.types import SamplingParams
+
+    seen = []
+    monkeypatch.setattr(model_runner, "sample", lambda logits, b: seen.append(logits.dtype) or sample(logits, b))
+    with Engine("tiny", dtype="bfloat16") as engine:
+        out = asyncio.run(engine.generate([3, 4, 5, 6], SamplingParams(max_new_tokens=4, temperature=0.0)))
+    assert len(out.output_ids) == 4 and seen and set(seen) == {torch.bfloat16}

@@ -311,7 +311,7 @@ class ModelRunner:
         ctx = BlockTableDecode(self.pool.k_cache, self.pool.v_cache, inputs["slots"],
                                self.block_table_BP[:bs, :width], inputs["seq_lens"], self.pool.page_size, self.kernel)
         hidden = self.model(inputs["ids"], inputs["positions"], ctx)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, float32=False)
 
     def _capture(self) -> None:
         """One graph per batch size and per mixed step size, largest first, sharing one memory pool. Padding
@@ -351,7 +351,7 @@ class ModelRunner:
         ints = functools.partial(torch.tensor, dtype=torch.int32, device=self.device)
         q = torch.zeros(1, attn.num_heads, attn.head_dim, dtype=k.dtype, device=self.device)
         self.prefill_kernel(q, k, v, ints([[0]]), ints([0, 1]), ints([1]), self.pool.page_size, 1.0, 1)
-        logits = torch.zeros(2, self.model.config.vocab_size, device=self.device)
+        logits = torch.zeros(2, self.model.config.vocab_size, dtype=k.dtype, device=self.device)  # (the model's)
         zeros = functools.partial(torch.zeros, 2, device=self.device)
         longs = functools.partial(zeros, dtype=torch.long)
         batch = SamplingBatch(zeros() + 1, zeros() + 0.9, longs() + 5, zeros() + 0.05, longs(), longs(),
@@ -387,7 +387,7 @@ class ModelRunner:
         self.last_prepare_seconds = time.perf_counter() - self._t0
         with self.order.work("forward"):
             hidden = self.model(*inputs, ctx)
-            return None if rows is None else self.model.compute_logits(hidden[rows]), sampling
+            return None if rows is None else self.model.compute_logits(hidden[rows], float32=False), sampling
 
     def _mixed_static(self, chunks: list[Chunk], prev: Launched | None, sampling_reqs) -> tuple[
             torch.Tensor | None, SamplingBatch | None]:
@@ -425,7 +425,7 @@ class ModelRunner:
                     collectives.replay(graph, size, ops, self.tp.group)
                 else:
                     hidden = self._forward_mixed(size)
-            return None if rows is None else self.model.compute_logits(hidden[rows]), sampling
+            return None if rows is None else self.model.compute_logits(hidden[rows], float32=False), sampling
 
     def _forward_mixed(self, size: int) -> torch.Tensor:
         """Hidden states [size, E] of the mixed step in the static buffers."""

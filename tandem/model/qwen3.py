@@ -356,8 +356,12 @@ class Qwen3ForCausalLM(nn.Module):
                 s(act, mlp.down_proj.weight, out=residual)
         return f.rmsnorm(residual, self.model.norm.weight, eps)
 
-    def compute_logits(self, hidden_NE: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_NE).float()
+    def compute_logits(self, hidden_NE: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Logits [N, vocab] of the rows: fp32, or with `float32=False` in the weights' dtype, for a reader that
+        converts them itself (the engine's sampler: bf16 converts to fp32 exactly, so only the conversion's pass
+        over the logits and half their bytes are saved)."""
+        logits = self.lm_head(hidden_NE)
+        return logits.float() if float32 else logits
 
     def init_random(self, seed: int, std: float = 0.02):
         """Hugging Face's initialisation (normal(0, std) for matrices, ones for norms), reproducible for a
