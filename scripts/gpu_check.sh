@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks, for one call on the GPU machine; each result goes to $OUT/<part>.txt.
-#   scripts/gpu_check.sh [tests] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
+#   scripts/gpu_check.sh [tests] [tests_engine] [throughput] [hf] [8b] [host_tier] [trainer] [tp] [tp_tests] [async] [async64]
 #                        [async17b] [prefill] [graphs] [staleness] [kv_reuse] [learn] [shared] [pause] [sync8b]
 #                        [sync06b] [buckets] [moe_tests] [moe] [small] [small_ab] [handover] [tier_sweep] [pd_transfer]
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
 #                        [fsdp_gather] [routing_return] [tests_rest] [tests_two]
-# (no argument: tests throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
+# (no argument: tests tests_engine throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets, fsdp_gather and tests_two need two GPUs).
-# tests, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
+# tests, tests_engine, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
 # machine lacks: download their wheels into .whl/ (git-ignored) with
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl fastapi starlette pydantic \
@@ -22,18 +22,20 @@ set -o pipefail
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # (carried wheels may be on it already)
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-parts=${*:-tests throughput host_tier}
+parts=${*:-tests tests_engine throughput host_tier}
 python3 -c 'import torch; print(torch.__version__, torch.cuda.device_count(), "x", torch.cuda.get_device_name())' \
     | tee "$OUT/device.txt"
 for part in $parts; do
     echo "=== $part" | tee -a "$OUT/summary.txt"
     case $part in
-        tests) timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
+        tests) timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels.py \
                    tests/test_prefill_kernel.py tests/test_fused_kernels.py tests/test_moe_kernels.py \
-                   tests/test_fused_model.py tests/test_engine_gpu.py tests/test_host_tier.py tests/test_placement.py tests/test_transport.py tests/test_transport_dist.py tests/test_holds.py \
-                   tests/test_trainer_parallel.py tests/test_sampler.py tests/test_step_order.py \
-                   tests/test_routing_capture.py -rs -s &&
+                   tests/test_fused_model.py tests/test_sampler.py -rs -s &&
                timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_training_kernels.py -rs ;;
+        tests_engine) timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_engine_gpu.py \
+                   tests/test_host_tier.py tests/test_placement.py tests/test_transport.py tests/test_transport_dist.py \
+                   tests/test_holds.py tests/test_trainer_parallel.py tests/test_step_order.py \
+                   tests/test_routing_capture.py -rs -s ;;  # (the kernels' tests: `tests`; a call each, they take minutes)
         tests_rest) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flight_recorder.py \
                        tests/test_host_tier_direct.py tests/test_page_move.py -rs ;;
         tests_two) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_disagg_p2p.py -rs ;;  # (two GPUs)
