@@ -340,15 +340,20 @@ def hf_part(model, args, results: dict, device) -> dict:
     return hf_runs
 
 
+def warmed_workload(engine, config, args, routed: bool = False):
+    """The workload's (prompts, outputs), after a run of a quarter of it with short outputs through `engine`."""
+    prompts, outputs = workload(args.num_seqs, vocab_size=min(10000, config.vocab_size), lengths=args.lengths)
+    warm = max(1, len(prompts) // 4)
+    asyncio.run(run_workload(engine, prompts[:warm], [min(n, 32) for n in outputs[:warm]], routed))
+    return prompts, outputs
+
+
 def workload_part(engine, config, args, results: dict, hf_runs: dict) -> None:
     """(b) the workload and (c) HF's jobs through the engine."""
     hf_tok_s = results["hf_tok_s"]
 
-    # (b) the workload, after a warm-up on a quarter of it with short outputs (Triton compiles a kernel per new
-    # constexpr signature)
-    prompts, outputs = workload(args.num_seqs, vocab_size=min(10000, config.vocab_size), lengths=args.lengths)
-    warm = max(1, len(prompts) // 4)
-    asyncio.run(run_workload(engine, prompts[:warm], [min(n, 32) for n in outputs[:warm]]))
+    # (b) the workload, after a warm-up (Triton compiles a kernel per new constexpr signature)
+    prompts, outputs = warmed_workload(engine, config, args)
     asyncio.run(engine.flush_cache())  # the timed run must prefill its prompts again
     before = asyncio.run(engine.get_stats())
     tok_s = results["workload_tok_s"] = asyncio.run(run_workload(engine, prompts, outputs))
@@ -378,9 +383,7 @@ def workload_part(engine, config, args, results: dict, hf_runs: dict) -> None:
 
 def routing_return_part(engine, config, args, results: dict) -> None:
     """(f) the workload of (b) without and with every request returning its routed experts, twice each in turn."""
-    prompts, outputs = workload(args.num_seqs, vocab_size=min(10000, config.vocab_size), lengths=args.lengths)
-    warm = max(1, len(prompts) // 4)
-    asyncio.run(run_workload(engine, prompts[:warm], [min(n, 32) for n in outputs[:warm]], routed=True))
+    prompts, outputs = warmed_workload(engine, config, args, routed=True)
     runs = results["routing_return_tok_s"] = {"without": [], "with": []}
     for _ in range(2):
         for routed in (False, True):

@@ -219,6 +219,12 @@ def test_a_row_without_truncation_keeps_every_token_when_batched_with_truncating
 
 
 
+def on(device: str, b: SamplingBatch) -> SamplingBatch:
+    """`b` with its tensors on `device`."""
+    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
+                                     if isinstance(getattr(b, f.name), torch.Tensor)})
+
+
 def _banning(device: str) -> tuple[SamplingBatch, list]:
     """A one-row batch on `device` and its request, under its min_new_tokens with stop tokens 9 and 11."""
     from tandem.engine.request import Request
@@ -226,9 +232,7 @@ def _banning(device: str) -> tuple[SamplingBatch, list]:
 
     req = Request(rid="r", tokens=[5, 6, 7], prompt_len=3, seed=1, arrival=0,
                   sampling=SamplingParams(min_new_tokens=4, stop_token_ids=[9, 11]))
-    b = batch(1)
-    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
-                                     if isinstance(getattr(b, f.name), torch.Tensor)}), [req]
+    return on(device, batch(1)), [req]
 
 
 def test_a_request_under_its_min_new_tokens_bans_its_stop_tokens_and_eos():
@@ -246,11 +250,6 @@ def test_banned_tokens_reach_the_device_without_the_host_waiting_for_it():
     assert not torch.cuda.current_stream().query(), "the host waited for the queued work"
     torch.cuda.synchronize()
     assert out.banned[0].tolist() == [0, 0, 0] and out.banned[1].tolist() == [9, 11, 2]
-
-
-def on(device: str, b: SamplingBatch) -> SamplingBatch:
-    return dataclasses.replace(b, **{f.name: getattr(b, f.name).to(device) for f in dataclasses.fields(b)
-                                     if isinstance(getattr(b, f.name), torch.Tensor)})
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
