@@ -381,22 +381,6 @@ def test_small_linear_gpu(T, E, N, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 2, 7])
-def test_small_linear_prefetching_other_tensors_computes_what_it_computes_without(T):
-    """Asking L2 for other tensors' bytes (`prefetch`: one or two, of sizes no multiple of a line, one smaller than
-    the programs) changes nothing the kernel writes, bit for bit, and touches nothing else."""
-    E, N, dtype = 2048, 1024, torch.bfloat16
-    x, w, out = randn(T, E, dtype=dtype, seed=1), randn(N, E, dtype=dtype, seed=2), randn(T, N, dtype=dtype, seed=3)
-    ahead = (randn(3_001, 1_027, dtype=dtype, seed=4), randn(5, dtype=dtype, seed=5))
-    kept = [t.clone() for t in ahead]
-    arrived = arrival_counts(DEVICE)
-    want = split_linear(x, w, out=out.clone(), arrived=arrived)
-    for prefetch in (ahead[:1], ahead, ahead[::-1]):
-        assert torch.equal(split_linear(x, w, out=out.clone(), arrived=arrived, prefetch=prefetch), want)
-    assert all(torch.equal(a, b) for a, b in zip(ahead, kept, strict=True))
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T,E,H,K", [(1, 1024, 16, 8), (2, 4096, 32, 8), (16, 4096, 32, 8), (5, 2048, 16, 2)])
 def test_small_qkv_gpu(T, E, H, K, dtype):
