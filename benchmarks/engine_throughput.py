@@ -177,20 +177,18 @@ def swept_tilings(path: str, cfg) -> Callable:
 
 def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_rows: int | None = None,
                          fresh: bool = True, vector_warps: int | None = None, tilings: Callable | None = None,
-                         prefetch: int | None = None, context: int = 1024, iters: int = 20) -> float:
+                         context: int = 1024, iters: int = 20) -> float:
     """`decode_step_seconds` of a variant, in a graph of its own captured here: without the few-row fusions
     (`fused=False`), with vector tiles up to `vector_rows` rows (`small_linear.VECTOR_ROWS`), or with q/k norm,
     RoPE and the KV write in the q/k/v projection rather than in attention (`fresh=False`), or with vector tiles of
     `vector_warps` warps (`small_linear.VECTOR_WARPS`), or with the projections' tilings `tilings` chooses (a
-    stand-in for `small_linear.default_blocks`, `swept_tilings`), or with each projection asking L2 for the next
-    `prefetch` projections' weights (`small_linear.PREFETCH_AHEAD`)."""
+    stand-in for `small_linear.default_blocks`, `swept_tilings`)."""
     from tandem.model.attention import BlockTableDecode
 
     model, small, default_rows = engine.model, engine.model.small, small_linear.VECTOR_ROWS
     takes_fresh, default_warps = BlockTableDecode.takes_fresh, small_linear.VECTOR_WARPS
-    default_blocks, default_ahead = small_linear.default_blocks, small_linear.PREFETCH_AHEAD
+    default_blocks = small_linear.default_blocks
     small_linear.VECTOR_WARPS = vector_warps or default_warps
-    small_linear.PREFETCH_AHEAD = default_ahead if prefetch is None else prefetch
     small_linear.default_blocks = tilings or default_blocks
     decode_step(engine, batch, context)  # (fills the buffers)
     model.small = small if fused else None
@@ -209,7 +207,6 @@ def variant_step_seconds(engine: Engine, batch: int, fused: bool = True, vector_
     finally:
         model.small, small_linear.VECTOR_ROWS, BlockTableDecode.takes_fresh = small, default_rows, takes_fresh
         small_linear.VECTOR_WARPS, small_linear.default_blocks = default_warps, default_blocks
-        small_linear.PREFETCH_AHEAD = default_ahead
 
 
 def hf_tokens_per_s(model_name: str, prompts, outputs) -> float:
@@ -294,8 +291,6 @@ def main() -> None:
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     parser.add_argument("--small-rowwise", type=int, help="rows up to which the few-row projections sum their "
                         f"products a row at a time (an A/B; default {small_linear.ROWWISE_ROWS}, 0: never)")
-    parser.add_argument("--prefetch-ab", action="store_true", help="batches of few rows with each projection "
-                        "asking L2 for the next 0, 1 and 2 projections' weights, in graphs of their own")
     parser.add_argument("--small-prefetch", type=int, help="the next projections whose weights a few-row projection "
                         f"asks L2 for (an A/B; default {small_linear.PREFETCH_AHEAD}, 0: none)")
     args = parser.parse_args()
@@ -377,13 +372,6 @@ def main() -> None:
             print(f"| {batch} | {sec * 1e3:.2f} | {batch / sec:,.0f} | {read / 1e9:.2f} | {read / sec / 1e9:,.0f} | "
                   f"{read / sec / bw:.0%} | {unfused} | {tiles} | {unfresh} | {warps} | {swept} | "
                   f"{loop * 1e3:.2f} ({batch / loop:,.0f}) |")
-        if args.prefetch_ab and engine.model.small:
-            print("\nfew-row projections asking L2 for the next 0 / 1 / 2 projections' weights, step ms (graphs of "
-                  "their own, in turn, twice)\n| batch | 0 | 1 | 2 |\n|---|---|---|---|")
-            for batch in [b for b in args.batches if b <= small_linear.MAX_ROWS]:
-                runs = [[variant_step_seconds(engine, batch, prefetch=ahead) * 1e3 for ahead in (0, 1, 2)]
-                        for _ in range(2)]
-                print(f"| {batch} | " + " | ".join(f"{a:.3f}, {b:.3f}" for a, b in zip(*runs, strict=True)) + " |")
         print("\nthe engine's loop, host time a step (ms): " + "; ".join(
             f"batch {b}: " + ", ".join(f"{k} {v * 1e3:.3f}" for k, v in host.items()) for b, host in hosts))
         if args.profile_batch:

@@ -185,8 +185,8 @@ for part in $parts; do
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
                              benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only --transfer-reps 10); done
                      done ;;
-        prefetch_ab) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 2 4 8 16 \
-                         --prefetch-ab --profile-batch 1 ;;  # (and the workload, with the default)
+        prefetch_ab) for run in 1 2; do for ahead in 0 1 2; do timeout 150 python3 benchmarks/engine_throughput.py \
+                         --models qwen3-0.6b --batches 1 2 4 16 --skip-workload --small-prefetch $ahead; done; done ;;
         prefetch_tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_model.py \
                             tests/test_engine_gpu.py tests/test_fused_kernels.py -rs ;;  # (with L2 prefetches)
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
