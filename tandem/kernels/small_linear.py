@@ -9,10 +9,7 @@ kernel of its own before or after it:
   row, so no normalised copy is written);
 - `out`: y is added into it in place (the residual stream's `x = x + sublayer(x)`);
 - `silu=True`: w holds gate rows then up rows ([2I, E], as the fused path concatenates them) and the result is
-  `silu(gate) * up` [T, I];
-- `prefetch`: the weights of the projections launched next, which its programs ask L2 for (a prefetch per 128-byte
-  line, nothing waited for) while they compute: a chain of projections then reads its weights from L2, each
-  fetched from memory while the one before it ran.
+  `silu(gate) * up` [T, I].
 
 Up to `VECTOR_ROWS` rows the products are summed on the CUDA cores over a tile of the rows there are
 (`vector_blocks`), above it in tensor-core tiles of 16 rows. Up to `ROWWISE_ROWS` rows a vector tile's products
