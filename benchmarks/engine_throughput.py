@@ -291,13 +291,9 @@ def main() -> None:
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     parser.add_argument("--small-rowwise", type=int, help="rows up to which the few-row projections sum their "
                         f"products a row at a time (an A/B; default {small_linear.ROWWISE_ROWS}, 0: never)")
-    parser.add_argument("--small-prefetch", type=int, help="the next projections whose weights a few-row projection "
-                        f"asks L2 for (an A/B; default {small_linear.PREFETCH_AHEAD}, 0: none)")
     args = parser.parse_args()
     if args.small_rowwise is not None:
         small_linear.ROWWISE_ROWS = args.small_rowwise
-    if args.small_prefetch is not None:
-        small_linear.PREFETCH_AHEAD = args.small_prefetch
     if args.attention_programs_per_sm:
         decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
     if args.attention_balance is not None:
@@ -310,8 +306,7 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
           f"most {decode_attention.MAX_BALANCED_SPLIT} tokens; few-row products a row at a time up to "
-          f"{small_linear.ROWWISE_ROWS} rows; each asks L2 for the next {small_linear.PREFETCH_AHEAD} projections' "
-          "weights\n")
+          f"{small_linear.ROWWISE_ROWS} rows\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]

@@ -115,27 +115,3 @@ def test_decode_step_with_attention_taking_fresh_keys_equals_the_reference_path(
     assert len(fresh_calls) == L  # the fused model's every layer attended through attend_fresh
     for fast, ref in zip(*results, strict=True):
         torch.testing.assert_close(fast, ref, rtol=1e-4, atol=1e-4)
-
-
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_each_few_row_projection_asks_l2_for_the_weights_launched_after_it(ahead, monkeypatch):
-    """`_forward_small` passes each projection the weights of the `PREFETCH_AHEAD` projections launched after it, in
-    launch order across layers (the last ones fewer): prefetched out of order, L2 would hold what no kernel reads
-    next."""
-    from tandem.kernels import small_linear
-
-    config = SHAPES["gqa2_tied"]
-    model = tandem_twin(hf_model(config), config).to(DEVICE).use_fused_kernels(small=True)
-    launched = []
-    monkeypatch.setattr(small_linear, "PREFETCH_AHEAD", ahead)
-    monkeypatch.setattr(small_linear, "small_linear",
-                        lambda x, w, *a, _f=small_linear.small_linear, **k: launched.append((w, k["prefetch"]))
-                        or _f(x, w, *a, **k))
-    lens = [5, 3]
-    ids = torch.randint(0, config.vocab_size, (sum(lens),), device=DEVICE)
-    with torch.no_grad():
-        model(ids, torch.cat([torch.arange(n) for n in lens]).to(DEVICE), PackedCausal(lens))
-    weights = [w for w, _ in launched]
-    assert len(weights) == 4 * config.num_hidden_layers and len({id(w) for w in weights}) == len(weights)
-    for i, (_, prefetch) in enumerate(launched):
-        assert [id(t) for t in prefetch] == [id(w) for w in weights[i + 1:i + 1 + ahead]], i

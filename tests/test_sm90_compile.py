@@ -27,8 +27,7 @@ def compile_sm90(jit, types, constexprs, warps=4, stages=2):
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 pointers = dict.fromkeys(["q_ptr", "k_ptr", "v_ptr", "o_ptr", "new_k_ptr", "new_v_ptr", "q_norm_ptr", "k_norm_ptr",
-                          "x_ptr", "w_ptr", "out_ptr", "norm_w_ptr", "k_cache_ptr", "v_cache_ptr", "ahead0_ptr",
-                          "ahead1_ptr"], "*bf16")
+                          "x_ptr", "w_ptr", "out_ptr", "norm_w_ptr", "k_cache_ptr", "v_cache_ptr"], "*bf16")
 pointers |= dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "arrived_ptr"], "*i32")
 pointers |= dict.fromkeys(["mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "partial_ptr"], "*fp32")
 pointers |= dict.fromkeys(["pos_ptr", "slots_ptr"], "*i64") | {"qk_scale_log2": "fp32", "eps": "fp32"}
@@ -42,13 +41,13 @@ cases.append(("attention merge", decode_attention._merge_kernel,
 for norm, residual, silu in ((True, False, True), (False, True, False), (True, False, False)):
     cases.append((f"few-row norm={norm} residual={residual} silu={silu}", small_linear._small_linear_kernel, dict(
         NORM=norm, RESIDUAL=residual, SILU=silu, HEADS=False, SPLITS=1, BLOCK_T=1, BLOCK_N=4, BLOCK_K=1024,
-        NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, INTERPRET=False, AHEAD=2, LANES=128), 1))
+        NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, INTERPRET=False), 1))
 cases.append(("few-row split residual, tensor cores", small_linear._small_linear_kernel, dict(
     NORM=False, RESIDUAL=True, SILU=False, HEADS=False, SPLITS=4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=256,
-    NORM_BLOCK=256, DOT_FP32=False, VECTOR=False, PDL=True, INTERPRET=False, AHEAD=1, LANES=128), 3))
+    NORM_BLOCK=256, DOT_FP32=False, VECTOR=False, PDL=True, INTERPRET=False), 3))
 cases.append(("few-row q/k/v heads, split", small_linear._small_linear_kernel, dict(
     NORM=True, RESIDUAL=False, SILU=False, HEADS=True, SPLITS=16, BLOCK_T=1, BLOCK_N=64, BLOCK_K=64,
-    NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, INTERPRET=False, AHEAD=2, LANES=128), 1))
+    NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, INTERPRET=False), 1))
 failed = {}
 for name, jit, constexprs, stages in cases:
     try:
@@ -74,7 +73,6 @@ RESOURCES = """
 import json, sys
 sys.path.insert(0, "benchmarks")
 import kernel_resources as kr
-import torch
 from tandem.config import PRESETS
 from tandem.kernels import small_linear
 
@@ -85,17 +83,8 @@ try:
         for name, (N, E, keywords, call) in kr.projection_calls(PRESETS["qwen3-0.6b"], rows).items():
             blocks = small_linear.default_blocks(N, E, kr.H100(), rows=rows, **keywords)
             [launch] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
-            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared", "barriers", "prefetches"),
+            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared", "barriers"),
                                                          kr.resources(*launch)))
-    weights = torch.zeros(3072, 1024, dtype=torch.bfloat16)
-    for rows in (1, 8):
-        for ahead in (0, 1, 2):
-            x, w = torch.zeros(rows, 2048, dtype=torch.bfloat16), torch.zeros(1024, 2048, dtype=torch.bfloat16)
-            call = lambda: small_linear.small_linear(x, w, out=torch.zeros(rows, 1024, dtype=torch.bfloat16),
-                                                     arrived=small_linear.arrival_counts("cpu"),
-                                                     prefetch=(weights,) * ahead)
-            [launch] = kr.launches(small_linear, ("_small_linear_kernel",), call)
-            found.setdefault("prefetches", {})[f"{rows} {ahead}"] = kr.resources(*launch)[4]
 except Exception as e:  # the toolchain: no ptxas, no sm_90 backend
     print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
     sys.exit(0)
@@ -129,13 +118,3 @@ def test_one_or_two_rows_weight_tiles_never_pass_through_shared_memory(rows):
     assert set(found) == {"q/k/v", "o", "gate/up", "down"}
     for name, r in found.items():
         assert r["spilled"] == 0 and r["shared"] <= 1024, (name, r)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
-def test_a_projection_asked_to_prefetch_carries_l2_prefetches_and_one_not_asked_none():
-    """`small_linear(prefetch=...)`'s requests are instructions with no result anyone reads: the compiler must keep
-    them (a pure inline asm would be dropped), for each tensor asked, and add none where nothing is asked."""
-    found = projection_resources()["prefetches"]
-    for rows in (1, 8):
-        none, one, two = (found[f"{rows} {ahead}"] for ahead in (0, 1, 2))
-        assert none == 0 and 0 < one < two, (rows, none, one, two)

@@ -50,8 +50,6 @@ FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in atte
 VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
 VECTOR_WARPS = 4  # of a vector tile's program
 ROWWISE_ROWS = 2  # up to these rows a vector tile's products are summed a row at a time (`_dot`; not with heads)
-PREFETCH_AHEAD = 1  # of the next projections' weights a projection asks L2 for (`prefetch`; the model passes them)
-PREFETCH_LINE = tl.constexpr(128)  # bytes of an L2 line, what one prefetch instruction asks for
 
 
 @triton.jit
@@ -129,26 +127,9 @@ def _heads_epilogue(acc, acc_hi, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, 
 
 
 @triton.jit
-def _prefetch_l2(ptr, nbytes, LANES: tl.constexpr):
-    """Ask L2 for this program's share of the nbytes at ptr (a line an instruction, a lane a line at a time): the
-    bytes reach L2 while the program goes on, and nothing waits for them or changes with them."""
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-    lines = tl.cdiv(nbytes, PREFETCH_LINE)
-    share = tl.cdiv(lines, tl.num_programs(0) * tl.num_programs(1))
-    first, end = pid * share, tl.minimum(lines, (pid + 1) * share)
-    base = ptr.to(tl.pointer_type(tl.int8))
-    for line in range(first, end, LANES):
-        at = tl.minimum(line + tl.arange(0, LANES), end - 1).to(tl.int64) * PREFETCH_LINE  # (past the end: again)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + at],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived_ptr, q_norm_ptr, k_norm_ptr, pos_ptr,
-                         inv_freq_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, ahead0_ptr, ahead0_bytes, ahead1_ptr,
-                         ahead1_bytes, T, N, E, stride_x,
-                         stride_w, stride_o, up_rows, k_split, H, K, eps, AHEAD: tl.constexpr, LANES: tl.constexpr,
-                         NORM: tl.constexpr,
+                         inv_freq_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, T, N, E, stride_x,
+                         stride_w, stride_o, up_rows, k_split, H, K, eps, NORM: tl.constexpr,
                          RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
                          DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, ROWWISE: tl.constexpr, PDL: tl.constexpr,
@@ -161,8 +142,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     HEADS: program n's columns are head n's, its first half in the first tile and the second in the second
     (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). PDL: launched as a programmatic dependent of the
     kernel before it, a program loads its first weight tile (never written by a step) while that kernel
-    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything. AHEAD (0-2): the
-    programs then ask L2 for the ahead0 / ahead1 bytes (the next projections' weights, `_prefetch_l2`)."""
+    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
@@ -181,10 +161,6 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     w_up = w
     if PAIRED:
         w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
-    if AHEAD >= 1:
-        _prefetch_l2(ahead0_ptr, ahead0_bytes, LANES)
-    if AHEAD >= 2:
-        _prefetch_l2(ahead1_ptr, ahead1_bytes, LANES)
     if PDL:
         gdc_wait()
     rstd = tl.zeros([BLOCK_T], tl.float32)
@@ -300,7 +276,7 @@ def arrival_counts(device: torch.device | str) -> torch.Tensor:
 
 def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                  out: torch.Tensor | None = None, silu: bool = False, blocks: Blocks | None = None,
-                 arrived: torch.Tensor | None = None, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                 arrived: torch.Tensor | None = None) -> torch.Tensor:
     """`x @ w.T` for T <= MAX_ROWS rows (see the module docstring for what it fuses).
 
     x_TE: [T, E], last dim contiguous, any row stride; w_NE: [N, E] contiguous, x's dtype. norm_weight: [E], RMSNorm
@@ -308,9 +284,7 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
     returned (the residual); else a new contiguous tensor is returned. silu: w is [2I, E], gate then up; returns
     `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None). arrived: the
     counts of `arrival_counts`, which splitting the input columns over programs needs (without, no split); the
-    kernel leaves them zero. prefetch: up to two contiguous tensors (the next projections' weights) whose bytes
-    the kernel asks L2 for, so that the kernels reading them find them there; it waits for none of them (not under
-    the CPU interpreter)."""
+    kernel leaves them zero."""
     T, E = x_TE.shape
     assert T <= MAX_ROWS, f"small_linear: at most {MAX_ROWS} rows, got {T}"
     assert w_NE.shape[1] == E and w_NE.is_contiguous() and w_NE.dtype == x_TE.dtype, (x_TE.shape, w_NE.shape)
@@ -330,7 +304,7 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
     b = blocks or default_blocks(N, E, x_TE.device, split=arrived is not None, itemsize=x_TE.itemsize, rows=T,
                                  paired=silu)
     _launch(x_TE, w_NE, y, norm_weight, eps, b, arrived, N, triton.cdiv(N, b.n), b.n, RESIDUAL=out is not None,
-            SILU=silu, HEADS=False, prefetch=prefetch)
+            SILU=silu, HEADS=False)
     return y
 
 
@@ -344,7 +318,7 @@ def takes_heads(head_dim: int) -> bool:
 def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor, eps: float, q_norm: torch.Tensor,
               k_norm: torch.Tensor, positions_T: torch.Tensor, theta: float, num_heads: int,
               kv_cache: tuple[torch.Tensor, torch.Tensor, torch.Tensor], arrived: torch.Tensor | None = None,
-              blocks: Blocks | None = None, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+              blocks: Blocks | None = None) -> torch.Tensor:
     """A decoder layer's attention inputs in one kernel: `rmsnorm(x) @ w_qkv.T` split into query, key and value
     heads, q/k RMSNorm then RoPE on queries and keys (`fused.qk_norm_rope`'s arithmetic), keys and values written
     into `kv_cache` = (k_cache_SKD, v_cache_SKD, slots_T) at each row's slot. Returns the queries [T, H, D].
@@ -368,13 +342,12 @@ def small_qkv(x_TE: torch.Tensor, w_qkv: torch.Tensor, norm_weight: torch.Tensor
                                  rows=T)
     inv_freq = rope_inv_freq(D, theta, x_TE.device)
     _launch(x_TE, w_qkv, q, norm_weight, eps, b, arrived, N, N // D, D // 2, RESIDUAL=False, SILU=False,
-            HEADS=True, heads=(q_norm, k_norm, positions_T, inv_freq, k_cache, v_cache, slots_T, num_heads, K),
-            prefetch=prefetch)
+            HEADS=True, heads=(q_norm, k_norm, positions_T, inv_freq, k_cache, v_cache, slots_T, num_heads, K))
     return q
 
 
 def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_blocks, block_n, RESIDUAL, SILU, HEADS,
-            heads=None, prefetch=()) -> None:
+            heads=None) -> None:
     T, E = x_TE.shape
     k_split = triton.cdiv(triton.cdiv(E, b.splits), b.k) * b.k  # a whole number of tiles each
     splits = triton.cdiv(E, k_split)
@@ -385,15 +358,11 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         partial = torch.empty(splits, 2, MAX_ROWS, N, dtype=torch.float32, device=x_TE.device)
     q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, H, K = heads or (x_TE,) * 7 + (0, 0)
     pdl = {"launch_pdl": True} if b.pdl else {}
-    ahead = [] if _interpreted() else [t for t in prefetch[:2] if t.numel()]
-    assert all(t.is_contiguous() for t in ahead), "small_linear: prefetch takes contiguous tensors"
-    (a0, b0), (a1, b1) = [(t, t.numel() * t.element_size()) for t in ahead] + [(x_TE, 0)] * (2 - len(ahead))
     block_t = triton.next_power_of_2(T) if b.vector else MAX_ROWS
     _small_linear_kernel[(column_blocks, splits)](
         x_TE, w_NE, y, x_TE if norm_weight is None else norm_weight, partial, arrived if splits > 1 else x_TE,
-        q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, a0, b0, a1, b1, T, N, E, x_TE.stride(0),
-        w_NE.stride(0), y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps,
-        AHEAD=len(ahead), LANES=32 * b.warps, NORM=norm_weight is not None,
+        q_norm, k_norm, positions, inv_freq, k_cache, v_cache, slots, T, N, E, x_TE.stride(0), w_NE.stride(0),
+        y.stride(0) if not HEADS else 0, block_n if HEADS else N, k_split, H, K, eps, NORM=norm_weight is not None,
         RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
         NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
         ROWWISE=b.vector and not HEADS and block_t <= ROWWISE_ROWS,

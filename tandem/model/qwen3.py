@@ -327,12 +327,7 @@ class Qwen3ForCausalLM(nn.Module):
         them (`takes_fresh`), the q/k norm, RoPE and the KV write run in attention instead, and q/k/v is a plain
         projection."""
         f, eps = self.fused, self.config.rms_norm_eps
-        chain = [w for layer in self.model.layers for w in self._small_weights(layer)]  # in the order launched
-        ahead = {id(w): tuple(chain[i + 1:i + 1 + self.small.PREFETCH_AHEAD]) for i, w in enumerate(chain)}
-
-        def s(x, w, *args, **kwargs):  # (each projection asks L2 for the weights of those after it)
-            return self.small.small_linear(x, w, *args, arrived=self.small_arrived, prefetch=ahead[id(w)], **kwargs)
-
+        s = functools.partial(self.small.small_linear, arrived=self.small_arrived)
         residual = self.model.embed_tokens(input_ids_T)  # a new tensor: the kernels add into it in place
         T = residual.shape[0]
         for layer in self.model.layers:
@@ -348,8 +343,7 @@ class Qwen3ForCausalLM(nn.Module):
             elif dest is not None and dest[0].dtype == residual.dtype and self.small.takes_heads(attn.head_dim):
                 q = self.small.small_qkv(residual, attn.qkv_weight, layer.input_layernorm.weight, eps,
                                          attn.q_norm.weight, attn.k_norm.weight, positions_T, self.config.rope_theta,
-                                         attn.num_heads, dest, arrived=self.small_arrived,
-                                         prefetch=ahead[id(attn.qkv_weight)])
+                                         attn.num_heads, dest, arrived=self.small_arrived)
                 o = ctx.attend(attn.layer, q, None, None).reshape(T, -1)
             else:
                 qkv = s(residual, attn.qkv_weight, layer.input_layernorm.weight, eps)
@@ -361,13 +355,6 @@ class Qwen3ForCausalLM(nn.Module):
                 act = s(residual, mlp.gate_up_weight, layer.post_attention_layernorm.weight, eps, silu=True)
                 s(act, mlp.down_proj.weight, out=residual)
         return f.rmsnorm(residual, self.model.norm.weight, eps)
-
-    @staticmethod
-    def _small_weights(layer) -> tuple[torch.Tensor, ...]:
-        """The weights `_forward_small` projects a layer's rows with, in its order (a MoE block's experts not)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        dense = () if isinstance(mlp, Qwen3SparseMoeBlock) else (mlp.gate_up_weight, mlp.down_proj.weight)
-        return (attn.qkv_weight, attn.o_proj.weight, *dense)
 
     def compute_logits(self, hidden_NE: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits [N, vocab] of the rows: fp32, or with `float32=False` in the weights' dtype, for a reader that
