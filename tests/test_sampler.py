@@ -256,8 +256,9 @@ def test_banned_tokens_reach_the_device_without_the_host_waiting_for_it():
 @pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5), dict(min_p=0.2)])
 def test_logits_in_bf16_sample_exactly_what_their_fp32_conversion_samples(device, filters):
     """The engine hands the sampler its logits in the model's dtype (`compute_logits(float32=False)`): sampling
-    them (every path: the fused pass on CUDA, the filters, banned tokens, top logprobs) gives the very tokens and
-    logprobs that sampling their exact fp32 conversion gives."""
+    them (every path: the fused pass on CUDA, the filters, banned tokens, top logprobs) gives the very tokens that
+    sampling their exact fp32 conversion gives, and the same logprobs but for the fused pass's last bits (compiled
+    for bf16 loads, it sums a row's exponentials in another order)."""
     B, V = 6, 151936
     logits = (torch.randn(B, V, generator=torch.Generator().manual_seed(3)) * 4).to(device, torch.bfloat16)
     b = on(device, batch(B, temperature=torch.tensor([0.0, 0.7, 1.0, 1.3, 0.5, 2.0]), seeds=torch.arange(B) * 7,
@@ -265,9 +266,11 @@ def test_logits_in_bf16_sample_exactly_what_their_fp32_conversion_samples(device
     b.needs_filter = bool(filters)
     b.banned = (torch.tensor([1, 1, 4], device=device), torch.tensor([0, 17, 99], device=device))
     b.top_logprobs_num = 3
-    for got, want in ((sample(logits, b), sample(logits.float(), b)),
-                      (sampler.top_logprobs(logits, b), sampler.top_logprobs(logits.float(), b))):
-        assert got[0].dtype == want[0].dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    (tokens, logprobs), (want_tokens, want_logprobs) = sample(logits, b), sample(logits.float(), b)
+    assert torch.equal(tokens, want_tokens) and logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=0 if device == "cpu" or filters else 4e-6)
+    top, want_top = sampler.top_logprobs(logits, b), sampler.top_logprobs(logits.float(), b)
+    assert torch.equal(top[0], want_top[0]) and torch.equal(top[1], want_top[1])
 
 
 def test_the_engine_hands_the_sampler_its_logits_in_the_models_dtype(monkeypatch):
