@@ -291,9 +291,14 @@ def main() -> None:
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     parser.add_argument("--small-rowwise", type=int, help="rows up to which the few-row projections sum their "
                         f"products a row at a time (an A/B; default {small_linear.ROWWISE_ROWS}, 0: never)")
+    parser.add_argument("--small-early-residual", type=int, choices=(0, 1), help="whether the few-row projections "
+                        "read the residual before their dependent wait (an A/B; default "
+                        f"{int(small_linear.EARLY_RESIDUAL)})")
     args = parser.parse_args()
     if args.small_rowwise is not None:
         small_linear.ROWWISE_ROWS = args.small_rowwise
+    if args.small_early_residual is not None:
+        small_linear.EARLY_RESIDUAL = bool(args.small_early_residual)
     if args.attention_programs_per_sm:
         decode_attention.PROGRAMS_PER_SM = args.attention_programs_per_sm
     if args.attention_balance is not None:
@@ -306,7 +311,8 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
           f"most {decode_attention.MAX_BALANCED_SPLIT} tokens; few-row products a row at a time up to "
-          f"{small_linear.ROWWISE_ROWS} rows\n")
+          f"{small_linear.ROWWISE_ROWS} rows; the residual read {'before' if small_linear.EARLY_RESIDUAL else 'after'} "
+          "their dependent wait\n")
     prompts, outputs = workload(args.num_seqs)
     for name in args.models:
         cfg = PRESETS[name]

@@ -65,9 +65,10 @@ def launches(module, names: tuple[str, ...], call) -> list[tuple[object, tuple, 
     return captured
 
 
-def resources(jit, args: tuple, kwargs: dict) -> tuple[int, int, int, int]:
+def resources(jit, args: tuple, kwargs: dict) -> tuple[int, int, int, int, int]:
     """(registers a thread, bytes spilled a thread, shared memory bytes, block-wide barriers in its SASS, both
-    copies of a peeled loop counted) of `jit` launched with `args` and `kwargs`,
+    copies of a peeled loop counted, global loads in its SASS before its first dependent wait (`ACQBULK`; all of
+    them without one)) of `jit` launched with `args` and `kwargs`,
     compiled for sm_90 as Triton's JIT would compile that launch: each argument specialised as the JIT specialises
     it (unless the kernel says not to: an integer 1 a constant; a multiple of 16, or a 16-byte aligned pointer,
     known divisible by 16, which is what lets loads be vectorised)."""
@@ -98,7 +99,8 @@ def resources(jit, args: tuple, kwargs: dict) -> tuple[int, int, int, int]:
         cubin.flush()
         sass = subprocess.run([os.path.join(os.path.dirname(get_ptxas(ARCH).path), "nvdisasm"), "-c", cubin.name],
                               capture_output=True, text=True, check=True).stdout
-    return registers, spilled, kernel.metadata.shared, len(re.findall(r"\bBAR\.SYNC", sass))
+    early = len(re.findall(r"\bLDG\b", sass.split("ACQBULK")[0]))
+    return registers, spilled, kernel.metadata.shared, len(re.findall(r"\bBAR\.SYNC", sass)), early
 
 
 def per_sm(registers: int, shared: int, warps: int) -> int:
@@ -181,7 +183,7 @@ def main() -> None:
                             if (k, w) != (default.k, default.warps)]
             for blocks in tilings:
                 [launch] = launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
-                registers, spilled, shared, barriers = resources(*launch)
+                registers, spilled, shared, barriers, _ = resources(*launch)
                 k_split = triton.cdiv(triton.cdiv(E_in, blocks.splits), blocks.k) * blocks.k
                 column_blocks = keywords.get("heads") or triton.cdiv(N, blocks.n)
                 tag = "default: " if blocks is default else ""
@@ -198,7 +200,7 @@ def main() -> None:
                                                             lambda b=batch, f=fresh: attention_call(cfg, b, f)):
                 if jit is decode_attention._merge_kernel and fresh:
                     continue  # (the same merge)
-                registers, spilled, shared, barriers = resources(jit, launch_args, launch_kwargs)
+                registers, spilled, shared, barriers, _ = resources(jit, launch_args, launch_kwargs)
                 name = "merge" if jit is decode_attention._merge_kernel else f"first stage{', fresh keys' * fresh}"
                 print(f"| {batch} | {name} | {registers} | {spilled} | {shared} | {barriers} | "
                       f"{per_sm(registers, shared, launch_kwargs['num_warps'])} |")

@@ -6,7 +6,7 @@
 #                        [handover2] [async1gpu] [workload_profile] [async_switch] [attn_tiles] [jit] [disagg]
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
-#                        [fsdp_gather] [routing_return] [tests_rest] [tests_two]
+#                        [fsdp_gather] [routing_return] [tests_rest] [tests_two] [residual_ab]
 # (no argument: tests tests_engine throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets, fsdp_gather and tests_two need two GPUs).
 # tests, tests_engine, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -185,6 +185,10 @@ for part in $parts; do
                          (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 \
                              benchmarks/disaggregation.py --model qwen3-0.6b --transfer-only --transfer-reps 10); done
                      done ;;
+        residual_ab) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py \
+                         tests/test_engine_gpu.py -k "small_linear or hugging_face_one_or_two" -rs;
+                     for run in 1 2; do for early in 0 1; do timeout 100 python3 benchmarks/engine_throughput.py \
+                         --models qwen3-0.6b --batches 1 2 4 16 --skip-workload --small-early-residual $early; done; done ;;
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
                             --out "$OUT/routing_return.json" ;;  # (the cost of returning routed experts: an A/B)
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)

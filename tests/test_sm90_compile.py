@@ -41,13 +41,13 @@ cases.append(("attention merge", decode_attention._merge_kernel,
 for norm, residual, silu in ((True, False, True), (False, True, False), (True, False, False)):
     cases.append((f"few-row norm={norm} residual={residual} silu={silu}", small_linear._small_linear_kernel, dict(
         NORM=norm, RESIDUAL=residual, SILU=silu, HEADS=False, SPLITS=1, BLOCK_T=1, BLOCK_N=4, BLOCK_K=1024,
-        NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, INTERPRET=False), 1))
+        NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, EARLY_RESIDUAL=True, INTERPRET=False), 1))
 cases.append(("few-row split residual, tensor cores", small_linear._small_linear_kernel, dict(
     NORM=False, RESIDUAL=True, SILU=False, HEADS=False, SPLITS=4, BLOCK_T=16, BLOCK_N=16, BLOCK_K=256,
-    NORM_BLOCK=256, DOT_FP32=False, VECTOR=False, PDL=True, INTERPRET=False), 3))
+    NORM_BLOCK=256, DOT_FP32=False, VECTOR=False, PDL=True, EARLY_RESIDUAL=True, INTERPRET=False), 3))
 cases.append(("few-row q/k/v heads, split", small_linear._small_linear_kernel, dict(
     NORM=True, RESIDUAL=False, SILU=False, HEADS=True, SPLITS=16, BLOCK_T=1, BLOCK_N=64, BLOCK_K=64,
-    NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, INTERPRET=False), 1))
+    NORM_BLOCK=1024, DOT_FP32=False, VECTOR=True, PDL=True, EARLY_RESIDUAL=True, INTERPRET=False), 1))
 failed = {}
 for name, jit, constexprs, stages in cases:
     try:
@@ -83,8 +83,13 @@ try:
         for name, (N, E, keywords, call) in kr.projection_calls(PRESETS["qwen3-0.6b"], rows).items():
             blocks = small_linear.default_blocks(N, E, kr.H100(), rows=rows, **keywords)
             [launch] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
-            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared", "barriers"),
+            found.setdefault(rows, {})[name] = dict(zip(("registers", "spilled", "shared", "barriers", "early"),
                                                          kr.resources(*launch)))
+            if name in ("o", "down"):  # (the same launch reading its residual after the wait)
+                early, small_linear.EARLY_RESIDUAL = small_linear.EARLY_RESIDUAL, False
+                [late] = kr.launches(small_linear, ("_small_linear_kernel",), lambda b=blocks, c=call: c(b))
+                small_linear.EARLY_RESIDUAL = early
+                found[rows][name]["early_when_late"] = kr.resources(*late)[4]
 except Exception as e:  # the toolchain: no ptxas, no sm_90 backend
     print(json.dumps({"skip": f"{type(e).__name__}: {e}"[:300]}))
     sys.exit(0)
@@ -118,3 +123,14 @@ def test_one_or_two_rows_weight_tiles_never_pass_through_shared_memory(rows):
     assert set(found) == {"q/k/v", "o", "gate/up", "down"}
     for name, r in found.items():
         assert r["spilled"] == 0 and r["shared"] <= 1024, (name, r)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's check of the code a GPU would run")
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_residual_projections_read_the_residual_before_their_dependent_wait(rows):
+    """o and down add into the residual stream, which the kernel just before them never writes: compiled as the
+    JIT compiles the model's launches, each reads it before its dependent wait (one global load more there than
+    the same launch reading it after), so its latency is not on the step's chain of dependent kernels."""
+    found = projection_resources()[str(rows)]
+    for name in ("o", "down"):
+        assert found[name]["early"] > found[name]["early_when_late"], (name, found[name])

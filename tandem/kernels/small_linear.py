@@ -50,6 +50,7 @@ FRESH_ROWS = 2  # up to these rows a decode step's q/k norm and RoPE run in atte
 VECTOR_TILE_BYTES = 16384  # of weights a vector tile's program holds (`vector_blocks`)
 VECTOR_WARPS = 4  # of a vector tile's program
 ROWWISE_ROWS = 2  # up to these rows a vector tile's products are summed a row at a time (`_dot`; not with heads)
+EARLY_RESIDUAL = True  # the residual read before the dependent wait (`small_linear`'s `out`; an A/B switch)
 
 
 @triton.jit
@@ -82,8 +83,10 @@ def _input(x_rows, norm_w_ptr, kk, mask_t, E, rstd, NORM: tl.constexpr, dtype: t
 
 
 @triton.jit
-def _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL: tl.constexpr,
-              SILU: tl.constexpr, INTERPRET: tl.constexpr):
+def _epilogue(acc, acc_up, residual, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL: tl.constexpr,
+              SILU: tl.constexpr, EARLY: tl.constexpr, INTERPRET: tl.constexpr):
+    """Store the tile (rounded; SILU: silu(gate) * up); RESIDUAL: added to what `out` holds, which is `residual`
+    if EARLY (read before the dependent wait), else read here."""
     dtype = out_ptr.dtype.element_ty
     y = _round(acc, dtype, INTERPRET)
     if SILU:
@@ -91,7 +94,9 @@ def _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RE
     out = out_ptr + offs_t[:, None] * stride_o + offs_n[None, :]
     mask = mask_t[:, None] & mask_n[None, :]
     if RESIDUAL:
-        y = _round(tl.load(out, mask=mask, other=0.0).to(tl.float32) + y.to(tl.float32), dtype, INTERPRET)
+        if not EARLY:
+            residual = tl.load(out, mask=mask, other=0.0)
+        y = _round(residual.to(tl.float32) + y.to(tl.float32), dtype, INTERPRET)
     tl.store(out, y, mask=mask)
 
 
@@ -133,7 +138,7 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
                          RESIDUAL: tl.constexpr, SILU: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
                          BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
                          DOT_FP32: tl.constexpr, VECTOR: tl.constexpr, ROWWISE: tl.constexpr, PDL: tl.constexpr,
-                         INTERPRET: tl.constexpr):
+                         EARLY_RESIDUAL: tl.constexpr, INTERPRET: tl.constexpr):
     """Program (n, s) computes output columns n * BLOCK_N... over input columns [s * k_split, (s + 1) * k_split).
     SPLITS > 1: each stores its fp32 partial sums [BLOCK_T, BLOCK_N] (and the up projection's) in partial_ptr
     [SPLITS, 2, BLOCK_T, N] and counts itself in arrived_ptr[n]; the last of a column block to arrive adds the
@@ -142,7 +147,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     HEADS: program n's columns are head n's, its first half in the first tile and the second in the second
     (`_heads_epilogue`; BLOCK_N is half a head, up_rows too). PDL: launched as a programmatic dependent of the
     kernel before it, a program loads its first weight tile (never written by a step) while that kernel
-    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything."""
+    finishes, and waits for it (`gdc_wait`) before reading anything else or writing anything; but for
+    EARLY_RESIDUAL (with RESIDUAL), which reads its tile of out_ptr before the wait as well."""
     pid_n, pid_s = tl.program_id(0), tl.program_id(1)
     offs_t = tl.arange(0, BLOCK_T)
     mask_t = offs_t < T
@@ -161,6 +167,10 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
     w_up = w
     if PAIRED:
         w_up = tl.load(up_rows_ptr + kk[None, :], mask=w_mask, other=0.0)
+    residual = tl.zeros([BLOCK_T, BLOCK_N], out_ptr.dtype.element_ty)
+    if RESIDUAL and EARLY_RESIDUAL:  # (the step's residual, written two kernels before at the latest)
+        residual = tl.load(out_ptr + offs_t[:, None] * stride_o + offs_n[None, :],
+                           mask=mask_t[:, None] & mask_n[None, :], other=0.0)
     if PDL:
         gdc_wait()
     rstd = tl.zeros([BLOCK_T], tl.float32)
@@ -209,7 +219,8 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, norm_w_ptr, partial_ptr, arrived
             _heads_epilogue(acc, acc_up, pid_n, offs_t, mask_t, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr,
                             out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, H, K, eps, 2 * BLOCK_N, INTERPRET)
         else:
-            _epilogue(acc, acc_up, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU, INTERPRET)
+            _epilogue(acc, acc_up, residual, out_ptr, offs_t, offs_n, mask_t, mask_n, stride_o, RESIDUAL, SILU,
+                      EARLY_RESIDUAL, INTERPRET)
 
 
 @dataclass(frozen=True)
@@ -281,8 +292,9 @@ def small_linear(x_TE: torch.Tensor, w_NE: torch.Tensor, norm_weight: torch.Tens
 
     x_TE: [T, E], last dim contiguous, any row stride; w_NE: [N, E] contiguous, x's dtype. norm_weight: [E], RMSNorm
     x first (with `eps`). out: a [T, N] tensor (last dim contiguous) the result is ADDED INTO in place and which is
-    returned (the residual); else a new contiguous tensor is returned. silu: w is [2I, E], gate then up; returns
-    `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None). arrived: the
+    returned (the residual; a programmatic dependent launch reads it before it waits for the kernel launched just
+    before it, which must not write it); else a new contiguous tensor is returned. silu: w is [2I, E], gate then
+    up; returns `silu(gate) * up` [T, I] (not with `out`). blocks: the tiling (`default_blocks` when None). arrived: the
     counts of `arrival_counts`, which splitting the input columns over programs needs (without, no split); the
     kernel leaves them zero."""
     T, E = x_TE.shape
@@ -366,7 +378,8 @@ def _launch(x_TE, w_NE, y, norm_weight, eps, b: Blocks, arrived, N, column_block
         RESIDUAL=RESIDUAL, SILU=SILU, HEADS=HEADS, SPLITS=splits, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=b.k,
         NORM_BLOCK=max(b.k, min(triton.next_power_of_2(E), 4096 // block_t)), VECTOR=b.vector,
         ROWWISE=b.vector and not HEADS and block_t <= ROWWISE_ROWS,
-        DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, INTERPRET=_interpreted(),
+        DOT_FP32=x_TE.dtype == torch.float32 or _interpreted(), PDL=b.pdl, EARLY_RESIDUAL=EARLY_RESIDUAL,
+        INTERPRET=_interpreted(),
         num_warps=b.warps, num_stages=min(b.stages, k_split // b.k), enable_fp_fusion=not HEADS, **pdl)
     # (no more stages than a program has tiles: its loop runs one time fewer, and a stage it cannot fill would only
     # hold shared memory; no FMA fusion with heads: RoPE rounds as PyTorch's)
