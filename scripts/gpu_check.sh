@@ -187,8 +187,8 @@ for part in $parts; do
                      done ;;
         residual_ab) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_kernels.py \
                          tests/test_engine_gpu.py -k "small_linear or hugging_face_one_or_two" -rs;
-                     for run in 1 2; do for early in 0 1; do timeout 100 python3 benchmarks/engine_throughput.py \
-                         --models qwen3-0.6b --batches 1 2 4 16 --skip-workload --small-early-residual $early; done; done ;;
+                     for early in ${RUNS:-0 1 0 1}; do timeout 100 python3 benchmarks/engine_throughput.py \
+                         --models qwen3-0.6b --batches 1 2 4 16 --skip-workload --small-early-residual $early; done ;;
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
                             --out "$OUT/routing_return.json" ;;  # (the cost of returning routed experts: an A/B)
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)
