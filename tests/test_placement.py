@@ -80,8 +80,9 @@ def test_one_gpu_for_both_defaults_to_the_ipc_transport():
 
 
 @pytest.mark.parametrize("transport", ["group", "ipc", pytest.param("ipc on one GPU", marks=pytest.mark.gpu)])
-def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_path, transport):
-    """Over a gloo group, or (ipc) by reference through the pipe: shared memory here, CUDA IPC on one GPU."""
+def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_path, transport, capfd):
+    """Over a gloo group, or (ipc) by reference through the pipe: shared memory here, CUDA IPC on one GPU. The
+    engine's process stops cleanly, and quietly: no report of objects its frozen heap kept past its exit."""
     where = ["trainer_device=cuda:0", "engine.device=cuda:0"] if "GPU" in transport else [
         f"weight_transport={transport}"]
     run = make_run(tmp_path, "steps=4", "rollout.max_staleness=1", "weight_sync_timeout_s=30", *where)
@@ -106,6 +107,7 @@ def test_separate_engine_follows_the_trainer_and_samples_with_its_weights(tmp_pa
     finally:
         run.shutdown()
     assert engine.pid != os.getpid() and engine.process.exitcode == 0  # its own process, stopped cleanly
+    assert "leaked" not in capfd.readouterr().err  # (nanobind's report of Triton's objects, the heap left frozen)
     assert free == ([False] if transport == "group" else []), "the weight group's port was free before it was used"
 
     # the engine's own version (from its stats, over HTTP) follows the trainer's after every step

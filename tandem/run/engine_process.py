@@ -229,3 +229,4 @@ def _serve(model: str, config: EngineConfig, seed: int, dtype: str, gpu: str | N
             receiver.close()
         server.stop()
         engine.shutdown()
+        gc.unfreeze()  # (what `freeze_heap` kept goes before the interpreter does: no leak report at its exit)
