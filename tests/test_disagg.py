@@ -3,6 +3,7 @@ engine, which then generates exactly what one unified engine does; in process, t
 
 import asyncio
 import dataclasses
+import gc
 import time
 
 import httpx
@@ -219,6 +220,7 @@ def test_the_random_agent_runs_through_a_prefill_and_a_decode_server(tmp_path):
     records = main(None, ["steps=3", f"out_dir={tmp_path}", "placement=disaggregated", "rollout.max_staleness=1"])
     assert [r["step"] for r in records] == [1, 2, 3] and all("error" not in r for r in records), records
     assert records[-1]["version"] == 3 and sum(r["dropped_groups"] for r in records) == 0, records[-1]
+    assert gc.get_freeze_count() == 0  # (the heap the run froze, let go: nanobind reports what a frozen heap kept)
 
 
 def test_a_retract_pause_hands_a_decoding_request_back_to_the_prefill_server():
