@@ -80,7 +80,7 @@ from kv_copy_bench import report as report_kernel
 
 from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
-from tandem.run.engine_process import freeze_heap
+from tandem.run.heap import freeze_heap
 from tandem.server.http import ServerThread
 from tandem.server.router import build_router_app
 from tandem.server.router_config import RouterConfig

@@ -38,7 +38,7 @@ from tandem.config import PRESETS, EngineConfig
 from tandem.distributed.parallel import cdiv
 from tandem.engine.engine import Engine
 from tandem.kernels import decode_attention, small_linear
-from tandem.run.engine_process import frozen_heap
+from tandem.run.heap import frozen_heap
 from tandem.types import SamplingParams
 
 

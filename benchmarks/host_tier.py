@@ -43,7 +43,7 @@ from tandem.config import EngineConfig, RandomAgentConfig
 from tandem.engine.engine import Engine
 from tandem.rollout.agent import run_episode
 from tandem.rollout.random_agent import RandomAgentEnv
-from tandem.run.engine_process import frozen_heap
+from tandem.run.heap import frozen_heap
 from tandem.types import Episode
 
 AGENT = RandomAgentConfig(prompt_len_min=64, prompt_len_max=256, turns_min=3, turns_max=8, response_len_median=24,

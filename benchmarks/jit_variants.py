@@ -30,7 +30,7 @@ import triton
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import Engine
-from tandem.run.engine_process import frozen_heap
+from tandem.run.heap import frozen_heap
 from tandem.types import SamplingParams
 
 MODULES = ("decode_attention", "prefill_attention", "fused", "sampling", "small_linear", "kv_copy", "moe",

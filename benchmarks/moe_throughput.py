@@ -50,7 +50,7 @@ from tandem.kernels import moe as moe_kernels
 from tandem.model.loader import build_model
 from tandem.model.moe import route
 from tandem.model.qwen3 import Qwen3ForCausalLM
-from tandem.run.engine_process import frozen_heap
+from tandem.run.heap import frozen_heap
 from tandem.types import SamplingParams
 
 PROMPT_LEN = 128  # of the Hugging Face comparison's job

@@ -25,7 +25,7 @@ from test_transport import digest, free_port, run_pair
 
 from tandem.config import RunConfig
 from tandem.model.loader import build_model
-from tandem.run.engine_process import frozen_heap
+from tandem.run.heap import frozen_heap
 from tandem.run.loop import Run
 from tandem.run.placement import place
 from tandem.transport import dist as weights_dist
@@ -379,6 +379,15 @@ def test_the_engine_client_imports_no_torch():
     talks to an engine."""
     code = "import sys, tandem.engine.client; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_engine_benchmarks_import_without_the_http_packages():
+    """The GPU machine lacks FastAPI, pydantic and aiohttp: the benchmarks that time an engine in process (and
+    `frozen_heap`, which they time under) must not need them."""
+    code = ("import sys; sys.modules.update(dict.fromkeys(['fastapi', 'pydantic', 'pydantic_core', 'starlette', "
+            "'uvicorn', 'aiohttp'])); sys.path.insert(0, 'benchmarks'); "
+            "import engine_throughput, moe_throughput, host_tier, jit_variants")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 async def generate_greedy(engine) -> list[list[int]]:

@@ -33,8 +33,8 @@ from tandem.model.loader import build_model
 from tandem.rollout.manager import RolloutManager
 from tandem.rollout.registry import make_env_factory
 from tandem.run import checkpoint
-from tandem.run.engine_process import freeze_heap
 from tandem.run.export import export_trainer
+from tandem.run.heap import freeze_heap
 from tandem.run.loop_lag import LoopLag
 from tandem.run.pending import PendingSync
 from tandem.run.placement import place

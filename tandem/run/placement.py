@@ -41,7 +41,8 @@ import torch
 from tandem.config import RunConfig, resolve_model
 from tandem.engine.client import EngineClient, EngineUnreachable
 from tandem.engine.engine import Engine, EngineError
-from tandem.run.engine_process import EngineProcess, freeze_heap
+from tandem.run.engine_process import EngineProcess
+from tandem.run.heap import freeze_heap
 from tandem.run.pending import PendingSync, SyncStats
 from tandem.transport.dist import DistSender, rendezvous
 from tandem.transport.inprocess import InProcessSender
