@@ -358,9 +358,9 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_NE: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Logits [N, vocab] of the rows: fp32, or with `float32=False` in the weights' dtype, for a reader that
-        converts them itself (the engine's sampler: bf16 converts to fp32 exactly, so the tokens are the same and
-        the conversion's pass over the logits and half their bytes are saved; the fused sampler's logprobs may
-        differ in their last bits, its sums ordered for bf16 loads)."""
+        converts them itself (the engine's sampler: bf16 converts to fp32 exactly, so it samples the same tokens,
+        without the conversion's pass over the logits and with half their bytes; the fused sampler's logprobs
+        agree with those of the fp32 logits to within fp32 rounding, not bit for bit)."""
         logits = self.lm_head(hidden_NE)
         return logits.float() if float32 else logits
 
