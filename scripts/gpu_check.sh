@@ -37,7 +37,7 @@ for part in $parts; do
                    tests/test_holds.py tests/test_trainer_parallel.py tests/test_step_order.py \
                    tests/test_routing_capture.py -rs -s ;;  # (the kernels' tests: `tests`; a call each, they take minutes)
         tests_rest) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_flight_recorder.py \
-                       tests/test_host_tier_direct.py tests/test_page_move.py -rs ;;
+                       tests/test_host_tier_direct.py tests/test_page_move.py tests/test_sampler.py -rs ;;
         tests_two) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_disagg_p2p.py -rs ;;  # (two GPUs)
         throughput) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b ;;
         moe_tests) timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_kernels.py -rs ;;
