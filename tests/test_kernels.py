@@ -112,8 +112,8 @@ def spy_on_split_lse(monkeypatch) -> list[torch.Tensor]:
 
 
 def test_the_merge_reads_no_output_an_empty_split_did_not_write(monkeypatch):
-    """A split past its request's end writes only its log-sum-exp (-inf): the merge must neither weigh nor read
-    that split's output, which is never written (NaN here)."""
+    """A split past its request's end writes nothing: the merge must neither weigh nor read that split's
+    log-sum-exp or output (NaN here)."""
     from tandem.kernels import decode_attention
 
     monkeypatch.setattr(decode_attention, "torch", _NanScratch())
@@ -126,8 +126,8 @@ def test_splits_follow_the_batchs_context_tokens(monkeypatch, cap, splits):
     BALANCED_PROGRAMS_PER_SM programs an SM, at most MAX_BALANCED_SPLIT: 1,240 tokens over 4 x 4 / 2 kv heads = 8
     programs a kv head makes splits of at least 155 tokens, whole blocks of 64: 192, so 1,000 positions take 6
     splits and the short contexts one each, where cutting each context into 8 would make 8, 2, 2, 1 splits; capped
-    at 128 tokens, the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others,
-    -inf, wrote nothing, and the output still matches the reference)."""
+    at 128 tokens, the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others
+    wrote nothing: NaN, and the output still matches the reference)."""
     from tandem.kernels import decode_attention
 
     found = spy_on_split_lse(monkeypatch)
@@ -152,6 +152,32 @@ def test_the_balance_counts_every_request_of_a_large_batch(monkeypatch):
     lse = found[0]
     assert lse.shape[2] == 8
     assert (lse[-1, 0] > float("-inf")).sum().item() == 3
+
+
+@pytest.mark.parametrize("cap, items", [(512, 10), (64, 16)])
+def test_programs_that_loop_over_items_compute_every_split(monkeypatch, cap, items):
+    """Where most of the first stage's (request, split) programs would have nothing to do, it launches one a work
+    item (`first_stage_programs`: 8 + 5 here, not 5 x 8) and each computes its items in turn. Splits of at least
+    1,440 / 8 tokens (192 in whole blocks) make 10 items (6 + 1 + 1 + 2), one a program at most; with the cap at
+    64 tokens, 16 (8 + 2 + 1 + 5), so three programs compute two each. Every split is written once (the scratch
+    starts as NaN), and the output matches the reference."""
+    from tandem.kernels import decode_attention
+
+    launched = []
+
+    def spy(*args):
+        launched.append(decode_attention_programs(*args))
+        return launched[-1]
+
+    decode_attention_programs = decode_attention.first_stage_programs
+    found = spy_on_split_lse(monkeypatch)
+    monkeypatch.setattr(decode_attention, "first_stage_programs", spy)
+    monkeypatch.setattr(decode_attention, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(decode_attention, "LOOP_SAVES", 1)
+    monkeypatch.setattr(decode_attention, "MAX_BALANCED_SPLIT", cap)
+    check([1000, 100, 0, 40, 300], 2, 2, 64, 16, torch.float32)
+    assert launched == [(13, True)]
+    assert (found[0][:, 0] > float("-inf")).sum().item() == items
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])

@@ -53,6 +53,7 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traf
 # stay few and long, and no program of a large batch is long enough to leave a tail (BENCHMARKS.md, "Few-row kernels")
 BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
+LOOP_SAVES = 4  # the first stage's programs loop over their items where that launches this many times fewer
 LENS_BLOCK = 256  # requests whose lengths stage 1 loads at once to sum the batch's context tokens
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
@@ -73,6 +74,21 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_s
     wanted = triton.cdiv(per_sm * num_sms, max(1, batch_size * num_kv_heads))
     splits = max(1, min(wanted, triton.cdiv(max_len, MIN_TOKENS_PER_SPLIT), MAX_KV_SPLITS))
     return 1 << (splits.bit_length() - 1)
+
+
+def first_stage_programs(batch_size: int, num_splits: int, split_programs: int, fresh: bool) -> tuple[int, bool]:
+    """(programs a kv head, whether they loop over items) of the first stage: one for each split of every request
+    (a split past its request's end exits at once), unless with the balance (split_programs > 0) most of them
+    would. Then one for each work item the balance makes while its floor binds (split_programs, and one more for
+    each request at most, its last split's rounding); where the cap binds there are more items than programs, and
+    each program computes its items in turn. A looping program holds more registers (fewer programs an SM), so
+    the loop is taken where it launches `LOOP_SAVES` times fewer programs; never with fresh keys (a step of
+    `small_linear.FRESH_ROWS` rows at most, few programs)."""
+    programs = batch_size * num_splits
+    balanced = split_programs + batch_size
+    if split_programs == 0 or fresh or balanced * LOOP_SAVES > programs:
+        return programs, False
+    return balanced, True
 
 
 @functools.cache
@@ -125,131 +141,201 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr
     return m_new, l_i, acc
 
 
-@triton.jit(**varying("stride_bt", "num_splits", "split_programs", "max_balanced"))
-def _split_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
-    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, split_programs,
-    max_balanced, qk_scale_log2,
-    new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
-    row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
-    program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
-    using them from registers. Else the kernel before wrote them there. split_programs > 0: a split holds at
-    least min(sum(seq_lens) / split_programs, max_balanced) tokens (whole blocks), so the batch's programs per kv
-    head are about split_programs, of about equal length, unless that cap binds; 0: every request's context is cut
-    into num_splits."""
-    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+@triton.jit
+def _least(seq_lens_ptr, B, split_programs, max_balanced, LENS_BLOCK: tl.constexpr):
+    """The fewest tokens a split holds: the batch's context tokens over split_programs, at most max_balanced; 0
+    with split_programs 0 (none read then; one load of up to LENS_BLOCK requests' lengths)."""
+    lens = tl.zeros([LENS_BLOCK], tl.int32)
+    for first in range(0, tl.where(split_programs > 0, B, 0), LENS_BLOCK):
+        rows = first + tl.arange(0, LENS_BLOCK)
+        lens += tl.load(seq_lens_ptr + rows, mask=rows < B, other=0)
+    return tl.where(split_programs > 0,
+                    tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
+
+
+@triton.jit
+def _split_tokens(seq_len, num_splits, least, BLOCK_N: tl.constexpr):
+    """The tokens of each of a context's splits: whole blocks, so no block straddles two splits."""
+    return tl.maximum(tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), least), BLOCK_N), 1) * BLOCK_N
+
+
+@triton.jit
+def _locate(seq_lens_ptr, B, item, num_splits, least, BLOCK_N: tl.constexpr, LENS_BLOCK: tl.constexpr):
+    """(request, split, items): the work items are every request's splits that hold a position, request by
+    request, and `item` is the split-th of request's (request -1 past the last item)."""
+    b, split, items = item * 0 - 1, item * 0, item * 0
+    for first in range(0, B, LENS_BLOCK):
+        rows = first + tl.arange(0, LENS_BLOCK)
+        lens = tl.load(seq_lens_ptr + rows, mask=rows < B, other=0)
+        counts = tl.cdiv(lens, _split_tokens(lens, num_splits, least, BLOCK_N))
+        ends = items + tl.cumsum(counts, 0)  # where each request's items end
+        hit = (ends - counts <= item) & (item < ends)
+        b = tl.maximum(b, tl.max(tl.where(hit, rows, -1), 0))
+        split += tl.sum(tl.where(hit, item - (ends - counts), 0), 0)
+        items += tl.sum(counts, 0)
+    return b, split, items
+
+
+@triton.jit
+def _attend_split(q_ptr, k_ptr, v_ptr, pages_ptr, mid_o_ptr, mid_lse_ptr, b, split, seq_len, start, end, k, v,
+                  kv_head, num_kv_heads, stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, num_splits,
+                  qk_scale_log2, new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr,
+                  stride_nb, eps, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  PAGE_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, FRESH: tl.constexpr, INTERPRET: tl.constexpr):
+    """Request b's split [start, end) (at least one position), its first block's keys and values k, v given but for
+    the newest position: writes the split's normalised output and log-sum-exp (and with FRESH, if the split holds
+    the newest position, that position's key and value into the caches)."""
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_h
-
-    # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
-    # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
-    seq_len = tl.load(seq_lens_ptr + b)
-    # the batch's context tokens (none read with split_programs 0; one load up to LENS_BLOCK requests)
-    lens = tl.zeros([LENS_BLOCK], tl.int32)
-    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), LENS_BLOCK):
-        rows = first + tl.arange(0, LENS_BLOCK)
-        lens += tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0)
-    least = tl.where(split_programs > 0,
-                     tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
-    # split lengths are whole blocks so no block straddles two splits
-    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), least), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
     offs_n = start + tl.arange(0, BLOCK_N)
-    k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, offs_n < tl.minimum(end, seq_len - 1),
-                    kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
-    if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
-        gdc_wait()
-        gdc_launch_dependents()
     newest = offs_n == seq_len - 1
-    work = start < end  # else a split past the request's end: it reads nothing and writes only its lse
-    # (as vectors, not `mask & work`: the CPU interpreter takes no scalar in a mask)
-    rows_h = offs_h < tl.where(work, GROUP, 0)  # the group's heads; none in an empty split
-    lanes = offs_d < tl.where(work, BLOCK_D, 0)
-    k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
-    v_new = k_new
     q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
     if FRESH:  # (BLOCK_D == HEAD_DIM)
         partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the other half's lane, rotate-half RoPE's pair
         freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
         cos, sin = _cos_sin(freq, INTERPRET)
         sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
-        q = _norm_rope(q_rows, rows_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
+        q = _norm_rope(q_rows, mask_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
                        k_ptr.dtype.element_ty, INTERPRET)
         new = b * stride_nb + kv_head * HEAD_DIM  # (below, `+ tl.zeros([1, 1])`: the new key as a row of one)
-        k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), lanes[None, :],
+        k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), mask_d[None, :],
                                       offs_d, partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
                                       INTERPRET), [BLOCK_D])
-        v_new = tl.load(new_v_ptr + new + offs_d, mask=lanes, other=0.0).to(k_ptr.dtype.element_ty)
-        if start <= seq_len - 1 and seq_len - 1 < end:  # this split holds the newest position: it writes it
+        v_new = tl.load(new_v_ptr + new + offs_d, mask=mask_d, other=0.0).to(k_ptr.dtype.element_ty)
+        if seq_len - 1 < end:  # this split holds the newest position: it writes it
             slot = tl.load(slots_ptr + b).to(tl.int64)
             tl.store(k_ptr + slot * stride_ks + kv_head * stride_kk + offs_d, k_new)
             tl.store(v_ptr + slot * stride_vs + kv_head * stride_vk + offs_d, v_new)
+        k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
     else:
-        if start <= seq_len - 1 and seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
-            k_now, v_now = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, newest, kv_head, offs_d,
-                                    mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
+        v_new = k_new
+        if seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
+            k_now, v_now = _load_kv(k_ptr, v_ptr, pages_ptr, offs_n, newest, kv_head, offs_d, mask_d, stride_ks,
+                                    stride_kk, stride_vs, stride_vk, PAGE_SIZE)
             k, v = tl.where(newest[:, None], k_now, k), tl.where(newest[:, None], v_now, v)
-        q = tl.load(q_rows + offs_d[None, :], mask=rows_h[:, None] & mask_d[None, :], other=0.0)
+        q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
     q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    if work:
-        if FRESH:
-            k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
-        m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty,
-                                DOT_DTYPE, DOT_PRECISION)
+    m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
+                            DOT_PRECISION)
     for block_start in range(start + BLOCK_N, end, BLOCK_N):
         offs_n = block_start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
-        k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, mask_n, kv_head, offs_d, mask_d,
-                        stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        k, v = _load_kv(k_ptr, v_ptr, pages_ptr, offs_n, mask_n, kv_head, offs_d, mask_d, stride_ks, stride_kk,
+                        stride_vs, stride_vk, PAGE_SIZE)
         if FRESH:
             newest = offs_n == seq_len - 1
             k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
                                 DOT_PRECISION)
-
-    # an empty split (past the request's end) leaves l_i == 0: it writes lse = -inf and no output, which stage 2
-    # then neither weighs nor reads
-    nonempty = l_i > 0
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
-    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
-    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
-             mask=(mask_h & nonempty)[:, None] & mask_d[None, :])
-    tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+    row = (b * num_kv_heads * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None],
+             mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + row, m_i + tl.log2(l_i), mask=mask_h)
 
 
-@triton.jit(**varying("num_splits"))
-def _merge_kernel(
-    mid_o_ptr, mid_lse_ptr, o_ptr, stride_ob, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, PDL: tl.constexpr,
+@triton.jit(**varying("num_requests", "stride_bt", "num_splits", "split_programs", "max_balanced"))
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, num_requests,
+    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, split_programs,
+    max_balanced, qk_scale_log2,
+    new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, LOOP: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
+    """Program (request * num_splits + split, kv head) computes that split if it holds a position; with LOOP,
+    program (p, kv head) computes `_locate`'s work items p, p + P, ... in turn (P programs; the items are the splits
+    that hold a position, request by request). A split is a slice of one request's context, for all query heads of
+    the kv head's group. A context is cut into num_splits, but with
+    split_programs > 0 each split holds at least min(sum of the contexts / split_programs, max_balanced) tokens,
+    so a batch has about split_programs items a kv head, of about equal length, unless that cap binds. A program
+    with no item neither waits for the kernel before nor writes. FRESH: q_ptr holds the step's raw queries,
+    new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at row stride stride_nb); q/k RMSNorm and RoPE are
+    applied here (`fused.qk_norm_rope`'s arithmetic), and the item that holds a request's newest position writes
+    its key and value into the caches at slots_ptr[b], using them from registers. Else the kernel before wrote
+    them there."""
+    pid, kv_head = tl.program_id(0), tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
+    # kernels before it ran) and the item's first block of keys and values but the newest position's (not LOOP)
+    least = _least(seq_lens_ptr, num_requests, split_programs, max_balanced, LENS_BLOCK)
+    if LOOP:
+        b, split, items = _locate(seq_lens_ptr, num_requests, pid, num_splits, least, BLOCK_N, LENS_BLOCK)
+    else:  # program (request, split): a split past its request's end has no item
+        b, split, items = pid // num_splits, pid % num_splits, 0
+    seq_len = tl.load(seq_lens_ptr + tl.maximum(b, 0))
+    tokens = _split_tokens(seq_len, num_splits, least, BLOCK_N)
+    start = split * tokens
+    has_item = (b >= 0) & (start < seq_len)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    pages = block_table_ptr + tl.maximum(b, 0) * stride_bt
+    first = tl.where(has_item, tl.minimum(seq_len - 1, start + tokens), 0)  # (a vector mask: the interpreter's way)
+    k, v = _load_kv(k_ptr, v_ptr, pages, offs_n, offs_n < first, kv_head, offs_d, mask_d, stride_ks, stride_kk,
+                    stride_vs, stride_vk, PAGE_SIZE)
+    if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
+        if has_item:  # (a program with no item reads and writes nothing: it does not wait)
+            gdc_wait()
+        gdc_launch_dependents()
+    if not LOOP:
+        if has_item:
+            _attend_split(q_ptr, k_ptr, v_ptr, pages, mid_o_ptr, mid_lse_ptr, b, split, seq_len, start,
+                          tl.minimum(start + tokens, seq_len), k, v, kv_head, tl.num_programs(1), stride_qb,
+                          stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, num_splits, qk_scale_log2,
+                          new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb,
+                          eps, GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_H, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+                          FRESH, INTERPRET)
+    else:
+        for item in range(pid, items, tl.num_programs(0)):
+            b_i, split_i, _ = _locate(seq_lens_ptr, num_requests, item, num_splits, least, BLOCK_N, LENS_BLOCK)
+            len_i = tl.load(seq_lens_ptr + b_i)
+            tokens_i = _split_tokens(len_i, num_splits, least, BLOCK_N)
+            start_i = split_i * tokens_i
+            offs_i = start_i + tl.arange(0, BLOCK_N)
+            pages_i = block_table_ptr + b_i * stride_bt
+            k_i, v_i = _load_kv(k_ptr, v_ptr, pages_i, offs_i, offs_i < tl.minimum(len_i - 1, start_i + tokens_i),
+                                kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+            _attend_split(q_ptr, k_ptr, v_ptr, pages_i, mid_o_ptr, mid_lse_ptr, b_i, split_i, len_i, start_i,
+                          tl.minimum(start_i + tokens_i, len_i), k_i, v_i, kv_head, tl.num_programs(1), stride_qb,
+                          stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, num_splits, qk_scale_log2,
+                          new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb,
+                          eps, GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_H, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+                          FRESH, INTERPRET)
+
+
+@triton.jit(**varying("num_splits", "split_programs", "max_balanced"))
+def _merge_kernel(
+    mid_o_ptr, mid_lse_ptr, o_ptr, seq_lens_ptr, stride_ob, stride_oh, num_splits, split_programs, max_balanced,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    LENS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (request, query head) merges the splits the first stage wrote (it reads no other)."""
+    b, head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)  # (step inputs: read before the wait)
+    least = _least(seq_lens_ptr, tl.num_programs(0), split_programs, max_balanced, LENS_BLOCK)
+    used = tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, least, BLOCK_N))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    b, head = tl.program_id(0), tl.program_id(1)
     offs_n = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_n = offs_n < num_splits
+    mask_n = offs_n < used
     mask_d = offs_d < HEAD_DIM
     row = (b * tl.num_programs(1) + head) * num_splits + offs_n
     lse = tl.load(mid_lse_ptr + row, mask=mask_n, other=float("-inf"))
-    written = mask_n & (lse > float("-inf"))  # (an empty split wrote no output)
-    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=written[:, None] & mask_d[None, :],
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
                       other=0.0)
     m = tl.max(lse, 0)
-    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: every split empty, every weight 0, output 0
+    m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: no split, every weight 0, output 0
     w = tl.exp2(lse - m)
     total = tl.sum(w, 0)
     o = tl.sum(o_split * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -317,22 +403,23 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     dot_dtype = tl.float32 if triton.knobs.runtime.interpret else _TL_DTYPES[k_cache_SKD.dtype]
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
-    _split_kernel[(B, K, num_kv_splits)](
-        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN,
+    programs, loop = first_stage_programs(B, num_kv_splits, split_programs, fresh is not None)
+    _split_kernel[(programs, K)](
+        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, B,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
         v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs,
         MAX_BALANCED_SPLIT, scale * math.log2(math.e), *new,
         GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
-        LENS_BLOCK=LENS_BLOCK, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
+        LENS_BLOCK=LENS_BLOCK, LOOP=loop, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
         **launch,
     )
     _merge_kernel[(B, H)](
-        mid_o_BHND, mid_lse_BHN, o_BHD, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits,
-        HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits), PDL=pdl,
-        num_warps=4, **launch,
+        mid_o_BHND, mid_lse_BHN, o_BHD, seq_lens_B, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits, split_programs,
+        MAX_BALANCED_SPLIT, HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
+        BLOCK_N=block_n, LENS_BLOCK=LENS_BLOCK, PDL=pdl, num_warps=4, **launch,
     )
     return o_BHD
