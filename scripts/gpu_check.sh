@@ -7,6 +7,7 @@
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
 #                        [fsdp_gather] [routing_return] [tests_rest] [tests_two] [residual_ab]
+#                        [split_ab] (with OLD=DIR)
 # (no argument: tests tests_engine throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets, fsdp_gather and tests_two need two GPUs).
 # tests, tests_engine, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -189,6 +190,14 @@ for part in $parts; do
                          tests/test_engine_gpu.py -k "small_linear or hugging_face_one_or_two" -rs;
                      for early in ${RUNS:-0 1 0 1}; do timeout 100 python3 benchmarks/engine_throughput.py \
                          --models qwen3-0.6b --batches 1 2 4 16 --skip-workload --small-early-residual $early; done ;;
+        split_ab) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
+                  E="benchmarks/engine_throughput.py --models qwen3-0.6b"  # OLD: the tree before (`engine_ab`'s way)
+                  steps() { for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- $1, $tree";
+                      (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 1 4 8 16 32 64 \
+                          --skip-workload); done; }
+                  steps "run 1"; timeout 60 python3 $E --batches 1 2 4 --skip-workload --small-early-residual 0
+                  for tree in "$OLD" .; do echo "--- the workload, $tree"; (cd "$tree" &&
+                      PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 $E --batches 1); done; steps "run 2" ;;
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
                             --out "$OUT/routing_return.json" ;;  # (the cost of returning routed experts: an A/B)
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)
