@@ -193,9 +193,9 @@ for part in $parts; do
         split_ab) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
                   E="benchmarks/engine_throughput.py --models qwen3-0.6b"  # OLD: the tree before (`engine_ab`'s way)
                   steps() { for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- $1, $tree";
-                      (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 1 4 8 16 32 64 \
+                      (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 1 4 8 16 32 64 128 \
                           --skip-workload); done; }
-                  steps "run 1"; timeout 60 python3 $E --batches 1 2 4 --skip-workload --small-early-residual 0
+                  steps "run 1"
                   for tree in "$OLD" .; do echo "--- the workload, $tree"; (cd "$tree" &&
                       PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 $E --batches 1); done; steps "run 2" ;;
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \

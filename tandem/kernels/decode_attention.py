@@ -53,7 +53,7 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traf
 # stay few and long, and no program of a large batch is long enough to leave a tail (BENCHMARKS.md, "Few-row kernels")
 BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
-LOOP_SAVES = 4  # the first stage's programs loop over their items where that launches this many times fewer
+LOOP_SAVES = 6  # the first stage's programs loop over their items where that launches this many times fewer
 LENS_BLOCK = 256  # requests whose lengths stage 1 loads at once to sum the batch's context tokens
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
@@ -252,8 +252,8 @@ def _split_kernel(
     PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, LOOP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Program (request * num_splits + split, kv head) computes that split if it holds a position; with LOOP,
-    program (p, kv head) computes `_locate`'s work items p, p + P, ... in turn (P programs; the items are the splits
+    """Program (request, kv head, split) computes that split if it holds a position; with LOOP, program (p, kv
+    head, 0) computes `_locate`'s work items p, p + P, ... in turn (P programs; the items are the splits
     that hold a position, request by request). A split is a slice of one request's context, for all query heads of
     the kv head's group. A context is cut into num_splits, but with
     split_programs > 0 each split holds at least min(sum of the contexts / split_programs, max_balanced) tokens,
@@ -271,8 +271,8 @@ def _split_kernel(
     least = _least(seq_lens_ptr, num_requests, split_programs, max_balanced, LENS_BLOCK)
     if LOOP:
         b, split, items = _locate(seq_lens_ptr, num_requests, pid, num_splits, least, BLOCK_N, LENS_BLOCK)
-    else:  # program (request, split): a split past its request's end has no item
-        b, split, items = pid // num_splits, pid % num_splits, 0
+    else:  # program (request, kv head, split): a split past its request's end has no item
+        b, split, items = pid, tl.program_id(2), 0
     seq_len = tl.load(seq_lens_ptr + tl.maximum(b, 0))
     tokens = _split_tokens(seq_len, num_splits, least, BLOCK_N)
     start = split * tokens
@@ -404,7 +404,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
     programs, loop = first_stage_programs(B, num_kv_splits, split_programs, fresh is not None)
-    _split_kernel[(programs, K)](
+    _split_kernel[(programs, K, 1) if loop else (B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, B,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
         v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs,
