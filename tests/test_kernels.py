@@ -287,6 +287,27 @@ def test_matches_reference_gpu(case, num_kv_splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens", [[1024] * 8, [30000] + [2000] * 7], ids=["uniform", "one long"])
+def test_the_looping_first_stage_matches_the_reference_gpu(monkeypatch, seq_lens):
+    """Eight requests as the engine's graphs launch them (a block table as wide as the longest context, 40,960
+    positions: 64 splits a context) take the first stage whose programs loop over work items (`first_stage_programs`),
+    on this GPU's own multiprocessors; with one long context the balance's cap binds and programs compute
+    several items each. The output matches the reference."""
+    from tandem.kernels import decode_attention
+
+    launched = []
+    programs = decode_attention.first_stage_programs
+    monkeypatch.setattr(decode_attention, "first_stage_programs", lambda *a: launched.append(programs(*a)) or
+                        launched[-1])
+    q, k_cache, v_cache, table, lens = make_case(seq_lens, 8, 2, 128, 16, torch.bfloat16)
+    table = torch.nn.functional.pad(table, (0, 40960 // 16 - table.shape[1]))  # (page 0: never read)
+    out = paged_decode_attention(q, k_cache[LAYER], v_cache[LAYER], table, lens, 16, 128 ** -0.5)
+    want = reference(q, k_cache[LAYER], v_cache[LAYER], table, lens, 16, 128 ** -0.5)
+    assert [loop for _, loop in launched] == [True], launched
+    torch.testing.assert_close(out.float().cpu(), want, **TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_kv_splits", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fresh_matches_the_chain_gpu(dtype, num_kv_splits):
