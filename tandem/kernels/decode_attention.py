@@ -54,6 +54,7 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traf
 BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
 LOOP_SAVES = 6  # the first stage's programs loop over their items where that launches this many times fewer
+LOOP_REGISTERS: int | None = None  # a cap on those programs' registers a thread (`maxnreg`; an A/B switch)
 LENS_BLOCK = 256  # requests whose lengths stage 1 loads at once to sum the batch's context tokens
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
@@ -404,6 +405,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
     programs, loop = first_stage_programs(B, num_kv_splits, split_programs, fresh is not None)
+    capped = {"maxnreg": LOOP_REGISTERS} if loop and LOOP_REGISTERS else {}
     _split_kernel[(programs, K, 1) if loop else (B, K, num_kv_splits)](
         q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, B,
         q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
@@ -415,7 +417,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         LENS_BLOCK=LENS_BLOCK, LOOP=loop, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
-        **launch,
+        **launch, **capped,
     )
     _merge_kernel[(B, H)](
         mid_o_BHND, mid_lse_BHN, o_BHD, seq_lens_B, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits, split_programs,
