@@ -193,7 +193,7 @@ for part in $parts; do
         split_ab) timeout 150 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py;
                   E="benchmarks/engine_throughput.py --models qwen3-0.6b"  # OLD: the tree before (`engine_ab`'s way)
                   steps() { for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- $1, $tree";
-                      (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 1 4 8 16 32 64 128 \
+                      (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 1 4 8 16 32 64 \
                           --skip-workload); done; }
                   steps "run 1"; echo "--- looping at 32 requests too, at most 96 registers a thread"
                   timeout 60 python3 $E --batches 8 16 32 --skip-workload --attention-loop-saves 4 \
