@@ -200,6 +200,9 @@ for part in $parts; do
                       --attention-loop-registers 96
                   for tree in "$OLD" .; do echo "--- the workload, $tree"; (cd "$tree" &&
                       PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 $E --batches 1); done; steps "run 2" ;;
+        split_ab2) E="benchmarks/engine_throughput.py --models qwen3-0.6b"; for tree in "${OLD:?}" .; do
+                       echo "--- $tree"; (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 8 \
+                           16 32 64 128 --skip-workload); done; echo "--- the workload"; timeout 120 python3 $E --batches 1 ;;
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
                             --out "$OUT/routing_return.json" ;;  # (the cost of returning routed experts: an A/B)
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)

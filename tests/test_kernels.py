@@ -112,8 +112,8 @@ def spy_on_split_lse(monkeypatch) -> list[torch.Tensor]:
 
 
 def test_the_merge_reads_no_output_an_empty_split_did_not_write(monkeypatch):
-    """A split past its request's end writes nothing: the merge must neither weigh nor read that split's
-    log-sum-exp or output (NaN here)."""
+    """A split past its request's end writes only its log-sum-exp (-inf): the merge must neither weigh nor read
+    that split's output, which is never written (NaN here)."""
     from tandem.kernels import decode_attention
 
     monkeypatch.setattr(decode_attention, "torch", _NanScratch())
@@ -126,8 +126,8 @@ def test_splits_follow_the_batchs_context_tokens(monkeypatch, cap, splits):
     BALANCED_PROGRAMS_PER_SM programs an SM, at most MAX_BALANCED_SPLIT: 1,240 tokens over 4 x 4 / 2 kv heads = 8
     programs a kv head makes splits of at least 155 tokens, whole blocks of 64: 192, so 1,000 positions take 6
     splits and the short contexts one each, where cutting each context into 8 would make 8, 2, 2, 1 splits; capped
-    at 128 tokens, the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others
-    wrote nothing: NaN, and the output still matches the reference)."""
+    at 128 tokens, the long context takes all 8. Counted from the splits that wrote a log-sum-exp (the others,
+    -inf, wrote nothing, and the output still matches the reference)."""
     from tandem.kernels import decode_attention
 
     found = spy_on_split_lse(monkeypatch)

@@ -32,14 +32,13 @@ pointers |= dict.fromkeys(["block_table_ptr", "seq_lens_ptr", "arrived_ptr"], "*
 pointers |= dict.fromkeys(["mid_o_ptr", "mid_lse_ptr", "inv_freq_ptr", "partial_ptr"], "*fp32")
 pointers |= dict.fromkeys(["pos_ptr", "slots_ptr"], "*i64") | {"qk_scale_log2": "fp32", "eps": "fp32"}
 cases = []
-for fresh, loop in ((False, False), (True, False), (False, True)):
-    cases.append((f"attention fresh={fresh} loop={loop}", decode_attention._split_kernel, dict(
+for name, fresh in (("_split_kernel", False), ("_split_kernel", True), ("_items_kernel", False)):
+    cases.append((f"attention {name} fresh={fresh}", getattr(decode_attention, name), dict(
         GROUP=2, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=16, BLOCK_H=16, BLOCK_N=32, DOT_DTYPE=tl.bfloat16,
-        DOT_PRECISION="tf32", PDL=True, FRESH=fresh, LENS_BLOCK=decode_attention.LENS_BLOCK, LOOP=loop,
-        INTERPRET=False), 2))
+        DOT_PRECISION="tf32", PDL=True, FRESH=fresh, LENS_BLOCK=decode_attention.LENS_BLOCK, INTERPRET=False), 2))
 cases.append(("attention merge", decode_attention._merge_kernel,
               dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_SPLITS=64, BLOCK_N=32, LENS_BLOCK=decode_attention.LENS_BLOCK,
-                   PDL=True), 2))
+                   LOOP=True, PDL=True), 2))
 for norm, residual, silu in ((True, False, True), (False, True, False), (True, False, False)):
     cases.append((f"few-row norm={norm} residual={residual} silu={silu}", small_linear._small_linear_kernel, dict(
         NORM=norm, RESIDUAL=residual, SILU=silu, HEADS=False, SPLITS=1, BLOCK_T=1, BLOCK_N=4, BLOCK_K=1024,

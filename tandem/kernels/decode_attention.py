@@ -6,7 +6,10 @@ Split-KV in two stages, the design of SGLang's and vLLM's Triton decode kernels:
     once per group, not once per query head); writes the split's normalised partial output and its
     log-sum-exp.
   - stage 2, one program per (request, query head): merges the splits by their log-sum-exps.
-Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Stage 1 is a programmatic
+Splitting the context lets a small batch fill the GPU; see `choose_num_kv_splits`. Where a graph's split count
+(fixed for the longest context it may see) would leave most of stage 1's programs past their requests' ends,
+stage 1 instead launches one program a work item (a split that holds a position), each finding its request and
+split from the step's lengths (`_items_kernel`, `first_stage_programs`). Stage 1 is a programmatic
 dependent launch that loads what the kernel before it does not write (the step's lengths and pages, the first
 block's older keys and values) before waiting for it. With `fresh`, stage 1 also applies q/k RMSNorm and RoPE to
 the step's queries and new keys and writes the new keys and values into the cache (the decode step's last
@@ -142,6 +145,111 @@ def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr
     return m_new, l_i, acc
 
 
+@triton.jit(**varying("stride_bt", "num_splits", "split_programs", "max_balanced"))
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr,
+    stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, split_programs,
+    max_balanced, qk_scale_log2,
+    new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """FRESH: q_ptr holds the step's raw queries, new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at
+    row stride stride_nb); q/k RMSNorm and RoPE are applied here (`fused.qk_norm_rope`'s arithmetic), and the
+    program whose split holds the newest position writes its key and value into the caches at slots_ptr[b],
+    using them from registers. Else the kernel before wrote them there. split_programs > 0: a split holds at
+    least min(sum(seq_lens) / split_programs, max_balanced) tokens (whole blocks), so the batch's programs per kv
+    head are about split_programs, of about equal length, unless that cap binds; 0: every request's context is cut
+    into num_splits."""
+    b, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_h
+
+    # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
+    # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
+    seq_len = tl.load(seq_lens_ptr + b)
+    # the batch's context tokens (none read with split_programs 0; one load up to LENS_BLOCK requests)
+    lens = tl.zeros([LENS_BLOCK], tl.int32)
+    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), LENS_BLOCK):
+        rows = first + tl.arange(0, LENS_BLOCK)
+        lens += tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0)
+    least = tl.where(split_programs > 0,
+                     tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
+    # split lengths are whole blocks so no block straddles two splits
+    tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), least), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, offs_n < tl.minimum(end, seq_len - 1),
+                    kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+    if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
+        gdc_wait()
+        gdc_launch_dependents()
+    newest = offs_n == seq_len - 1
+    work = start < end  # else a split past the request's end: it reads nothing and writes only its lse
+    # (as vectors, not `mask & work`: the CPU interpreter takes no scalar in a mask)
+    rows_h = offs_h < tl.where(work, GROUP, 0)  # the group's heads; none in an empty split
+    lanes = offs_d < tl.where(work, BLOCK_D, 0)
+    k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
+    v_new = k_new
+    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
+    if FRESH:  # (BLOCK_D == HEAD_DIM)
+        partner = (offs_d + HEAD_DIM // 2) % HEAD_DIM  # the other half's lane, rotate-half RoPE's pair
+        freq = tl.load(pos_ptr + b).to(tl.float32) * tl.load(inv_freq_ptr + offs_d % (HEAD_DIM // 2))
+        cos, sin = _cos_sin(freq, INTERPRET)
+        sin = tl.where(offs_d < HEAD_DIM // 2, -sin, sin)
+        q = _norm_rope(q_rows, rows_h[:, None], offs_d, partner, q_norm_ptr, cos, sin, eps, HEAD_DIM,
+                       k_ptr.dtype.element_ty, INTERPRET)
+        new = b * stride_nb + kv_head * HEAD_DIM  # (below, `+ tl.zeros([1, 1])`: the new key as a row of one)
+        k_new = tl.reshape(_norm_rope(new_k_ptr + new + tl.zeros([1, 1], tl.int32), lanes[None, :],
+                                      offs_d, partner, k_norm_ptr, cos, sin, eps, HEAD_DIM, k_ptr.dtype.element_ty,
+                                      INTERPRET), [BLOCK_D])
+        v_new = tl.load(new_v_ptr + new + offs_d, mask=lanes, other=0.0).to(k_ptr.dtype.element_ty)
+        if start <= seq_len - 1 and seq_len - 1 < end:  # this split holds the newest position: it writes it
+            slot = tl.load(slots_ptr + b).to(tl.int64)
+            tl.store(k_ptr + slot * stride_ks + kv_head * stride_kk + offs_d, k_new)
+            tl.store(v_ptr + slot * stride_vs + kv_head * stride_vk + offs_d, v_new)
+    else:
+        if start <= seq_len - 1 and seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
+            k_now, v_now = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, newest, kv_head, offs_d,
+                                    mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+            k, v = tl.where(newest[:, None], k_now, k), tl.where(newest[:, None], v_now, v)
+        q = tl.load(q_rows + offs_d[None, :], mask=rows_h[:, None] & mask_d[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    if work:
+        if FRESH:
+            k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
+        m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty,
+                                DOT_DTYPE, DOT_PRECISION)
+    for block_start in range(start + BLOCK_N, end, BLOCK_N):
+        offs_n = block_start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        k, v = _load_kv(k_ptr, v_ptr, block_table_ptr + b * stride_bt, offs_n, mask_n, kv_head, offs_d, mask_d,
+                        stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        if FRESH:
+            newest = offs_n == seq_len - 1
+            k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
+        m_i, l_i, acc = _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
+                                DOT_PRECISION)
+
+    # an empty split (past the request's end) leaves l_i == 0: it writes lse = -inf and no output, which stage 2
+    # then neither weighs nor reads
+    nonempty = l_i > 0
+    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # scratch is [B, H, N(, D)], contiguous
+    tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+             mask=(mask_h & nonempty)[:, None] & mask_d[None, :])
+    tl.store(mid_lse_ptr + row, lse, mask=mask_h)
+
+
 @triton.jit
 def _least(seq_lens_ptr, B, split_programs, max_balanced, LENS_BLOCK: tl.constexpr):
     """The fewest tokens a split holds: the batch's context tokens over split_programs, at most max_balanced; 0
@@ -243,87 +351,58 @@ def _attend_split(q_ptr, k_ptr, v_ptr, pages_ptr, mid_o_ptr, mid_lse_ptr, b, spl
 
 
 @triton.jit(**varying("num_requests", "stride_bt", "num_splits", "split_programs", "max_balanced"))
-def _split_kernel(
+def _items_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, mid_o_ptr, mid_lse_ptr, num_requests,
     stride_qb, stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, stride_bt, num_splits, split_programs,
     max_balanced, qk_scale_log2,
     new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, LOOP: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    PDL: tl.constexpr, FRESH: tl.constexpr, LENS_BLOCK: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """Program (request, kv head, split) computes that split if it holds a position; with LOOP, program (p, kv
-    head, 0) computes `_locate`'s work items p, p + P, ... in turn (P programs; the items are the splits
-    that hold a position, request by request). A split is a slice of one request's context, for all query heads of
-    the kv head's group. A context is cut into num_splits, but with
-    split_programs > 0 each split holds at least min(sum of the contexts / split_programs, max_balanced) tokens,
-    so a batch has about split_programs items a kv head, of about equal length, unless that cap binds. A program
-    with no item neither waits for the kernel before nor writes. FRESH: q_ptr holds the step's raw queries,
-    new_k_ptr / new_v_ptr its raw keys and values ([B, K, D] at row stride stride_nb); q/k RMSNorm and RoPE are
-    applied here (`fused.qk_norm_rope`'s arithmetic), and the item that holds a request's newest position writes
-    its key and value into the caches at slots_ptr[b], using them from registers. Else the kernel before wrote
-    them there."""
+    """`_split_kernel`'s work (its arguments, and num_requests), launched as one program a work item where most of
+    its (request, split) programs would have none: program (p, kv head) computes `_locate`'s items p, p + P, ...
+    in turn (P programs; the items are the splits that hold a position, request by request). Only the splits that
+    hold a position are written; a program with no item neither waits for the kernel before nor writes."""
     pid, kv_head = tl.program_id(0), tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
-    # kernels before it ran) and the item's first block of keys and values but the newest position's (not LOOP)
-    least = _least(seq_lens_ptr, num_requests, split_programs, max_balanced, LENS_BLOCK)
-    if LOOP:
-        b, split, items = _locate(seq_lens_ptr, num_requests, pid, num_splits, least, BLOCK_N, LENS_BLOCK)
-    else:  # program (request, kv head, split): a split past its request's end has no item
-        b, split, items = pid, tl.program_id(2), 0
-    seq_len = tl.load(seq_lens_ptr + tl.maximum(b, 0))
-    tokens = _split_tokens(seq_len, num_splits, least, BLOCK_N)
-    start = split * tokens
-    has_item = (b >= 0) & (start < seq_len)
-    offs_n = start + tl.arange(0, BLOCK_N)
-    pages = block_table_ptr + tl.maximum(b, 0) * stride_bt
-    first = tl.where(has_item, tl.minimum(seq_len - 1, start + tokens), 0)  # (a vector mask: the interpreter's way)
-    k, v = _load_kv(k_ptr, v_ptr, pages, offs_n, offs_n < first, kv_head, offs_d, mask_d, stride_ks, stride_kk,
-                    stride_vs, stride_vk, PAGE_SIZE)
+    least = _least(seq_lens_ptr, num_requests, split_programs, max_balanced, LENS_BLOCK)  # (step inputs: before
+    b, _split, items = _locate(seq_lens_ptr, num_requests, pid, num_splits, least, BLOCK_N, LENS_BLOCK)  # the wait)
     if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
-        if has_item:  # (a program with no item reads and writes nothing: it does not wait)
+        if b >= 0:
             gdc_wait()
         gdc_launch_dependents()
-    if not LOOP:
-        if has_item:
-            _attend_split(q_ptr, k_ptr, v_ptr, pages, mid_o_ptr, mid_lse_ptr, b, split, seq_len, start,
-                          tl.minimum(start + tokens, seq_len), k, v, kv_head, tl.num_programs(1), stride_qb,
-                          stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, num_splits, qk_scale_log2,
-                          new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb,
-                          eps, GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_H, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-                          FRESH, INTERPRET)
-    else:
-        for item in range(pid, items, tl.num_programs(0)):
-            b_i, split_i, _ = _locate(seq_lens_ptr, num_requests, item, num_splits, least, BLOCK_N, LENS_BLOCK)
-            len_i = tl.load(seq_lens_ptr + b_i)
-            tokens_i = _split_tokens(len_i, num_splits, least, BLOCK_N)
-            start_i = split_i * tokens_i
-            offs_i = start_i + tl.arange(0, BLOCK_N)
-            pages_i = block_table_ptr + b_i * stride_bt
-            k_i, v_i = _load_kv(k_ptr, v_ptr, pages_i, offs_i, offs_i < tl.minimum(len_i - 1, start_i + tokens_i),
-                                kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
-            _attend_split(q_ptr, k_ptr, v_ptr, pages_i, mid_o_ptr, mid_lse_ptr, b_i, split_i, len_i, start_i,
-                          tl.minimum(start_i + tokens_i, len_i), k_i, v_i, kv_head, tl.num_programs(1), stride_qb,
-                          stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, num_splits, qk_scale_log2,
-                          new_k_ptr, new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb,
-                          eps, GROUP, HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_H, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
-                          FRESH, INTERPRET)
+    for item in range(pid, items, tl.num_programs(0)):
+        b_i, split_i, _ = _locate(seq_lens_ptr, num_requests, item, num_splits, least, BLOCK_N, LENS_BLOCK)
+        len_i = tl.load(seq_lens_ptr + b_i)
+        tokens_i = _split_tokens(len_i, num_splits, least, BLOCK_N)
+        start_i = split_i * tokens_i
+        offs_i = start_i + tl.arange(0, BLOCK_N)
+        pages_i = block_table_ptr + b_i * stride_bt
+        k_i, v_i = _load_kv(k_ptr, v_ptr, pages_i, offs_i, offs_i < tl.minimum(len_i - 1, start_i + tokens_i),
+                            kv_head, offs_d, mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
+        _attend_split(q_ptr, k_ptr, v_ptr, pages_i, mid_o_ptr, mid_lse_ptr, b_i, split_i, len_i, start_i,
+                      tl.minimum(start_i + tokens_i, len_i), k_i, v_i, kv_head, tl.num_programs(1), stride_qb,
+                      stride_qh, stride_ks, stride_kk, stride_vs, stride_vk, num_splits, qk_scale_log2, new_k_ptr,
+                      new_v_ptr, q_norm_ptr, k_norm_ptr, pos_ptr, inv_freq_ptr, slots_ptr, stride_nb, eps, GROUP,
+                      HEAD_DIM, BLOCK_D, PAGE_SIZE, BLOCK_H, BLOCK_N, DOT_DTYPE, DOT_PRECISION, FRESH, INTERPRET)
 
 
 @triton.jit(**varying("num_splits", "split_programs", "max_balanced"))
 def _merge_kernel(
     mid_o_ptr, mid_lse_ptr, o_ptr, seq_lens_ptr, stride_ob, stride_oh, num_splits, split_programs, max_balanced,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
-    LENS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    LENS_BLOCK: tl.constexpr, LOOP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (request, query head) merges the splits the first stage wrote (it reads no other)."""
+    """Program (request, query head) merges the splits the first stage wrote: with LOOP the splits that hold a
+    position (worked out from the lengths; the others are not written), else those with a finite log-sum-exp."""
     b, head = tl.program_id(0), tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b)  # (step inputs: read before the wait)
-    least = _least(seq_lens_ptr, tl.num_programs(0), split_programs, max_balanced, LENS_BLOCK)
-    used = tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, least, BLOCK_N))
+    used = num_splits
+    if LOOP:  # (step inputs: read before the wait)
+        seq_len = tl.load(seq_lens_ptr + b)
+        least = _least(seq_lens_ptr, tl.num_programs(0), split_programs, max_balanced, LENS_BLOCK)
+        used = tl.cdiv(seq_len, _split_tokens(seq_len, num_splits, least, BLOCK_N))
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -333,7 +412,8 @@ def _merge_kernel(
     mask_d = offs_d < HEAD_DIM
     row = (b * tl.num_programs(1) + head) * num_splits + offs_n
     lse = tl.load(mid_lse_ptr + row, mask=mask_n, other=float("-inf"))
-    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+    written = mask_n & (lse > float("-inf"))
+    o_split = tl.load(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=written[:, None] & mask_d[None, :],
                       other=0.0)
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # seq_len 0: no split, every weight 0, output 0
@@ -405,23 +485,23 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     pdl = pdl_supported(q_BHD.device)  # both stages launch while the kernel before them finishes
     launch = {"launch_pdl": True} if pdl else {}
     programs, loop = first_stage_programs(B, num_kv_splits, split_programs, fresh is not None)
-    capped = {"maxnreg": LOOP_REGISTERS} if loop and LOOP_REGISTERS else {}
-    _split_kernel[(programs, K, 1) if loop else (B, K, num_kv_splits)](
-        q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN, B,
-        q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1),
-        v_cache_SKD.stride(0), v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs,
-        MAX_BALANCED_SPLIT, scale * math.log2(math.e), *new,
-        GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
-        BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None,
-        LENS_BLOCK=LENS_BLOCK, LOOP=loop, INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps,
-        num_stages=num_stages,
-        enable_fp_fusion=fresh is None,  # (RoPE without FMA, as PyTorch)
-        **launch, **capped,
-    )
+    common = dict(GROUP=group, HEAD_DIM=D, BLOCK_D=head_block(D), PAGE_SIZE=page_size,
+                  BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, DOT_DTYPE=dot_dtype,
+                  DOT_PRECISION=dot_precision, PDL=pdl, FRESH=fresh is not None, LENS_BLOCK=LENS_BLOCK,
+                  INTERPRET=bool(triton.knobs.runtime.interpret), num_warps=num_warps, num_stages=num_stages,
+                  enable_fp_fusion=fresh is None)  # (RoPE without FMA, as PyTorch)
+    strides = (q_BHD.stride(0), q_BHD.stride(1), k_cache_SKD.stride(0), k_cache_SKD.stride(1), v_cache_SKD.stride(0),
+               v_cache_SKD.stride(1), block_table_BP.stride(0), num_kv_splits, split_programs, MAX_BALANCED_SPLIT,
+               scale * math.log2(math.e), *new)
+    tensors = (q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN)
+    if loop:
+        capped = {"maxnreg": LOOP_REGISTERS} if LOOP_REGISTERS else {}
+        _items_kernel[(programs, K)](*tensors, B, *strides, **common, **launch, **capped)
+    else:
+        _split_kernel[(B, K, num_kv_splits)](*tensors, *strides, **common, **launch)
     _merge_kernel[(B, H)](
         mid_o_BHND, mid_lse_BHN, o_BHD, seq_lens_B, o_BHD.stride(0), o_BHD.stride(1), num_kv_splits, split_programs,
         MAX_BALANCED_SPLIT, HEAD_DIM=D, BLOCK_D=head_block(D), BLOCK_SPLITS=triton.next_power_of_2(num_kv_splits),
-        BLOCK_N=block_n, LENS_BLOCK=LENS_BLOCK, PDL=pdl, num_warps=4, **launch,
+        BLOCK_N=block_n, LENS_BLOCK=LENS_BLOCK, LOOP=loop, PDL=pdl, num_warps=4, **launch,
     )
     return o_BHD
