@@ -297,13 +297,9 @@ def main() -> None:
     parser.add_argument("--attention-loop-saves", type=int, help="decode attention's first stage loops over work items "
                         f"where that launches this many times fewer programs (an A/B; default "
                         f"{decode_attention.LOOP_SAVES})")
-    parser.add_argument("--attention-loop-registers", type=int, help="at most this many registers a thread in that "
-                        "loop's programs (an A/B; default: the compiler's choice)")
     args = parser.parse_args()
     if args.attention_loop_saves:
         decode_attention.LOOP_SAVES = args.attention_loop_saves
-    if args.attention_loop_registers:
-        decode_attention.LOOP_REGISTERS = args.attention_loop_registers
     if args.small_rowwise is not None:
         small_linear.ROWWISE_ROWS = args.small_rowwise
     if args.small_early_residual is not None:
@@ -320,7 +316,7 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
           f"most {decode_attention.MAX_BALANCED_SPLIT} tokens, looping over items where that launches "
-          f"{decode_attention.LOOP_SAVES}x fewer programs (registers: {decode_attention.LOOP_REGISTERS or 'any'}); "
+          f"{decode_attention.LOOP_SAVES}x fewer programs; "
           f"few-row products a row at a time up to {small_linear.ROWWISE_ROWS} rows; the residual read "
           f"{'before' if small_linear.EARLY_RESIDUAL else 'after'} "
           "their dependent wait\n")

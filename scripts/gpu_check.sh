@@ -195,9 +195,7 @@ for part in $parts; do
                   steps() { for tree in "${OLD:?set OLD to the tree to compare}" .; do echo "--- $1, $tree";
                       (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 1 4 8 16 32 64 \
                           --skip-workload); done; }
-                  steps "run 1"; echo "--- looping at 32 requests too, at most 96 registers a thread"
-                  timeout 60 python3 $E --batches 8 16 32 --skip-workload --attention-loop-saves 4 \
-                      --attention-loop-registers 96
+                  steps "run 1"
                   for tree in "$OLD" .; do echo "--- the workload, $tree"; (cd "$tree" &&
                       PYTHONPATH=$PWD:$PYTHONPATH timeout 120 python3 $E --batches 1); done; steps "run 2" ;;
         split_ab2) E="benchmarks/engine_throughput.py --models qwen3-0.6b"; for tree in "${OLD:?}" .; do

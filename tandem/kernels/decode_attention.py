@@ -57,7 +57,6 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traf
 BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
 LOOP_SAVES = 6  # the first stage's programs loop over their items where that launches this many times fewer
-LOOP_REGISTERS: int | None = None  # a cap on those programs' registers a thread (`maxnreg`; an A/B switch)
 LENS_BLOCK = 256  # requests whose lengths stage 1 loads at once to sum the batch's context tokens
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
@@ -81,13 +80,11 @@ def choose_num_kv_splits(batch_size: int, num_kv_heads: int, max_len: int, num_s
 
 
 def first_stage_programs(batch_size: int, num_splits: int, split_programs: int, fresh: bool) -> tuple[int, bool]:
-    """(programs a kv head, whether they loop over items) of the first stage: one for each split of every request
-    (a split past its request's end exits at once), unless with the balance (split_programs > 0) most of them
-    would. Then one for each work item the balance makes while its floor binds (split_programs, and one more for
-    each request at most, its last split's rounding); where the cap binds there are more items than programs, and
-    each program computes its items in turn. A looping program holds more registers (fewer programs an SM), so
-    the loop is taken where it launches `LOOP_SAVES` times fewer programs; never with fresh keys (a step of
-    `small_linear.FRESH_ROWS` rows at most, few programs)."""
+    """(programs a kv head, whether `_items_kernel` runs them) of the first stage: one for each split of every
+    request, unless with the balance (split_programs > 0) that is `LOOP_SAVES` times more than the work items the
+    balance makes while its floor binds (split_programs, and one more a request at most: its last split's rounding);
+    then one an item (where the cap binds, more items than programs: each computes its items in turn). Never with
+    fresh keys (a step of `small_linear.FRESH_ROWS` rows at most: few programs)."""
     programs = batch_size * num_splits
     balanced = split_programs + batch_size
     if split_programs == 0 or fresh or balanced * LOOP_SAVES > programs:
@@ -270,8 +267,7 @@ def _split_tokens(seq_len, num_splits, least, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _locate(seq_lens_ptr, B, item, num_splits, least, BLOCK_N: tl.constexpr, LENS_BLOCK: tl.constexpr):
-    """(request, split, items): the work items are every request's splits that hold a position, request by
-    request, and `item` is the split-th of request's (request -1 past the last item)."""
+    """(request, split, count of items) of work item `item`: the splits that hold a position, by request (-1: none)."""
     b, split, items = item * 0 - 1, item * 0, item * 0
     for first in range(0, B, LENS_BLOCK):
         rows = first + tl.arange(0, LENS_BLOCK)
@@ -321,8 +317,6 @@ def _attend_split(q_ptr, k_ptr, v_ptr, pages_ptr, mid_o_ptr, mid_lse_ptr, b, spl
             tl.store(v_ptr + slot * stride_vs + kv_head * stride_vk + offs_d, v_new)
         k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
     else:
-        k_new = tl.zeros([BLOCK_D], k_ptr.dtype.element_ty)
-        v_new = k_new
         if seq_len - 1 < start + BLOCK_N:  # the first block holds the newest position
             k_now, v_now = _load_kv(k_ptr, v_ptr, pages_ptr, offs_n, newest, kv_head, offs_d, mask_d, stride_ks,
                                     stride_kk, stride_vs, stride_vk, PAGE_SIZE)
@@ -495,8 +489,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
                scale * math.log2(math.e), *new)
     tensors = (q_BHD, k_cache_SKD, v_cache_SKD, block_table_BP, seq_lens_B, mid_o_BHND, mid_lse_BHN)
     if loop:
-        capped = {"maxnreg": LOOP_REGISTERS} if LOOP_REGISTERS else {}
-        _items_kernel[(programs, K)](*tensors, B, *strides, **common, **launch, **capped)
+        _items_kernel[(programs, K)](*tensors, B, *strides, **common, **launch)
     else:
         _split_kernel[(B, K, num_kv_splits)](*tensors, *strides, **common, **launch)
     _merge_kernel[(B, H)](
