@@ -7,7 +7,7 @@
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
 #                        [fsdp_gather] [routing_return] [tests_rest] [tests_two] [residual_ab]
-#                        [split_ab] (with OLD=DIR)
+#                        [split_ab] [split_ab2] (both with OLD=DIR)
 # (no argument: tests tests_engine throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets, fsdp_gather and tests_two need two GPUs).
 # tests, tests_engine, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
