@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tandem.kernels.decode_parts import _attend, _attend_blocks, _fresh, _load_kv
+from tandem.kernels.decode_parts import _attend, _attend_blocks, _fresh, _load_kv, _softmax_start
 from tandem.kernels.fused import gdc_launch_dependents, gdc_wait, pdl_supported, rope_inv_freq, varying
 from tandem.kernels.limits import attention_shape_error, head_block, takes_fresh
 
@@ -49,7 +49,7 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (q load, merge traf
 # stay few and long, and no program of a large batch is long enough to leave a tail (BENCHMARKS.md, "Few-row kernels")
 BALANCED_PROGRAMS_PER_SM, MAX_BALANCED_SPLIT = 4, 512
 MAX_KV_SPLITS = 64
-LOOP_SAVES = 6  # the first stage's programs loop over their items where that launches this many times fewer
+LOOP_SAVES = 6  # `_items_kernel` runs the first stage where that launches this many times fewer programs
 LENS_BLOCK = 256  # requests whose lengths stage 1 loads at once to sum the batch's context tokens
 # Decode is bandwidth-bound, and a batch's contexts differ in length: many programs per SM keep enough loads in
 # flight and leave no long tail of the longest contexts' programs (BENCHMARKS.md, "Decode attention", has the sweep)
@@ -119,13 +119,7 @@ def _split_kernel(
     # Before the wait for the kernel before (PDL), what it does not write: the step's inputs (written before the
     # kernels before it ran) and the first block's keys and values but the newest position's (which it writes).
     seq_len = tl.load(seq_lens_ptr + b)
-    # the batch's context tokens (none read with split_programs 0; one load up to LENS_BLOCK requests)
-    lens = tl.zeros([LENS_BLOCK], tl.int32)
-    for first in range(0, tl.where(split_programs > 0, tl.num_programs(0), 0), LENS_BLOCK):
-        rows = first + tl.arange(0, LENS_BLOCK)
-        lens += tl.load(seq_lens_ptr + rows, mask=rows < tl.num_programs(0), other=0)
-    least = tl.where(split_programs > 0,
-                     tl.minimum(tl.cdiv(tl.sum(lens, 0), tl.maximum(split_programs, 1)), max_balanced), 0)
+    least = _least(seq_lens_ptr, tl.num_programs(0), split_programs, max_balanced, LENS_BLOCK)
     # split lengths are whole blocks so no block straddles two splits
     tokens_per_split = tl.cdiv(tl.maximum(tl.cdiv(seq_len, num_splits), least), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
@@ -157,10 +151,7 @@ def _split_kernel(
                                     mask_d, stride_ks, stride_kk, stride_vs, stride_vk, PAGE_SIZE)
             k, v = tl.where(newest[:, None], k_now, k), tl.where(newest[:, None], v_now, v)
         q = tl.load(q_rows + offs_d[None, :], mask=rows_h[:, None] & mask_d[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    q, m_i, l_i, acc = _softmax_start(q, k_ptr, BLOCK_H, BLOCK_D, DOT_DTYPE)
     if work:
         if FRESH:
             k, v = tl.where(newest[:, None], k_new[None, :], k), tl.where(newest[:, None], v_new[None, :], v)
@@ -249,10 +240,7 @@ def _attend_split(q_ptr, k_ptr, v_ptr, pages_ptr, mid_o_ptr, mid_lse_ptr, b, spl
                                     stride_kk, stride_vs, stride_vk, PAGE_SIZE)
             k, v = tl.where(newest[:, None], k_now, k), tl.where(newest[:, None], v_now, v)
         q = tl.load(q_rows + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :], other=0.0)
-    q = q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE)
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    q, m_i, l_i, acc = _softmax_start(q, k_ptr, BLOCK_H, BLOCK_D, DOT_DTYPE)
     m_i, l_i, acc = _attend(q, k, v, offs_n < end, m_i, l_i, acc, qk_scale_log2, v_ptr.dtype.element_ty, DOT_DTYPE,
                             DOT_PRECISION)
     m_i, l_i, acc = _attend_blocks(q, m_i, l_i, acc, k_ptr, v_ptr, pages_ptr, start + BLOCK_N, end, seq_len, kv_head,
@@ -282,9 +270,9 @@ def _items_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     least = _least(seq_lens_ptr, num_requests, split_programs, max_balanced, LENS_BLOCK)  # (step inputs: before
-    b, _split, items = _locate(seq_lens_ptr, num_requests, pid, num_splits, least, BLOCK_N, LENS_BLOCK)  # the wait)
+    _b, _split, items = _locate(seq_lens_ptr, num_requests, pid, num_splits, least, BLOCK_N, LENS_BLOCK)  # the wait)
     if PDL:  # a dependent launch: nothing the kernel before writes is read before it is done
-        if b >= 0:
+        if pid < items:
             gdc_wait()
         gdc_launch_dependents()
     for item in range(pid, items, tl.num_programs(0)):

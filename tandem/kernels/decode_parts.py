@@ -57,6 +57,14 @@ def _fresh(q_rows, rows_h, lanes, b, kv_head, offs_d, k_ptr, new_k_ptr, new_v_pt
 
 
 @triton.jit
+def _softmax_start(q, k_ptr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """(q in the caches' dtype then the dots', and an online softmax's empty running max, sum and output)."""
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max, log2 units
+    return (q.to(k_ptr.dtype.element_ty).to(DOT_DTYPE), m_i, tl.zeros([BLOCK_H], tl.float32),
+            tl.zeros([BLOCK_H, BLOCK_D], tl.float32))
+
+
+@triton.jit
 def _attend(q, k, v, mask_n, m_i, l_i, acc, qk_scale_log2, v_dtype: tl.constexpr, DOT_DTYPE: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     """One block of an online softmax: the running max m_i (log2 units), sum l_i and output acc, updated."""
