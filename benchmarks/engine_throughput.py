@@ -241,14 +241,19 @@ def profile_workload(engine: Engine, prompts, outputs, top: int = 16) -> None:
         t0 = time.perf_counter()
         tok_s = asyncio.run(run_workload(engine, prompts, outputs))
         wall = time.perf_counter() - t0
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy, end = 0.0, float("-inf")  # the union of the kernels' [start, end) intervals, in us
-    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in kernels):
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    busy, end, last, gaps = 0.0, float("-inf"), None, []  # the union of the kernels' [start, end) intervals, in us
+    for e in kernels:
+        start, stop = e.time_range.start, e.time_range.end
+        if last is not None and start > end:
+            gaps.append((start - end, start, last, e.name[:60]))
         busy += max(0.0, stop - max(start, end))
-        end = max(end, stop)
+        if stop > end:
+            end, last = stop, e.name[:60]
     print(f"\n(a) under the profiler: {tok_s:,.0f} output tok/s, {wall:.2f} s; a kernel ran on the GPU "
-          f"{busy / 1e6:.2f} s of it ({busy / 1e6 / wall:.0%}), {len(kernels):,} kernels\n"
-          "| kernel | calls | s | share of the busy time |\n|---|---|---|---|")
+          f"{busy / 1e6:.2f} s of it ({busy / 1e6 / wall:.0%}), {len(kernels):,} kernels")
+    print_gaps(gaps, kernels[0].time_range.start if kernels else 0.0, end)
+    print("| kernel | calls | s | share of the busy time |\n|---|---|---|---|")
     totals: dict[str, list] = {}
     for e in kernels:
         row = totals.setdefault(e.name[:80], [0, 0.0])
@@ -256,6 +261,33 @@ def profile_workload(engine: Engine, prompts, outputs, top: int = 16) -> None:
         row[1] += e.time_range.elapsed_us()
     for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
         print(f"| `{name}` | {calls:,} | {us / 1e6:.3f} | {us / busy:.0%} |")
+
+
+def print_gaps(gaps, first: float, last: float, top: int = 12) -> None:
+    """Where the GPU sat idle between the first kernel and the last (`gaps`: (us, start, kernel before, kernel
+    after)): the idle time by the gaps' length, by tenth of the run, and the kernel pairs that held the most."""
+    edges = [2, 10, 100, 1_000, 10_000, float("inf")]
+    print(f"idle between kernels: {sum(g[0] for g in gaps) / 1e6:.3f} s in {len(gaps):,} gaps\n"
+          "| gap length us | gaps | ms |\n|---|---|---|")
+    low = 0
+    for high in edges:
+        chosen = [g[0] for g in gaps if low <= g[0] < high]
+        print(f"| {low:,}-{high:,} | {len(chosen):,} | {sum(chosen) / 1e3:.1f} |")
+        low = high
+    tenths = [0.0] * 10
+    for us, start, *_ in gaps:
+        tenths[min(9, int(10 * (start - first) / max(last - first, 1.0)))] += us
+    print("idle by tenth of the run, ms: " + " / ".join(f"{t / 1e3:.0f}" for t in tenths))
+    pairs: dict[tuple[str, str], list] = {}
+    for us, _, before, after in gaps:
+        if us >= 10:
+            row = pairs.setdefault((before, after), [0, 0.0])
+            row[0] += 1
+            row[1] += us
+    print("| gaps of 10 us or more: kernel before -> kernel after | gaps | ms |\n|---|---|---|")
+    for (before, after), (n, us) in sorted(pairs.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"| `{before}` -> `{after}` | {n:,} | {us / 1e3:.1f} |")
+    print()
 
 
 def bandwidth_bound(prompts, outputs, weight_bytes: int, kv_per_token: int, bandwidth: float) -> float:

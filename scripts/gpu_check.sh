@@ -52,8 +52,8 @@ for part in $parts; do
              timeout 300 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_jit_variants.py \
                  tests/test_engine_gpu.py tests/test_prefill_kernel.py tests/test_sampler.py ;;
         disagg) timeout 400 python3 benchmarks/disaggregation.py --model qwen3-0.6b --out "$OUT/disagg.json" ;;
-        workload_profile) timeout 240 python3 benchmarks/engine_throughput.py --models qwen3-0.6b --batches 1 \
-                   --profile-workload ;;
+        workload_profile) timeout 300 python3 benchmarks/engine_throughput.py --models qwen3-0.6b \
+                   --batches 1 4 8 16 32 64 128 --profile-workload ;;  # (with where the GPU sat idle)
         async_switch) timeout 300 python3 benchmarks/async_speedup.py engine_timeout_s=120 weight_sync_timeout_s=60 \
                    --model qwen3-0.6b --placement colocated --steps 8 --warmup 2 --staleness 2 \
                    --pause-modes in_place --switch-interval-ms 0.5 --out "$OUT/async_switch.json" ;;
