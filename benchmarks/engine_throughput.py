@@ -243,24 +243,26 @@ def profile_workload(engine: Engine, prompts, outputs, top: int = 16) -> None:
         wall = time.perf_counter() - t0
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
     busy, end, last, gaps = 0.0, float("-inf"), None, []  # the union of the kernels' [start, end) intervals, in us
+    totals: dict[str, list] = {}  # name -> [calls, us, us past every kernel that started before it]
     for e in kernels:
         start, stop = e.time_range.start, e.time_range.end
         if last is not None and start > end:
             gaps.append((start - end, start, last, e.name[:60]))
-        busy += max(0.0, stop - max(start, end))
+        alone = max(0.0, stop - max(start, end))
+        busy += alone
+        row = totals.setdefault(e.name[:80], [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.elapsed_us()
+        row[2] += alone
         if stop > end:
             end, last = stop, e.name[:60]
     print(f"\n(a) under the profiler: {tok_s:,.0f} output tok/s, {wall:.2f} s; a kernel ran on the GPU "
           f"{busy / 1e6:.2f} s of it ({busy / 1e6 / wall:.0%}), {len(kernels):,} kernels")
     print_gaps(gaps, kernels[0].time_range.start if kernels else 0.0, end)
-    print("| kernel | calls | s | share of the busy time |\n|---|---|---|---|")
-    totals: dict[str, list] = {}
-    for e in kernels:
-        row = totals.setdefault(e.name[:80], [0, 0.0])
-        row[0] += 1
-        row[1] += e.time_range.elapsed_us()
-    for name, (calls, us) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:top]:
-        print(f"| `{name}` | {calls:,} | {us / 1e6:.3f} | {us / busy:.0%} |")
+    print("| kernel | calls | s | s past the kernels that started before it (the busy time's share) |\n"
+          "|---|---|---|---|")
+    for name, (calls, us, alone) in sorted(totals.items(), key=lambda kv: -kv[1][2])[:top]:
+        print(f"| `{name}` | {calls:,} | {us / 1e6:.3f} | {alone / 1e6:.3f} ({alone / busy:.0%}) |")
 
 
 def print_gaps(gaps, first: float, last: float, top: int = 12) -> None:
@@ -323,6 +325,8 @@ def main() -> None:
                         f"(default {decode_attention.MAX_BALANCED_SPLIT})")
     parser.add_argument("--small-rowwise", type=int, help="rows up to which the few-row projections sum their "
                         f"products a row at a time (an A/B; default {small_linear.ROWWISE_ROWS}, 0: never)")
+    parser.add_argument("--small-vector-rows", type=int, help="rows up to which the few-row projections take "
+                        f"vector tiles (default {small_linear.VECTOR_ROWS}; an A/B)")
     parser.add_argument("--small-early-residual", type=int, choices=(0, 1), help="whether the few-row projections "
                         "read the residual before their dependent wait (an A/B; default "
                         f"{int(small_linear.EARLY_RESIDUAL)})")
@@ -334,6 +338,8 @@ def main() -> None:
         decode_attention.LOOP_SAVES = args.attention_loop_saves
     if args.small_rowwise is not None:
         small_linear.ROWWISE_ROWS = args.small_rowwise
+    if args.small_vector_rows is not None:
+        small_linear.VECTOR_ROWS = args.small_vector_rows
     if args.small_early_residual is not None:
         small_linear.EARLY_RESIDUAL = bool(args.small_early_residual)
     if args.attention_programs_per_sm:
@@ -349,7 +355,8 @@ def main() -> None:
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
           f"most {decode_attention.MAX_BALANCED_SPLIT} tokens, looping over items where that launches "
           f"{decode_attention.LOOP_SAVES}x fewer programs; "
-          f"few-row products a row at a time up to {small_linear.ROWWISE_ROWS} rows; the residual read "
+          f"few-row vector tiles up to {small_linear.VECTOR_ROWS} rows, their products a row at a time up to "
+          f"{small_linear.ROWWISE_ROWS}; the residual read "
           f"{'before' if small_linear.EARLY_RESIDUAL else 'after'} "
           "their dependent wait\n")
     prompts, outputs = workload(args.num_seqs)

@@ -164,9 +164,13 @@ def main() -> None:
     parser.add_argument("--sms", type=int, default=132, help="multiprocessors (an H100 SXM's 132)")
     parser.add_argument("--rowwise", type=int, help="small_linear.ROWWISE_ROWS (default "
                         f"{small_linear.ROWWISE_ROWS}; 0: every vector tile's products summed as one 3-d product)")
+    parser.add_argument("--vector-rows", type=int, help="small_linear.VECTOR_ROWS (default "
+                        f"{small_linear.VECTOR_ROWS}: rows up to which projections take vector tiles)")
     args = parser.parse_args()
     if args.rowwise is not None:
         small_linear.ROWWISE_ROWS = args.rowwise
+    if args.vector_rows is not None:
+        small_linear.VECTOR_ROWS = args.vector_rows
     cfg = PRESETS[args.model]
     small_linear._multiprocessors = decode_attention._num_sms = lambda device: args.sms
     small_linear.pdl_supported = decode_attention.pdl_supported = lambda device: True
