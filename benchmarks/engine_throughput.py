@@ -333,14 +333,7 @@ def main() -> None:
     parser.add_argument("--attention-loop-saves", type=int, help="decode attention's first stage loops over work items "
                         f"where that launches this many times fewer programs (an A/B; default "
                         f"{decode_attention.LOOP_SAVES})")
-    parser.add_argument("--attention-large-tile", type=int, nargs=3, metavar=("REQUESTS", "BLOCK_N", "STAGES"),
-                        help="decode attention's first stage tile from this many requests (an A/B; default "
-                        f"{decode_attention.LARGE_BATCH} {' '.join(map(str, decode_attention.LARGE_BATCH_TILE))}; "
-                        "0: never)")
     args = parser.parse_args()
-    if args.attention_large_tile:
-        decode_attention.LARGE_BATCH, *tile = args.attention_large_tile
-        decode_attention.LARGE_BATCH_TILE = tuple(tile)
     if args.attention_loop_saves:
         decode_attention.LOOP_SAVES = args.attention_loop_saves
     if args.small_rowwise is not None:
@@ -361,8 +354,7 @@ def main() -> None:
     print(f"device-to-device copy: {bw / 1e12:.2f} TB/s; decode attention: {decode_attention.PROGRAMS_PER_SM} "
           f"programs per SM, splits balanced over {decode_attention.BALANCED_PROGRAMS_PER_SM} programs per SM of at "
           f"most {decode_attention.MAX_BALANCED_SPLIT} tokens, looping over items where that launches "
-          f"{decode_attention.LOOP_SAVES}x fewer programs, (block_n, stages) {decode_attention.LARGE_BATCH_TILE} from "
-          f"{decode_attention.LARGE_BATCH or 'no'} requests; "
+          f"{decode_attention.LOOP_SAVES}x fewer programs; "
           f"few-row vector tiles up to {small_linear.VECTOR_ROWS} rows, their products a row at a time up to "
           f"{small_linear.ROWWISE_ROWS}; the residual read "
           f"{'before' if small_linear.EARLY_RESIDUAL else 'after'} "

@@ -7,7 +7,7 @@
 #                        [pd_transfer_ab] (with OLD=DIR) [engine_ab] (with OLD=DIR) [pd_doorbells] [fresh] [floor]
 #                        [async_spy] [balance] (OLD=DIR optional) [blocks8] [async1gpu_colocated]
 #                        [fsdp_gather] [routing_return] [tests_rest] [tests_two] [residual_ab]
-#                        [split_ab] [split_ab2] (both with OLD=DIR) [vector_ab] [tile_ab]
+#                        [split_ab] [split_ab2] (both with OLD=DIR) [vector_ab]
 # (no argument: tests tests_engine throughput host_tier; tp, tp_tests, async* (but async1gpu and async_spy), prefill, graphs,
 # staleness, kv_reuse, learn, sync*, buckets, fsdp_gather and tests_two need two GPUs).
 # tests, tests_engine, async*, prefill, staleness, learn, shared and sync8b need fastapi, uvicorn and aiohttp, which the GPU
@@ -201,14 +201,9 @@ for part in $parts; do
         split_ab2) E="benchmarks/engine_throughput.py --models qwen3-0.6b"; for tree in "${OLD:?}" .; do
                        echo "--- $tree"; (cd "$tree" && PYTHONPATH=$PWD:$PYTHONPATH timeout 100 python3 $E --batches 8 \
                            16 32 64 128 --skip-workload); done; echo "--- the workload"; timeout 120 python3 $E --batches 1 ;;
-        vector_ab) E="benchmarks/engine_throughput.py --models qwen3-0.6b --skip-workload --batches 2 4 8 16"
+        vector_ab) E="benchmarks/engine_throughput.py --models qwen3-0.6b --skip-workload --batches 1 2 3 4 6 8 12 16"
                    for i in 1 2; do for rows in "" 4 8; do echo "--- run $i, vector tiles up to ${rows:-the default} rows"
                        timeout 100 python3 $E ${rows:+--small-vector-rows $rows --small-rowwise $rows}; done; done ;;
-        tile_ab) timeout 100 python3 -m pytest -q -m gpu -rf --tb=short -p no:cacheprovider tests/test_kernels.py \
-                     -k "large_batch_tile or matches_reference_gpu"
-                 E="benchmarks/engine_throughput.py --models qwen3-0.6b --batches 64 128 256"
-                 for i in 1 2; do for tile in "0 64 3" "128 64 3"; do echo "--- run $i, large tile $tile"
-                     timeout 120 python3 $E --attention-large-tile $tile; done; done ;;
         routing_return) timeout 500 python3 benchmarks/moe_throughput.py --routing-return \
                             --out "$OUT/routing_return.json" ;;  # (the cost of returning routed experts: an A/B)
         fsdp_gather) timeout 300 python3 benchmarks/fsdp_gather.py --model qwen3-0.6b --ranks 2 ;;  # (two GPUs)

@@ -308,17 +308,6 @@ def test_the_looping_first_stage_matches_the_reference_gpu(monkeypatch, seq_lens
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_large_batch_tile_matches_the_reference_gpu(monkeypatch, dtype):
-    """From `LARGE_BATCH` requests the first stage takes `LARGE_BATCH_TILE`'s blocks of positions and pipeline
-    stages (mixed lengths: blocks past a split's end, a padding row); the output matches the reference."""
-    from tandem.kernels import decode_attention
-
-    monkeypatch.setattr(decode_attention, "LARGE_BATCH", 4)
-    check([1, 2000, 0, 63, 64, 65, 700, 129], 8, 2, 128, 16, dtype)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("num_kv_splits", [None, 5])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fresh_matches_the_chain_gpu(dtype, num_kv_splits):

@@ -57,8 +57,6 @@ PROGRAMS_PER_SM = 32
 # A few requests at a time take few programs: each one's fixed work (its queries, the merge's reads of its partials)
 # outweighs the balance many programs buy (BENCHMARKS.md, "Few-row kernels", has the A/B)
 SMALL_BATCH, SMALL_BATCH_PROGRAMS_PER_SM = 4, 2
-# From LARGE_BATCH requests (0: never), the first stage's (block_n, num_stages) where the caller leaves both unset
-LARGE_BATCH, LARGE_BATCH_TILE = 0, (64, 3)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -330,7 +328,7 @@ def _merge_kernel(
 def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cache_SKD: torch.Tensor,
                            block_table_BP: torch.Tensor, seq_lens_B: torch.Tensor, page_size: int, scale: float,
                            num_kv_splits: int | None = None, block_n: int | None = None, *, num_warps: int = 4,
-                           num_stages: int | None = None, fresh: Fresh | None = None) -> torch.Tensor:
+                           num_stages: int = 2, fresh: Fresh | None = None) -> torch.Tensor:
     """Attention of one query token per request over its first `seq_lens_B[b]` cached positions.
 
     q_BHD: the new tokens' queries (any float dtype; the output has the same dtype).
@@ -342,8 +340,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
     num_kv_splits: splits of each context; default `choose_num_kv_splits` from B, K and P * page_size, and then
       each split at least the batch's context tokens over `BALANCED_PROGRAMS_PER_SM` programs an SM (at most
       `MAX_BALANCED_SPLIT`), so a short context takes fewer splits than that (the rest do no reads).
-    block_n: tokens per inner iteration (a tuning knob; default by head dim, or `LARGE_BATCH_TILE`'s from
-      `LARGE_BATCH` requests), as are num_warps and num_stages (default 2, or the large batches' tile's).
+    block_n: tokens per inner iteration (a tuning knob; default by head dim), as are num_warps and num_stages.
     fresh: the new tokens' keys and values are not yet in the caches, and q_BHD, k and v are as the q/k/v
       projection gives them: q/k RMSNorm and RoPE run here (as `fused.qk_norm_rope`, whose arithmetic and
       roundings they follow), and the new keys and values are written into the caches at `fresh.slots_B` (padding
@@ -378,9 +375,7 @@ def paged_decode_attention(q_BHD: torch.Tensor, k_cache_SKD: torch.Tensor, v_cac
         max_len = block_table_BP.shape[1] * page_size
         num_kv_splits = choose_num_kv_splits(B, K, max_len, _num_sms(q_BHD.device))
         split_programs = BALANCED_PROGRAMS_PER_SM and max(1, BALANCED_PROGRAMS_PER_SM * _num_sms(q_BHD.device) // K)
-    if block_n is None and num_stages is None and 0 < LARGE_BATCH <= B:
-        block_n, num_stages = LARGE_BATCH_TILE
-    block_n, num_stages = block_n or (64 if D <= 64 else 32), num_stages or 2
+    block_n = block_n or (64 if D <= 64 else 32)
     group = H // K
 
     mid_o_BHND = torch.empty(B, H, num_kv_splits, D, dtype=torch.float32, device=q_BHD.device)
