@@ -21,7 +21,7 @@ from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request, Status
-from tandem.engine.scheduler import Chunk, Scheduler
+from tandem.engine.scheduler import EVICT_FRACTION, Chunk, Scheduler
 from tandem.types import SamplingParams
 
 
@@ -356,3 +356,23 @@ def test_an_export_whose_token_is_in_flight_is_not_retracted_for_another_request
             assert not chunks and pool.num_free == 0
         else:
             assert new.status is Status.WAITING and new.num_retractions == 1 and [c.req for c in chunks] == [old]
+
+
+def test_requests_growing_a_page_at_a_time_evict_a_share_of_the_pool_at_once():
+    """With the pool full of cached prefixes, decodes that take a page at a time make each eviction free at least
+    `EVICT_FRACTION` of the pool: every eviction walks the cache's whole tree, which they would otherwise do for
+    every page they take."""
+    sim = Sim(num_pages=2048, page_size=4, max_prefill_tokens=4096, max_running_requests=64)
+    sim.check_accounting = lambda: None  # (the other tests check it; over 2,048 cached pages every step it is slow)
+    for i in range(60):  # distinct prompts of 32 pages, cached once done
+        sim.add([10_000 * (i + 1) + j for j in range(128)], max_new_tokens=1)
+    sim.run_until_done(max_steps=200)
+    assert sim.pool.num_free <= 128, sim.pool.num_free
+    calls, evict = [], sim.cache.evict
+    sim.cache.evict = lambda n: calls.append(n) or evict(n)
+    for i in range(8):
+        sim.add([i], max_new_tokens=200)  # 51 pages each by the end, taken one at a time
+    sim.run_until_done(max_steps=1000)
+    batch = int(2048 * EVICT_FRACTION)
+    assert batch > 1 and calls and min(calls) >= batch, calls
+    assert len(calls) <= 8 * 51 // batch + 2, len(calls)  # (a page at a time: one call for each of ~280 pages)
