@@ -1,5 +1,5 @@
 """The host time a step's scheduling takes while the KV pool is full of cached prefixes, with eviction freeing at
-least `scheduler.EVICT_FRACTION` of the pool at a time against only the pages each allocation asks for: the same
+least `radix_cache.EVICT_FRACTION` of the pool at a time against only the pages each allocation asks for: the same
 requests in the same run, the scheduler and the radix cache over a bare page allocator (no model, no device).
 
     python benchmarks/schedule_cost.py [--pages 34907] [--page-size 16] [--cached 2500] [--prompt 512]
@@ -18,7 +18,7 @@ import random
 import time
 
 from tandem.config import EngineConfig
-from tandem.engine import scheduler as scheduler_module
+from tandem.engine import radix_cache
 from tandem.engine.kv_pool import PageAllocator
 from tandem.engine.radix_cache import RadixCache
 from tandem.engine.request import Request
@@ -33,7 +33,7 @@ class Pool(PageAllocator):
 
 def run(args, fraction: float) -> dict:
     """Fill the cache, then time the decode steps' schedules with `EVICT_FRACTION` = fraction."""
-    scheduler_module.EVICT_FRACTION = fraction
+    radix_cache.EVICT_FRACTION = fraction
     pool = Pool(args.pages, args.page_size)
     cache = RadixCache(pool)
     sched = Scheduler(pool, cache, EngineConfig(page_size=args.page_size, num_pages=args.pages,
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
     args = parser.parse_args()
-    default = scheduler_module.EVICT_FRACTION
+    default = radix_cache.EVICT_FRACTION
     rows = [("only the pages asked for (before)", run(args, 0.0)),
             (f"at least {default:.4f} of the pool", run(args, default))]
     print(f"## schedule cost with a full prefix cache ({args.pages:,} pages of {args.page_size}; {args.requests} "

@@ -19,9 +19,9 @@ from test_radix_cache import holds, kv_value, pinned_pages, tree_paths
 from tandem.config import PRESETS, EngineConfig
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool
-from tandem.engine.radix_cache import RadixCache
+from tandem.engine.radix_cache import EVICT_FRACTION, RadixCache
 from tandem.engine.request import Request, Status
-from tandem.engine.scheduler import EVICT_FRACTION, Chunk, Scheduler
+from tandem.engine.scheduler import Chunk, Scheduler
 from tandem.types import SamplingParams
 
 
@@ -376,3 +376,24 @@ def test_requests_growing_a_page_at_a_time_evict_a_share_of_the_pool_at_once():
     batch = int(2048 * EVICT_FRACTION)
     assert batch > 1 and calls and min(calls) >= batch, calls
     assert len(calls) <= 8 * 51 // batch + 2, len(calls)  # (a page at a time: one call for each of ~280 pages)
+
+
+def test_backups_into_a_full_host_tier_free_a_share_of_it_at_once():
+    """With the host tier full, inserts that back up a page or two each (write-through: a finished turn's new pages)
+    make each of the tier's evictions free at least `EVICT_FRACTION` of it: each walks the whole tree, which they
+    would otherwise do for every insert."""
+    sim = Sim(num_pages=4096, page_size=4, max_prefill_tokens=4096, max_running_requests=64, host_pages=2048)
+    sim.check_accounting = lambda: None  # (as above)
+    prompts = [[10_000 * (i + 1) + j for j in range(128)] for i in range(66)]  # distinct, of 32 pages
+    for p in prompts:  # cached (the device holds them all) and backed up: the tier fills
+        sim.add(p, max_new_tokens=1)
+    sim.run_until_done(max_steps=300)
+    assert sim.tier.num_free < 8, sim.tier.num_free
+    calls, evict_host = [], sim.cache.evict_host
+    sim.cache.evict_host = lambda n: calls.append(n) or evict_host(n)
+    for i, p in enumerate(prompts[-64:]):  # the next turns: each adds 2 pages to a cached history
+        sim.add(p + [5_000_000 + i] * 8, max_new_tokens=1)
+    sim.run_until_done(max_steps=300)
+    batch = int(2048 * EVICT_FRACTION)
+    assert batch > 2 and calls and min(calls) >= batch, calls
+    assert len(calls) <= 64 * 3 // batch + 4, len(calls)  # (an insert at a time: about 64 calls)

@@ -26,6 +26,11 @@ from tandem.distributed.parallel import cdiv
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool, PageAllocator
 
+# An eviction asked for fewer pages frees this share of its pool (the device's: the scheduler's allocations; the
+# host tier's: write-through backups): each walks the whole tree, and steps take pages (and back them up) a few at
+# a time (BENCHMARKS.md, "Schedule cost")
+EVICT_FRACTION = 1 / 256
+
 
 class Node:
     __slots__ = ("tokens", "pages", "host", "children", "by_first", "key", "parent", "last_access")
@@ -255,7 +260,7 @@ class RadixCache:
         tier = self.tier
         short = len(items) - tier.num_free
         if short > 0:
-            self.evict_host(short)
+            self.evict_host(max(short, int(tier.num_pages * EVICT_FRACTION)))
         items = items[:tier.num_free]
         if items:
             host = sorted(tier.alloc(len(items)))  # the tree's references; in order, for longer runs to copy

@@ -9,13 +9,12 @@ skipping the prefix the radix cache already holds.
 A cached prefix may be partly on the host tier: admission copies those pages back into fresh device pages
 (`RadixCache.load`) instead of recomputing them, and the next waiting requests have theirs prefetched while they
 wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict
-unreferenced cached pages, at least `EVICT_FRACTION` of the pool at a time (waiting for copies that still hold
-pages, if that frees enough); then, for a decode or
-for the oldest running request, retract the newest running request (drop its pages, requeue it at the front; it
-is recomputed later), passing over a prefill server's exports whose token is in flight (they end at the next step's
-result, their pages coming free once their decode server has taken them or its timeout passed; the request waits
-for that instead). So the oldest request always progresses, and admission-time validation guarantees that any one
-request fits in the pool: no deadlock.
+unreferenced cached pages, at least `radix_cache.EVICT_FRACTION` of the pool at a time (waiting for copies that
+still hold pages, if that frees enough); then, for a decode or for the oldest running request, retract the newest
+running request (drop its pages, requeue it at the front; it is recomputed later), passing over a prefill server's
+exports whose token is in flight (they end at the next step's result, their pages coming free once their decode
+server has taken them or its timeout passed; the request waits for that instead). So the oldest request always
+progresses, and admission-time validation guarantees that any one request fits in the pool: no deadlock.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.distributed.parallel import cdiv
+from tandem.engine import radix_cache
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.observers import IdealReuse
 from tandem.engine.radix_cache import Match, RadixCache, lcp
@@ -34,9 +34,6 @@ from tandem.types import FinishReason
 
 PENDING = -1  # a sampled token whose value is still on the device (see model_runner)
 PREFETCH_AHEAD = 4  # waiting requests (from the front) whose host pages a step may start prefetching
-# An eviction frees at least this share of the pool: each walks the cache's tree, and decode steps take pages
-# a few at a time, so freeing only what each asks for walks the whole tree for every page a step takes
-EVICT_FRACTION = 1 / 256
 
 
 @dataclass(slots=True)
@@ -218,7 +215,7 @@ class Scheduler:
         # (no eviction while no page has been released since one that freed nothing: it would free nothing again,
         # and a waiting request that does not fit would walk the whole cache every step for it)
         if short > 0 and self.cache is not None and self._fruitless_at != self.pool.releases \
-                and self.cache.evict(max(short, int(self.pool.num_pages * EVICT_FRACTION))) == 0:
+                and self.cache.evict(max(short, int(self.pool.num_pages * radix_cache.EVICT_FRACTION))) == 0:
             self._fruitless_at = self.pool.releases
         if self.pool.num_free - reserve < n:
             return None
