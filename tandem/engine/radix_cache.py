@@ -26,10 +26,15 @@ from tandem.distributed.parallel import cdiv
 from tandem.engine.host_tier import HostTier
 from tandem.engine.kv_pool import KVPool, PageAllocator
 
-# An eviction asked for fewer pages frees this share of its pool (the device's: the scheduler's allocations; the
-# host tier's: write-through backups): each walks the whole tree, and steps take pages (and back them up) a few at
-# a time (BENCHMARKS.md, "Schedule cost")
+# An eviction asked for fewer pages frees this share of its pool (`eviction_size`): each walks the whole tree, and
+# steps take pages (and back them up) a few at a time (BENCHMARKS.md, "Schedule cost")
 EVICT_FRACTION = 1 / 256
+
+
+def eviction_size(short: int, pool: PageAllocator) -> int:
+    """How many pages to evict from `pool` (the device's, or the host tier's) when it is `short` of free ones: at
+    least `EVICT_FRACTION` of it, so that one walk of the tree serves many allocations or backups."""
+    return max(short, int(pool.num_pages * EVICT_FRACTION))
 
 
 class Node:
@@ -260,7 +265,7 @@ class RadixCache:
         tier = self.tier
         short = len(items) - tier.num_free
         if short > 0:
-            self.evict_host(max(short, int(tier.num_pages * EVICT_FRACTION)))
+            self.evict_host(eviction_size(short, tier))
         items = items[:tier.num_free]
         if items:
             host = sorted(tier.alloc(len(items)))  # the tree's references; in order, for longer runs to copy

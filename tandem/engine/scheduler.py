@@ -9,7 +9,7 @@ skipping the prefix the radix cache already holds.
 A cached prefix may be partly on the host tier: admission copies those pages back into fresh device pages
 (`RadixCache.load`) instead of recomputing them, and the next waiting requests have theirs prefetched while they
 wait (`HostTier.prefetch`), so that the copy has crossed the bus by their admission. When pages run out: evict
-unreferenced cached pages, at least `radix_cache.EVICT_FRACTION` of the pool at a time (waiting for copies that
+unreferenced cached pages, at least a share of the pool at a time (`radix_cache.eviction_size`; waiting for copies that
 still hold pages, if that frees enough); then, for a decode or for the oldest running request, retract the newest
 running request (drop its pages, requeue it at the front; it is recomputed later), passing over a prefill server's
 exports whose token is in flight (they end at the next step's result, their pages coming free once their decode
@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 from tandem.config import EngineConfig
 from tandem.distributed.parallel import cdiv
-from tandem.engine import radix_cache
 from tandem.engine.kv_pool import KVPool
 from tandem.engine.observers import IdealReuse
-from tandem.engine.radix_cache import Match, RadixCache, lcp
+from tandem.engine.radix_cache import Match, RadixCache, eviction_size, lcp
 from tandem.engine.request import Request, Status
 from tandem.types import FinishReason
 
@@ -215,7 +214,7 @@ class Scheduler:
         # (no eviction while no page has been released since one that freed nothing: it would free nothing again,
         # and a waiting request that does not fit would walk the whole cache every step for it)
         if short > 0 and self.cache is not None and self._fruitless_at != self.pool.releases \
-                and self.cache.evict(max(short, int(self.pool.num_pages * radix_cache.EVICT_FRACTION))) == 0:
+                and self.cache.evict(eviction_size(short, self.pool)) == 0:
             self._fruitless_at = self.pool.releases
         if self.pool.num_free - reserve < n:
             return None
